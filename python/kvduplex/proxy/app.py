@@ -1,0 +1,758 @@
+"""The OpenAI-compatible P/D proxy: prefill on P, decode on D, and per conversation remember D's
+`kv_transfer_params` so the next turn's prefill pulls the history's KV back from D."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
+from .config import ProxyConfig
+from .metrics import ProxyMetrics
+from .store import ConversationKey, ConversationStore, Lookup, create_store
+
+logger = logging.getLogger(__name__)
+
+CONVERSATION_HEADER = "x-conversation-id"
+CONVERSATION_FIELD = "conversation_id"
+# Request fields that make no sense for the one-token prefill step (vLLM rejects stream_options
+# without stream and min_tokens above max_tokens; extra choices would only waste P's compute).
+_PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "n", "best_of")
+# Longest SSE line the stream relay parses for kv_transfer_params; longer lines pass unparsed.
+_MAX_SCANNED_LINE_BYTES = 4 << 20
+
+
+class ProxyError(Exception):
+    """Ends a request with an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, *, error_type: str, kind: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.kind = kind
+
+
+class UpstreamErrorResponse(Exception):
+    """An upstream answered with an error status; relayed to the caller in OpenAI's shape."""
+
+    def __init__(self, status: int, body: bytes, upstream: Upstream):
+        super().__init__(f"{upstream.role} {upstream.address} answered HTTP {status}")
+        self.status = status
+        self.body = body
+        self.upstream = upstream
+
+
+class ResponseTooLarge(Exception):
+    pass
+
+
+def openai_error(status: int, message: str, error_type: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+
+
+def _bad_request(message: str) -> ProxyError:
+    return ProxyError(400, message, error_type="invalid_request_error", kind="bad_request")
+
+
+def _digest(label: str, value: str) -> str:
+    return hashlib.sha256(f"{label}\0{value}".encode()).hexdigest()[:32]
+
+
+async def _read_limited(response: httpx.Response, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLarge(f"response exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _describe(exc: Exception) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class SseParamsScanner:
+    """Passes an SSE byte stream through line by line, lifting `kv_transfer_params` out of the
+    data events that carry one (the last non-null one is kept in `params`)."""
+
+    def __init__(self, max_line_bytes: int = _MAX_SCANNED_LINE_BYTES):
+        self.params: dict[str, Any] | None = None
+        self._max_line_bytes = max_line_bytes
+        self._partial = b""
+        self._skipping_long_line = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        out = [self._line(line + b"\n") for line in lines]
+        if len(self._partial) > self._max_line_bytes:
+            out.append(self._partial)
+            self._partial = b""
+            self._skipping_long_line = True
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        rest, self._partial = self._partial, b""
+        return self._line(rest) if rest else b""
+
+    def discard_partial(self) -> None:
+        self._partial = b""
+
+    def _line(self, line: bytes) -> bytes:
+        if self._skipping_long_line:
+            self._skipping_long_line = False
+            return line
+        if not line.startswith(b"data:") or b'"kv_transfer_params"' not in line:
+            return line
+        body = line[5:].strip()
+        try:
+            event = json.loads(body)
+        except ValueError:
+            return line
+        if not isinstance(event, dict) or "kv_transfer_params" not in event:
+            return line
+        params = event.pop("kv_transfer_params")
+        if isinstance(params, dict):
+            self.params = params
+        ending = b"\r\n" if line.endswith(b"\r\n") else b"\n"
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + ending
+
+
+def _prefill_body(body: dict[str, Any], pull_params: dict[str, Any] | None) -> dict[str, Any]:
+    """P computes the prompt's KV and keeps it for D. With D's params from the previous turn it
+    first pulls the history's KV from D (the connector checks the blocks' token fingerprints)."""
+    prefill = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED_FIELDS}
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["stream"] = False
+    if pull_params is None:
+        params: dict[str, Any] = {
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+    else:
+        params = dict(pull_params)
+    params["do_remote_decode"] = True
+    params["do_remote_prefill"] = False
+    prefill["kv_transfer_params"] = params
+    return prefill
+
+
+class DuplexProxy:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        metrics: ProxyMetrics,
+        store: ConversationStore,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.metrics = metrics
+        self.store = store
+        backoff = {
+            "backoff_initial_s": config.backoff_initial_s,
+            "backoff_max_s": config.backoff_max_s,
+            "clock": clock,
+        }
+        self.prefill = UpstreamPool("prefill", config.prefill, metrics, **backoff)
+        self.decode = UpstreamPool("decode", config.decode, metrics, **backoff)
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(
+                max_connections=config.max_upstream_connections,
+                max_keepalive_connections=config.max_keepalive_connections,
+            ),
+            timeout=httpx.Timeout(
+                connect=config.connect_timeout_s,
+                read=config.read_timeout_s,
+                write=config.read_timeout_s,
+                pool=config.pool_timeout_s,
+            ),
+            # Upstreams are addressed directly; HTTP(S)_PROXY variables must not reroute them.
+            trust_env=False,
+        )
+        self._warned_no_prefill_params: set[str] = set()
+
+    @property
+    def pools(self) -> list[UpstreamPool]:
+        return [self.prefill, self.decode]
+
+    async def check_health(self) -> None:
+        """Probe every upstream that is in rotation or due for a retry, once."""
+        await probe_all(self.pools, self.client, self.config.health_timeout_s)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # ---- request parsing -------------------------------------------------------------------
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        too_large = ProxyError(
+            413,
+            f"request body exceeds {limit} bytes",
+            error_type="invalid_request_error",
+            kind="bad_request",
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _bad_request(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise _bad_request("request body must be a JSON object")
+        return body
+
+    def _conversation_id(self, request: Request, body: dict[str, Any]) -> str | None:
+        from_header = request.headers.get(CONVERSATION_HEADER)
+        from_body = body.pop(CONVERSATION_FIELD, None)
+        if from_body is not None and not isinstance(from_body, str):
+            raise _bad_request(f"'{CONVERSATION_FIELD}' must be a string")
+        if from_header is not None and from_body is not None and from_header != from_body:
+            raise _bad_request(
+                f"the {CONVERSATION_HEADER} header and the '{CONVERSATION_FIELD}' field differ"
+            )
+        conversation = from_header if from_header is not None else from_body
+        if conversation is None:
+            return None
+        if not conversation or len(conversation) > self.config.max_conversation_id_length:
+            raise _bad_request(
+                "conversation id must have 1 to "
+                f"{self.config.max_conversation_id_length} characters"
+            )
+        return conversation
+
+    def _tenant(self, request: Request) -> str:
+        """Who the caller is: the configured tenant header if present, else the bearer API key.
+        Only digests are kept; callers without either share one anonymous namespace."""
+        if self.config.tenant_header:
+            value = request.headers.get(self.config.tenant_header)
+            if value:
+                return _digest("tenant", value)
+        authorization = request.headers.get("authorization")
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            credential = token.strip() if scheme.lower() == "bearer" else authorization
+            return _digest("api-key", credential)
+        return "anonymous"
+
+    # ---- the P/D flow ----------------------------------------------------------------------
+
+    async def generate(self, request: Request, route: str) -> Response:
+        body = await self._read_json(request)
+        if "kv_transfer_params" in body:
+            raise _bad_request("'kv_transfer_params' is set by the proxy, not by callers")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad_request("'stream' must be a boolean")
+        conversation = self._conversation_id(request, body)
+        key = (
+            ConversationKey(self._tenant(request), _digest("conversation", conversation))
+            if conversation is not None
+            else None
+        )
+        lookup, pinned, pull_params = await self.recall(key)
+        forward_headers = {}
+        if "authorization" in request.headers:
+            forward_headers["authorization"] = request.headers["authorization"]
+
+        prefill_upstream, decode_params = await self._prefill(
+            route, _prefill_body(body, pull_params), forward_headers
+        )
+        decode_body = dict(body)
+        if decode_params is not None:
+            decode_body["kv_transfer_params"] = decode_params
+        routing = {"prefill": prefill_upstream.address, "conversation": lookup}
+        if stream:
+            return await self._decode_stream(
+                route, decode_body, forward_headers, pinned, key, routing
+            )
+        return await self._decode_json(route, decode_body, forward_headers, pinned, key, routing)
+
+    async def recall(
+        self, key: ConversationKey | None
+    ) -> tuple[str, Upstream | None, dict[str, Any] | None]:
+        """Take the conversation's entry: (lookup result, D holding its blocks, D's params)."""
+        if key is None:
+            return "none", None, None
+        try:
+            lookup, entry = await self.store.take(key)
+        except Exception as exc:  # a store outage must not fail the request: it recomputes
+            logger.warning("conversation store unavailable, turn recomputes: %s", _describe(exc))
+            self.metrics.errors.labels("store").inc()
+            lookup, entry = Lookup.MISS, None
+        result = lookup.value
+        pinned = None
+        params = None
+        if entry is not None:
+            holder = self.decode.get(entry.decode)
+            if holder is not None and self.decode.is_available(holder):
+                pinned, params = holder, entry.params
+            else:
+                result = "decode_unavailable"
+        self.metrics.conversation_lookups.labels(result).inc()
+        return result, pinned, params
+
+    async def remember(self, key: ConversationKey | None, upstream: Upstream, params: Any) -> None:
+        """Keep D's params for the next turn when D holds the blocks for a readback."""
+        if key is None or not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return
+        try:
+            result = await self.store.put(key, upstream.address, params)
+        except Exception as exc:  # a store outage must not fail the request
+            logger.warning("conversation store unavailable, not remembering: %s", _describe(exc))
+            self.metrics.errors.labels("store").inc()
+            return
+        if result.stored:
+            self.metrics.conversations_stored.inc()
+        if result.evicted:
+            self.metrics.conversation_evictions.inc(result.evicted)
+
+    def _no_upstream(self, role: str) -> ProxyError:
+        return ProxyError(
+            503, f"no {role} server available", error_type="service_unavailable", kind="no_upstream"
+        )
+
+    def _pool_exhausted(self) -> ProxyError:
+        return ProxyError(
+            503,
+            "too many requests in flight to the upstream servers",
+            error_type="service_unavailable",
+            kind="no_upstream",
+        )
+
+    async def _prefill(
+        self, route: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[Upstream, dict[str, Any] | None]:
+        tried: set[str] = set()
+        while True:
+            upstream = self.prefill.pick(frozenset(tried))
+            if upstream is None:
+                raise self._no_upstream("prefill")
+            tried.add(upstream.address)
+            started = time.perf_counter()
+            with self.prefill.track(upstream):
+                try:
+                    async with self.client.stream(
+                        "POST", upstream.base_url + route, json=body, headers=headers
+                    ) as response:
+                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
+                except httpx.PoolTimeout:
+                    raise self._pool_exhausted() from None
+                except httpx.TransportError as exc:
+                    self.prefill.mark_failed(upstream, _describe(exc))
+                    continue
+                except ResponseTooLarge as exc:
+                    raise ProxyError(
+                        502,
+                        f"prefill server {upstream.address}: {exc}",
+                        error_type="upstream_error",
+                        kind="upstream_status",
+                    ) from None
+            self.prefill.mark_ok(upstream)
+            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+            if response.status_code != 200:
+                raise UpstreamErrorResponse(response.status_code, raw, upstream)
+            try:
+                params = json.loads(raw).get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                raise ProxyError(
+                    502,
+                    f"prefill server {upstream.address} answered with malformed JSON",
+                    error_type="upstream_error",
+                    kind="upstream_status",
+                ) from None
+            if not isinstance(params, dict):
+                if upstream.address not in self._warned_no_prefill_params:
+                    self._warned_no_prefill_params.add(upstream.address)
+                    logger.warning(
+                        "prefill server %s returned no kv_transfer_params (is it running with a "
+                        "KV connector?); decode servers will recompute the prompt",
+                        upstream.address,
+                    )
+                params = None
+            return upstream, params
+
+    def _pick_decode(self, pinned: Upstream | None, tried: set[str]) -> Upstream | None:
+        if pinned is not None and pinned.address not in tried:
+            return pinned
+        return self.decode.pick(frozenset(tried))
+
+    def _routing_headers(self, routing: dict[str, str], decode: Upstream) -> dict[str, str]:
+        if not self.config.routing_headers:
+            return {}
+        return {
+            "x-kvduplex-prefill": routing["prefill"],
+            "x-kvduplex-decode": decode.address,
+            "x-kvduplex-conversation": routing["conversation"],
+        }
+
+    async def _decode_json(
+        self,
+        route: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        pinned: Upstream | None,
+        key: ConversationKey | None,
+        routing: dict[str, str],
+    ) -> Response:
+        tried: set[str] = set()
+        while True:
+            upstream = self._pick_decode(pinned, tried)
+            if upstream is None:
+                raise self._no_upstream("decode")
+            tried.add(upstream.address)
+            started = time.perf_counter()
+            with self.decode.track(upstream):
+                try:
+                    async with self.client.stream(
+                        "POST", upstream.base_url + route, json=body, headers=headers
+                    ) as response:
+                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
+                except httpx.PoolTimeout:
+                    raise self._pool_exhausted() from None
+                except httpx.TransportError as exc:
+                    self.decode.mark_failed(upstream, _describe(exc))
+                    continue
+                except ResponseTooLarge as exc:
+                    raise ProxyError(
+                        502,
+                        f"decode server {upstream.address}: {exc}",
+                        error_type="upstream_error",
+                        kind="upstream_status",
+                    ) from None
+            self.decode.mark_ok(upstream)
+            self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - started)
+            if response.status_code != 200:
+                raise UpstreamErrorResponse(response.status_code, raw, upstream)
+            try:
+                result = json.loads(raw)
+            except ValueError:
+                raise ProxyError(
+                    502,
+                    f"decode server {upstream.address} answered with malformed JSON",
+                    error_type="upstream_error",
+                    kind="upstream_status",
+                ) from None
+            if isinstance(result, dict) and "kv_transfer_params" in result:
+                await self.remember(key, upstream, result.pop("kv_transfer_params"))
+                # D's block ids and address stay inside the deployment.
+                raw = json.dumps(result, ensure_ascii=False).encode()
+            return Response(
+                raw,
+                media_type="application/json",
+                headers=self._routing_headers(routing, upstream),
+            )
+
+    async def _decode_stream(
+        self,
+        route: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        pinned: Upstream | None,
+        key: ConversationKey | None,
+        routing: dict[str, str],
+    ) -> Response:
+        tried: set[str] = set()
+        while True:
+            upstream = self._pick_decode(pinned, tried)
+            if upstream is None:
+                raise self._no_upstream("decode")
+            tried.add(upstream.address)
+            with contextlib.ExitStack() as outstanding:
+                outstanding.enter_context(self.decode.track(upstream))
+                started = time.perf_counter()
+                request = self.client.build_request(
+                    "POST", upstream.base_url + route, json=body, headers=headers
+                )
+                try:
+                    response = await self.client.send(request, stream=True)
+                except httpx.PoolTimeout:
+                    raise self._pool_exhausted() from None
+                except httpx.TransportError as exc:
+                    self.decode.mark_failed(upstream, _describe(exc))
+                    continue
+                self.decode.mark_ok(upstream)
+                if response.status_code != 200:
+                    try:
+                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
+                    except (httpx.TransportError, ResponseTooLarge):
+                        raw = b""
+                    finally:
+                        await response.aclose()
+                    raise UpstreamErrorResponse(response.status_code, raw, upstream)
+                relay = _StreamRelay(self, response, upstream, outstanding.pop_all(), key, started)
+            return _RelayResponse(
+                relay,
+                media_type=response.headers.get("content-type", "text/event-stream"),
+                headers=self._routing_headers(routing, upstream),
+            )
+
+    # ---- other routes ----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        headers = {}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        for pool in (self.decode, self.prefill):
+            tried: set[str] = set()
+            while (upstream := pool.pick(frozenset(tried))) is not None:
+                tried.add(upstream.address)
+                try:
+                    async with self.client.stream(
+                        "GET", upstream.base_url + "/v1/models", headers=headers
+                    ) as response:
+                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
+                except httpx.PoolTimeout:
+                    raise self._pool_exhausted() from None
+                except (httpx.TransportError, ResponseTooLarge) as exc:
+                    pool.mark_failed(upstream, _describe(exc))
+                    continue
+                pool.mark_ok(upstream)
+                if response.status_code != 200:
+                    raise UpstreamErrorResponse(response.status_code, raw, upstream)
+                return Response(raw, media_type="application/json")
+        raise self._no_upstream("upstream")
+
+    def health(self) -> Response:
+        ready = self.prefill.any_healthy() and self.decode.any_healthy()
+        body = {
+            "status": "ok" if ready else "unavailable",
+            **{
+                pool.role: [
+                    {"address": u.address, "healthy": u.healthy, "outstanding": u.outstanding}
+                    for u in pool.upstreams
+                ]
+                for pool in self.pools
+            },
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    def error_response(self, exc: ProxyError | UpstreamErrorResponse) -> JSONResponse:
+        if isinstance(exc, ProxyError):
+            self.metrics.errors.labels(exc.kind).inc()
+            return JSONResponse(
+                openai_error(exc.status, exc.message, exc.error_type), status_code=exc.status
+            )
+        self.metrics.errors.labels("upstream_status").inc()
+        try:
+            body = json.loads(exc.body)
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return JSONResponse(body, status_code=exc.status)
+        detail = body.get("detail") if isinstance(body, dict) else None
+        text = str(detail) if detail is not None else exc.body[:500].decode(errors="replace")
+        message = f"{exc.upstream.role} server {exc.upstream.address} answered HTTP {exc.status}"
+        if text:
+            message += f": {text}"
+        error_type = "invalid_request_error" if 400 <= exc.status < 500 else "upstream_error"
+        return JSONResponse(openai_error(exc.status, message, error_type), status_code=exc.status)
+
+
+class _StreamRelay:
+    """Relays D's SSE stream to the caller and, once it completed, remembers D's params. Owns the
+    upstream response and the outstanding-request count until `close`."""
+
+    def __init__(
+        self,
+        proxy: DuplexProxy,
+        response: httpx.Response,
+        upstream: Upstream,
+        outstanding: contextlib.ExitStack,
+        key: ConversationKey | None,
+        started: float,
+    ):
+        self._proxy = proxy
+        self._response = response
+        self._upstream = upstream
+        self._outstanding = outstanding
+        self._key = key
+        self._started = started
+        self._closed = False
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                await self._response.aclose()
+            finally:
+                self._outstanding.close()
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        proxy, upstream = self._proxy, self._upstream
+        scanner = SseParamsScanner()
+        completed = False
+        try:
+            first = True
+            async for chunk in self._response.aiter_bytes():
+                if first:
+                    first = False
+                    proxy.metrics.decode_first_byte_seconds.observe(
+                        time.perf_counter() - self._started
+                    )
+                out = scanner.feed(chunk)
+                if out:
+                    yield out
+            tail = scanner.finish()
+            if tail:
+                yield tail
+            completed = True
+        except httpx.TransportError as exc:
+            proxy.decode.mark_failed(upstream, _describe(exc))
+            proxy.metrics.errors.labels("stream_aborted").inc()
+            scanner.discard_partial()
+            error = openai_error(
+                502,
+                f"decode server {upstream.address} failed mid-stream: {_describe(exc)}",
+                "upstream_error",
+            )
+            yield b"\n\ndata: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+        finally:
+            await self.close()
+        if completed:
+            # Stored before the stream ends, so a caller's next turn always finds the entry.
+            await proxy.remember(self._key, upstream, scanner.params)
+
+
+class _RelayResponse(StreamingResponse):
+    """A streaming response that releases its relay even when the body is never iterated (the
+    caller disconnected before the first chunk)."""
+
+    def __init__(self, relay: _StreamRelay, **kwargs: Any):
+        super().__init__(relay.stream(), **kwargs)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.close()
+
+
+def create_app(
+    config: ProxyConfig,
+    *,
+    store: ConversationStore | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """The proxy as an ASGI app. `store` overrides the one `config.store` names (the caller then
+    owns it); `clock` drives upstream backoff."""
+    metrics = ProxyMetrics()
+    owns_store = store is None
+    if store is None:
+        store = create_store(
+            config.store,
+            ttl_s=config.conversation_ttl_s,
+            max_entries=config.max_conversations,
+            max_entry_bytes=config.max_entry_bytes,
+            max_total_bytes=config.max_store_bytes,
+        )
+    proxy = DuplexProxy(config, metrics, store, clock=clock)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        checks = None
+        if config.health_interval_s > 0:
+            checks = asyncio.create_task(
+                run_health_checks(
+                    proxy.pools, proxy.client, config.health_interval_s, config.health_timeout_s
+                )
+            )
+        try:
+            yield
+        finally:
+            if checks is not None:
+                checks.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checks
+            await proxy.aclose()
+            if owns_store:
+                await store.close()
+
+    app = FastAPI(
+        title="kvduplex proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.proxy = proxy
+
+    def counted(route: str, response: Response) -> Response:
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    async def run(route: str, handler: Callable[[], Any]) -> Response:
+        try:
+            response = await handler()
+        except (ProxyError, UpstreamErrorResponse) as exc:
+            response = proxy.error_response(exc)
+        return counted(route, response)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run("/v1/completions", lambda: proxy.generate(request, "/v1/completions"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(
+            "/v1/chat/completions", lambda: proxy.generate(request, "/v1/chat/completions")
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await run("/v1/models", lambda: proxy.models(request))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return counted("/health", proxy.health())
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            message = f"unknown route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        metrics.errors.labels("bad_request").inc()
+        return counted(
+            "unknown" if exc.status_code == 404 else request.url.path,
+            JSONResponse(
+                openai_error(exc.status_code, message, "invalid_request_error"),
+                status_code=exc.status_code,
+                headers=getattr(exc, "headers", None),
+            ),
+        )
+
+    return app

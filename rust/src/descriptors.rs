@@ -1,0 +1,413 @@
+//! Turns "copy remote block `r` into local block `l`" requests into the fewest one-sided reads.
+//!
+//! Every read posted to UCX costs a work request and a completion, so a batch of blocks is
+//! planned as a list of [`Descriptor`]s in which byte ranges that are contiguous on *both*
+//! sides are merged. vLLM hands out block ids in ascending runs, so a typical request of `n`
+//! blocks collapses to about one read per run per segment.
+//!
+//! Ids arrive as `i64` from Python/JSON and name memory on a machine we do not control, so
+//! every id is range-checked against its own layout before any address is formed: a bad id
+//! must become an error, never a read of (or into) foreign memory.
+//!
+//! # Block-size ratio
+//!
+//! Engines may use different block sizes (e.g. a prefill engine with 32-token blocks feeding
+//! a decode engine with 16-token blocks). Blocks are token-major, so a block `k` times larger
+//! is exactly `k` smaller blocks laid end to end. Planning therefore works on *units* of the
+//! smaller `block_len`: unit `u` is sub-block `u % k` of the `u / k`-th id on the larger
+//! side, and the `u`-th id on the smaller side. For a remote side `k` times larger this
+//! means `local_ids.len() == k * remote_ids.len()` and `local_ids[k*i + j]` receives bytes
+//! `[j*local.block_len, (j+1)*local.block_len)` of remote block `remote_ids[i]`; a larger
+//! local side is the mirror image. Block sizes that are not whole multiples of each other
+//! are rejected rather than split, since no block boundary would line up.
+//!
+//! # Output order
+//!
+//! The plan is segment-major and, within a segment, follows the id lists: the pairing of
+//! ids is the caller's decision, so ids are never reordered, only adjacent pairs merged.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Where one engine's KV blocks live. A *segment* is one layer's KV tensor (or a layer's K or V
+/// tensor when they are separate); block `b` of segment `s` occupies
+/// `[segment_bases[s] + b*block_stride, +block_len)`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockLayout {
+    pub segment_bases: Vec<u64>,
+    /// Bytes from block `b` to block `b+1`.
+    pub block_stride: u64,
+    /// Bytes of one block that are transferred (`<= block_stride`); the rest of the stride is
+    /// padding that is never read or written.
+    pub block_len: u64,
+    pub num_blocks: u64,
+}
+
+/// One one-sided read: `len` bytes from the peer's `remote_addr` into our `local_addr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    pub local_addr: u64,
+    pub remote_addr: u64,
+    pub len: u64,
+}
+
+/// A registered memory region `[addr, addr+len)`; a read must stay inside a single region
+/// because each region has its own remote key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionBounds {
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// Which engine an id or layout belongs to, so that errors say whose data was wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Local,
+    Remote,
+}
+
+impl Side {
+    fn owner(self) -> &'static str {
+        match self {
+            Side::Local => "this engine",
+            Side::Remote => "peer",
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// A layout that cannot describe real memory. Kept apart from [`PlanError`] so the same
+/// reason can be reported with or without knowing which engine the layout came from.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("block_len is 0")]
+    ZeroBlockLen,
+    #[error("block_len {block_len} exceeds block_stride {block_stride}, so blocks would overlap")]
+    BlockLenExceedsStride { block_len: u64, block_stride: u64 },
+    #[error(
+        "layout overflows u64: segment {segment} at {base:#x} holds {num_blocks} blocks of stride {block_stride}"
+    )]
+    Overflow {
+        segment: usize,
+        base: u64,
+        num_blocks: u64,
+        block_stride: u64,
+    },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PlanError {
+    /// From [`BlockLayout::validate_within`], whose caller knows whose layout it checked.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// From [`plan_reads`], which names the engine whose layout is malformed.
+    #[error("{side} layout: {reason}")]
+    SideLayout { side: Side, reason: LayoutError },
+    #[error("segment count differs: local {local}, remote {remote}")]
+    SegmentCountMismatch { local: usize, remote: usize },
+    #[error(
+        "block sizes are not whole multiples of each other: local block_len {local}, remote block_len {remote}"
+    )]
+    UnsupportedBlockRatio { local: u64, remote: u64 },
+    #[error(
+        "block id lists differ in length: {local} local ids, {remote} remote ids \
+         (block_len local {local_block_len}, remote {remote_block_len})"
+    )]
+    IdCountMismatch {
+        local: usize,
+        remote: usize,
+        local_block_len: u64,
+        remote_block_len: u64,
+    },
+    #[error("negative {side} block id {id}")]
+    NegativeBlockId { side: Side, id: i64 },
+    #[error("{side} block id {id} out of range ({owner} has {num_blocks} blocks)", owner = .side.owner())]
+    BlockIdOutOfRange {
+        side: Side,
+        id: i64,
+        num_blocks: u64,
+    },
+    #[error(
+        "segment {segment} block {block} at {addr:#x}+{len} is outside the registered regions"
+    )]
+    BlockOutsideRegions {
+        segment: usize,
+        block: u64,
+        addr: u64,
+        len: u64,
+    },
+    #[error("range {addr:#x}+{len} is outside the peer's registered regions")]
+    RemoteRangeOutsideRegions { addr: u64, len: u64 },
+}
+
+impl BlockLayout {
+    /// Checks that the layout describes non-overlapping blocks whose every address fits in a
+    /// `u64`; once this holds, address arithmetic on in-range ids cannot overflow.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        if self.block_len == 0 {
+            return Err(LayoutError::ZeroBlockLen);
+        }
+        if self.block_len > self.block_stride {
+            return Err(LayoutError::BlockLenExceedsStride {
+                block_len: self.block_len,
+                block_stride: self.block_stride,
+            });
+        }
+        let Some(span) = self.span() else {
+            return Ok(());
+        };
+        for (segment, &base) in self.segment_bases.iter().enumerate() {
+            if u128::from(base) + span > u128::from(u64::MAX) {
+                return Err(LayoutError::Overflow {
+                    segment,
+                    base,
+                    num_blocks: self.num_blocks,
+                    block_stride: self.block_stride,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that every block of every segment lies inside one of `regions` (and no u64 overflow).
+    ///
+    /// A whole segment usually sits in one region, which is checked first; only when it does
+    /// not are blocks checked one by one, because a segment may legitimately span several
+    /// registrations as long as no single block straddles two of them.
+    pub fn validate_within(&self, regions: &[RegionBounds]) -> Result<(), PlanError> {
+        self.validate()?;
+        let Some(span) = self.span() else {
+            return Ok(());
+        };
+        let index = RegionIndex::new(regions);
+        for (segment, &base) in self.segment_bases.iter().enumerate() {
+            if index.find(base, span).is_some() {
+                continue;
+            }
+            for block in 0..self.num_blocks {
+                let addr = base + block * self.block_stride;
+                if index.find(addr, self.block_len.into()).is_none() {
+                    return Err(PlanError::BlockOutsideRegions {
+                        segment,
+                        block,
+                        addr,
+                        len: self.block_len,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes from a segment's base to the end of its last block; `None` without blocks.
+    fn span(&self) -> Option<u128> {
+        let last = self.num_blocks.checked_sub(1)?;
+        Some(u128::from(last) * u128::from(self.block_stride) + u128::from(self.block_len))
+    }
+
+    /// Byte offset of block `id` from its segment's base, once `id` is known to exist.
+    fn block_offset(&self, id: i64, side: Side) -> Result<u64, PlanError> {
+        let block = u64::try_from(id).map_err(|_| PlanError::NegativeBlockId { side, id })?;
+        if block >= self.num_blocks {
+            return Err(PlanError::BlockIdOutOfRange {
+                side,
+                id,
+                num_blocks: self.num_blocks,
+            });
+        }
+        Ok(block * self.block_stride)
+    }
+}
+
+/// Plans the reads that copy remote blocks `remote_ids[i]` into local blocks `local_ids[i]`.
+///
+/// See the [module docs](self) for how differing block sizes pair ids up.
+///
+/// Every segment shares the same block pattern, so the id lists are turned into merged runs
+/// of segment-relative offsets once, and each segment then only adds its bases: the cost per
+/// segment is a copy of the runs, not a pass over the ids.
+///
+/// A read may continue from one segment into the next when the two touch in memory on both
+/// sides. Such a read needs a single region covering both segments; a peer that registers
+/// touching segments separately gets a plan that [`check_remote_bounds`] rejects.
+pub fn plan_reads(
+    local: &BlockLayout,
+    remote: &BlockLayout,
+    local_ids: &[i64],
+    remote_ids: &[i64],
+) -> Result<Vec<Descriptor>, PlanError> {
+    if local.segment_bases.len() != remote.segment_bases.len() {
+        return Err(PlanError::SegmentCountMismatch {
+            local: local.segment_bases.len(),
+            remote: remote.segment_bases.len(),
+        });
+    }
+    local.validate().map_err(|reason| PlanError::SideLayout {
+        side: Side::Local,
+        reason,
+    })?;
+    remote.validate().map_err(|reason| PlanError::SideLayout {
+        side: Side::Remote,
+        reason,
+    })?;
+
+    let unit = local.block_len.min(remote.block_len);
+    if local.block_len % unit != 0 || remote.block_len % unit != 0 {
+        return Err(PlanError::UnsupportedBlockRatio {
+            local: local.block_len,
+            remote: remote.block_len,
+        });
+    }
+    // Units per block on each side; at least one of the two is 1.
+    let (local_k, remote_k) = (local.block_len / unit, remote.block_len / unit);
+    let local_units = local_ids.len() as u128 * u128::from(local_k);
+    if local_units != remote_ids.len() as u128 * u128::from(remote_k) {
+        return Err(PlanError::IdCountMismatch {
+            local: local_ids.len(),
+            remote: remote_ids.len(),
+            local_block_len: local.block_len,
+            remote_block_len: remote.block_len,
+        });
+    }
+    // Equals the longer list's length, so it fits in usize; and whenever there are units,
+    // each side's units per block are at most that length, so they fit too.
+    let units = local_ids.len().max(remote_ids.len());
+    let local_k = usize::try_from(local_k).unwrap_or(usize::MAX);
+    let remote_k = usize::try_from(remote_k).unwrap_or(usize::MAX);
+
+    let mut runs = Vec::with_capacity(units);
+    for u in 0..units {
+        let (local_idx, local_sub) = split_unit(u, local_k, unit);
+        let (remote_idx, remote_sub) = split_unit(u, remote_k, unit);
+        push_merged(
+            &mut runs,
+            Descriptor {
+                local_addr: local.block_offset(local_ids[local_idx], Side::Local)? + local_sub,
+                remote_addr: remote.block_offset(remote_ids[remote_idx], Side::Remote)?
+                    + remote_sub,
+                len: unit,
+            },
+        );
+    }
+
+    let mut plan = Vec::with_capacity(runs.len() * local.segment_bases.len());
+    for (&local_base, &remote_base) in local.segment_bases.iter().zip(&remote.segment_bases) {
+        let mut segment = runs.iter().map(|run| Descriptor {
+            local_addr: local_base + run.local_addr,
+            remote_addr: remote_base + run.remote_addr,
+            len: run.len,
+        });
+        // Runs are already maximal within a segment, so only a segment's first run can
+        // continue the previous segment's last one (when the segments are adjacent).
+        if let Some(first) = segment.next() {
+            push_merged(&mut plan, first);
+        }
+        plan.extend(segment);
+    }
+    Ok(plan)
+}
+
+/// Fails unless every remote range of `plan` lies entirely inside one of `remote_regions`.
+///
+/// This is the last line of defence before posting reads with a peer's keys, so it checks the
+/// plan actually built rather than trusting the layout it was built from.
+pub fn check_remote_bounds(
+    plan: &[Descriptor],
+    remote_regions: &[RegionBounds],
+) -> Result<(), PlanError> {
+    let index = RegionIndex::new(remote_regions);
+    // Plans are segment-major, so consecutive ranges nearly always hit the same region;
+    // trying the previous hit first skips most binary searches.
+    let mut hint = None;
+    for d in plan {
+        let len = u128::from(d.len);
+        if hint.is_some_and(|i| index.covers(i, d.remote_addr, len)) {
+            continue;
+        }
+        hint = Some(index.find(d.remote_addr, len).ok_or(
+            PlanError::RemoteRangeOutsideRegions {
+                addr: d.remote_addr,
+                len: d.len,
+            },
+        )?);
+    }
+    Ok(())
+}
+
+/// Answers "is `[addr, addr+len)` inside a single region?" in `O(log regions)`, for regions
+/// that may overlap and arrive unsorted.
+///
+/// Regions are sorted by start, and `reach[i]` is the furthest end among the first `i+1` of
+/// them: a range starting at `addr` fits in some region iff, among the regions starting at or
+/// before `addr`, the furthest-reaching one ends at or after the range does. Ends are `u128`
+/// so that regions and ranges reaching the top of the address space need no special cases.
+struct RegionIndex {
+    starts: Vec<u64>,
+    reach: Vec<u128>,
+}
+
+impl RegionIndex {
+    fn new(regions: &[RegionBounds]) -> Self {
+        let mut sorted: Vec<(u64, u128)> = regions
+            .iter()
+            .map(|r| (r.addr, u128::from(r.addr) + u128::from(r.len)))
+            .collect();
+        sorted.sort_unstable();
+        let mut furthest = 0;
+        let reach = sorted
+            .iter()
+            .map(|&(_, end)| {
+                furthest = furthest.max(end);
+                furthest
+            })
+            .collect();
+        RegionIndex {
+            starts: sorted.into_iter().map(|(start, _)| start).collect(),
+            reach,
+        }
+    }
+
+    /// The index that witnesses the range fitting, usable later as a hint for [`Self::covers`].
+    fn find(&self, addr: u64, len: u128) -> Option<usize> {
+        let i = self
+            .starts
+            .partition_point(|&start| start <= addr)
+            .checked_sub(1)?;
+        self.covers(i, addr, len).then_some(i)
+    }
+
+    /// Valid for any `i` whose region starts at or before `addr`, not just the last such one,
+    /// which is what makes a stale hint safe to try.
+    fn covers(&self, i: usize, addr: u64, len: u128) -> bool {
+        self.starts[i] <= addr && self.reach[i] >= u128::from(addr) + len
+    }
+}
+
+/// Splits unit `u` into (index into the id list, byte offset within that id's block) for a
+/// side whose blocks hold `k` units of `unit` bytes.
+fn split_unit(u: usize, k: usize, unit: u64) -> (usize, u64) {
+    (u / k, (u % k) as u64 * unit)
+}
+
+/// Appends `next`, extending the last descriptor instead when both of its ranges continue
+/// exactly where the last one's ended.
+fn push_merged(plan: &mut Vec<Descriptor>, next: Descriptor) {
+    if let Some(last) = plan.last_mut() {
+        if last.local_addr + last.len == next.local_addr
+            && last.remote_addr + last.len == next.remote_addr
+        {
+            last.len += next.len;
+            return;
+        }
+    }
+    plan.push(next);
+}

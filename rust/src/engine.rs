@@ -1,0 +1,470 @@
+//! The engine: one per process (per vLLM worker). It ties the UCX worker, the side channel,
+//! the local memory/layout and the per-peer connections together, and turns block-id reads
+//! into posted batches.
+//!
+//! Verbs, in order of use: [`Engine::start`] → [`Engine::register_region`] /
+//! [`Engine::set_layout`] → [`Engine::connect`] → [`Engine::read_blocks`] → poll or wait the
+//! [`Transfer`] → the owner drains [`Engine::take_notifications`].
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::descriptors::{check_remote_bounds, plan_reads, BlockLayout, PlanError, RegionBounds};
+use crate::handshake::{new_generation, EngineMetadata, Fingerprint, HandshakeError, RegionInfo};
+use crate::side_channel::{Notification, PeerLink, SideChannelConfig, SideChannelServer};
+use crate::ucx::{BatchState, Endpoint, MemRegion, Read, UcxError, Worker};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Ucx(#[from] UcxError),
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("no connection to peer engine {0:?} (connect first; it may have died or restarted)")]
+    PeerNotConnected(String),
+    #[error("transfer failed: {0}")]
+    Transfer(String),
+    #[error("timed out after {0:?} waiting for the transfer")]
+    WaitTimeout(Duration),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("engine is closed")]
+    Closed,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub engine_id: String,
+    pub fingerprint: Fingerprint,
+    pub host: String,
+    /// 0 picks a free port.
+    pub port: u16,
+    pub secret: Option<Vec<u8>>,
+    pub ucx_lib_dir: Option<PathBuf>,
+    pub heartbeat: Duration,
+}
+
+struct LocalMemory {
+    regions: Vec<MemRegion>,
+    layout: Option<BlockLayout>,
+}
+
+/// A ready connection to one peer engine.
+struct Peer {
+    meta: EngineMetadata,
+    endpoint: Endpoint,
+    link: PeerLink,
+    alive: AtomicBool,
+}
+
+/// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
+/// that must follow the last byte.
+struct Inflight {
+    batch: Arc<BatchState>,
+    peer: Arc<Peer>,
+    deadline: Instant,
+    notify: Mutex<Option<Vec<u8>>>,
+}
+
+struct Shared {
+    config: EngineConfig,
+    generation: u64,
+    worker: Arc<Worker>,
+    server: Mutex<Option<SideChannelServer>>,
+    local: RwLock<LocalMemory>,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// host:port → engine id, so `connect` to a known address is a lookup.
+    addresses: Mutex<HashMap<String, String>>,
+    inflight: Mutex<Vec<Arc<Inflight>>>,
+    stop: AtomicBool,
+}
+
+pub struct Engine {
+    shared: Arc<Shared>,
+    progress_thread: Option<JoinHandle<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Retry delays while a peer's side channel is not up yet (a server still starting).
+const CONNECT_BACKOFF_START: Duration = Duration::from_millis(50);
+const CONNECT_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+impl Engine {
+    pub fn start(config: EngineConfig) -> Result<Engine, EngineError> {
+        if config.engine_id.is_empty() {
+            return Err(EngineError::InvalidArgument("engine_id must not be empty".into()));
+        }
+        let worker = Worker::new(&config.engine_id, config.ucx_lib_dir.as_deref())?;
+        let generation = new_generation()?;
+        let meta = EngineMetadata {
+            engine_id: config.engine_id.clone(),
+            generation,
+            worker_address: worker.address().to_vec(),
+            regions: Vec::new(),
+            layout: None,
+            fingerprint: config.fingerprint.clone(),
+        };
+        let server = SideChannelServer::start(
+            SideChannelConfig { host: config.host.clone(), port: config.port, secret: config.secret.clone(), heartbeat: config.heartbeat },
+            meta,
+        )?;
+        log::info!("engine {} (generation {generation:#x}) serving its side channel on {}", config.engine_id, server.local_addr());
+        let shared = Arc::new(Shared {
+            config,
+            generation,
+            worker,
+            server: Mutex::new(Some(server)),
+            local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
+            peers: Mutex::new(HashMap::new()),
+            addresses: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&shared);
+        let progress_thread = std::thread::Builder::new()
+            .name("kvduplex-progress".into())
+            .spawn(move || progress_loop(weak))
+            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the progress thread: {e}")))?;
+        Ok(Engine { shared, progress_thread: Some(progress_thread) })
+    }
+
+    pub fn engine_id(&self) -> &str {
+        &self.shared.config.engine_id
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.shared.generation
+    }
+
+    pub fn side_channel_addr(&self) -> Result<std::net::SocketAddr, EngineError> {
+        lock(&self.shared.server).as_ref().map(|s| s.local_addr()).ok_or(EngineError::Closed)
+    }
+
+    /// Registers memory peers may read; the caller guarantees it stays mapped until `close`.
+    pub fn register_region(&self, addr: u64, len: u64) -> Result<(), EngineError> {
+        if addr == 0 || len == 0 {
+            return Err(EngineError::InvalidArgument(format!("cannot register region {addr:#x}+{len}: null address or zero length")));
+        }
+        let mut local = self.shared.local.write().unwrap_or_else(|p| p.into_inner());
+        if local.regions.iter().any(|r| addr < r.addr + r.len && r.addr < addr.saturating_add(len)) {
+            return Err(EngineError::InvalidArgument(format!("region {addr:#x}+{len} overlaps a registered region")));
+        }
+        let region = self.shared.worker.register(addr, len)?;
+        log::info!("registered {:?} region {addr:#x}+{len}", region.memory);
+        local.regions.push(region);
+        self.publish(&local)
+    }
+
+    pub fn set_layout(&self, layout: BlockLayout) -> Result<(), EngineError> {
+        let mut local = self.shared.local.write().unwrap_or_else(|p| p.into_inner());
+        layout.validate_within(&bounds(&local.regions))?;
+        local.layout = Some(layout);
+        self.publish(&local)
+    }
+
+    fn publish(&self, local: &LocalMemory) -> Result<(), EngineError> {
+        let meta = EngineMetadata {
+            engine_id: self.shared.config.engine_id.clone(),
+            generation: self.shared.generation,
+            worker_address: self.shared.worker.address().to_vec(),
+            regions: local
+                .regions
+                .iter()
+                .map(|r| RegionInfo { addr: r.addr, len: r.len, rkey: r.rkey.clone(), memory: r.memory })
+                .collect(),
+            layout: local.layout.clone(),
+            fingerprint: self.shared.config.fingerprint.clone(),
+        };
+        lock(&self.shared.server).as_ref().ok_or(EngineError::Closed)?.set_metadata(meta);
+        Ok(())
+    }
+
+    /// Handshakes with the engine whose side channel is `host:port` and returns its engine id.
+    /// Unreachable peers are retried with backoff until `timeout`; refusals (incompatible,
+    /// authentication) fail at once.
+    pub fn connect(&self, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
+        let key = format!("{host}:{port}");
+        if let Some(id) = lock(&self.shared.addresses).get(&key).cloned() {
+            if lock(&self.shared.peers).get(&id).is_some_and(|p| p.alive.load(Ordering::Acquire)) {
+                return Ok(id);
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        let mut delay = CONNECT_BACKOFF_START;
+        let (link, meta) = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = PeerLink::connect(
+                host,
+                port,
+                &self.shared.config.engine_id,
+                &self.shared.config.fingerprint,
+                self.shared.config.secret.as_deref(),
+                left.max(Duration::from_millis(1)),
+                self.shared.config.heartbeat,
+            );
+            match attempt {
+                Ok(ok) => break ok,
+                Err(e) if is_retryable(&e) && Instant::now() + delay < deadline => {
+                    log::debug!("side channel {key} not ready ({e}); retrying in {delay:?}");
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(CONNECT_BACKOFF_MAX);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let layout = meta.layout.as_ref().ok_or_else(|| {
+            EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
+        })?;
+        let remote_bounds: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
+        layout.validate_within(&remote_bounds)?;
+        let rkeys: Vec<Vec<u8>> = meta.regions.iter().map(|r| r.rkey.clone()).collect();
+        let endpoint = self.shared.worker.connect(&meta.worker_address, &rkeys)?;
+        let id = meta.engine_id.clone();
+        let peer = Arc::new(Peer { meta, endpoint, link, alive: AtomicBool::new(true) });
+        let weak_shared = Arc::downgrade(&self.shared);
+        let weak_peer = Arc::downgrade(&peer);
+        peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
+        let previous = lock(&self.shared.peers).insert(id.clone(), Arc::clone(&peer));
+        match previous {
+            Some(old) if old.meta.generation != peer.meta.generation => {
+                log::info!("peer {id} restarted (generation {:#x} -> {:#x}); dropped its old endpoint and keys", old.meta.generation, peer.meta.generation)
+            }
+            _ => log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len()),
+        }
+        lock(&self.shared.addresses).insert(key, id.clone());
+        Ok(id)
+    }
+
+    pub fn peer_alive(&self, peer_id: &str) -> bool {
+        lock(&self.shared.peers).get(peer_id).is_some_and(|p| p.alive.load(Ordering::Acquire))
+    }
+
+    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`.
+    pub fn read_blocks(
+        &self,
+        peer_id: &str,
+        local_ids: &[i64],
+        remote_ids: &[i64],
+        notify: Option<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<Transfer, EngineError> {
+        if self.shared.stop.load(Ordering::Acquire) {
+            return Err(EngineError::Closed);
+        }
+        let peer = lock(&self.shared.peers)
+            .get(peer_id)
+            .filter(|p| p.alive.load(Ordering::Acquire))
+            .cloned()
+            .ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        let local = self.shared.local.read().unwrap_or_else(|p| p.into_inner());
+        let local_layout = local
+            .layout
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidArgument("set_layout must be called before read_blocks".into()))?;
+        let remote_layout = peer.meta.layout.as_ref().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        let plan = plan_reads(local_layout, remote_layout, local_ids, remote_ids)?;
+        let remote_bounds: Vec<RegionBounds> = peer.meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
+        check_remote_bounds(&plan, &remote_bounds)?;
+        let mut reads = Vec::with_capacity(plan.len());
+        let mut nbytes = 0u64;
+        for d in &plan {
+            let local_region = find_region(&local.regions, d.local_addr, d.len).ok_or_else(|| {
+                EngineError::InvalidArgument(format!("local range {:#x}+{} is outside the registered regions", d.local_addr, d.len))
+            })?;
+            let remote_region = remote_bounds
+                .iter()
+                .position(|r| d.remote_addr >= r.addr && d.remote_addr + d.len <= r.addr + r.len)
+                .ok_or_else(|| EngineError::InvalidArgument(format!("remote range {:#x}+{} is outside the peer's regions", d.remote_addr, d.len)))?;
+            reads.push(Read { local_addr: d.local_addr, local: local_region, remote_addr: d.remote_addr, remote_region, len: d.len });
+            nbytes += d.len;
+        }
+        let batch = BatchState::new(&self.shared.worker);
+        let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: Instant::now() + timeout, notify: Mutex::new(notify) });
+        lock(&self.shared.inflight).push(Arc::clone(&inflight));
+        if let Err(e) = peer.endpoint.post_reads(&reads, &batch) {
+            batch.finish(Err(e.to_string()));
+        }
+        drop(local);
+        let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len() };
+        transfer.settle();
+        Ok(transfer)
+    }
+
+    /// Sends `payload` to a connected peer without reading anything.
+    pub fn notify(&self, peer_id: &str, payload: &[u8]) -> Result<(), EngineError> {
+        let peer = lock(&self.shared.peers).get(peer_id).cloned().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        peer.link.notify(payload)?;
+        Ok(())
+    }
+
+    pub fn take_notifications(&self) -> Vec<Notification> {
+        lock(&self.shared.server).as_ref().map(|s| s.take_notifications()).unwrap_or_default()
+    }
+
+    /// Stops the progress thread, fails what is in flight, closes peers and the side channel,
+    /// then unregisters memory. Idempotent.
+    pub fn close(&mut self) {
+        if self.shared.stop.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(t) = self.progress_thread.take() {
+            let _ = t.join();
+        }
+        for inflight in lock(&self.shared.inflight).drain(..) {
+            // Give posted reads a last chance to land before their endpoint closes.
+            self.shared.worker.progress();
+            inflight.batch.finish(Err("engine closed".into()));
+        }
+        let peers: Vec<Arc<Peer>> = lock(&self.shared.peers).drain().map(|(_, p)| p).collect();
+        drop(peers);
+        lock(&self.shared.addresses).clear();
+        if let Some(mut server) = lock(&self.shared.server).take() {
+            server.shutdown();
+        }
+        self.shared.local.write().unwrap_or_else(|p| p.into_inner()).regions.clear();
+        log::info!("engine {} closed", self.shared.config.engine_id);
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn bounds(regions: &[MemRegion]) -> Vec<RegionBounds> {
+    regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect()
+}
+
+fn find_region(regions: &[MemRegion], addr: u64, len: u64) -> Option<&MemRegion> {
+    regions.iter().find(|r| r.contains(addr, len))
+}
+
+fn is_retryable(e: &HandshakeError) -> bool {
+    matches!(e, HandshakeError::Io(_) | HandshakeError::Unreachable { .. } | HandshakeError::Timeout { .. })
+}
+
+fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
+    let (Some(shared), Some(peer)) = (shared.upgrade(), peer.upgrade()) else { return };
+    peer.alive.store(false, Ordering::Release);
+    log::warn!("peer {} is gone ({reason}); failing its in-flight transfers", peer.meta.engine_id);
+    for inflight in lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, &peer)) {
+        inflight.batch.finish(Err(format!("peer {} is gone: {reason}", peer.meta.engine_id)));
+    }
+}
+
+/// Background progress: drives UCX (an owner must progress for tcp-emulated reads), enforces
+/// deadlines and sends read-done notifications. Sleeps progressively longer when idle so an
+/// idle engine costs almost no CPU.
+fn progress_loop(shared: Weak<Shared>) {
+    let mut idle_rounds: u32 = 0;
+    loop {
+        let Some(shared) = shared.upgrade() else { return };
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let worked = shared.worker.progress() > 0;
+        let busy = settle_all(&shared);
+        drop(shared);
+        if worked || busy {
+            idle_rounds = 0;
+            std::thread::yield_now();
+        } else {
+            idle_rounds = idle_rounds.saturating_add(1);
+            let sleep_us = u64::from(idle_rounds.min(100)) * 10;
+            std::thread::sleep(Duration::from_micros(sleep_us));
+        }
+    }
+}
+
+/// Settles every in-flight batch that finished or passed its deadline; returns whether any is
+/// still pending.
+fn settle_all(shared: &Shared) -> bool {
+    let pending: Vec<Arc<Inflight>> = lock(&shared.inflight).clone();
+    let now = Instant::now();
+    for inflight in &pending {
+        if inflight.batch.outcome().is_none() && now >= inflight.deadline {
+            inflight.batch.finish(Err("deadline passed before the last byte arrived".into()));
+        }
+        if inflight.batch.outcome().is_some() {
+            finish_inflight(shared, inflight);
+        }
+    }
+    !lock(&shared.inflight).is_empty()
+}
+
+/// Sends the batch's notification (once, only on success) and stops tracking it.
+fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
+    if let Some(Ok(())) = inflight.batch.outcome() {
+        if let Some(payload) = lock(&inflight.notify).take() {
+            if let Err(e) = inflight.peer.link.notify(&payload) {
+                log::warn!("read done but notifying peer {} failed: {e}", inflight.peer.meta.engine_id);
+            }
+        }
+    }
+    lock(&shared.inflight).retain(|i| !Arc::ptr_eq(i, inflight));
+}
+
+/// One posted batch.
+pub struct Transfer {
+    shared: Arc<Shared>,
+    inflight: Arc<Inflight>,
+    pub nbytes: u64,
+    pub num_descriptors: usize,
+}
+
+/// How long `wait` spins on UCX progress before it starts sleeping between polls.
+const WAIT_SPIN: Duration = Duration::from_micros(200);
+
+impl Transfer {
+    fn settle(&self) -> Option<Result<(), EngineError>> {
+        let outcome = self.inflight.batch.outcome().or_else(|| {
+            if Instant::now() >= self.inflight.deadline {
+                self.inflight.batch.finish(Err("deadline passed before the last byte arrived".into()));
+                self.inflight.batch.outcome()
+            } else {
+                None
+            }
+        })?;
+        finish_inflight(&self.shared, &self.inflight);
+        Some(outcome.map_err(EngineError::Transfer))
+    }
+
+    /// Non-blocking: `Ok(true)` when every byte arrived, `Ok(false)` while pending.
+    pub fn poll(&self) -> Result<bool, EngineError> {
+        self.shared.worker.progress();
+        match self.settle() {
+            None => Ok(false),
+            Some(r) => r.map(|()| true),
+        }
+    }
+
+    /// Blocks until the batch completes, fails, or `timeout` passes.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
+        let start = Instant::now();
+        loop {
+            self.shared.worker.progress();
+            if let Some(r) = self.settle() {
+                return r;
+            }
+            let waited = start.elapsed();
+            if timeout.is_some_and(|t| waited >= t) {
+                return Err(EngineError::WaitTimeout(waited));
+            }
+            if waited < WAIT_SPIN {
+                std::hint::spin_loop();
+            } else {
+                self.inflight.batch.wait_for_change(Duration::from_micros(100));
+            }
+        }
+    }
+}

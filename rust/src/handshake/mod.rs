@@ -1,0 +1,157 @@
+//! The side-channel handshake, without sockets: what engines tell each other before any KV
+//! block moves, how it is framed on the wire, how a shared secret is proven, and how the
+//! state of each remote engine evolves over time.
+//!
+//! Everything here is deterministic: randomness comes in as nonces and time as `now`, so the
+//! protocol can be tested without a network. The sockets live in [`crate::side_channel`].
+
+pub mod auth;
+pub mod peers;
+pub mod wire;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use peers::{ConnectDecision, PeerState, PeerTable, RetryPolicy};
+use wire::{Frame, FrameKind};
+
+/// Version of the side-channel protocol. The frame header's magic and version fields keep
+/// their place in every future version so that a mismatch is always reported as one.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Where a registered region lives; the reader needs it to pick a UCX memory type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemoryType {
+    Host,
+    Cuda,
+}
+
+/// One registered memory region of an engine, as a remote reader needs it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    pub addr: u64,
+    pub len: u64,
+    /// Packed UCX remote key.
+    pub rkey: Vec<u8>,
+    pub memory: MemoryType,
+}
+
+/// What must be equal on both sides for KV blocks to be interchangeable (model, dtype,
+/// block_size, kv_heads, head_size, num_layers, layout, tp_size, ...). Kept as sorted
+/// name/value pairs so both sides compare the same fields in the same order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fingerprint(pub BTreeMap<String, String>);
+
+/// Stands for a fingerprint field one side has and the other lacks.
+const MISSING_FIELD: &str = "<missing>";
+
+impl Fingerprint {
+    /// Fails on the first field (in name order) whose values differ, including fields only
+    /// one side has.
+    pub fn check_compatible(&self, theirs: &Fingerprint) -> Result<(), HandshakeError> {
+        let fields = self.0.keys().chain(theirs.0.keys());
+        let mut names: Vec<&String> = fields.collect();
+        names.sort();
+        names.dedup();
+        for name in names {
+            let ours = self.0.get(name);
+            let their_value = theirs.0.get(name);
+            if ours != their_value {
+                return Err(HandshakeError::Incompatible {
+                    field: name.clone(),
+                    ours: ours.map_or(MISSING_FIELD, String::as_str).to_owned(),
+                    theirs: their_value.map_or(MISSING_FIELD, String::as_str).to_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Everything a reader needs to read an owner's KV blocks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineMetadata {
+    pub engine_id: String,
+    /// Random per process start; a new value means the peer restarted and every endpoint and
+    /// rkey cached for it is stale.
+    pub generation: u64,
+    /// Packed UCX worker address.
+    pub worker_address: Vec<u8>,
+    pub regions: Vec<RegionInfo>,
+    pub layout: Option<crate::descriptors::BlockLayout>,
+    pub fingerprint: Fingerprint,
+}
+
+/// A fresh value for [`EngineMetadata::generation`], drawn from the OS.
+pub fn new_generation() -> Result<u64, HandshakeError> {
+    getrandom::u64().map_err(|e| HandshakeError::Random(e.to_string()))
+}
+
+/// The complete metadata frame (header and body), as the owner sends it.
+pub fn encode_metadata(m: &EngineMetadata) -> Vec<u8> {
+    wire::encode_metadata(m)
+}
+
+/// Parses exactly one metadata frame. Truncated, garbage, oversized or wrong-version bytes
+/// give an error, never a panic.
+pub fn decode_metadata(bytes: &[u8]) -> Result<EngineMetadata, HandshakeError> {
+    match wire::decode_frame(bytes)? {
+        Frame::Metadata(m) => Ok(m),
+        other => Err(HandshakeError::Malformed(format!(
+            "expected a {:?} frame, got a {:?} frame",
+            FrameKind::Metadata,
+            other.kind()
+        ))),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("side-channel I/O failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("cannot listen for side-channel connections on {address}: {source}")]
+    Bind {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error("cannot reach the side channel at {address}: {source}")]
+    Unreachable {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error("timed out after {after:?} waiting for {waiting_for}")]
+    Timeout {
+        waiting_for: &'static str,
+        after: Duration,
+    },
+    #[error("truncated frame: {got} of {needed} bytes")]
+    Truncated { got: usize, needed: usize },
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    #[error("{kind:?} frame of {len} bytes exceeds its cap of {max} bytes")]
+    FrameTooLarge { kind: FrameKind, len: u64, max: u64 },
+    #[error("protocol version mismatch: ours is {ours}, theirs is {theirs}")]
+    ProtocolVersion { ours: u16, theirs: u16 },
+    #[error("incompatible KV caches: `{field}` is {ours} here but {theirs} on the peer")]
+    Incompatible {
+        field: String,
+        ours: String,
+        theirs: String,
+    },
+    #[error("the peer requires a shared secret and we have none")]
+    AuthRequired,
+    #[error("authentication failed: the peer's shared secret differs from ours")]
+    AuthFailed,
+    #[error("we have a shared secret but the peer has none, so it cannot prove who it is")]
+    PeerNotAuthenticated,
+    #[error("the peer refused: {0}")]
+    Refused(String),
+    #[error("the peer is gone: {0}")]
+    PeerGone(String),
+    #[error("invalid side-channel configuration: {0}")]
+    Config(String),
+    #[error("the OS has no randomness for nonces: {0}")]
+    Random(String),
+}

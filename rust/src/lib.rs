@@ -1,0 +1,15 @@
+//! kvduplex: move KV-cache blocks between inference engines with UCX one-sided reads.
+//!
+//! The nouns: an [`engine::Engine`] owns a UCX context/worker and a side-channel listener;
+//! it registers memory *regions* and a block *layout*, connects to *peers* through a
+//! versioned handshake, and posts *batch reads* planned by [`descriptors`]. The owner of the
+//! read memory is *notified* once the last byte of a batch was read.
+
+pub mod descriptors;
+pub mod handshake;
+pub mod side_channel;
+pub mod engine;
+pub mod ucx;
+
+#[cfg(feature = "python")]
+mod python;

@@ -1,0 +1,241 @@
+//! `kvduplex._core`: the thin pyo3 layer over [`crate::engine`]. Python inputs are copied into
+//! Rust values first, blocking work runs with the GIL released, and every Rust error becomes a
+//! typed Python exception (see `python/kvduplex/_core.pyi`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::descriptors::BlockLayout;
+use crate::engine::{self, EngineConfig, EngineError};
+use crate::handshake::{Fingerprint, HandshakeError};
+
+create_exception!(kvduplex._core, KvDuplexError, PyException, "Base class of every kvduplex error.");
+create_exception!(kvduplex._core, UcxError, KvDuplexError, "UCX could not be loaded or a UCX call failed.");
+create_exception!(kvduplex._core, HandshakeFailed, KvDuplexError, "The side-channel handshake with a peer failed.");
+create_exception!(kvduplex._core, IncompatiblePeerError, HandshakeFailed, "Protocol version or compatibility fingerprint differs.");
+create_exception!(kvduplex._core, AuthenticationError, HandshakeFailed, "Shared-secret authentication failed.");
+create_exception!(kvduplex._core, TransferError, KvDuplexError, "A batch read failed.");
+create_exception!(kvduplex._core, PeerNotConnectedError, KvDuplexError, "No ready connection to the named peer.");
+
+/// `PlanError` must also be a `ValueError`, which `create_exception!` cannot express; it is
+/// built with `type()` at module init.
+static PLAN_ERROR: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
+
+fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        EngineError::Ucx(_) => UcxError::new_err(msg),
+        EngineError::Handshake(h) => match h {
+            HandshakeError::ProtocolVersion { .. } | HandshakeError::Incompatible { .. } => IncompatiblePeerError::new_err(msg),
+            HandshakeError::AuthRequired | HandshakeError::AuthFailed | HandshakeError::PeerNotAuthenticated => {
+                AuthenticationError::new_err(msg)
+            }
+            _ => HandshakeFailed::new_err(msg),
+        },
+        EngineError::Plan(_) => match PLAN_ERROR.get(py) {
+            Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
+            None => PyValueError::new_err(msg),
+        },
+        EngineError::PeerNotConnected(_) => PeerNotConnectedError::new_err(msg),
+        EngineError::Transfer(_) | EngineError::Closed => TransferError::new_err(msg),
+        EngineError::WaitTimeout(_) => PyTimeoutError::new_err(msg),
+        EngineError::InvalidArgument(_) => PyValueError::new_err(msg),
+    }
+}
+
+fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value).map_err(|_| PyValueError::new_err(format!("{name} must be a finite, non-negative number of seconds, got {value}")))
+}
+
+#[pyclass(module = "kvduplex._core", frozen)]
+struct Transfer {
+    inner: engine::Transfer,
+}
+
+#[pymethods]
+impl Transfer {
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.inner.nbytes
+    }
+
+    #[getter]
+    fn num_descriptors(&self) -> usize {
+        self.inner.num_descriptors
+    }
+
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        self.inner.poll().map_err(|e| to_py(py, e))
+    }
+
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        let timeout = timeout_s.map(|t| seconds("timeout_s", t)).transpose()?;
+        py.detach(|| self.inner.wait(timeout)).map_err(|e| to_py(py, e))
+    }
+}
+
+#[pyclass(module = "kvduplex._core", frozen)]
+struct Engine {
+    inner: std::sync::Mutex<Option<engine::Engine>>,
+    engine_id: String,
+    generation: u64,
+    host: String,
+    port: u16,
+}
+
+impl Engine {
+    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&engine::Engine) -> Result<T, EngineError> + Send) -> PyResult<T>
+    where
+        T: Send,
+    {
+        py.detach(|| {
+            let guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            match guard.as_ref() {
+                Some(engine) => f(engine),
+                None => Err(EngineError::Closed),
+            }
+        })
+        .map_err(|e| to_py(py, e))
+    }
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0))]
+    fn new(
+        py: Python<'_>,
+        engine_id: String,
+        fingerprint: BTreeMap<String, String>,
+        host: String,
+        port: u16,
+        secret: Option<Vec<u8>>,
+        ucx_lib_dir: Option<PathBuf>,
+        heartbeat_s: f64,
+    ) -> PyResult<Self> {
+        let heartbeat = seconds("heartbeat_s", heartbeat_s)?;
+        if heartbeat.is_zero() {
+            return Err(PyValueError::new_err("heartbeat_s must be positive"));
+        }
+        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat };
+        let engine = py.detach(|| engine::Engine::start(config)).map_err(|e| to_py(py, e))?;
+        let addr = engine.side_channel_addr().map_err(|e| to_py(py, e))?;
+        let generation = engine.generation();
+        Ok(Engine { inner: std::sync::Mutex::new(Some(engine)), engine_id, generation, host: addr.ip().to_string(), port: addr.port() })
+    }
+
+    #[getter]
+    fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    #[getter]
+    fn side_channel_host(&self) -> &str {
+        &self.host
+    }
+
+    #[getter]
+    fn side_channel_port(&self) -> u16 {
+        self.port
+    }
+
+    fn register_region(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
+        self.with(py, |e| e.register_region(addr, length))
+    }
+
+    fn set_layout(&self, py: Python<'_>, segment_bases: Vec<u64>, block_len: u64, block_stride: u64, num_blocks: u64) -> PyResult<()> {
+        let layout = BlockLayout { segment_bases, block_stride, block_len, num_blocks };
+        self.with(py, |e| e.set_layout(layout))
+    }
+
+    #[pyo3(signature = (host, port, timeout_s=10.0))]
+    fn connect(&self, py: Python<'_>, host: String, port: u16, timeout_s: f64) -> PyResult<String> {
+        let timeout = seconds("timeout_s", timeout_s)?;
+        self.with(py, |e| e.connect(&host, port, timeout))
+    }
+
+    fn peer_alive(&self, py: Python<'_>, peer_engine_id: String) -> PyResult<bool> {
+        self.with(py, |e| Ok(e.peer_alive(&peer_engine_id)))
+    }
+
+    #[pyo3(signature = (peer_engine_id, local_block_ids, remote_block_ids, *, notify=None, timeout_s=30.0))]
+    fn read_blocks(
+        &self,
+        py: Python<'_>,
+        peer_engine_id: String,
+        local_block_ids: Vec<i64>,
+        remote_block_ids: Vec<i64>,
+        notify: Option<Vec<u8>>,
+        timeout_s: f64,
+    ) -> PyResult<Transfer> {
+        let timeout = seconds("timeout_s", timeout_s)?;
+        let inner = self.with(py, |e| e.read_blocks(&peer_engine_id, &local_block_ids, &remote_block_ids, notify, timeout))?;
+        Ok(Transfer { inner })
+    }
+
+    fn notify(&self, py: Python<'_>, peer_engine_id: String, payload: Vec<u8>) -> PyResult<()> {
+        self.with(py, |e| e.notify(&peer_engine_id, &payload))
+    }
+
+    fn take_notifications<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
+        let notes = self.with(py, |e| Ok(e.take_notifications()))?;
+        Ok(notes.into_iter().map(|n| (n.from_engine_id, PyBytes::new(py, &n.payload))).collect())
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            if let Some(mut engine) = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                engine.close();
+            }
+        });
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _exc_type: Py<PyAny>, _exc: Py<PyAny>, _tb: Py<PyAny>) {
+        self.close(py);
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Engine(engine_id={:?}, side_channel={}:{})", self.engine_id, self.host, self.port)
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    pyo3_log::init();
+    m.add("KvDuplexError", py.get_type::<KvDuplexError>())?;
+    m.add("UcxError", py.get_type::<UcxError>())?;
+    m.add("HandshakeError", py.get_type::<HandshakeFailed>())?;
+    m.add("IncompatiblePeerError", py.get_type::<IncompatiblePeerError>())?;
+    m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
+    m.add("TransferError", py.get_type::<TransferError>())?;
+    m.add("PeerNotConnectedError", py.get_type::<PeerNotConnectedError>())?;
+    let builtins = py.import("builtins")?;
+    let bases = (py.get_type::<KvDuplexError>(), py.get_type::<PyValueError>());
+    let namespace = pyo3::types::PyDict::new(py);
+    namespace.set_item("__module__", "kvduplex._core")?;
+    namespace.set_item("__doc__", "Block ids or layouts are invalid (negative, out of range, outside registered memory).")?;
+    let plan_error = builtins.getattr("type")?.call1(("PlanError", bases, namespace))?;
+    let plan_error = plan_error.cast_into::<pyo3::types::PyType>()?;
+    m.add("PlanError", &plan_error)?;
+    let _ = PLAN_ERROR.set(py, plan_error.unbind());
+    m.add_class::<Engine>()?;
+    m.add_class::<Transfer>()?;
+    Ok(())
+}

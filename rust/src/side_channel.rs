@@ -1,0 +1,714 @@
+//! The side channel over TCP: an owner's [`SideChannelServer`] hands its metadata to readers
+//! and receives their notifications; a reader's [`PeerLink`] is the kept-open, authenticated
+//! connection to one owner.
+//!
+//! Blocking `std::net` sockets with a thread per connection; the protocol decisions (framing,
+//! auth, liveness) are made by [`crate::handshake`]. Every read during a handshake is bounded
+//! by a deadline and every established link by its peer's heartbeat, so no peer can pin a
+//! thread, and [`SideChannelServer::shutdown`] unblocks every thread by shutting its socket.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use log::{info, warn};
+
+use crate::handshake::auth::{self, Direction};
+use crate::handshake::peers::{Liveness, LivenessAction};
+use crate::handshake::wire::{
+    self, AuthProof, ClientHello, Frame, FrameBuffer, Refusal, ServerHello,
+};
+use crate::handshake::{EngineMetadata, Fingerprint, HandshakeError};
+
+/// How long the server gives a client to complete the handshake.
+pub const SERVER_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once, handshaking or established; more are refused.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Bounds every write, so a peer that stops reading cannot block its writer forever.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the accept loop checks for shutdown: std cannot interrupt a blocking `accept`,
+/// so the listener is non-blocking and polled.
+const ACCEPT_POLL: Duration = Duration::from_millis(20);
+const READ_CHUNK: usize = 16 << 10;
+
+#[derive(Clone)]
+pub struct SideChannelConfig {
+    pub host: String,
+    /// 0 picks a free port; see [`SideChannelServer::local_addr`].
+    pub port: u16,
+    /// Shared secret both sides must hold; `None` serves without authentication.
+    pub secret: Option<Vec<u8>>,
+    /// How often each established connection is pinged.
+    pub heartbeat: Duration,
+}
+
+impl Default for SideChannelConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".to_owned(),
+            port: 0,
+            secret: None,
+            heartbeat: Duration::from_secs(1),
+        }
+    }
+}
+
+// By hand, so the secret never lands in a log.
+impl fmt::Debug for SideChannelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SideChannelConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("heartbeat", &self.heartbeat)
+            .finish()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    pub from_engine_id: String,
+    pub payload: Vec<u8>,
+}
+
+type Waker = Arc<dyn Fn() + Send + Sync>;
+
+/// What the server's threads share.
+struct ServerState {
+    secret: Option<Vec<u8>>,
+    heartbeat: Duration,
+    metadata: Mutex<Arc<EngineMetadata>>,
+    notifications: Mutex<Vec<Notification>>,
+    waker: Mutex<Option<Waker>>,
+    stopping: AtomicBool,
+    /// A handle on each served socket, so shutdown can unblock its thread.
+    connections: Mutex<HashMap<u64, TcpStream>>,
+}
+
+/// Serves this engine's metadata to readers and collects their notifications.
+pub struct SideChannelServer {
+    state: Arc<ServerState>,
+    local_addr: SocketAddr,
+    /// Returns the connection threads still to be joined.
+    acceptor: Option<JoinHandle<Vec<JoinHandle<()>>>>,
+}
+
+impl SideChannelServer {
+    pub fn start(
+        config: SideChannelConfig,
+        metadata: EngineMetadata,
+    ) -> Result<Self, HandshakeError> {
+        wire::heartbeat_ms(config.heartbeat)?;
+        check_secret(config.secret.as_deref())?;
+        wire::encode_metadata_frame(&metadata)?;
+        let address = format!("{}:{}", config.host, config.port);
+        let bind_error = |source| HandshakeError::Bind {
+            address: address.clone(),
+            source,
+        };
+        let listener =
+            TcpListener::bind((config.host.as_str(), config.port)).map_err(bind_error)?;
+        listener.set_nonblocking(true).map_err(bind_error)?;
+        let local_addr = listener.local_addr().map_err(bind_error)?;
+        let state = Arc::new(ServerState {
+            secret: config.secret,
+            heartbeat: config.heartbeat,
+            metadata: Mutex::new(Arc::new(metadata)),
+            notifications: Mutex::new(Vec::new()),
+            waker: Mutex::new(None),
+            stopping: AtomicBool::new(false),
+            connections: Mutex::new(HashMap::new()),
+        });
+        let acceptor_state = Arc::clone(&state);
+        let acceptor = thread::Builder::new()
+            .name("kvduplex-side-channel".to_owned())
+            .spawn(move || accept_loop(&listener, &acceptor_state))?;
+        info!("side channel listening on {local_addr}");
+        Ok(Self {
+            state,
+            local_addr,
+            acceptor: Some(acceptor),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Replaces what later clients receive (regions and layout get registered after start).
+    /// Metadata over the frame cap is still stored; clients are then refused with the reason.
+    pub fn set_metadata(&self, metadata: EngineMetadata) {
+        *lock(&self.state.metadata) = Arc::new(metadata);
+    }
+
+    /// Every notification received since the last call, in arrival order.
+    pub fn take_notifications(&self) -> Vec<Notification> {
+        std::mem::take(&mut *lock(&self.state.notifications))
+    }
+
+    /// Called on the connection's thread after each notification is queued.
+    pub fn set_notification_waker(&self, waker: Box<dyn Fn() + Send + Sync>) {
+        *lock(&self.state.waker) = Some(Arc::from(waker));
+    }
+
+    /// Stops accepting, closes every connection and joins every thread. Also run on drop.
+    pub fn shutdown(&mut self) {
+        self.state.stopping.store(true, Ordering::Release);
+        let Some(acceptor) = self.acceptor.take() else {
+            return;
+        };
+        // The acceptor is joined first, so no connection is registered after the sweep below.
+        let handlers = acceptor.join().unwrap_or_default();
+        for stream in lock(&self.state.connections).values() {
+            // Wakes the thread's blocked read or write; an error means it is closed already.
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for handler in handlers {
+            let _ = handler.join();
+        }
+        info!("side channel on {} shut down", self.local_addr);
+    }
+}
+
+impl Drop for SideChannelServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) -> Vec<JoinHandle<()>> {
+    let mut handlers: Vec<JoinHandle<()>> = Vec::new();
+    let mut next_id = 0u64;
+    while !state.stopping.load(Ordering::Acquire) {
+        let (stream, client_addr) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+            Err(e) => {
+                // E.g. out of file descriptors: back off instead of spinning.
+                warn!("side channel: accept failed: {e}");
+                thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+        };
+        handlers.retain(|handler| !handler.is_finished());
+        if lock(&state.connections).len() >= MAX_CONNECTIONS {
+            warn!("side channel: refused {client_addr}: already serving {MAX_CONNECTIONS} connections");
+            let reason = format!("the server is at its limit of {MAX_CONNECTIONS} connections");
+            // Best effort: the client learns why instead of seeing a bare close.
+            let _ = write_frame(&stream, &Frame::Refused(Refusal::Other(reason)));
+            continue;
+        }
+        next_id += 1;
+        match spawn_connection(state, next_id, stream, client_addr) {
+            Ok(handler) => handlers.push(handler),
+            Err(e) => warn!("side channel: dropped the connection from {client_addr}: {e}"),
+        }
+    }
+    handlers
+}
+
+/// Registers the connection (only the accept loop does, so the limit check above holds)
+/// and serves it on a thread of its own.
+fn spawn_connection(
+    state: &Arc<ServerState>,
+    id: u64,
+    stream: TcpStream,
+    client_addr: SocketAddr,
+) -> io::Result<JoinHandle<()>> {
+    // Accepted sockets must block (with timeouts) whatever the listener does.
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    lock(&state.connections).insert(id, stream.try_clone()?);
+    let thread_state = Arc::clone(state);
+    thread::Builder::new()
+        .name(format!("kvduplex-side-channel-{id}"))
+        .spawn(move || {
+            serve_connection(&thread_state, stream, client_addr);
+            lock(&thread_state.connections).remove(&id);
+        })
+        .inspect_err(|_| {
+            lock(&state.connections).remove(&id);
+        })
+}
+
+/// The client as the handshake left it.
+struct Client {
+    engine_id: String,
+    heartbeat: Duration,
+}
+
+fn serve_connection(state: &ServerState, stream: TcpStream, client_addr: SocketAddr) {
+    let mut reader = FrameReader::new(stream);
+    let deadline = Deadline::after(SERVER_HANDSHAKE_TIMEOUT);
+    // How the logs name the client; its engine id once its hello has arrived.
+    let mut who = client_addr.to_string();
+    let handshake = read_client_hello(&mut reader, &deadline).and_then(|hello| {
+        who = format!("engine {:?} at {client_addr}", hello.engine_id);
+        answer_client(state, &mut reader, hello, &deadline)
+    });
+    let client = match handshake {
+        Ok(client) => client,
+        Err(e) => {
+            if !state.stopping.load(Ordering::Acquire) {
+                warn!("side channel: refused {who}: {e}");
+            }
+            if !matches!(e, HandshakeError::Io(_) | HandshakeError::Timeout { .. }) {
+                // Best effort: the client may have gone already.
+                let _ = write_frame(reader.stream(), &Frame::Refused(Refusal::from_error(&e)));
+            }
+            return;
+        }
+    };
+    info!("side channel: {who} connected");
+    let liveness = Liveness::new(Instant::now(), state.heartbeat, client.heartbeat);
+    let end = match reader.stream().try_clone() {
+        Ok(writer) => run_link(
+            &mut reader,
+            liveness,
+            || write_frame(&writer, &Frame::Ping),
+            |frame| match frame {
+                Frame::Notify(payload) => {
+                    queue_notification(state, &client.engine_id, payload);
+                    Ok(())
+                }
+                other => Err(unexpected("Notify", &other)),
+            },
+        ),
+        Err(e) => HandshakeError::Io(e),
+    };
+    if state.stopping.load(Ordering::Acquire) {
+        info!("side channel: closed the connection of {who} (shutting down)");
+    } else {
+        info!("side channel: {who} disconnected: {end}");
+    }
+}
+
+fn read_client_hello(
+    reader: &mut FrameReader,
+    deadline: &Deadline,
+) -> Result<ClientHello, HandshakeError> {
+    match reader.read_frame_by(deadline, "the client's hello")? {
+        Frame::ClientHello(hello) => Ok(hello),
+        other => Err(unexpected("ClientHello", &other)),
+    }
+}
+
+/// The server's part of the handshake after the client's hello: hello, proofs, then the
+/// compatibility check and the metadata.
+fn answer_client(
+    state: &ServerState,
+    reader: &mut FrameReader,
+    hello: ClientHello,
+    deadline: &Deadline,
+) -> Result<Client, HandshakeError> {
+    let nonce = auth::new_nonce()?;
+    let server_hello = ServerHello {
+        nonce,
+        has_secret: state.secret.is_some(),
+        heartbeat_ms: wire::heartbeat_ms(state.heartbeat)?,
+    };
+    write_frame(reader.stream(), &Frame::ServerHello(server_hello))?;
+    if let Some(secret) = auth::negotiate_auth(state.secret.as_deref(), hello.has_secret)? {
+        let proof = match reader.read_frame_by(deadline, "the client's proof")? {
+            Frame::AuthProof(proof) => proof,
+            other => return Err(unexpected("AuthProof", &other)),
+        };
+        auth::verify(
+            secret,
+            Direction::ClientToServer,
+            &hello.nonce,
+            &nonce,
+            &proof.mac,
+        )?;
+        let mac = auth::prove(secret, Direction::ServerToClient, &hello.nonce, &nonce)?;
+        write_frame(reader.stream(), &Frame::AuthProof(AuthProof { mac }))?;
+    }
+    let metadata = Arc::clone(&lock(&state.metadata));
+    metadata.fingerprint.check_compatible(&hello.fingerprint)?;
+    let frame = wire::encode_metadata_frame(&metadata)?;
+    reader.stream().write_all(&frame)?;
+    Ok(Client {
+        engine_id: hello.engine_id,
+        heartbeat: Duration::from_millis(hello.heartbeat_ms.into()),
+    })
+}
+
+fn queue_notification(state: &ServerState, from_engine_id: &str, payload: Vec<u8>) {
+    lock(&state.notifications).push(Notification {
+        from_engine_id: from_engine_id.to_owned(),
+        payload,
+    });
+    let waker = lock(&state.waker).clone();
+    if let Some(waker) = waker {
+        waker();
+    }
+}
+
+/// A reader's kept-open, authenticated connection to an owner's side channel.
+pub struct PeerLink {
+    status: Arc<Mutex<LinkStatus>>,
+    /// Serializes whole frames from `notify` and the link thread's pings.
+    writer: Arc<Mutex<TcpStream>>,
+    /// For shutting the socket down without waiting on `writer`.
+    socket: TcpStream,
+}
+
+type DeathCallback = Box<dyn FnOnce(String) + Send>;
+
+enum LinkStatus {
+    Alive { on_death: Vec<DeathCallback> },
+    Dead { reason: String },
+}
+
+impl PeerLink {
+    /// Connects to the owner at `host:port`, authenticates, checks compatibility and returns
+    /// the link together with the owner's metadata. `timeout` bounds the whole handshake;
+    /// `heartbeat` is how often we ping the owner once connected.
+    pub fn connect(
+        host: &str,
+        port: u16,
+        our_engine_id: &str,
+        our_fingerprint: &Fingerprint,
+        secret: Option<&[u8]>,
+        timeout: Duration,
+        heartbeat: Duration,
+    ) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
+        let heartbeat_ms = wire::heartbeat_ms(heartbeat)?;
+        check_secret(secret)?;
+        let deadline = Deadline::after(timeout);
+        let stream = connect_stream(host, port, &deadline)?;
+        stream.set_nodelay(true)?;
+        stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+        let mut reader = FrameReader::new(stream.try_clone()?);
+        let nonce = auth::new_nonce()?;
+        let hello = ClientHello {
+            engine_id: our_engine_id.to_owned(),
+            fingerprint: our_fingerprint.clone(),
+            nonce,
+            has_secret: secret.is_some(),
+            heartbeat_ms,
+        };
+        write_frame(&stream, &Frame::ClientHello(hello))?;
+        let server_hello = match reader.read_frame_by(&deadline, "the server's hello")? {
+            Frame::ServerHello(hello) => hello,
+            other => return Err(unexpected("ServerHello", &other)),
+        };
+        if let Some(secret) = auth::negotiate_auth(secret, server_hello.has_secret)? {
+            let mac = auth::prove(
+                secret,
+                Direction::ClientToServer,
+                &nonce,
+                &server_hello.nonce,
+            )?;
+            write_frame(&stream, &Frame::AuthProof(AuthProof { mac }))?;
+            let proof = match reader.read_frame_by(&deadline, "the server's proof")? {
+                Frame::AuthProof(proof) => proof,
+                other => return Err(unexpected("AuthProof", &other)),
+            };
+            auth::verify(
+                secret,
+                Direction::ServerToClient,
+                &nonce,
+                &server_hello.nonce,
+                &proof.mac,
+            )?;
+        }
+        let metadata = match reader.read_frame_by(&deadline, "the server's metadata")? {
+            Frame::Metadata(metadata) => metadata,
+            other => return Err(unexpected("Metadata", &other)),
+        };
+        // The server checked too; checking here as well keeps a misbehaving server from
+        // handing us blocks we cannot interpret.
+        our_fingerprint.check_compatible(&metadata.fingerprint)?;
+
+        let status = Arc::new(Mutex::new(LinkStatus::Alive {
+            on_death: Vec::new(),
+        }));
+        let writer = Arc::new(Mutex::new(stream.try_clone()?));
+        let liveness = Liveness::new(
+            Instant::now(),
+            heartbeat,
+            Duration::from_millis(server_hello.heartbeat_ms.into()),
+        );
+        let (thread_status, thread_writer) = (Arc::clone(&status), Arc::clone(&writer));
+        thread::Builder::new()
+            .name("kvduplex-peer-link".to_owned())
+            .spawn(move || {
+                let end = run_link(
+                    &mut reader,
+                    liveness,
+                    || write_frame(&lock(&thread_writer), &Frame::Ping),
+                    |frame| Err(unexpected("Ping", &frame)),
+                );
+                mark_dead(&thread_status, end.to_string());
+            })?;
+        Ok((
+            PeerLink {
+                status,
+                writer,
+                socket: stream,
+            },
+            metadata,
+        ))
+    }
+
+    pub fn is_alive(&self) -> bool {
+        matches!(*lock(&self.status), LinkStatus::Alive { .. })
+    }
+
+    /// `callback` runs exactly once, with the reason, when the owner is gone (connection
+    /// closed, I/O error, or no frame for three of its heartbeats): on the link's thread, or
+    /// right here if the link is dead already. It never runs after [`PeerLink::close`].
+    pub fn on_death(&self, callback: Box<dyn FnOnce(String) + Send>) {
+        let mut status = lock(&self.status);
+        match &mut *status {
+            LinkStatus::Alive { on_death } => on_death.push(callback),
+            LinkStatus::Dead { reason } => {
+                let reason = reason.clone();
+                drop(status);
+                callback(reason);
+            }
+        }
+    }
+
+    /// Sends `payload` to the owner, which receives it as a [`Notification`] from our engine id.
+    pub fn notify(&self, payload: &[u8]) -> Result<(), HandshakeError> {
+        if let LinkStatus::Dead { reason } = &*lock(&self.status) {
+            return Err(HandshakeError::PeerGone(reason.clone()));
+        }
+        let frame = wire::encode_frame(&Frame::Notify(payload.to_vec()))?;
+        let sent = lock(&self.writer).write_all(&frame);
+        sent.map_err(|e| {
+            // A partly written frame leaves the stream unusable.
+            mark_dead(&self.status, format!("sending a notification failed: {e}"));
+            HandshakeError::Io(e)
+        })
+    }
+
+    /// Closes the connection; death callbacks are dropped without running. Also on drop.
+    pub fn close(self) {}
+}
+
+impl fmt::Debug for PeerLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerLink")
+            .field("peer", &self.socket.peer_addr().ok())
+            .field("alive", &self.is_alive())
+            .finish()
+    }
+}
+
+impl Drop for PeerLink {
+    fn drop(&mut self) {
+        // Our own close is not the owner's death: drop the callbacks without running them.
+        let closed = LinkStatus::Dead {
+            reason: "closed locally".to_owned(),
+        };
+        let discarded = std::mem::replace(&mut *lock(&self.status), closed);
+        drop(discarded);
+        // Wakes the link thread, which then exits on its own; an error means already closed.
+        let _ = self.socket.shutdown(Shutdown::Both);
+    }
+}
+
+fn mark_dead(status: &Mutex<LinkStatus>, reason: String) {
+    let on_death = {
+        let mut status = lock(status);
+        let LinkStatus::Alive { on_death } = &mut *status else {
+            // Dead already: the first reason stands and the callbacks have run.
+            return;
+        };
+        let on_death = std::mem::take(on_death);
+        *status = LinkStatus::Dead {
+            reason: reason.clone(),
+        };
+        on_death
+    };
+    for callback in on_death {
+        callback(reason.clone());
+    }
+}
+
+fn connect_stream(host: &str, port: u16, deadline: &Deadline) -> Result<TcpStream, HandshakeError> {
+    let address = format!("{host}:{port}");
+    let unreachable = |source| HandshakeError::Unreachable {
+        address: address.clone(),
+        source,
+    };
+    let mut last_error = None;
+    for addr in (host, port).to_socket_addrs().map_err(unreachable)? {
+        let left = deadline.left("a TCP connection")?;
+        match TcpStream::connect_timeout(&addr, left) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last_error = Some(e),
+        }
+    }
+    let no_address = || io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
+    Err(unreachable(last_error.unwrap_or_else(no_address)))
+}
+
+/// Runs an established link until it ends; returns why it ended. Pings only keep the link
+/// alive; every other frame goes to `on_frame`.
+fn run_link(
+    reader: &mut FrameReader,
+    mut liveness: Liveness,
+    mut send_ping: impl FnMut() -> Result<(), HandshakeError>,
+    mut on_frame: impl FnMut(Frame) -> Result<(), HandshakeError>,
+) -> HandshakeError {
+    loop {
+        let now = Instant::now();
+        match liveness.poll(now) {
+            LivenessAction::Dead { silent_for } => {
+                return HandshakeError::PeerGone(format!(
+                    "no frame for {silent_for:?}, {} of the peer's heartbeats",
+                    Liveness::MISSED_HEARTBEATS
+                ))
+            }
+            LivenessAction::SendPing => match send_ping() {
+                Ok(()) => liveness.on_ping_sent(now),
+                Err(e) => return e,
+            },
+            LivenessAction::Wait(wait) => match reader.read_frame_within(wait) {
+                Ok(Some(frame)) => {
+                    liveness.on_frame_received(Instant::now());
+                    if !matches!(frame, Frame::Ping) {
+                        if let Err(e) = on_frame(frame) {
+                            return e;
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => return e,
+            },
+        }
+    }
+}
+
+/// Reads frames off a blocking socket; a read that times out mid-frame loses nothing.
+struct FrameReader {
+    stream: TcpStream,
+    frames: FrameBuffer,
+    chunk: Vec<u8>,
+}
+
+impl FrameReader {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            frames: FrameBuffer::new(),
+            chunk: vec![0; READ_CHUNK],
+        }
+    }
+
+    fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// The next frame, or `None` if none completed within `wait` (which must be non-zero).
+    fn read_frame_within(&mut self, wait: Duration) -> Result<Option<Frame>, HandshakeError> {
+        if let Some(frame) = self.frames.next_frame()? {
+            return Ok(Some(frame));
+        }
+        self.stream.set_read_timeout(Some(wait))?;
+        match self.stream.read(&mut self.chunk) {
+            Ok(0) => Err(HandshakeError::PeerGone(
+                "the connection was closed".to_owned(),
+            )),
+            Ok(n) => {
+                self.frames.extend(&self.chunk[..n]);
+                self.frames.next_frame()
+            }
+            Err(e) if is_timeout(&e) => Ok(None),
+            Err(e) => Err(HandshakeError::Io(e)),
+        }
+    }
+
+    /// The next frame before `deadline`; a refusal from the peer becomes its error.
+    fn read_frame_by(
+        &mut self,
+        deadline: &Deadline,
+        waiting_for: &'static str,
+    ) -> Result<Frame, HandshakeError> {
+        loop {
+            match self.read_frame_within(deadline.left(waiting_for)?)? {
+                Some(Frame::Refused(refusal)) => return Err(refusal.into_peer_error()),
+                Some(frame) => return Ok(frame),
+                None => {}
+            }
+        }
+    }
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+    )
+}
+
+struct Deadline {
+    at: Instant,
+    total: Duration,
+}
+
+impl Deadline {
+    fn after(total: Duration) -> Self {
+        // A timeout too large for the clock is as good as none.
+        let at = Instant::now().checked_add(total).unwrap_or_else(far_future);
+        Self { at, total }
+    }
+
+    /// Time left, never zero; `Timeout` once the deadline has passed.
+    fn left(&self, waiting_for: &'static str) -> Result<Duration, HandshakeError> {
+        let left = self.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(HandshakeError::Timeout {
+                waiting_for,
+                after: self.total,
+            });
+        }
+        Ok(left)
+    }
+}
+
+fn far_future() -> Instant {
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(year).unwrap_or(now)
+}
+
+fn write_frame(mut stream: &TcpStream, frame: &Frame) -> Result<(), HandshakeError> {
+    stream.write_all(&wire::encode_frame(frame)?)?;
+    Ok(())
+}
+
+fn unexpected(expected: &str, got: &Frame) -> HandshakeError {
+    HandshakeError::Malformed(format!(
+        "expected a {expected} frame, got a {:?} frame",
+        got.kind()
+    ))
+}
+
+fn check_secret(secret: Option<&[u8]>) -> Result<(), HandshakeError> {
+    match secret {
+        Some([]) => Err(HandshakeError::Config(
+            "the shared secret is empty".to_owned(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A poisoned lock only means another thread panicked while holding it; the data (queues,
+/// sockets, statuses) stays consistent at every point a panic could occur.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}

@@ -1,0 +1,409 @@
+//! Safe wrappers over UCP: one context + worker per engine, registered memory, endpoints with
+//! their unpacked remote keys, and batches of one-sided reads completed by one flush.
+//!
+//! All `unsafe` in the crate lives in this module. Every UCP call on a worker (and on its
+//! context) is made while holding [`Worker::lock`]: the worker is created in UCX's
+//! `SERIALIZED` thread mode, which allows any thread as long as calls never overlap.
+
+mod sys;
+
+use std::ffi::{c_void, CString};
+use std::path::Path;
+use std::ptr;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::handshake::MemoryType;
+use sys::{Api, StatusPtr};
+
+#[derive(Debug, thiserror::Error)]
+pub enum UcxError {
+    #[error("cannot load UCX: {0}")]
+    Load(String),
+    #[error("{call} failed: {status}")]
+    Call { call: &'static str, status: String },
+}
+
+fn call_error(api: &Api, call: &'static str, status: sys::ucs_status_t) -> UcxError {
+    UcxError::Call { call, status: api.status_text(status) }
+}
+
+fn call_result(api: &Api, call: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
+    if status == sys::UCS_OK {
+        Ok(())
+    } else {
+        Err(call_error(api, call, status))
+    }
+}
+
+pub struct Worker {
+    api: &'static Api,
+    context: sys::ucp_context_h,
+    worker: sys::ucp_worker_h,
+    lock: Mutex<()>,
+    address: Vec<u8>,
+}
+
+// SAFETY: the raw handles are only used while `lock` is held (or in Drop, which has exclusive
+// access), matching the SERIALIZED thread mode the worker is created with.
+unsafe impl Send for Worker {}
+unsafe impl Sync for Worker {}
+
+impl Worker {
+    /// Starts a UCP context (RMA) and worker; UCX reads its `UCX_*` environment variables here.
+    pub fn new(name: &str, lib_dir: Option<&Path>) -> Result<Arc<Worker>, UcxError> {
+        let api = sys::api(lib_dir).map_err(UcxError::Load)?;
+        let check = |call, status| call_result(api, call, status);
+        let name = CString::new(name.replace('\0', "")).unwrap_or_default();
+        let mut config = ptr::null_mut();
+        // SAFETY: out-pointer to a local; UCX allocates the config, released below.
+        check("ucp_config_read", unsafe { (api.ucp_config_read)(ptr::null(), ptr::null(), &mut config) })?;
+        // SAFETY: all-zero is valid for the reserve space and unused fields.
+        let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME;
+        params.features = sys::UCP_FEATURE_RMA;
+        params.name = name.as_ptr();
+        let mut context = ptr::null_mut();
+        // SAFETY: params and config are valid for the call; context is an out-pointer.
+        let status = unsafe {
+            (api.ucp_init_version)(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config, &mut context)
+        };
+        // SAFETY: config came from ucp_config_read and is not used after this.
+        unsafe { (api.ucp_config_release)(config) };
+        check("ucp_init", status)?;
+
+        // SAFETY: as above.
+        let mut wparams: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
+        wparams.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+        wparams.thread_mode = sys::UCS_THREAD_MODE_SERIALIZED;
+        let mut worker = ptr::null_mut();
+        // SAFETY: context is live; worker is an out-pointer.
+        let status = unsafe { (api.ucp_worker_create)(context, &wparams, &mut worker) };
+        if status != sys::UCS_OK {
+            // SAFETY: the context has no workers and is not used again.
+            unsafe { (api.ucp_cleanup)(context) };
+            return Err(call_error(api, "ucp_worker_create", status));
+        }
+        let mut addr = ptr::null_mut();
+        let mut addr_len = 0usize;
+        // SAFETY: worker is live; out-pointers to locals.
+        let status = unsafe { (api.ucp_worker_get_address)(worker, &mut addr, &mut addr_len) };
+        if status != sys::UCS_OK {
+            // SAFETY: tearing down what was created above, in reverse order.
+            unsafe {
+                (api.ucp_worker_destroy)(worker);
+                (api.ucp_cleanup)(context);
+            }
+            return Err(call_error(api, "ucp_worker_get_address", status));
+        }
+        // SAFETY: UCX returned addr_len readable bytes at addr; released right after the copy.
+        let address = unsafe { std::slice::from_raw_parts(addr as *const u8, addr_len).to_vec() };
+        // SAFETY: addr came from ucp_worker_get_address on this worker.
+        unsafe { (api.ucp_worker_release_address)(worker, addr) };
+        Ok(Arc::new(Worker { api, context, worker, lock: Mutex::new(()), address }))
+    }
+
+    /// This worker's address, which peers need to create an endpoint to it.
+    pub fn address(&self) -> &[u8] {
+        &self.address
+    }
+
+    fn guard(&self) -> MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn check(&self, call: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
+        call_result(self.api, call, status)
+    }
+
+    /// Drives UCX until it reports no more work; returns how many events were processed.
+    pub fn progress(&self) -> u32 {
+        let _g = self.guard();
+        let mut total = 0;
+        loop {
+            // SAFETY: worker is live and the lock is held.
+            let n = unsafe { (self.api.ucp_worker_progress)(self.worker) };
+            total += n;
+            if n == 0 {
+                return total;
+            }
+        }
+    }
+
+    /// Registers `[addr, addr+len)` (host or GPU memory; UCX detects which) for remote reads.
+    pub fn register(self: &Arc<Self>, addr: u64, len: u64) -> Result<MemRegion, UcxError> {
+        let _g = self.guard();
+        // SAFETY: zeroed reserve space and unused fields are valid.
+        let mut params: sys::ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        params.address = addr as *mut c_void;
+        params.length = len as usize;
+        let mut memh = ptr::null_mut();
+        // SAFETY: the caller vouches that the range is mapped memory of this process (the engine
+        // API documents it); UCX validates what it can and fails otherwise.
+        self.check("ucp_mem_map", unsafe { (self.api.ucp_mem_map)(self.context, &params, &mut memh) })?;
+        let unmap = |memh| {
+            // SAFETY: memh was just mapped on this context.
+            unsafe { (self.api.ucp_mem_unmap)(self.context, memh) };
+        };
+        let mut attr = sys::ucp_mem_attr_t { field_mask: sys::UCP_MEM_ATTR_FIELD_MEM_TYPE, address: ptr::null_mut(), length: 0, mem_type: 0 };
+        // SAFETY: memh is live; attr is a local out-struct.
+        if let Err(e) = self.check("ucp_mem_query", unsafe { (self.api.ucp_mem_query)(memh, &mut attr) }) {
+            unmap(memh);
+            return Err(e);
+        }
+        let memory = match attr.mem_type {
+            sys::UCS_MEMORY_TYPE_HOST => MemoryType::Host,
+            sys::UCS_MEMORY_TYPE_CUDA | sys::UCS_MEMORY_TYPE_CUDA_MANAGED => MemoryType::Cuda,
+            other => {
+                unmap(memh);
+                return Err(UcxError::Call { call: "ucp_mem_query", status: format!("unsupported memory type {other}") });
+            }
+        };
+        let mut rkey_buf = ptr::null_mut();
+        let mut rkey_len = 0usize;
+        // SAFETY: memh is live; out-pointers to locals.
+        if let Err(e) = self.check("ucp_rkey_pack", unsafe { (self.api.ucp_rkey_pack)(self.context, memh, &mut rkey_buf, &mut rkey_len) }) {
+            unmap(memh);
+            return Err(e);
+        }
+        // SAFETY: UCX returned rkey_len bytes at rkey_buf; the buffer is released after the copy.
+        let rkey = unsafe { std::slice::from_raw_parts(rkey_buf as *const u8, rkey_len).to_vec() };
+        // SAFETY: rkey_buf came from ucp_rkey_pack.
+        unsafe { (self.api.ucp_rkey_buffer_release)(rkey_buf) };
+        Ok(MemRegion { worker: Arc::clone(self), memh, addr, len, memory, rkey })
+    }
+
+    /// Creates an endpoint to a peer worker and unpacks the peer's remote keys for it.
+    pub fn connect(self: &Arc<Self>, peer_address: &[u8], rkeys: &[Vec<u8>]) -> Result<Endpoint, UcxError> {
+        let _g = self.guard();
+        // SAFETY: zeroed reserve space and unused fields are valid.
+        let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        params.address = peer_address.as_ptr() as *const c_void;
+        // Peer error handling would make UCX 1.22 drop shared memory for tcp emulation
+        // (8-17 GB/s -> 1 GB/s); a dead peer is detected through the side channel instead.
+        params.err_mode = sys::UCP_ERR_HANDLING_MODE_NONE;
+        let mut ep = ptr::null_mut();
+        // SAFETY: the address bytes stay alive for the call; UCX copies what it needs.
+        self.check("ucp_ep_create", unsafe { (self.api.ucp_ep_create)(self.worker, &params, &mut ep) })?;
+        let mut endpoint = Endpoint { worker: Arc::clone(self), ep, rkeys: Vec::with_capacity(rkeys.len()) };
+        for packed in rkeys {
+            let mut rkey = ptr::null_mut();
+            // SAFETY: ep is live; the packed key bytes are alive for the call.
+            let status = unsafe { (self.api.ucp_ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey) };
+            if let Err(e) = self.check("ucp_ep_rkey_unpack", status) {
+                drop(_g);
+                drop(endpoint);
+                return Err(e);
+            }
+            endpoint.rkeys.push(rkey);
+        }
+        Ok(endpoint)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: every MemRegion and Endpoint holds an Arc<Worker>, so none is left; the
+        // worker is destroyed before its context.
+        unsafe {
+            (self.api.ucp_worker_destroy)(self.worker);
+            (self.api.ucp_cleanup)(self.context);
+        }
+    }
+}
+
+/// Memory registered with UCX; unregistered on drop.
+pub struct MemRegion {
+    worker: Arc<Worker>,
+    memh: sys::ucp_mem_h,
+    pub addr: u64,
+    pub len: u64,
+    pub memory: MemoryType,
+    /// The packed remote key a peer needs to read this region.
+    pub rkey: Vec<u8>,
+}
+
+// SAFETY: memh is only used under the worker lock (in Drop and when posting reads).
+unsafe impl Send for MemRegion {}
+unsafe impl Sync for MemRegion {}
+
+impl MemRegion {
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+impl Drop for MemRegion {
+    fn drop(&mut self) {
+        let _g = self.worker.guard();
+        // SAFETY: memh was mapped on this worker's context and is dropped once.
+        let status = unsafe { (self.worker.api.ucp_mem_unmap)(self.worker.context, self.memh) };
+        if status != sys::UCS_OK {
+            log::warn!("ucp_mem_unmap of {:#x}+{} failed: {}", self.addr, self.len, self.worker.api.status_text(status));
+        }
+    }
+}
+
+/// An endpoint to one peer worker, with the peer's regions' remote keys unpacked for it.
+pub struct Endpoint {
+    worker: Arc<Worker>,
+    ep: sys::ucp_ep_h,
+    rkeys: Vec<sys::ucp_rkey_h>,
+}
+
+// SAFETY: ep and rkeys are only used under the worker lock.
+unsafe impl Send for Endpoint {}
+unsafe impl Sync for Endpoint {}
+
+/// One contiguous read: `len` bytes from the peer's `remote_addr` (inside the peer region
+/// `remote_region`) into `local_addr` (inside `local`).
+pub struct Read<'a> {
+    pub local_addr: u64,
+    pub local: &'a MemRegion,
+    pub remote_addr: u64,
+    pub remote_region: usize,
+    pub len: u64,
+}
+
+/// How long closing an endpoint may take before it is abandoned to worker teardown.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Endpoint {
+    /// Posts every read, then one flush whose completion completes `batch`.
+    ///
+    /// The caller has bounds-checked every range against the registered regions.
+    pub fn post_reads(&self, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
+        let api = self.worker.api;
+        let _g = self.worker.guard();
+        for read in reads {
+            let rkey = *self.rkeys.get(read.remote_region).ok_or_else(|| UcxError::Call {
+                call: "ucp_get_nbx",
+                status: format!("peer region {} has no remote key", read.remote_region),
+            })?;
+            let param = sys::ucp_request_param_t {
+                op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMH,
+                memh: read.local.memh,
+                ..Default::default()
+            };
+            // SAFETY: the local range lies in a registered region that outlives the batch (the
+            // engine keeps regions until close), the remote range was bounds-checked against
+            // the peer's advertised regions, and the lock is held.
+            let sp = unsafe {
+                (api.ucp_get_nbx)(self.ep, read.local_addr as *mut c_void, read.len as usize, read.remote_addr, rkey, &param)
+            };
+            match sys::status_ptr(sp) {
+                StatusPtr::Done => {}
+                // Completion is observed through the flush below; the handle is not needed.
+                // SAFETY: a pending request may be freed at once; UCX releases it on completion.
+                StatusPtr::Pending(req) => unsafe { (api.ucp_request_free)(req) },
+                StatusPtr::Failed(status) => {
+                    return Err(call_error(api, "ucp_get_nbx", status))
+                }
+            }
+        }
+        let user_data = Arc::into_raw(Arc::clone(batch)) as *mut c_void;
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+            cb: Some(flush_done),
+            user_data,
+            ..Default::default()
+        };
+        // SAFETY: ep is live, lock held; user_data is an owned Arc reclaimed exactly once, in
+        // flush_done or right below when the flush does not go asynchronous.
+        let sp = unsafe { (api.ucp_ep_flush_nbx)(self.ep, &param) };
+        match sys::status_ptr(sp) {
+            StatusPtr::Pending(_) => Ok(()),
+            StatusPtr::Done => {
+                // SAFETY: the callback will not run; reclaim the Arc given to it.
+                unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
+                batch.finish(Ok(()));
+                Ok(())
+            }
+            StatusPtr::Failed(status) => {
+                // SAFETY: as above.
+                unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
+                Err(call_error(api, "ucp_ep_flush_nbx", status))
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn flush_done(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+    // SAFETY: user_data is the Arc handed over in post_reads, reclaimed only here.
+    let batch = unsafe { Arc::from_raw(user_data as *const BatchState) };
+    let api = batch.api;
+    let outcome = if status == sys::UCS_OK { Ok(()) } else { Err(format!("UCX flush failed: {}", api.status_text(status))) };
+    batch.finish(outcome);
+    // SAFETY: the request belongs to this completed flush and is freed once.
+    unsafe { (api.ucp_request_free)(request) };
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let api = self.worker.api;
+        let guard = self.worker.guard();
+        for rkey in self.rkeys.drain(..) {
+            // SAFETY: unpacked on this endpoint and destroyed once, before the endpoint closes.
+            unsafe { (api.ucp_rkey_destroy)(rkey) };
+        }
+        let param = sys::ucp_request_param_t::default();
+        // SAFETY: ep is live and closed once; a non-forced close flushes outstanding reads.
+        let sp = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
+        if let StatusPtr::Pending(req) = sys::status_ptr(sp) {
+            let deadline = Instant::now() + CLOSE_TIMEOUT;
+            loop {
+                // SAFETY: worker live, lock held, req pending until its status changes.
+                unsafe { (api.ucp_worker_progress)(self.worker.worker) };
+                let status = unsafe { (api.ucp_request_check_status)(req) };
+                if status != sys::UCS_INPROGRESS {
+                    // SAFETY: completed request, freed once.
+                    unsafe { (api.ucp_request_free)(req) };
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    log::warn!("closing a UCX endpoint took over {CLOSE_TIMEOUT:?}; leaving it to worker teardown");
+                    // SAFETY: freeing a pending request is allowed; UCX releases it later.
+                    unsafe { (api.ucp_request_free)(req) };
+                    break;
+                }
+            }
+        }
+        drop(guard);
+    }
+}
+
+/// Completion state of one batch: pending until its flush completes, fails, or it is failed
+/// from outside (peer died, deadline passed).
+pub struct BatchState {
+    api: &'static Api,
+    outcome: Mutex<Option<Result<(), String>>>,
+    changed: Condvar,
+}
+
+impl BatchState {
+    pub fn new(worker: &Worker) -> Arc<BatchState> {
+        Arc::new(BatchState { api: worker.api, outcome: Mutex::new(None), changed: Condvar::new() })
+    }
+
+    /// Records the first outcome; later ones (a flush finishing after a timeout) are ignored.
+    pub fn finish(&self, outcome: Result<(), String>) {
+        let mut slot = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(outcome);
+            self.changed.notify_all();
+        }
+    }
+
+    pub fn outcome(&self) -> Option<Result<(), String>> {
+        self.outcome.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Waits up to `timeout` for an outcome without progressing UCX (someone else does).
+    pub fn wait_for_change(&self, timeout: Duration) -> Option<Result<(), String>> {
+        let slot = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        let (slot, _) = self.changed.wait_timeout_while(slot, timeout, |s| s.is_none()).unwrap_or_else(|p| p.into_inner());
+        slot.clone()
+    }
+}

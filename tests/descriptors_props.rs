@@ -1,0 +1,701 @@
+//! The coalesced plan must move exactly the bytes the obvious one-read-per-block plan moves,
+//! in the same order, while never leaving two mergeable reads side by side.
+
+use kvduplex::descriptors::*;
+use proptest::prelude::*;
+
+/// One read per block (per sub-block when block sizes differ) per segment, written straight
+/// from the definition of the id pairing so it shares no logic with the planner.
+fn naive_plan(
+    local: &BlockLayout,
+    remote: &BlockLayout,
+    local_ids: &[i64],
+    remote_ids: &[i64],
+) -> Vec<Descriptor> {
+    let (ll, rl) = (local.block_len, remote.block_len);
+    let mut plan = Vec::new();
+    for (&lb, &rb) in local.segment_bases.iter().zip(&remote.segment_bases) {
+        let local_block = |id: i64| lb + id as u64 * local.block_stride;
+        let remote_block = |id: i64| rb + id as u64 * remote.block_stride;
+        if rl >= ll {
+            let k = (rl / ll) as usize;
+            for (i, &lid) in local_ids.iter().enumerate() {
+                plan.push(Descriptor {
+                    local_addr: local_block(lid),
+                    remote_addr: remote_block(remote_ids[i / k]) + (i % k) as u64 * ll,
+                    len: ll,
+                });
+            }
+        } else {
+            let k = (ll / rl) as usize;
+            for (i, &rid) in remote_ids.iter().enumerate() {
+                plan.push(Descriptor {
+                    local_addr: local_block(local_ids[i / k]) + (i % k) as u64 * rl,
+                    remote_addr: remote_block(rid),
+                    len: rl,
+                });
+            }
+        }
+    }
+    plan
+}
+
+/// The (local byte, remote byte) pairs a plan copies, in order.
+fn byte_mapping(plan: &[Descriptor]) -> Vec<(u64, u64)> {
+    plan.iter()
+        .flat_map(|d| (0..d.len).map(move |o| (d.local_addr + o, d.remote_addr + o)))
+        .collect()
+}
+
+fn mergeable(a: &Descriptor, b: &Descriptor) -> bool {
+    a.local_addr + a.len == b.local_addr && a.remote_addr + a.len == b.remote_addr
+}
+
+/// The peer's registrations: one region per segment, except that touching segments share
+/// one, because the planner merges reads across them and a read must fit in one region.
+fn segment_regions(layout: &BlockLayout) -> Vec<RegionBounds> {
+    let len = (layout.num_blocks - 1) * layout.block_stride + layout.block_len;
+    let mut regions: Vec<RegionBounds> = Vec::new();
+    for &addr in &layout.segment_bases {
+        match regions.last_mut() {
+            Some(last) if last.addr + last.len == addr => last.len += len,
+            _ => regions.push(RegionBounds { addr, len }),
+        }
+    }
+    regions
+}
+
+/// A layout of `segments` segments whose gaps are sometimes zero, so that merging across a
+/// segment boundary gets exercised.
+fn layout(segments: usize, block_len: u64) -> impl Strategy<Value = BlockLayout> {
+    (
+        prop_oneof![Just(0u64), 0..block_len + 3],
+        1u64..24,
+        0u64..1 << 20,
+        prop::collection::vec(prop_oneof![Just(0u64), 1u64..64], segments),
+    )
+        .prop_map(move |(padding, num_blocks, first, gaps)| {
+            let block_stride = block_len + padding;
+            let mut base = first;
+            let segment_bases = gaps
+                .iter()
+                .map(|gap| {
+                    let this = base;
+                    base += num_blocks * block_stride + gap;
+                    this
+                })
+                .collect();
+            BlockLayout {
+                segment_bases,
+                block_stride,
+                block_len,
+                num_blocks,
+            }
+        })
+}
+
+/// Ids that mostly continue an ascending run and sometimes jump anywhere, so lists contain
+/// vLLM-style runs, scattered ids and duplicates.
+fn ids(len: usize, num_blocks: u64) -> impl Strategy<Value = Vec<i64>> {
+    prop::collection::vec((prop::bool::weighted(0.7), 0..num_blocks), len).prop_map(move |steps| {
+        let mut prev: Option<u64> = None;
+        steps
+            .into_iter()
+            .map(|(continue_run, jump)| {
+                let id = match prev {
+                    Some(p) if continue_run => (p + 1) % num_blocks,
+                    _ => jump,
+                };
+                prev = Some(id);
+                id as i64
+            })
+            .collect()
+    })
+}
+
+/// Two layouts with block lengths `unit*local_k` and `unit*remote_k`, and id lists whose
+/// lengths match that ratio.
+fn case(
+    local_k: u64,
+    remote_k: u64,
+) -> impl Strategy<Value = (BlockLayout, BlockLayout, Vec<i64>, Vec<i64>)> {
+    (1usize..8, 1u64..9, 0usize..40).prop_flat_map(move |(segments, unit, units)| {
+        // Round the unit count to a multiple of the larger block's unit count.
+        let units = units / (local_k * remote_k) as usize * (local_k * remote_k) as usize;
+        (
+            layout(segments, unit * local_k),
+            layout(segments, unit * remote_k),
+        )
+            .prop_flat_map(move |(local, remote)| {
+                let local_ids = ids(units / local_k as usize, local.num_blocks);
+                let remote_ids = ids(units / remote_k as usize, remote.num_blocks);
+                (Just(local), Just(remote), local_ids, remote_ids)
+            })
+    })
+}
+
+fn check_against_naive(
+    local: &BlockLayout,
+    remote: &BlockLayout,
+    local_ids: &[i64],
+    remote_ids: &[i64],
+) -> Result<(), TestCaseError> {
+    let plan = plan_reads(local, remote, local_ids, remote_ids).unwrap();
+    let naive = naive_plan(local, remote, local_ids, remote_ids);
+    prop_assert_eq!(byte_mapping(&plan), byte_mapping(&naive));
+    prop_assert!(plan.iter().all(|d| d.len > 0));
+    for pair in plan.windows(2) {
+        prop_assert!(!mergeable(&pair[0], &pair[1]), "unmerged pair {:?}", pair);
+    }
+    let regions = segment_regions(remote);
+    prop_assert_eq!(remote.validate_within(&regions), Ok(()));
+    prop_assert_eq!(check_remote_bounds(&plan, &regions), Ok(()));
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn same_block_size_matches_naive_plan((local, remote, lids, rids) in case(1, 1)) {
+        check_against_naive(&local, &remote, &lids, &rids)?;
+    }
+
+    #[test]
+    fn remote_blocks_twice_as_large_match_naive_plan((local, remote, lids, rids) in case(1, 2)) {
+        check_against_naive(&local, &remote, &lids, &rids)?;
+    }
+
+    #[test]
+    fn remote_blocks_four_times_as_large_match_naive_plan((local, remote, lids, rids) in case(1, 4)) {
+        check_against_naive(&local, &remote, &lids, &rids)?;
+    }
+
+    #[test]
+    fn local_blocks_twice_as_large_match_naive_plan((local, remote, lids, rids) in case(2, 1)) {
+        check_against_naive(&local, &remote, &lids, &rids)?;
+    }
+
+    #[test]
+    fn local_blocks_four_times_as_large_match_naive_plan((local, remote, lids, rids) in case(4, 1)) {
+        check_against_naive(&local, &remote, &lids, &rids)?;
+    }
+
+    /// Any id outside `0..num_blocks` on either side must fail the whole plan.
+    #[test]
+    fn any_bad_id_is_rejected(
+        (local, remote) in (1usize..4).prop_flat_map(|s| (layout(s, 8), layout(s, 8))),
+        raw in prop::collection::vec((-3i64..30, -3i64..30), 0..20),
+    ) {
+        let (lids, rids): (Vec<i64>, Vec<i64>) = raw.into_iter().unzip();
+        let valid = |ids: &[i64], n: u64| ids.iter().all(|&id| (0..n as i64).contains(&id));
+        let all_valid = valid(&lids, local.num_blocks) && valid(&rids, remote.num_blocks);
+        prop_assert_eq!(plan_reads(&local, &remote, &lids, &rids).is_ok(), all_valid);
+    }
+}
+
+fn contiguous(segment_bases: Vec<u64>, block_len: u64, num_blocks: u64) -> BlockLayout {
+    BlockLayout {
+        segment_bases,
+        block_stride: block_len,
+        block_len,
+        num_blocks,
+    }
+}
+
+fn err_text(result: Result<Vec<Descriptor>, PlanError>) -> String {
+    result.unwrap_err().to_string()
+}
+
+#[test]
+fn negative_ids_are_rejected_on_both_sides() {
+    let l = contiguous(vec![0], 64, 16);
+    let r = contiguous(vec![1 << 20], 64, 16);
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[1, -3], &[1, 2])),
+        "negative local block id -3"
+    );
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[1, 2], &[-7, 2])),
+        "negative remote block id -7"
+    );
+    assert_eq!(
+        plan_reads(&l, &r, &[i64::MIN], &[0]),
+        Err(PlanError::NegativeBlockId {
+            side: Side::Local,
+            id: i64::MIN
+        })
+    );
+}
+
+#[test]
+fn out_of_range_ids_are_rejected_on_both_sides() {
+    let l = contiguous(vec![0], 64, 1024);
+    let r = contiguous(vec![1 << 30], 64, 4096);
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[0], &[9000])),
+        "remote block id 9000 out of range (peer has 4096 blocks)"
+    );
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[0], &[4096])),
+        "remote block id 4096 out of range (peer has 4096 blocks)"
+    );
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[1024], &[0])),
+        "local block id 1024 out of range (this engine has 1024 blocks)"
+    );
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[i64::MAX], &[0])),
+        format!(
+            "local block id {} out of range (this engine has 1024 blocks)",
+            i64::MAX
+        )
+    );
+}
+
+#[test]
+fn segment_count_mismatch_is_rejected() {
+    let l = contiguous((0..32).map(|s| s << 20).collect(), 64, 16);
+    let r = contiguous((0..16).map(|s| s << 20).collect(), 64, 16);
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[], &[])),
+        "segment count differs: local 32, remote 16"
+    );
+}
+
+#[test]
+fn id_list_length_mismatch_is_rejected() {
+    let l = contiguous(vec![0], 64, 16);
+    let r = contiguous(vec![1 << 20], 64, 16);
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[1, 2, 3], &[1, 2])),
+        "block id lists differ in length: 3 local ids, 2 remote ids (block_len local 64, remote 64)"
+    );
+}
+
+#[test]
+fn id_list_length_must_follow_block_ratio() {
+    let l = contiguous(vec![0], 64, 16);
+    let r = contiguous(vec![1 << 20], 128, 16);
+    // Two remote blocks of twice the size need exactly four local ids.
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[1, 2, 3], &[1, 2])),
+        "block id lists differ in length: 3 local ids, 2 remote ids (block_len local 64, remote 128)"
+    );
+    assert!(plan_reads(&l, &r, &[1, 2], &[1, 2]).is_err());
+    assert!(plan_reads(&l, &r, &[1, 2, 3, 4], &[1, 2]).is_ok());
+    // And the mirror image.
+    assert!(plan_reads(&r, &l, &[1, 2], &[1, 2]).is_err());
+    assert!(plan_reads(&r, &l, &[1, 2], &[1, 2, 3, 4]).is_ok());
+}
+
+#[test]
+fn non_integer_block_ratio_is_rejected() {
+    let l = contiguous(vec![0], 48, 16);
+    let r = contiguous(vec![1 << 20], 32, 16);
+    assert_eq!(
+        err_text(plan_reads(&l, &r, &[1], &[1])),
+        "block sizes are not whole multiples of each other: local block_len 48, remote block_len 32"
+    );
+}
+
+#[test]
+fn malformed_layouts_are_rejected_naming_the_side() {
+    let good = contiguous(vec![0], 64, 16);
+    let mut overlapping = contiguous(vec![1 << 20], 64, 16);
+    overlapping.block_stride = 48;
+    assert_eq!(
+        err_text(plan_reads(&good, &overlapping, &[], &[])),
+        "remote layout: block_len 64 exceeds block_stride 48, so blocks would overlap"
+    );
+    let empty_blocks = contiguous(vec![0], 0, 16);
+    assert_eq!(
+        err_text(plan_reads(&empty_blocks, &good, &[], &[])),
+        "local layout: block_len is 0"
+    );
+    let top = contiguous(vec![0, u64::MAX - 1000], 64, 16);
+    assert_eq!(
+        err_text(plan_reads(&good_with_segments(2), &top, &[], &[])),
+        format!(
+            "remote layout: layout overflows u64: segment 1 at {:#x} holds 16 blocks of stride 64",
+            u64::MAX - 1000
+        )
+    );
+}
+
+fn good_with_segments(n: u64) -> BlockLayout {
+    contiguous((0..n).map(|s| s << 20).collect(), 64, 16)
+}
+
+#[test]
+fn layout_ending_at_u64_max_is_accepted() {
+    // Ends (exclusive) must stay representable, so the last usable byte is u64::MAX - 1.
+    let top = contiguous(vec![u64::MAX - 16 * 64], 64, 16);
+    assert_eq!(top.validate(), Ok(()));
+    let plan = plan_reads(&good_with_segments(1), &top, &[14, 15], &[14, 15]).unwrap();
+    assert_eq!(plan.len(), 1);
+    assert_eq!(plan[0].remote_addr + plan[0].len, u64::MAX);
+    let past = contiguous(vec![u64::MAX - 16 * 64 + 1], 64, 16);
+    assert!(matches!(past.validate(), Err(LayoutError::Overflow { .. })));
+}
+
+#[test]
+fn empty_request_gives_empty_plan() {
+    let l = good_with_segments(4);
+    assert_eq!(plan_reads(&l, &l, &[], &[]), Ok(vec![]));
+}
+
+#[test]
+fn vllm_style_runs_become_one_read_per_run_per_segment() {
+    let l = contiguous((0..8).map(|s| s << 24).collect(), 4096, 1024);
+    let r = contiguous((0..8).map(|s| (s << 24) + (1 << 40)).collect(), 4096, 1024);
+    let lids: Vec<i64> = (100..150).chain(300..350).collect();
+    let rids: Vec<i64> = (7..57).chain(500..550).collect();
+    let plan = plan_reads(&l, &r, &lids, &rids).unwrap();
+    assert_eq!(plan.len(), 2 * 8);
+    assert_eq!(
+        plan[0],
+        Descriptor {
+            local_addr: 100 * 4096,
+            remote_addr: (1 << 40) + 7 * 4096,
+            len: 50 * 4096
+        }
+    );
+    assert_eq!(plan[1].local_addr, 300 * 4096);
+    assert_eq!(plan[2].local_addr, (1 << 24) + 100 * 4096);
+}
+
+#[test]
+fn adjacent_segments_merge_into_one_read() {
+    let whole = 1024 * 4096;
+    let l = contiguous((0..4).map(|s| s * whole).collect(), 4096, 1024);
+    let r = contiguous((0..4).map(|s| (1 << 40) + s * whole).collect(), 4096, 1024);
+    let all: Vec<i64> = (0..1024).collect();
+    assert_eq!(
+        plan_reads(&l, &r, &all, &all),
+        Ok(vec![Descriptor {
+            local_addr: 0,
+            remote_addr: 1 << 40,
+            len: 4 * whole
+        }])
+    );
+}
+
+#[test]
+fn reads_merged_across_touching_segments_need_one_region_for_both() {
+    let l = contiguous(vec![0, 64], 64, 1);
+    let r = contiguous(vec![1 << 30, (1 << 30) + 64], 64, 1);
+    let plan = plan_reads(&l, &r, &[0], &[0]).unwrap();
+    assert_eq!(
+        plan,
+        vec![Descriptor {
+            local_addr: 0,
+            remote_addr: 1 << 30,
+            len: 128
+        }]
+    );
+    let separate = [
+        RegionBounds {
+            addr: 1 << 30,
+            len: 64,
+        },
+        RegionBounds {
+            addr: (1 << 30) + 64,
+            len: 64,
+        },
+    ];
+    assert_eq!(r.validate_within(&separate), Ok(()));
+    assert!(check_remote_bounds(&plan, &separate).is_err());
+    assert_eq!(
+        check_remote_bounds(
+            &plan,
+            &[RegionBounds {
+                addr: 1 << 30,
+                len: 128
+            }]
+        ),
+        Ok(())
+    );
+}
+
+#[test]
+fn id_order_is_kept_even_when_sorting_would_merge() {
+    let l = good_with_segments(1);
+    let r = contiguous(vec![1 << 30], 64, 16);
+    let plan = plan_reads(&l, &r, &[3, 2], &[3, 2]).unwrap();
+    assert_eq!(
+        plan,
+        vec![
+            Descriptor {
+                local_addr: 3 * 64,
+                remote_addr: (1 << 30) + 3 * 64,
+                len: 64
+            },
+            Descriptor {
+                local_addr: 2 * 64,
+                remote_addr: (1 << 30) + 2 * 64,
+                len: 64
+            },
+        ]
+    );
+}
+
+#[test]
+fn larger_remote_block_is_split_across_consecutive_local_ids() {
+    let l = contiguous(vec![0], 64, 16);
+    let r = contiguous(vec![1 << 30], 256, 16);
+    // Remote block 2 = local 5, 6 (contiguous, merged), then 9, 10 (merged).
+    let plan = plan_reads(&l, &r, &[5, 6, 9, 10], &[2]).unwrap();
+    let rb = (1 << 30) + 2 * 256;
+    assert_eq!(
+        plan,
+        vec![
+            Descriptor {
+                local_addr: 5 * 64,
+                remote_addr: rb,
+                len: 128
+            },
+            Descriptor {
+                local_addr: 9 * 64,
+                remote_addr: rb + 128,
+                len: 128
+            },
+        ]
+    );
+}
+
+#[test]
+fn validate_within_accepts_exact_fit_and_rejects_one_byte_overrun() {
+    // Padded stride: the last block ends block_len, not block_stride, past its start.
+    let layout = BlockLayout {
+        segment_bases: vec![0x1000, 0x10_0000],
+        block_stride: 96,
+        block_len: 64,
+        num_blocks: 10,
+    };
+    let span = 9 * 96 + 64;
+    let exact = [
+        RegionBounds {
+            addr: 0x10_0000,
+            len: span,
+        },
+        RegionBounds {
+            addr: 0x1000,
+            len: span,
+        },
+    ];
+    assert_eq!(layout.validate_within(&exact), Ok(()));
+
+    let short = [
+        exact[0],
+        RegionBounds {
+            addr: 0x1000,
+            len: span - 1,
+        },
+    ];
+    assert_eq!(
+        layout.validate_within(&short).unwrap_err().to_string(),
+        format!(
+            "segment 0 block 9 at {:#x}+64 is outside the registered regions",
+            0x1000 + 9 * 96
+        )
+    );
+    let late = [
+        exact[0],
+        RegionBounds {
+            addr: 0x1001,
+            len: span,
+        },
+    ];
+    assert_eq!(
+        layout.validate_within(&late),
+        Err(PlanError::BlockOutsideRegions {
+            segment: 0,
+            block: 0,
+            addr: 0x1000,
+            len: 64
+        })
+    );
+    assert!(layout.validate_within(&[]).is_err());
+}
+
+#[test]
+fn validate_within_allows_a_segment_split_between_regions_at_block_boundaries() {
+    let layout = contiguous(vec![0x1000], 64, 10);
+    let split = [
+        RegionBounds {
+            addr: 0x1000,
+            len: 4 * 64,
+        },
+        RegionBounds {
+            addr: 0x1000 + 4 * 64,
+            len: 6 * 64,
+        },
+    ];
+    assert_eq!(layout.validate_within(&split), Ok(()));
+    // A block straddling the two regions is not readable with either key.
+    let straddle = [
+        RegionBounds {
+            addr: 0x1000,
+            len: 4 * 64 + 1,
+        },
+        RegionBounds {
+            addr: 0x1000 + 4 * 64 + 1,
+            len: 6 * 64 - 1,
+        },
+    ];
+    assert_eq!(
+        layout.validate_within(&straddle),
+        Err(PlanError::BlockOutsideRegions {
+            segment: 0,
+            block: 4,
+            addr: 0x1000 + 4 * 64,
+            len: 64
+        })
+    );
+}
+
+#[test]
+fn validate_within_reports_malformed_layouts() {
+    let mut layout = contiguous(vec![0], 64, 10);
+    layout.block_stride = 32;
+    assert_eq!(
+        layout.validate_within(&[RegionBounds {
+            addr: 0,
+            len: u64::MAX
+        }]),
+        Err(PlanError::Layout(LayoutError::BlockLenExceedsStride {
+            block_len: 64,
+            block_stride: 32
+        }))
+    );
+}
+
+#[test]
+fn check_remote_bounds_accepts_exact_fit() {
+    let regions = [
+        RegionBounds {
+            addr: 0x2000,
+            len: 0x1000,
+        },
+        RegionBounds {
+            addr: 0x1000,
+            len: 0x1000,
+        },
+    ];
+    let plan = [
+        Descriptor {
+            local_addr: 0,
+            remote_addr: 0x1000,
+            len: 0x1000,
+        },
+        Descriptor {
+            local_addr: 0,
+            remote_addr: 0x2000,
+            len: 0x1000,
+        },
+        Descriptor {
+            local_addr: 0,
+            remote_addr: 0x1800,
+            len: 0x800,
+        },
+    ];
+    assert_eq!(check_remote_bounds(&plan, &regions), Ok(()));
+    assert_eq!(check_remote_bounds(&[], &[]), Ok(()));
+}
+
+#[test]
+fn check_remote_bounds_rejects_range_straddling_two_regions() {
+    let regions = [
+        RegionBounds {
+            addr: 0x1000,
+            len: 0x1000,
+        },
+        RegionBounds {
+            addr: 0x2000,
+            len: 0x1000,
+        },
+    ];
+    let plan = [
+        Descriptor {
+            local_addr: 0,
+            remote_addr: 0x1000,
+            len: 0x100,
+        },
+        Descriptor {
+            local_addr: 0,
+            remote_addr: 0x1f00,
+            len: 0x200,
+        },
+    ];
+    assert_eq!(
+        check_remote_bounds(&plan, &regions)
+            .unwrap_err()
+            .to_string(),
+        "range 0x1f00+512 is outside the peer's registered regions"
+    );
+}
+
+#[test]
+fn check_remote_bounds_rejects_range_just_past_the_end() {
+    let regions = [RegionBounds {
+        addr: 0x1000,
+        len: 0x1000,
+    }];
+    let plan = [Descriptor {
+        local_addr: 0,
+        remote_addr: 0x1f00,
+        len: 0x101,
+    }];
+    assert_eq!(
+        check_remote_bounds(&plan, &regions),
+        Err(PlanError::RemoteRangeOutsideRegions {
+            addr: 0x1f00,
+            len: 0x101
+        })
+    );
+    let before = [Descriptor {
+        local_addr: 0,
+        remote_addr: 0xfff,
+        len: 1,
+    }];
+    assert!(check_remote_bounds(&before, &regions).is_err());
+}
+
+#[test]
+fn check_remote_bounds_handles_overlapping_regions_and_the_top_of_memory() {
+    // A big region starting first still covers ranges past a small region nested inside it.
+    let regions = [
+        RegionBounds {
+            addr: 0x1000,
+            len: 0x10000,
+        },
+        RegionBounds {
+            addr: 0x2000,
+            len: 0x10,
+        },
+        RegionBounds {
+            addr: u64::MAX - 0xff,
+            len: 0x100,
+        },
+    ];
+    let plan = [
+        Descriptor {
+            local_addr: 0,
+            remote_addr: 0x2008,
+            len: 0x100,
+        },
+        Descriptor {
+            local_addr: 0,
+            remote_addr: u64::MAX - 0xff,
+            len: 0x100,
+        },
+    ];
+    assert_eq!(check_remote_bounds(&plan, &regions), Ok(()));
+    let wrap = [Descriptor {
+        local_addr: 0,
+        remote_addr: u64::MAX - 0xff,
+        len: 0x101,
+    }];
+    assert!(check_remote_bounds(&wrap, &regions).is_err());
+}

@@ -1,0 +1,108 @@
+//! Two engines in one process over real UCX and real side channels: the Rust-level contract of
+//! connect → read_blocks → notification, and its refusals. Cross-process behaviour (dead
+//! peers, transports) is covered by tests/test_transfer.py.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use kvduplex::descriptors::BlockLayout;
+use kvduplex::engine::{Engine, EngineConfig, EngineError};
+use kvduplex::handshake::{Fingerprint, HandshakeError};
+
+const BLOCK: usize = 4096;
+const BLOCKS: usize = 64;
+
+fn fingerprint(dtype: &str) -> Fingerprint {
+    Fingerprint(BTreeMap::from([("model".to_string(), "tiny".to_string()), ("dtype".to_string(), dtype.to_string())]))
+}
+
+fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
+    let engine = Engine::start(EngineConfig {
+        engine_id: id.into(),
+        fingerprint: fingerprint(dtype),
+        host: "127.0.0.1".into(),
+        port: 0,
+        secret: None,
+        ucx_lib_dir: None,
+        heartbeat: Duration::from_millis(200),
+    })
+    .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
+    let base = buf.as_mut_ptr() as u64;
+    engine.register_region(base, buf.len() as u64).unwrap();
+    engine
+        .set_layout(BlockLayout { segment_bases: vec![base], block_stride: BLOCK as u64, block_len: BLOCK as u64, num_blocks: BLOCKS as u64 })
+        .unwrap();
+    engine
+}
+
+fn connect(reader: &Engine, owner: &Engine) -> Result<String, EngineError> {
+    let addr = owner.side_channel_addr().unwrap();
+    reader.connect(&addr.ip().to_string(), addr.port(), Duration::from_secs(5))
+}
+
+#[test]
+fn read_copies_blocks_and_notifies_the_owner_once() {
+    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect();
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    let peer = connect(&reader, &owner).unwrap();
+    assert_eq!(peer, "owner");
+    let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10)).unwrap();
+    transfer.wait(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(transfer.num_descriptors, 2);
+    for (l, r) in [(1, 10), (2, 11), (3, 12), (9, 40)] {
+        assert_eq!(local[l * BLOCK..(l + 1) * BLOCK], owned[r * BLOCK..(r + 1) * BLOCK]);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut notes = Vec::new();
+    while notes.is_empty() && Instant::now() < deadline {
+        notes.extend(owner.take_notifications());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    notes.extend(owner.take_notifications());
+    assert_eq!(notes.len(), 1);
+    assert_eq!(notes[0].from_engine_id, "reader");
+    assert_eq!(notes[0].payload, b"req-1");
+    owned[0] = 0;
+}
+
+#[test]
+fn out_of_range_ids_are_refused_before_posting() {
+    let mut owned = vec![1u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    let peer = connect(&reader, &owner).unwrap();
+    for (l, r) in [(vec![1], vec![BLOCKS as i64]), (vec![-1], vec![1]), (vec![1, 2], vec![1])] {
+        let err = reader.read_blocks(&peer, &l, &r, None, Duration::from_secs(1)).err().expect("refused");
+        assert!(matches!(err, EngineError::Plan(_)), "{err}");
+    }
+    assert!(local.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn incompatible_fingerprint_is_refused_naming_the_field() {
+    let mut owned = vec![1u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f16", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    let err = connect(&reader, &owner).unwrap_err();
+    assert!(matches!(err, EngineError::Handshake(HandshakeError::Incompatible { ref field, .. }) if field == "dtype"), "{err}");
+}
+
+#[test]
+fn close_is_prompt_and_idempotent_with_a_connected_peer() {
+    let mut owned = vec![1u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let mut owner = engine("owner", "f32", &mut owned);
+    let mut reader = engine("reader", "f32", &mut local);
+    connect(&reader, &owner).unwrap();
+    let start = Instant::now();
+    owner.close();
+    reader.close();
+    reader.close();
+    assert!(start.elapsed() < Duration::from_secs(10), "close hung for {:?}", start.elapsed());
+    assert!(matches!(reader.register_region(local.as_mut_ptr() as u64, 8), Err(EngineError::Closed)));
+}

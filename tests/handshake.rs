@@ -1,0 +1,640 @@
+//! The handshake without sockets: wire format, fingerprints, auth math, peer states.
+
+use std::time::{Duration, Instant};
+
+use kvduplex::descriptors::BlockLayout;
+use kvduplex::handshake::auth::{self, Direction};
+use kvduplex::handshake::peers::{Liveness, LivenessAction};
+use kvduplex::handshake::wire::{
+    self, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, FRAME_HEADER_LEN,
+    MAX_CONTROL_FRAME_LEN, MAX_METADATA_FRAME_LEN,
+};
+use kvduplex::handshake::{
+    decode_metadata, encode_metadata, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError,
+    MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, PROTOCOL_VERSION,
+};
+use proptest::prelude::*;
+
+fn fingerprint(fields: &[(&str, &str)]) -> Fingerprint {
+    Fingerprint(
+        fields
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    )
+}
+
+fn metadata() -> EngineMetadata {
+    EngineMetadata {
+        engine_id: "prefill-0".to_owned(),
+        generation: 0xdead_beef_0123_4567,
+        worker_address: vec![7; 300],
+        regions: vec![
+            RegionInfo {
+                addr: 0x7f00_0000_0000,
+                len: 1 << 30,
+                rkey: vec![1, 2, 3],
+                memory: MemoryType::Cuda,
+            },
+            RegionInfo {
+                addr: 0x1000,
+                len: 4096,
+                rkey: vec![],
+                memory: MemoryType::Host,
+            },
+        ],
+        layout: Some(BlockLayout {
+            segment_bases: vec![0x7f00_0000_0000, 0x7f00_4000_0000],
+            block_stride: 65536,
+            block_len: 32768,
+            num_blocks: 1000,
+        }),
+        fingerprint: fingerprint(&[
+            ("model", "llama-3-8b"),
+            ("dtype", "bf16"),
+            ("block_size", "16"),
+        ]),
+    }
+}
+
+/// A frame of `kind` with the given body, header written by hand.
+fn raw_frame(version: u16, kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut bytes = wire::MAGIC.to_vec();
+    bytes.extend_from_slice(&version.to_be_bytes());
+    bytes.push(kind);
+    bytes.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    bytes.extend_from_slice(body);
+    bytes
+}
+
+#[test]
+fn metadata_round_trips() {
+    let m = metadata();
+    assert_eq!(decode_metadata(&encode_metadata(&m)).unwrap(), m);
+    let no_layout = EngineMetadata {
+        layout: None,
+        regions: vec![],
+        ..m
+    };
+    assert_eq!(
+        decode_metadata(&encode_metadata(&no_layout)).unwrap(),
+        no_layout
+    );
+}
+
+#[test]
+fn every_frame_kind_round_trips() {
+    let frames = [
+        Frame::ClientHello(ClientHello {
+            engine_id: "decode-3".to_owned(),
+            fingerprint: fingerprint(&[("tp_size", "2")]),
+            nonce: [9; 32],
+            has_secret: true,
+            heartbeat_ms: 1000,
+        }),
+        Frame::ServerHello(wire::ServerHello {
+            nonce: [4; 32],
+            has_secret: false,
+            heartbeat_ms: 250,
+        }),
+        Frame::AuthProof(wire::AuthProof { mac: [0xab; 32] }),
+        Frame::Refused(Refusal::Incompatible {
+            field: "dtype".to_owned(),
+            ours: "bf16".to_owned(),
+            theirs: "fp8".to_owned(),
+        }),
+        Frame::Refused(Refusal::Other("because".to_owned())),
+        Frame::Metadata(metadata()),
+        Frame::Notify(b"req-17:done".to_vec()),
+        Frame::Notify(Vec::new()),
+        Frame::Ping,
+    ];
+    for frame in frames {
+        let bytes = wire::encode_frame(&frame).unwrap();
+        assert_eq!(wire::decode_frame(&bytes).unwrap(), frame);
+    }
+}
+
+#[test]
+fn version_mismatch_names_both_versions_before_parsing_the_body() {
+    let theirs = PROTOCOL_VERSION + 1;
+    // The body is garbage: the version must be reported, not the garbage.
+    let bytes = raw_frame(theirs, FrameKind::Metadata as u8, b"\xc1\xc1 not msgpack");
+    let err = decode_metadata(&bytes).unwrap_err();
+    assert!(
+        matches!(err, HandshakeError::ProtocolVersion { ours, theirs: t } if ours == PROTOCOL_VERSION && t == theirs),
+        "{err:?}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains(&PROTOCOL_VERSION.to_string()) && message.contains(&theirs.to_string()),
+        "{message}"
+    );
+
+    // A stream reports it as soon as the header is complete, before any body byte.
+    let mut buffer = FrameBuffer::new();
+    buffer.extend(&bytes[..FRAME_HEADER_LEN]);
+    assert!(matches!(
+        buffer.next_frame(),
+        Err(HandshakeError::ProtocolVersion { .. })
+    ));
+}
+
+#[test]
+fn oversized_frames_are_refused_from_the_header() {
+    let mut header = raw_frame(PROTOCOL_VERSION, FrameKind::Ping as u8, &[]);
+    header[7..11].copy_from_slice(&(MAX_CONTROL_FRAME_LEN + 1).to_be_bytes());
+    let mut buffer = FrameBuffer::new();
+    buffer.extend(&header);
+    assert!(matches!(
+        buffer.next_frame(),
+        Err(HandshakeError::FrameTooLarge {
+            kind: FrameKind::Ping,
+            ..
+        })
+    ));
+
+    let mut header = raw_frame(PROTOCOL_VERSION, FrameKind::Metadata as u8, &[]);
+    header[7..11].copy_from_slice(&(MAX_METADATA_FRAME_LEN + 1).to_be_bytes());
+    assert!(matches!(
+        decode_metadata(&header),
+        Err(HandshakeError::FrameTooLarge { .. })
+    ));
+
+    let notify = Frame::Notify(vec![0; wire::MAX_NOTIFY_FRAME_LEN as usize + 1]);
+    assert!(matches!(
+        wire::encode_frame(&notify),
+        Err(HandshakeError::FrameTooLarge { .. })
+    ));
+}
+
+#[test]
+fn malformed_input_is_named() {
+    let err = decode_metadata(b"GET / HTTP/1.1\r\n\r\n").unwrap_err();
+    assert!(
+        matches!(err, HandshakeError::Malformed(ref m) if m.contains("magic")),
+        "{err:?}"
+    );
+    let err = decode_metadata(&raw_frame(PROTOCOL_VERSION, 99, &[])).unwrap_err();
+    assert!(
+        matches!(err, HandshakeError::Malformed(ref m) if m.contains("99")),
+        "{err:?}"
+    );
+    let err = decode_metadata(&wire::encode_frame(&Frame::Ping).unwrap()).unwrap_err();
+    assert!(
+        matches!(err, HandshakeError::Malformed(ref m) if m.contains("Ping")),
+        "{err:?}"
+    );
+    let mut trailing = encode_metadata(&metadata());
+    trailing.push(0);
+    assert!(matches!(
+        decode_metadata(&trailing),
+        Err(HandshakeError::Malformed(_))
+    ));
+    let zero_heartbeat = ClientHello {
+        engine_id: String::new(),
+        fingerprint: Fingerprint::default(),
+        nonce: [0; 32],
+        has_secret: false,
+        heartbeat_ms: 0,
+    };
+    let bytes = wire::encode_frame(&Frame::ClientHello(zero_heartbeat)).unwrap();
+    assert!(
+        matches!(wire::decode_frame(&bytes), Err(HandshakeError::Malformed(m)) if m.contains("heartbeat"))
+    );
+}
+
+#[test]
+fn every_truncation_of_a_valid_encoding_is_an_error() {
+    let bytes = encode_metadata(&metadata());
+    for len in 0..bytes.len() {
+        match decode_metadata(&bytes[..len]) {
+            Err(HandshakeError::Truncated { got, needed }) => {
+                assert_eq!(got, len);
+                assert!(needed > len);
+            }
+            other => panic!("prefix of {len} bytes gave {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn frame_buffer_reassembles_frames_split_anywhere() {
+    let frames = vec![
+        Frame::Ping,
+        Frame::Metadata(metadata()),
+        Frame::Notify(b"x".to_vec()),
+        Frame::Ping,
+    ];
+    let stream: Vec<u8> = frames
+        .iter()
+        .flat_map(|f| wire::encode_frame(f).unwrap())
+        .collect();
+    for chunk in [1, 2, 7, 11, 64, stream.len()] {
+        let mut buffer = FrameBuffer::new();
+        let mut got = Vec::new();
+        for piece in stream.chunks(chunk) {
+            buffer.extend(piece);
+            while let Some(frame) = buffer.next_frame().unwrap() {
+                got.push(frame);
+            }
+        }
+        assert_eq!(got, frames, "chunks of {chunk}");
+    }
+}
+
+fn arb_metadata() -> impl Strategy<Value = EngineMetadata> {
+    (
+        ".{0,20}",
+        any::<u64>(),
+        prop::collection::vec(any::<u8>(), 0..64),
+        prop::collection::vec(
+            (
+                any::<u64>(),
+                any::<u64>(),
+                prop::collection::vec(any::<u8>(), 0..16),
+                any::<bool>(),
+            ),
+            0..4,
+        ),
+        prop::option::of((
+            prop::collection::vec(any::<u64>(), 0..4),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+        )),
+        prop::collection::btree_map(".{0,8}", ".{0,8}", 0..4),
+    )
+        .prop_map(
+            |(engine_id, generation, worker_address, regions, layout, fields)| EngineMetadata {
+                engine_id,
+                generation,
+                worker_address,
+                regions: regions
+                    .into_iter()
+                    .map(|(addr, len, rkey, cuda)| RegionInfo {
+                        addr,
+                        len,
+                        rkey,
+                        memory: if cuda {
+                            MemoryType::Cuda
+                        } else {
+                            MemoryType::Host
+                        },
+                    })
+                    .collect(),
+                layout: layout.map(|(segment_bases, block_stride, block_len, num_blocks)| {
+                    BlockLayout {
+                        segment_bases,
+                        block_stride,
+                        block_len,
+                        num_blocks,
+                    }
+                }),
+                fingerprint: Fingerprint(fields),
+            },
+        )
+}
+
+proptest! {
+    #[test]
+    fn random_bytes_never_decode(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        prop_assert!(decode_metadata(&bytes).is_err());
+    }
+
+    #[test]
+    fn random_bodies_behind_a_valid_header_never_panic(
+        kind in 1u8..=7,
+        body in prop::collection::vec(any::<u8>(), 0..512),
+    ) {
+        let bytes = raw_frame(PROTOCOL_VERSION, kind, &body);
+        let _ = wire::decode_frame(&bytes);
+        let mut buffer = FrameBuffer::new();
+        buffer.extend(&bytes);
+        let _ = buffer.next_frame();
+    }
+
+    #[test]
+    fn arbitrary_metadata_round_trips_and_its_truncations_fail(m in arb_metadata(), cut in any::<prop::sample::Index>()) {
+        let bytes = encode_metadata(&m);
+        prop_assert_eq!(decode_metadata(&bytes).unwrap(), m);
+        let len = cut.index(bytes.len());
+        prop_assert!(decode_metadata(&bytes[..len]).is_err());
+    }
+
+    #[test]
+    fn flipped_bytes_never_panic(m in arb_metadata(), at in any::<prop::sample::Index>(), bits in 1u8..=255) {
+        let mut bytes = encode_metadata(&m);
+        let i = at.index(bytes.len());
+        bytes[i] ^= bits;
+        let _ = decode_metadata(&bytes);
+    }
+}
+
+#[test]
+fn fingerprint_mismatch_names_the_first_differing_field() {
+    let ours = fingerprint(&[("model", "m"), ("dtype", "bf16"), ("tp_size", "2")]);
+    assert!(ours.check_compatible(&ours.clone()).is_ok());
+
+    let theirs = fingerprint(&[("model", "m"), ("dtype", "fp8"), ("tp_size", "4")]);
+    let err = ours.check_compatible(&theirs).unwrap_err();
+    assert!(
+        matches!(&err, HandshakeError::Incompatible { field, ours, theirs } if field == "dtype" && ours == "bf16" && theirs == "fp8"),
+        "{err:?}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("dtype") && message.contains("bf16") && message.contains("fp8"),
+        "{message}"
+    );
+
+    let fewer = fingerprint(&[("model", "m"), ("dtype", "bf16")]);
+    let err = ours.check_compatible(&fewer).unwrap_err();
+    assert!(
+        matches!(&err, HandshakeError::Incompatible { field, ours, theirs } if field == "tp_size" && ours == "2" && theirs == "<missing>"),
+        "{err:?}"
+    );
+    let err = fewer.check_compatible(&ours).unwrap_err();
+    assert!(
+        matches!(&err, HandshakeError::Incompatible { ours, .. } if ours == "<missing>"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn refusals_are_mirrored_to_the_receivers_view() {
+    let sender = HandshakeError::Incompatible {
+        field: "dtype".into(),
+        ours: "bf16".into(),
+        theirs: "fp8".into(),
+    };
+    let received = Refusal::from_error(&sender).into_peer_error();
+    assert!(
+        matches!(&received, HandshakeError::Incompatible { field, ours, theirs } if field == "dtype" && ours == "fp8" && theirs == "bf16"),
+        "{received:?}"
+    );
+    let mirrored = |e: HandshakeError| Refusal::from_error(&e).into_peer_error();
+    assert!(matches!(
+        mirrored(HandshakeError::AuthFailed),
+        HandshakeError::AuthFailed
+    ));
+    assert!(matches!(
+        mirrored(HandshakeError::PeerNotAuthenticated),
+        HandshakeError::AuthRequired
+    ));
+    assert!(matches!(
+        mirrored(HandshakeError::AuthRequired),
+        HandshakeError::PeerNotAuthenticated
+    ));
+    let version = HandshakeError::ProtocolVersion { ours: 1, theirs: 2 };
+    assert!(matches!(mirrored(version), HandshakeError::Refused(m) if m.contains("version")));
+}
+
+#[test]
+fn proofs_verify_only_with_the_same_secret_nonces_and_direction() {
+    let (client_nonce, server_nonce) = (auth::new_nonce().unwrap(), auth::new_nonce().unwrap());
+    assert_ne!(client_nonce, server_nonce);
+    let secret = b"correct horse";
+    let proof = auth::prove(
+        secret,
+        Direction::ClientToServer,
+        &client_nonce,
+        &server_nonce,
+    )
+    .unwrap();
+    assert!(auth::verify(
+        secret,
+        Direction::ClientToServer,
+        &client_nonce,
+        &server_nonce,
+        &proof
+    )
+    .is_ok());
+
+    let fails = |r: Result<(), HandshakeError>| matches!(r, Err(HandshakeError::AuthFailed));
+    assert!(fails(auth::verify(
+        b"wrong",
+        Direction::ClientToServer,
+        &client_nonce,
+        &server_nonce,
+        &proof
+    )));
+    // Reflection: the client's proof is not a valid server proof.
+    assert!(fails(auth::verify(
+        secret,
+        Direction::ServerToClient,
+        &client_nonce,
+        &server_nonce,
+        &proof
+    )));
+    // Replay on another connection: other nonces.
+    assert!(fails(auth::verify(
+        secret,
+        Direction::ClientToServer,
+        &server_nonce,
+        &client_nonce,
+        &proof
+    )));
+    let mut tampered = proof;
+    tampered[31] ^= 1;
+    assert!(fails(auth::verify(
+        secret,
+        Direction::ClientToServer,
+        &client_nonce,
+        &server_nonce,
+        &tampered
+    )));
+}
+
+#[test]
+fn auth_is_negotiated_only_when_both_sides_have_a_secret() {
+    let secret: &[u8] = b"s";
+    assert_eq!(
+        auth::negotiate_auth(Some(secret), true).unwrap(),
+        Some(secret)
+    );
+    assert_eq!(auth::negotiate_auth(None, false).unwrap(), None);
+    assert!(matches!(
+        auth::negotiate_auth(Some(secret), false),
+        Err(HandshakeError::PeerNotAuthenticated)
+    ));
+    assert!(matches!(
+        auth::negotiate_auth(None, true),
+        Err(HandshakeError::AuthRequired)
+    ));
+}
+
+fn policy() -> RetryPolicy {
+    RetryPolicy {
+        first_backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_secs(5),
+        connect_deadline: Duration::from_secs(30),
+    }
+}
+
+#[test]
+fn backoff_doubles_up_to_its_cap() {
+    let p = policy();
+    let waits: Vec<u64> = (1..=9).map(|n| p.backoff(n).as_millis() as u64).collect();
+    assert_eq!(waits, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+    assert_eq!(p.backoff(u32::MAX), Duration::from_secs(5));
+}
+
+#[test]
+fn failed_connects_back_off_until_the_deadline() {
+    let mut table = PeerTable::new(policy());
+    let t0 = Instant::now();
+    let key = "10.0.0.2:5600";
+    assert_eq!(table.state(key), &PeerState::Unknown);
+    assert_eq!(
+        table.begin_connect(key, t0),
+        ConnectDecision::Connect { attempt: 1 }
+    );
+    assert_eq!(table.begin_connect(key, t0), ConnectDecision::InProgress);
+    table.on_failed(key, "connection refused", t0);
+    let retry_at = t0 + Duration::from_millis(100);
+    assert_eq!(
+        table.state(key),
+        &PeerState::Failed {
+            error: "connection refused".into(),
+            attempts: 1,
+            retry_at: Some(retry_at)
+        }
+    );
+    assert_eq!(
+        table.begin_connect(key, t0 + Duration::from_millis(99)),
+        ConnectDecision::RetryAt(retry_at)
+    );
+
+    // Each failure doubles the wait, measured from the failure.
+    let mut now = retry_at;
+    let mut expected_wait = Duration::from_millis(200);
+    for attempt in 2..=6 {
+        assert_eq!(
+            table.begin_connect(key, now),
+            ConnectDecision::Connect { attempt }
+        );
+        table.on_failed(key, "refused", now);
+        let PeerState::Failed {
+            retry_at: Some(at),
+            attempts,
+            ..
+        } = table.state(key).clone()
+        else {
+            panic!("{:?}", table.state(key));
+        };
+        assert_eq!((attempts, at - now), (attempt, expected_wait));
+        now = at;
+        expected_wait *= 2;
+    }
+
+    // A retry that would land past the deadline is not scheduled: the peer is given up on.
+    let late = t0 + Duration::from_secs(29);
+    assert!(matches!(
+        table.begin_connect(key, late),
+        ConnectDecision::Connect { .. }
+    ));
+    table.on_failed(key, "still refused", late);
+    assert!(matches!(
+        table.state(key),
+        PeerState::Failed { retry_at: None, .. }
+    ));
+    assert_eq!(
+        table.begin_connect(key, late + Duration::from_secs(60)),
+        ConnectDecision::GaveUp {
+            error: "still refused".into(),
+            attempts: 7
+        }
+    );
+
+    // Marking it dead starts afresh, with a new deadline.
+    table.mark_dead(key);
+    assert_eq!(table.state(key), &PeerState::Unknown);
+    let later = late + Duration::from_secs(120);
+    assert_eq!(
+        table.begin_connect(key, later),
+        ConnectDecision::Connect { attempt: 1 }
+    );
+    table.on_failed(key, "refused", later);
+    assert!(matches!(
+        table.state(key),
+        PeerState::Failed {
+            retry_at: Some(_),
+            attempts: 1,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
+    let mut table = PeerTable::new(policy());
+    let now = Instant::now();
+    let key = "owner:5600";
+    let mut m = metadata();
+    assert_eq!(
+        table.begin_connect(key, now),
+        ConnectDecision::Connect { attempt: 1 }
+    );
+    assert!(
+        !table.on_ready(key, &m),
+        "a first connection is not a restart"
+    );
+    assert_eq!(
+        table.state(key),
+        &PeerState::Ready {
+            engine_id: m.engine_id.clone(),
+            generation: m.generation
+        }
+    );
+    assert_eq!(table.begin_connect(key, now), ConnectDecision::AlreadyReady);
+
+    table.mark_dead(key);
+    assert_eq!(table.state(key), &PeerState::Unknown);
+    assert_eq!(
+        table.begin_connect(key, now),
+        ConnectDecision::Connect { attempt: 1 }
+    );
+    assert!(
+        !table.on_ready(key, &m),
+        "same generation: the peer only reconnected"
+    );
+
+    table.mark_dead(key);
+    m.generation += 1;
+    assert_eq!(
+        table.begin_connect(key, now),
+        ConnectDecision::Connect { attempt: 1 }
+    );
+    assert!(
+        table.on_ready(key, &m),
+        "new generation: the peer restarted"
+    );
+
+    // Other peers are independent.
+    assert_eq!(table.state("other:1"), &PeerState::Unknown);
+    table.mark_dead("never-seen:1");
+    assert_eq!(table.state("never-seen:1"), &PeerState::Unknown);
+}
+
+#[test]
+fn liveness_pings_every_heartbeat_and_declares_death_after_three_silent_ones() {
+    let t0 = Instant::now();
+    let ms = Duration::from_millis;
+    let mut liveness = Liveness::new(t0, ms(100), ms(200));
+    assert_eq!(liveness.poll(t0), LivenessAction::Wait(ms(100)));
+    assert_eq!(liveness.poll(t0 + ms(100)), LivenessAction::SendPing);
+    liveness.on_ping_sent(t0 + ms(100));
+    assert_eq!(liveness.poll(t0 + ms(150)), LivenessAction::Wait(ms(50)));
+    liveness.on_frame_received(t0 + ms(150));
+    liveness.on_ping_sent(t0 + ms(200));
+    liveness.on_ping_sent(t0 + ms(700));
+    // Silence is measured against the peer's heartbeat: 3 × 200 ms after the last frame.
+    assert_eq!(liveness.poll(t0 + ms(740)), LivenessAction::Wait(ms(10)));
+    assert_eq!(
+        liveness.poll(t0 + ms(750)),
+        LivenessAction::Dead {
+            silent_for: ms(600)
+        }
+    );
+}

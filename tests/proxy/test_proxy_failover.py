@@ -1,0 +1,182 @@
+"""Dead and sick upstreams: taken out, failed over, retried with backoff; a conversation whose D is
+gone recomputes."""
+
+from __future__ import annotations
+
+import time
+
+from kvduplex.proxy.balancer import UpstreamPool
+from kvduplex.proxy.config import parse_upstream
+from kvduplex.proxy.metrics import ProxyMetrics
+
+from conftest import FakeClock
+from test_proxy_flow import NO_PULL, post, sse_events
+
+
+def healthy(proxy, role: str, engine) -> float:
+    return proxy.metric(
+        "kvduplex_proxy_upstream_healthy", role=role, upstream=f"127.0.0.1:{engine.port}"
+    )
+
+
+def test_pool_picks_least_outstanding_and_backs_off_exponentially():
+    clock = FakeClock()
+    targets = tuple(parse_upstream(f"127.0.0.1:{port}") for port in (1001, 1002, 1003))
+    pool = UpstreamPool(
+        "decode", targets, ProxyMetrics(), backoff_initial_s=1, backoff_max_s=3, clock=clock
+    )
+    a, b, c = pool.upstreams
+
+    with pool.track(a), pool.track(b), pool.track(b):
+        assert pool.pick() is c
+        with pool.track(c), pool.track(c), pool.track(c):
+            assert pool.pick() is a
+    assert {pool.pick().address for _ in range(3)} == {a.address, b.address, c.address}
+
+    for expected_backoff in (1, 2, 3, 3):
+        pool.mark_failed(a, "test")
+        assert a.retry_at == clock.now + expected_backoff
+    pool.mark_failed(b, "test")
+    pool.mark_failed(c, "test")
+    assert pool.pick() is None and not pool.any_healthy()
+    clock.advance(1)
+    # Backoff over: b and c get a trial; a (longer backoff) does not yet.
+    assert {pool.pick().address for _ in range(4)} == {b.address, c.address}
+    pool.mark_ok(b)
+    assert pool.pick() is b and pool.pick(frozenset({b.address})) is c
+    assert [u.address for u in pool.due_for_probe()] == [b.address, c.address]
+
+
+def test_dead_prefill_is_taken_out_and_retried_after_backoff(cluster, clock):
+    p0, p1, d = cluster.engine("p0"), cluster.engine("p1"), cluster.engine("d")
+    proxy = cluster.proxy([p0, p1], [d], clock=clock, backoff_initial_s=10)
+
+    cluster.stop_engine(p0)
+    for _ in range(4):
+        response = post(proxy)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvduplex-prefill"] == f"127.0.0.1:{p1.port}"
+    assert healthy(proxy, "prefill", p0) == 0
+    assert (
+        proxy.metric(
+            "kvduplex_proxy_upstream_failures_total",
+            role="prefill",
+            upstream=f"127.0.0.1:{p0.port}",
+        )
+        == 1
+    )
+
+    cluster.restart_engine(p0)
+    # Still in backoff: no probe, no traffic.
+    proxy.check_health()
+    assert healthy(proxy, "prefill", p0) == 0
+    clock.advance(10)
+    proxy.check_health()
+    assert healthy(proxy, "prefill", p0) == 1
+    used = {post(proxy).headers["x-kvduplex-prefill"] for _ in range(4)}
+    assert used == {f"127.0.0.1:{p0.port}", f"127.0.0.1:{p1.port}"}
+
+
+def test_no_live_prefill_gives_503(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d], backoff_initial_s=30)
+    cluster.stop_engine(p)
+
+    for _ in range(2):
+        response = post(proxy)
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == "no prefill server available"
+    assert proxy.client.get("/health").status_code == 503
+    assert d.requests == []
+
+
+def test_dead_decode_fails_over_before_the_response_starts(cluster):
+    p, d0, d1 = cluster.engine("p"), cluster.engine("d0"), cluster.engine("d1")
+    proxy = cluster.proxy([p], [d0, d1], backoff_initial_s=30)
+    cluster.stop_engine(d0)
+
+    for stream in (False, True, False, True):
+        response = post(proxy, stream=stream)
+        assert response.status_code == 200
+        assert response.headers["x-kvduplex-decode"] == f"127.0.0.1:{d1.port}"
+    assert sse_events(response.content)[-1]["choices"][0]["finish_reason"] == "length"
+    assert healthy(proxy, "decode", d0) == 0
+
+
+def test_conversation_whose_decode_server_is_gone_recomputes(cluster):
+    p, d0, d1 = cluster.engine("p"), cluster.engine("d0"), cluster.engine("d1")
+    proxy = cluster.proxy([p], [d0, d1], backoff_initial_s=30)
+    holder_of = {}
+    for c in ("first", "second"):
+        holder_of[c] = post(proxy, conversation=c).headers["x-kvduplex-decode"]
+    d0_address = f"127.0.0.1:{d0.port}"
+    on_d0 = [c for c, holder in holder_of.items() if holder == d0_address]
+    # Least-outstanding ties alternate, so exactly one conversation lives on each D.
+    assert len(on_d0) == 1
+
+    cluster.stop_engine(d0)
+    proxy.check_health()
+    assert healthy(proxy, "decode", d0) == 0
+    response = post(proxy, conversation=on_d0[0])
+    assert response.status_code == 200
+    assert response.headers["x-kvduplex-conversation"] == "decode_unavailable"
+    assert response.headers["x-kvduplex-decode"] == f"127.0.0.1:{d1.port}"
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    # The recomputed turn lives on d1 now: the next turn pulls from there.
+    post(proxy, conversation=on_d0[0])
+    assert p.bodies()[-1]["kv_transfer_params"] == d1.returned_params[-2]
+
+
+def test_decode_dying_unnoticed_fails_over_and_the_conversation_moves(cluster):
+    p, d0, d1 = cluster.engine("p"), cluster.engine("d0"), cluster.engine("d1")
+    proxy = cluster.proxy([p], [d0, d1], backoff_initial_s=30)
+    assert post(proxy, conversation="c").headers["x-kvduplex-decode"] == f"127.0.0.1:{d0.port}"
+
+    cluster.stop_engine(d0)
+    response = post(proxy, conversation="c")
+    # The proxy still believed d0 alive: P was told to pull from it (the connector falls back to
+    # recomputing when the pull fails), and decoding moved to d1.
+    assert response.status_code == 200
+    assert response.headers["x-kvduplex-conversation"] == "hit"
+    assert response.headers["x-kvduplex-decode"] == f"127.0.0.1:{d1.port}"
+    assert p.bodies()[-1]["kv_transfer_params"] == d0.returned_params[0]
+    post(proxy, conversation="c")
+    assert p.bodies()[-1]["kv_transfer_params"] == d1.returned_params[0]
+
+
+def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d], backoff_initial_s=30)
+    d.abort_stream_after = 1
+
+    response = post(proxy, conversation="c", stream=True)
+    assert response.status_code == 200
+    events = sse_events(response.content)
+    assert events[0]["choices"][0]["text"] == "d"
+    assert "failed mid-stream" in events[-1]["error"]["message"]
+    assert healthy(proxy, "decode", d) == 0
+    assert proxy.metric("kvduplex_proxy_errors_total", kind="stream_aborted") == 1
+    assert proxy.metric("kvduplex_proxy_conversations_stored_total") == 0
+    assert (
+        proxy.metric(
+            "kvduplex_proxy_upstream_outstanding", role="decode", upstream=f"127.0.0.1:{d.port}"
+        )
+        == 0
+    )
+
+
+def test_periodic_probes_take_out_and_bring_back_a_sick_server(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d], health_interval_s=0.02, backoff_initial_s=0.05)
+
+    def wait_for_health_status(status: int) -> None:
+        deadline = time.monotonic() + 20
+        while proxy.client.get("/health").status_code != status:
+            assert time.monotonic() < deadline, f"proxy /health never answered {status}"
+            time.sleep(0.01)
+
+    d.healthy = False
+    wait_for_health_status(503)
+    d.healthy = True
+    wait_for_health_status(200)
+    assert post(proxy).status_code == 200

@@ -1,0 +1,633 @@
+//! The side channel over real TCP on 127.0.0.1.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, Once};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvduplex::handshake::auth::{self, Direction};
+use kvduplex::handshake::wire::{
+    self, AuthProof, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, ServerHello,
+};
+use kvduplex::handshake::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
+use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
+
+const HEARTBEAT: Duration = Duration::from_millis(100);
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+fn fingerprint(dtype: &str) -> Fingerprint {
+    Fingerprint(
+        [("model", "llama"), ("dtype", dtype), ("block_size", "16")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+    )
+}
+
+fn metadata(engine_id: &str) -> EngineMetadata {
+    EngineMetadata {
+        engine_id: engine_id.to_owned(),
+        generation: 42,
+        worker_address: vec![1, 2, 3, 4],
+        regions: vec![],
+        layout: None,
+        fingerprint: fingerprint("bf16"),
+    }
+}
+
+fn start(secret: Option<&[u8]>) -> SideChannelServer {
+    let config = SideChannelConfig {
+        host: "127.0.0.1".to_owned(),
+        port: 0,
+        secret: secret.map(<[u8]>::to_vec),
+        heartbeat: HEARTBEAT,
+    };
+    SideChannelServer::start(config, metadata("owner")).unwrap()
+}
+
+fn connect_as(
+    server: &SideChannelServer,
+    engine_id: &str,
+    fp: &Fingerprint,
+    secret: Option<&[u8]>,
+) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
+    PeerLink::connect(
+        "127.0.0.1",
+        server.local_addr().port(),
+        engine_id,
+        fp,
+        secret,
+        TIMEOUT,
+        HEARTBEAT,
+    )
+}
+
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if done() {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    done()
+}
+
+/// Captures log lines so tests can check what the server reported on its side.
+struct Capture;
+static LOGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+impl log::Log for Capture {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record) {
+        LOGS.lock()
+            .unwrap()
+            .push(format!("{} {}", record.level(), record.args()));
+    }
+    fn flush(&self) {}
+}
+
+fn capture_logs() {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        log::set_logger(&Capture).unwrap();
+        log::set_max_level(log::LevelFilter::Info);
+    });
+}
+
+/// Waits for a server log line containing every one of `parts`.
+fn server_logged(parts: &[&str]) -> bool {
+    wait_until(Duration::from_secs(2), || {
+        LOGS.lock()
+            .unwrap()
+            .iter()
+            .any(|line| parts.iter().all(|part| line.contains(part)))
+    })
+}
+
+/// A client speaking the protocol by hand, to see exactly what the server sends.
+struct RawClient {
+    stream: TcpStream,
+    frames: FrameBuffer,
+}
+
+impl RawClient {
+    fn connect(server: &SideChannelServer) -> Self {
+        let stream = TcpStream::connect(server.local_addr()).unwrap();
+        stream.set_read_timeout(Some(TIMEOUT)).unwrap();
+        Self {
+            stream,
+            frames: FrameBuffer::new(),
+        }
+    }
+
+    fn send(&mut self, frame: &Frame) {
+        self.stream
+            .write_all(&wire::encode_frame(frame).unwrap())
+            .unwrap();
+    }
+
+    /// The next frame, or `None` once the server closed the connection.
+    fn receive(&mut self) -> Option<Result<Frame, HandshakeError>> {
+        let mut chunk = [0u8; 4096];
+        loop {
+            match self.frames.next_frame() {
+                Ok(Some(frame)) => return Some(Ok(frame)),
+                Ok(None) => {}
+                Err(e) => return Some(Err(e)),
+            }
+            match self.stream.read(&mut chunk) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.frames.extend(&chunk[..n]),
+            }
+        }
+    }
+
+    fn hello(
+        &mut self,
+        engine_id: &str,
+        fp: Fingerprint,
+        has_secret: bool,
+        nonce: [u8; 32],
+    ) -> ServerHello {
+        self.send(&Frame::ClientHello(ClientHello {
+            engine_id: engine_id.to_owned(),
+            fingerprint: fp,
+            nonce,
+            has_secret,
+            heartbeat_ms: 50,
+        }));
+        match self.receive() {
+            Some(Ok(Frame::ServerHello(hello))) => hello,
+            other => panic!("expected a server hello, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_client_fetches_the_metadata() {
+    let server = start(None);
+    let (link, meta) = connect_as(&server, "reader", &fingerprint("bf16"), None).unwrap();
+    assert_eq!(meta, metadata("owner"));
+    assert!(link.is_alive());
+}
+
+#[test]
+fn set_metadata_is_seen_by_later_clients() {
+    let server = start(None);
+    let (_early, before) = connect_as(&server, "early", &fingerprint("bf16"), None).unwrap();
+    let mut updated = metadata("owner");
+    updated.worker_address = vec![9; 1000];
+    updated.generation = 43;
+    server.set_metadata(updated.clone());
+    let (_late, after) = connect_as(&server, "late", &fingerprint("bf16"), None).unwrap();
+    assert_eq!(before, metadata("owner"));
+    assert_eq!(after, updated);
+}
+
+#[test]
+fn notifications_arrive_once_in_order_with_the_senders_id() {
+    let server = start(None);
+    let wakes = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&wakes);
+    server.set_notification_waker(Box::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+    }));
+    let (a, _) = connect_as(&server, "reader-a", &fingerprint("bf16"), None).unwrap();
+    let (b, _) = connect_as(&server, "reader-b", &fingerprint("bf16"), None).unwrap();
+    const EACH: usize = 200;
+    let senders = [("reader-a", a), ("reader-b", b)].map(|(name, link)| {
+        thread::spawn(move || {
+            for i in 0..EACH {
+                link.notify(format!("{name}:{i}").as_bytes()).unwrap();
+            }
+            link
+        })
+    });
+    let _links: Vec<PeerLink> = senders.into_iter().map(|t| t.join().unwrap()).collect();
+
+    let mut received = Vec::new();
+    assert!(wait_until(TIMEOUT, || {
+        received.extend(server.take_notifications());
+        received.len() >= 2 * EACH
+    }));
+    thread::sleep(3 * HEARTBEAT);
+    received.extend(server.take_notifications());
+    assert_eq!(received.len(), 2 * EACH, "no duplicates");
+    for name in ["reader-a", "reader-b"] {
+        let payloads: Vec<String> = received
+            .iter()
+            .filter(|n| n.from_engine_id == name)
+            .map(|n| String::from_utf8(n.payload.clone()).unwrap())
+            .collect();
+        let expected: Vec<String> = (0..EACH).map(|i| format!("{name}:{i}")).collect();
+        assert_eq!(payloads, expected);
+    }
+    assert_eq!(wakes.load(Ordering::SeqCst), 2 * EACH);
+    assert!(server.take_notifications().is_empty());
+}
+
+#[test]
+fn matching_secrets_authenticate() {
+    let server = start(Some(b"s3cret"));
+    let (link, meta) =
+        connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
+    assert_eq!(meta.engine_id, "owner");
+    link.notify(b"hi").unwrap();
+    assert!(wait_until(TIMEOUT, || !server
+        .take_notifications()
+        .is_empty()));
+}
+
+#[test]
+fn a_client_without_the_secret_gets_auth_required() {
+    capture_logs();
+    let server = start(Some(b"s3cret"));
+    let err = connect_as(&server, "no-secret-reader", &fingerprint("bf16"), None).unwrap_err();
+    assert!(matches!(err, HandshakeError::AuthRequired), "{err:?}");
+    assert!(server_logged(&["WARN", "no-secret-reader", "has none"]));
+}
+
+#[test]
+fn a_wrong_secret_fails_on_both_sides() {
+    capture_logs();
+    let server = start(Some(b"s3cret"));
+    let err = connect_as(
+        &server,
+        "wrong-secret-reader",
+        &fingerprint("bf16"),
+        Some(b"guess"),
+    )
+    .unwrap_err();
+    assert!(matches!(err, HandshakeError::AuthFailed), "{err:?}");
+    assert!(server_logged(&[
+        "WARN",
+        "wrong-secret-reader",
+        "authentication failed"
+    ]));
+
+    // What the server sends a client with a wrong proof.
+    let mut raw = RawClient::connect(&server);
+    let nonce = [5; 32];
+    let server_hello = raw.hello("raw", fingerprint("bf16"), true, nonce);
+    let mac = auth::prove(
+        b"guess",
+        Direction::ClientToServer,
+        &nonce,
+        &server_hello.nonce,
+    )
+    .unwrap();
+    raw.send(&Frame::AuthProof(AuthProof { mac }));
+    assert!(matches!(
+        raw.receive(),
+        Some(Ok(Frame::Refused(Refusal::AuthFailed)))
+    ));
+}
+
+#[test]
+fn a_client_with_a_secret_refuses_a_server_without_one() {
+    capture_logs();
+    let server = start(None);
+    let err = connect_as(
+        &server,
+        "secret-reader",
+        &fingerprint("bf16"),
+        Some(b"s3cret"),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, HandshakeError::PeerNotAuthenticated),
+        "{err:?}"
+    );
+    assert!(server_logged(&[
+        "WARN",
+        "secret-reader",
+        "requires a shared secret"
+    ]));
+}
+
+#[test]
+fn incompatible_fingerprints_are_refused_on_both_sides_naming_the_field() {
+    capture_logs();
+    let server = start(None);
+    let err = connect_as(&server, "fp8-reader", &fingerprint("fp8"), None).unwrap_err();
+    assert!(
+        matches!(&err, HandshakeError::Incompatible { field, ours, theirs } if field == "dtype" && ours == "fp8" && theirs == "bf16"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("dtype"));
+    assert!(server_logged(&[
+        "WARN",
+        "fp8-reader",
+        "`dtype` is bf16 here but fp8 on the peer"
+    ]));
+}
+
+#[test]
+fn garbage_and_truncated_clients_leave_the_server_serving() {
+    let server = start(None);
+    let (survivor, _) = connect_as(&server, "survivor", &fingerprint("bf16"), None).unwrap();
+
+    let mut garbage = TcpStream::connect(server.local_addr()).unwrap();
+    garbage
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut reply = Vec::new();
+    garbage.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let _ = garbage.read_to_end(&mut reply);
+    assert!(
+        matches!(wire::decode_frame(&reply), Ok(Frame::Refused(Refusal::Other(m))) if m.contains("magic")),
+        "{reply:?}"
+    );
+
+    // Half a hello, then gone.
+    let hello = wire::encode_frame(&Frame::ClientHello(ClientHello {
+        engine_id: "half".to_owned(),
+        fingerprint: fingerprint("bf16"),
+        nonce: [0; 32],
+        has_secret: false,
+        heartbeat_ms: 100,
+    }))
+    .unwrap();
+    let mut truncated = TcpStream::connect(server.local_addr()).unwrap();
+    truncated.write_all(&hello[..hello.len() / 2]).unwrap();
+    drop(truncated);
+
+    // A header claiming a huge body.
+    let mut huge = TcpStream::connect(server.local_addr()).unwrap();
+    let mut header = hello[..wire::FRAME_HEADER_LEN].to_vec();
+    header[7..11].copy_from_slice(&u32::MAX.to_be_bytes());
+    huge.write_all(&header).unwrap();
+
+    let (link, meta) = connect_as(&server, "next", &fingerprint("bf16"), None).unwrap();
+    assert_eq!(meta.engine_id, "owner");
+    assert!(link.is_alive() && survivor.is_alive());
+    survivor.notify(b"still here").unwrap();
+    assert!(wait_until(TIMEOUT, || server
+        .take_notifications()
+        .iter()
+        .any(|n| n.payload == b"still here")));
+}
+
+#[test]
+fn a_protocol_version_mismatch_is_reported_on_both_sides() {
+    let server = start(None);
+    let mut future_client = TcpStream::connect(server.local_addr()).unwrap();
+    let mut frame = wire::encode_frame(&Frame::Ping).unwrap();
+    frame[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_be_bytes());
+    future_client.write_all(&frame).unwrap();
+    future_client.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut reply = Vec::new();
+    let _ = future_client.read_to_end(&mut reply);
+
+    // The server's refusal is framed in its own version, which is what the newer client sees
+    // first; a client of the server's version can read why.
+    assert_eq!(&reply[4..6], &PROTOCOL_VERSION.to_be_bytes());
+    assert_eq!(reply[6], FrameKind::Refused as u8);
+    let Ok(Frame::Refused(Refusal::Other(reason))) = wire::decode_frame(&reply) else {
+        panic!("{reply:?}");
+    };
+    assert!(reason.contains("ours is 1, theirs is 2"), "{reason}");
+}
+
+#[test]
+fn a_client_reports_a_server_of_another_version() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let future_server = thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let mut refusal =
+            wire::encode_frame(&Frame::Refused(Refusal::Other("v2 only".to_owned()))).unwrap();
+        refusal[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_be_bytes());
+        stream.write_all(&refusal).unwrap();
+    });
+    let err = PeerLink::connect(
+        "127.0.0.1",
+        port,
+        "r",
+        &Fingerprint::default(),
+        None,
+        TIMEOUT,
+        HEARTBEAT,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, HandshakeError::ProtocolVersion { ours, theirs } if ours == PROTOCOL_VERSION && theirs == PROTOCOL_VERSION + 1),
+        "{err:?}"
+    );
+    future_server.join().unwrap();
+}
+
+#[test]
+fn on_death_fires_when_the_server_shuts_down() {
+    let mut server = start(None);
+    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), None).unwrap();
+    let (sender, deaths) = mpsc::channel();
+    link.on_death(Box::new(move |reason| sender.send(reason).unwrap()));
+    let killed_at = Instant::now();
+    server.shutdown();
+    let reason = deaths
+        .recv_timeout(3 * HEARTBEAT + Duration::from_millis(500))
+        .unwrap();
+    assert!(
+        killed_at.elapsed() < 3 * HEARTBEAT + Duration::from_millis(500),
+        "{reason}"
+    );
+    assert!(!link.is_alive());
+    assert!(
+        deaths.recv_timeout(3 * HEARTBEAT).is_err(),
+        "called once only"
+    );
+    assert!(matches!(
+        link.notify(b"late"),
+        Err(HandshakeError::PeerGone(_))
+    ));
+
+    // Registered after the death: runs at once.
+    let (sender, late) = mpsc::channel();
+    link.on_death(Box::new(move |reason| sender.send(reason).unwrap()));
+    assert_eq!(late.try_recv().unwrap(), reason);
+}
+
+#[test]
+fn on_death_fires_after_three_silent_heartbeats() {
+    // An owner that completes the handshake, then says nothing more.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let owner = thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut raw = RawClient {
+            stream,
+            frames: FrameBuffer::new(),
+        };
+        assert!(matches!(raw.receive(), Some(Ok(Frame::ClientHello(_)))));
+        raw.send(&Frame::ServerHello(ServerHello {
+            nonce: [1; 32],
+            has_secret: false,
+            heartbeat_ms: 50,
+        }));
+        raw.send(&Frame::Metadata(metadata("silent-owner")));
+        // Keep the socket open (and read the reader's pings) until the reader gives up.
+        while raw.receive().is_some() {}
+    });
+    let connected_at = Instant::now();
+    let (link, meta) = PeerLink::connect(
+        "127.0.0.1",
+        port,
+        "reader",
+        &fingerprint("bf16"),
+        None,
+        TIMEOUT,
+        HEARTBEAT,
+    )
+    .unwrap();
+    assert_eq!(meta.engine_id, "silent-owner");
+    let (sender, deaths) = mpsc::channel();
+    link.on_death(Box::new(move |reason| sender.send(reason).unwrap()));
+    let reason = deaths.recv_timeout(Duration::from_secs(2)).unwrap();
+    let silent = connected_at.elapsed();
+    assert!(
+        silent >= Duration::from_millis(150),
+        "declared dead after {silent:?}: {reason}"
+    );
+    assert!(reason.contains("no frame"), "{reason}");
+    drop(link);
+    owner.join().unwrap();
+}
+
+#[test]
+fn the_server_drops_a_client_that_went_silent() {
+    let server = start(None);
+    let mut raw = RawClient::connect(&server);
+    raw.hello("mute", fingerprint("bf16"), false, [3; 32]);
+    assert!(matches!(raw.receive(), Some(Ok(Frame::Metadata(_)))));
+    // Announced a 50 ms heartbeat and never pings: closed after about 150 ms, with the
+    // server's own pings arriving meanwhile.
+    let silent_since = Instant::now();
+    let mut pings = 0;
+    while let Some(frame) = raw.receive() {
+        assert!(matches!(frame, Ok(Frame::Ping)));
+        pings += 1;
+    }
+    let closed_after = silent_since.elapsed();
+    assert!(closed_after < Duration::from_secs(2), "{closed_after:?}");
+    assert!(pings <= 3, "{pings} pings");
+}
+
+#[test]
+fn shutdown_joins_promptly_with_clients_connected() {
+    let mut server = start(Some(b"k"));
+    let links: Vec<PeerLink> = (0..4)
+        .map(|i| {
+            connect_as(
+                &server,
+                &format!("reader-{i}"),
+                &fingerprint("bf16"),
+                Some(b"k"),
+            )
+            .unwrap()
+            .0
+        })
+        .collect();
+    // One that connected and said nothing, one stuck mid-handshake.
+    let _idle = TcpStream::connect(server.local_addr()).unwrap();
+    let mut mid = RawClient::connect(&server);
+    mid.hello("mid", fingerprint("bf16"), true, [2; 32]);
+    thread::sleep(Duration::from_millis(50));
+
+    let started = Instant::now();
+    server.shutdown();
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+    assert!(wait_until(TIMEOUT, || links.iter().all(|l| !l.is_alive())));
+    assert!(TcpStream::connect(server.local_addr()).is_err());
+    drop(server); // a second shutdown is a no-op
+}
+
+#[test]
+fn closing_a_link_does_not_report_a_death() {
+    let server = start(None);
+    let (link, _) = connect_as(&server, "closer", &fingerprint("bf16"), None).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&calls);
+    link.on_death(Box::new(move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+    }));
+    link.close();
+    thread::sleep(3 * HEARTBEAT);
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn bad_configurations_and_unreachable_servers_are_errors() {
+    let zero = SideChannelConfig {
+        heartbeat: Duration::ZERO,
+        ..SideChannelConfig::default()
+    };
+    assert!(matches!(
+        SideChannelServer::start(zero, metadata("x")),
+        Err(HandshakeError::Config(_))
+    ));
+    let empty = SideChannelConfig {
+        secret: Some(Vec::new()),
+        ..SideChannelConfig::default()
+    };
+    assert!(matches!(
+        SideChannelServer::start(empty, metadata("x")),
+        Err(HandshakeError::Config(_))
+    ));
+    let config = SideChannelConfig {
+        secret: Some(b"hidden".to_vec()),
+        ..SideChannelConfig::default()
+    };
+    assert!(!format!("{config:?}").contains("hidden"));
+
+    // A port nobody listens on.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let err = PeerLink::connect(
+        "127.0.0.1",
+        port,
+        "r",
+        &Fingerprint::default(),
+        None,
+        TIMEOUT,
+        HEARTBEAT,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, HandshakeError::Unreachable { address, .. } if address.ends_with(&port.to_string())),
+        "{err:?}"
+    );
+
+    // A server that accepts and never answers.
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = mute.local_addr().unwrap().port();
+    let started = Instant::now();
+    let err = PeerLink::connect(
+        "127.0.0.1",
+        port,
+        "r",
+        &Fingerprint::default(),
+        None,
+        Duration::from_millis(200),
+        HEARTBEAT,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, HandshakeError::Timeout { waiting_for, .. } if waiting_for.contains("hello")),
+        "{err:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let _ = mute.accept().map(|(s, _)| s.shutdown(Shutdown::Both));
+}

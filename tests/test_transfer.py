@@ -1,0 +1,271 @@
+"""Two real processes reading each other's memory over real UCX (tcp and shared memory)."""
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvduplex._core as core
+from kvduplex._core import Engine
+
+HERE = Path(__file__).parent
+BLOCK = 16 * 1024
+NUM_BLOCKS = 512
+TRANSPORTS = {"tcp": "tcp,self", "shm": "sm,self"}
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+class Owner:
+    """An engine in another process that owns `NUM_BLOCKS` blocks of random bytes."""
+
+    def __init__(self, engine_id: str, ucx_tls: str, seed: int = 7, **spec):
+        env = dict(os.environ, UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo")
+        spec = {"engine_id": engine_id, "seed": seed, "block_len": BLOCK, "num_blocks": NUM_BLOCKS, **spec}
+        self.seed = seed
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "transfer_peer.py"), json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"owner process exited with {self.proc.wait()}")
+        self.port = json.loads(line)["port"]
+
+    def expected_block(self, block_id: int) -> np.ndarray:
+        whole = pattern(self.seed, NUM_BLOCKS * BLOCK)
+        return whole[block_id * BLOCK:(block_id + 1) * BLOCK]
+
+    def notifications(self, expected: int, timeout_s: float = 30) -> list[dict]:
+        """Waits for `expected` notifications, then stops the owner and returns every
+        notification it printed (so extra or duplicate ones show up too)."""
+        lines = []
+        deadline = time.monotonic() + timeout_s
+        while len(lines) < expected and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+        time.sleep(0.2)  # room for a duplicate to show up before the owner stops
+        self.proc.stdin.close()
+        lines.extend(self.proc.stdout.read().splitlines())
+        self.proc.wait(timeout=30)
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Reader:
+    def __init__(self, engine_id: str, ucx_tls: str, **kwargs):
+        os.environ["UCX_TLS"] = ucx_tls  # read once, when the UCX context is created
+        self.buf = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+        self.engine = Engine(engine_id, kwargs.pop("fingerprint", {"model": "tiny"}), **kwargs)
+        base = self.buf.ctypes.data
+        self.engine.register_region(base, self.buf.nbytes)
+        self.engine.set_layout([base], BLOCK, BLOCK, NUM_BLOCKS)
+
+    def block(self, block_id: int) -> np.ndarray:
+        return self.buf[block_id * BLOCK:(block_id + 1) * BLOCK]
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request):
+    return TRANSPORTS[request.param]
+
+
+@pytest.fixture
+def owner_reader(transport):
+    owner = Owner("owner", transport)
+    reader = Reader("reader", transport)
+    yield owner, reader
+    reader.engine.close()
+    if owner.proc.poll() is None:
+        owner.kill()
+
+
+def test_scattered_and_contiguous_reads_verify_every_byte(owner_reader):
+    owner, reader = owner_reader
+    peer = reader.engine.connect("127.0.0.1", owner.port)
+    assert peer == "owner"
+    rng = np.random.default_rng(1)
+    remote = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()
+    local = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()
+    scattered = reader.engine.read_blocks(peer, local, remote, notify=b"scattered")
+    scattered.wait(timeout_s=30)
+    assert scattered.nbytes == 200 * BLOCK
+    for lid, rid in zip(local, remote):
+        np.testing.assert_array_equal(reader.block(lid), owner.expected_block(rid))
+
+    run = list(range(300, 350))
+    contiguous = reader.engine.read_blocks(peer, run, run, notify=b"run")
+    contiguous.wait(timeout_s=30)
+    assert contiguous.num_descriptors == 1
+    assert contiguous.done()
+    for bid in run:
+        np.testing.assert_array_equal(reader.block(bid), owner.expected_block(bid))
+
+    notes = owner.notifications(expected=2)
+    assert sorted(n["payload"] for n in notes) == ["run", "scattered"]
+    assert {n["from"] for n in notes} == {"reader"}
+
+
+def test_each_notification_arrives_exactly_once_in_order(owner_reader):
+    owner, reader = owner_reader
+    peer = reader.engine.connect("127.0.0.1", owner.port)
+    for i in range(20):
+        reader.engine.read_blocks(peer, [i + 1], [i + 1], notify=f"req-{i}".encode()).wait(timeout_s=30)
+    reader.engine.notify(peer, b"no-read")
+    notes = owner.notifications(expected=21)
+    assert [n["payload"] for n in notes] == [f"req-{i}" for i in range(20)] + ["no-read"]
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "message"),
+    [
+        ([1], [-1], "-1"),
+        ([1], [NUM_BLOCKS], str(NUM_BLOCKS)),
+        ([-5], [1], "-5"),
+        ([1, 2], [1], "length"),
+        ([1], [2**40], str(2**40)),
+    ],
+)
+def test_bad_block_ids_are_refused_before_anything_is_read(owner_reader, local, remote, message):
+    owner, reader = owner_reader
+    peer = reader.engine.connect("127.0.0.1", owner.port)
+    with pytest.raises(core.PlanError, match=message) as info:
+        reader.engine.read_blocks(peer, local, remote)
+    assert isinstance(info.value, ValueError)
+    assert not reader.buf.any()
+
+
+def test_unknown_peer_and_closed_engine_errors():
+    reader = Reader("lonely", TRANSPORTS["tcp"])
+    with pytest.raises(core.PeerNotConnectedError, match="nobody"):
+        reader.engine.read_blocks("nobody", [1], [1])
+    reader.engine.close()
+    with pytest.raises(core.TransferError, match="closed"):
+        reader.engine.register_region(reader.buf.ctypes.data, 10)
+
+
+def test_incompatible_fingerprint_names_the_field():
+    owner = Owner("owner", TRANSPORTS["tcp"], fingerprint={"model": "tiny", "dtype": "float16"})
+    reader = Reader("reader", TRANSPORTS["tcp"], fingerprint={"model": "tiny", "dtype": "float32"})
+    try:
+        with pytest.raises(core.IncompatiblePeerError, match="dtype"):
+            reader.engine.connect("127.0.0.1", owner.port, timeout_s=5)
+    finally:
+        reader.engine.close()
+        owner.kill()
+
+
+@pytest.mark.parametrize(
+    ("owner_secret", "reader_secret", "message"),
+    [("s3cret", None, "secret"), ("s3cret", "wrong", "auth"), (None, "s3cret", "secret")],
+)
+def test_shared_secret_is_enforced(owner_secret, reader_secret, message):
+    owner = Owner("owner", TRANSPORTS["tcp"], secret=owner_secret)
+    reader = Reader("reader", TRANSPORTS["tcp"], secret=reader_secret.encode() if reader_secret else None)
+    try:
+        with pytest.raises(core.AuthenticationError, match=f"(?i){message}"):
+            reader.engine.connect("127.0.0.1", owner.port, timeout_s=5)
+    finally:
+        reader.engine.close()
+        owner.kill()
+
+
+def test_matching_secret_connects_and_reads():
+    owner = Owner("owner", TRANSPORTS["tcp"], secret="s3cret")
+    reader = Reader("reader", TRANSPORTS["tcp"], secret=b"s3cret")
+    try:
+        peer = reader.engine.connect("127.0.0.1", owner.port, timeout_s=5)
+        reader.engine.read_blocks(peer, [3], [4]).wait(timeout_s=30)
+        np.testing.assert_array_equal(reader.block(3), owner.expected_block(4))
+    finally:
+        reader.engine.close()
+        owner.kill()
+
+
+def test_garbage_on_the_side_channel_does_not_break_the_owner():
+    owner = Owner("owner", TRANSPORTS["tcp"])
+    try:
+        for junk in [b"", b"\x00" * 3, b"GET / HTTP/1.1\r\n\r\n", os.urandom(4096)]:
+            with socket.create_connection(("127.0.0.1", owner.port), timeout=5) as s:
+                s.sendall(junk)
+        reader = Reader("reader", TRANSPORTS["tcp"])
+        try:
+            peer = reader.engine.connect("127.0.0.1", owner.port, timeout_s=5)
+            reader.engine.read_blocks(peer, [1], [1]).wait(timeout_s=30)
+            np.testing.assert_array_equal(reader.block(1), owner.expected_block(1))
+        finally:
+            reader.engine.close()
+    finally:
+        owner.kill()
+
+
+def test_unreachable_peer_fails_within_the_connect_deadline():
+    reader = Reader("reader", TRANSPORTS["tcp"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        with pytest.raises(core.HandshakeError):
+            reader.engine.connect("127.0.0.1", port, timeout_s=0.5)
+    finally:
+        reader.engine.close()
+
+
+def test_reader_whose_owner_is_killed_gets_a_failure_not_a_hang(transport):
+    owner = Owner("owner", transport, heartbeat_s=0.2)
+    reader = Reader("reader", transport, heartbeat_s=0.2)
+    try:
+        peer = reader.engine.connect("127.0.0.1", owner.port)
+        reader.engine.read_blocks(peer, [1], [1]).wait(timeout_s=30)
+        owner.kill()
+        deadline = time.monotonic() + 10
+        while reader.engine.peer_alive(peer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not reader.engine.peer_alive(peer)
+        with pytest.raises(core.PeerNotConnectedError):
+            reader.engine.read_blocks(peer, [2], [2])
+    finally:
+        reader.engine.close()
+
+
+def test_transfer_deadline_fails_the_batch():
+    owner = Owner("owner", TRANSPORTS["tcp"])
+    reader = Reader("reader", TRANSPORTS["tcp"])
+    try:
+        peer = reader.engine.connect("127.0.0.1", owner.port)
+        owner.proc.send_signal(19)  # SIGSTOP: alive but silent, so only the deadline can end it
+        transfer = reader.engine.read_blocks(peer, list(range(1, NUM_BLOCKS)), list(range(1, NUM_BLOCKS)), timeout_s=0.5)
+        with pytest.raises(core.TransferError, match="deadline"):
+            transfer.wait(timeout_s=20)
+    finally:
+        owner.proc.send_signal(18)
+        reader.engine.close()
+        owner.kill()
+
+
+def test_close_releases_everything():
+    Reader("warmup", TRANSPORTS["tcp"]).engine.close()  # UCX's process-wide state starts once
+    fds_before = sorted(os.listdir("/proc/self/fd"))
+    threads_before = len(os.listdir("/proc/self/task"))
+    for i in range(5):
+        reader = Reader(f"r{i}", TRANSPORTS["tcp"])
+        reader.engine.close()
+        reader.engine.close()
+    assert len(os.listdir("/proc/self/task")) == threads_before
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before
