@@ -32,9 +32,10 @@ class Owner:
         env = dict(os.environ, UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo")
         spec = {"engine_id": engine_id, "seed": seed, "block_len": BLOCK, "num_blocks": NUM_BLOCKS, **spec}
         self.seed = seed
+        self._pattern = None
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "transfer_peer.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
         line = self.proc.stdout.readline()
         if not line:
@@ -42,26 +43,29 @@ class Owner:
         self.port = json.loads(line)["port"]
 
     def expected_block(self, block_id: int) -> np.ndarray:
-        whole = pattern(self.seed, NUM_BLOCKS * BLOCK)
-        return whole[block_id * BLOCK:(block_id + 1) * BLOCK]
+        if self._pattern is None:
+            self._pattern = pattern(self.seed, NUM_BLOCKS * BLOCK)
+        return self._pattern[block_id * BLOCK:(block_id + 1) * BLOCK]
 
     def notifications(self, expected: int, timeout_s: float = 30) -> list[dict]:
         """Waits for `expected` notifications, then stops the owner and returns every
         notification it printed (so extra or duplicate ones show up too)."""
-        lines = []
+        fd = self.proc.stdout.fileno()
+        received = b""
         deadline = time.monotonic() + timeout_s
-        while len(lines) < expected and time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+        while received.count(b"\n") < expected and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.1)
             if ready:
-                line = self.proc.stdout.readline()
-                if not line:
+                chunk = os.read(fd, 65536)
+                if not chunk:
                     break
-                lines.append(line)
+                received += chunk
         time.sleep(0.2)  # room for a duplicate to show up before the owner stops
         self.proc.stdin.close()
-        lines.extend(self.proc.stdout.read().splitlines())
+        while chunk := os.read(fd, 65536):
+            received += chunk
         self.proc.wait(timeout=30)
-        return [json.loads(line) for line in lines if line.strip()]
+        return [json.loads(line) for line in received.decode().splitlines() if line.strip()]
 
     def kill(self) -> None:
         self.proc.kill()
@@ -269,3 +273,23 @@ def test_close_releases_everything():
         reader.engine.close()
     assert len(os.listdir("/proc/self/task")) == threads_before
     assert sorted(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_reader_whose_owner_is_killed_mid_batch_fails_before_its_deadline():
+    # Over tcp the owner's worker serves the reads, so a stopped owner leaves the batch in
+    # flight; killing it must fail the batch long before its 60 s deadline.
+    owner = Owner("owner", TRANSPORTS["tcp"], heartbeat_s=0.2)
+    reader = Reader("reader", TRANSPORTS["tcp"], heartbeat_s=0.2)
+    try:
+        peer = reader.engine.connect("127.0.0.1", owner.port)
+        owner.proc.send_signal(19)
+        ids = list(range(1, NUM_BLOCKS))
+        transfer = reader.engine.read_blocks(peer, ids, ids, timeout_s=60)
+        assert not transfer.done()
+        owner.kill()
+        # Whichever notices first (UCX's connection reset or the side channel) fails it; a
+        # hang would end in TimeoutError instead.
+        with pytest.raises(core.TransferError, match="gone|reset"):
+            transfer.wait(timeout_s=30)
+    finally:
+        reader.engine.close()
