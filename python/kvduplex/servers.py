@@ -1,0 +1,462 @@
+"""Start and stop local vLLM OpenAI-compatible servers for tests, demos and benchmarks.
+
+`VllmServer` runs ``python -m vllm.entrypoints.openai.api_server`` in its own session (process
+group) with the environment a CPU-only, loopback-only machine needs, logs to a file, waits for
+``/health`` and on exit stops the whole group, so no EngineCore process outlives it. The server
+also gets SIGTERM when the process that started it dies (Linux parent-death signal), so a killed
+test run does not leave servers behind. `start_many` / `ServerPair` start several servers at
+once: startup (~30 s on a CPU) is the slow part, so their waits overlap. `complete` sends the
+greedy completion requests that tests and benchmarks compare with `describe_mismatch`.
+
+Only the standard library and httpx are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+# What every server gets on a CPU-only test machine (callers' env overrides these):
+SERVER_ENV_DEFAULTS = {
+    # UCX's tcp transport otherwise also listens on and connects to non-loopback addresses.
+    "UCX_NET_DEVICES": "lo",
+    # Else the engine's message queue binds another interface's address.
+    "VLLM_HOST_IP": "127.0.0.1",
+    # Models are local directories; never wait on the hub.
+    "HF_HUB_OFFLINE": "1",
+    # GiB of KV cache; the CPU default would take a large share of RAM per server.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # Several servers share few cores; binding OMP threads to cores makes them fight.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+DEFAULT_STARTUP_TIMEOUT_S = 180.0
+_PROGRESS_EVERY_S = 10.0
+_POLL_INTERVAL_S = 0.5
+_STOP_GRACE_S = 30.0
+# A server still starting up does not act on SIGTERM until its engine is up (seen: not within
+# 30 s), and has nothing to shut down gracefully: give it little time before the SIGKILL.
+_STOP_GRACE_WHILE_STARTING_S = 5.0
+_LOG_TAIL_LINES = 40
+
+# Runs in the child before exec: ask the kernel to SIGTERM us when the parent dies, and exit if it
+# already died between fork and prctl. PR_SET_PDEATHSIG (1) survives exec. A separate interpreter
+# instead of Popen(preexec_fn=...) because preexec_fn is unsafe when the parent has threads.
+_EXEC_WITH_PARENT_DEATH_SIGNAL = """
+import ctypes, os, signal, sys
+parent = int(sys.argv[1])
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+if os.getppid() != parent:
+    sys.exit("parent exited before the server started")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+class ServerError(RuntimeError):
+    """A server failed to start, died, or did not become healthy in time."""
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Return `count` distinct TCP ports that were free a moment ago.
+
+    All sockets stay bound until every port is chosen, so the ports differ from one another.
+    Another process can still take one before it is used; callers start servers right away.
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return one TCP port that was free a moment ago."""
+    return free_ports(1, host)[0]
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible API server process.
+
+    Use as a context manager (start, wait until healthy, stop on exit), or call `start`,
+    `wait_until_ready` and `stop` yourself. `extra_args` go to the api_server command line
+    unchanged (e.g. ``["--kv-transfer-config", json.dumps(cfg), "--enforce-eager"]``); `env` is
+    laid over the current environment and `SERVER_ENV_DEFAULTS`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        name: str = "vllm",
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        python: str = sys.executable,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.name = name
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.gettempdir())
+        self.log_path = log_dir / f"{name}-{self.port}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.python = python
+        self._process: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+        self._ready = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def command(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
+
+    def start(self) -> None:
+        """Launch the process and return at once; `wait_until_ready` waits for it.
+
+        Call from a thread that lives as long as the server (normally the main thread): the
+        parent-death signal fires when the launching *thread* exits.
+        """
+        if self._process is not None:
+            raise ServerError(f"{self.name} server on :{self.port} was already started")
+        env = {**os.environ, **SERVER_ENV_DEFAULTS, **self.env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [
+            self.python,
+            "-c",
+            _EXEC_WITH_PARENT_DEATH_SIGNAL,
+            str(os.getpid()),
+            *self.command(),
+        ]
+        with open(self.log_path, "wb") as log:
+            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.flush()
+            self._process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self._started_at = time.monotonic()
+        logger.info(
+            "starting %s server on :%d (pid %d, log %s)",
+            self.name,
+            self.port,
+            self._process.pid,
+            self.log_path,
+        )
+
+    def poll_ready(self) -> bool:
+        """One non-blocking readiness check: True once `/health` answers 200.
+
+        Raises `ServerError` (with the log tail) when the process has exited or the startup
+        timeout has passed.
+        """
+        if self._process is None:
+            raise ServerError(f"{self.name} server on :{self.port} was not started")
+        returncode = self._process.poll()
+        if returncode is not None:
+            raise ServerError(
+                f"{self.name} server on :{self.port} exited with code {returncode} "
+                f"during startup\n{self._log_tail_message()}"
+            )
+        elapsed = time.monotonic() - self._started_at
+        try:
+            if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                logger.info("%s server on :%d ready after %.0f s", self.name, self.port, elapsed)
+                self._ready = True
+                return True
+        except httpx.HTTPError:
+            pass
+        if elapsed > self.startup_timeout_s:
+            raise ServerError(
+                f"{self.name} server on :{self.port} not healthy after "
+                f"{self.startup_timeout_s:.0f} s\n{self._log_tail_message()}"
+            )
+        return False
+
+    def wait_until_ready(self) -> None:
+        wait_until_ready([self])
+
+    def stop(self) -> None:
+        """SIGTERM the server, then SIGKILL its whole process group. Safe to call twice."""
+        process = self._process
+        if process is None:
+            return
+        grace_s = _STOP_GRACE_S if self._ready else _STOP_GRACE_WHILE_STARTING_S
+        try:
+            if process.poll() is None:
+                logger.info("stopping %s server on :%d", self.name, self.port)
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    logger.log(
+                        logging.WARNING if self._ready else logging.INFO,
+                        "%s server on :%d ignored SIGTERM for %.0f s; killing it",
+                        self.name,
+                        self.port,
+                        grace_s,
+                    )
+        finally:
+            # Also after a clean exit, and when a second Ctrl-C cuts the grace period short: the
+            # EngineCore and worker processes share the server's session, and a child whose
+            # parent is gone does not stop by itself.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(cannot read {self.log_path}: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _log_tail_message(self) -> str:
+        return f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
+
+    def __enter__(self) -> VllmServer:
+        try:
+            self.start()
+            self.wait_until_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"VllmServer({self.name!r}, {self.base_url}, model={str(self.model_dir)!r})"
+
+
+def wait_until_ready(servers: Sequence[VllmServer]) -> None:
+    """Wait until every started server answers `/health`, logging progress every 10 s.
+
+    Raises `ServerError` for the first server that dies or times out.
+    """
+    pending = list(servers)
+    started = time.monotonic()
+    next_progress = started + _PROGRESS_EVERY_S
+    while pending:
+        pending = [server for server in pending if not server.poll_ready()]
+        if not pending:
+            return
+        now = time.monotonic()
+        if now >= next_progress:
+            waiting_for = ", ".join(f"{server.name} server on :{server.port}" for server in pending)
+            logger.info("waiting for %s (%.0f s)", waiting_for, now - started)
+            next_progress = now + _PROGRESS_EVERY_S
+        time.sleep(_POLL_INTERVAL_S)
+
+
+@contextlib.contextmanager
+def start_many(servers: Sequence[VllmServer]) -> Iterator[list[VllmServer]]:
+    """Start all `servers` at once, wait until all are healthy, stop all on exit.
+
+    If any fails to start, the others are stopped before the error propagates.
+    """
+    servers = list(servers)
+    try:
+        for server in servers:
+            server.start()
+        wait_until_ready(servers)
+        yield servers
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+@dataclass
+class ServerPair:
+    """A prefill and a decode server for disaggregated serving, started together."""
+
+    prefill: VllmServer
+    decode: VllmServer
+
+    def __post_init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> ServerPair:
+        self._stack.enter_context(start_many([self.prefill, self.decode]))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+
+# --- talking to a server -------------------------------------------------------------------
+
+
+def with_nonce(text: str) -> str:
+    """`text` behind a random 12-hex-digit nonce.
+
+    vLLM's prefix cache would otherwise serve a repeated prompt from local blocks, and a test
+    that means to exercise a KV transfer would silently test the cache instead. The nonce
+    changes the first block's hash and, through the hash chain, every later block's.
+    """
+    return f"{secrets.token_hex(6)} {text}"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The parts of a `/v1/completions` answer that tests and benchmarks compare."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    # Logprob of each generated token, and the top-k alternatives by token id.
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None
+    # Client-side round trip, for reporting only.
+    elapsed_s: float
+
+
+def complete(
+    base_url: str,
+    prompt: str,
+    max_tokens: int,
+    logprobs: int = 5,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+) -> Completion:
+    """Greedy `/v1/completions` request (temperature 0, fixed seed, EOS ignored).
+
+    EOS is ignored so every request yields exactly `max_tokens` tokens, whatever a random-weight
+    model happens to emit. Raises `ServerError` with the server's message on a non-200 answer.
+    """
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": seed,
+        "ignore_eos": True,
+        "logprobs": logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    started = time.perf_counter()
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
+    elapsed_s = time.perf_counter() - started
+    if response.status_code != 200:
+        raise ServerError(
+            f"POST {base_url}/v1/completions answered {response.status_code}: {response.text}"
+        )
+    answer = response.json()
+    choice = answer["choices"][0]
+    choice_logprobs = choice.get("logprobs") or {}
+    return Completion(
+        text=choice["text"],
+        token_ids=list(choice.get("token_ids") or []),
+        prompt_token_ids=list(choice.get("prompt_token_ids") or []),
+        logprobs=[float(lp) for lp in choice_logprobs.get("token_logprobs") or []],
+        top_logprobs=[
+            {_token_id(token): float(lp) for token, lp in (alternatives or {}).items()}
+            for alternatives in choice_logprobs.get("top_logprobs") or []
+        ],
+        finish_reason=choice.get("finish_reason"),
+        kv_transfer_params=answer.get("kv_transfer_params"),
+        elapsed_s=elapsed_s,
+    )
+
+
+def _token_id(token: str) -> int:
+    # With return_tokens_as_token_ids vLLM names tokens "token_id:<id>".
+    prefix, _, token_id = token.partition(":")
+    if prefix != "token_id" or not token_id.isdigit():
+        raise ServerError(f"expected a 'token_id:<id>' logprob key, got {token!r}")
+    return int(token_id)
+
+
+def describe_mismatch(
+    expected: Completion, actual: Completion, logprob_atol: float = 1e-3
+) -> str | None:
+    """None when `actual` has the same tokens as `expected` and logprobs within `logprob_atol`;
+    otherwise a one-line description of the first difference.
+
+    Compare logprobs, not only tokens: a random-weight model repeats tokens, so KV that is
+    wrong can still produce the right ids, but it moves logprobs by tenths of a nat or more.
+    """
+    if expected.prompt_token_ids != actual.prompt_token_ids:
+        return "prompt token ids differ"
+    if len(expected.token_ids) != len(actual.token_ids):
+        return f"{len(actual.token_ids)} tokens instead of {len(expected.token_ids)}"
+    for position, (want, got) in enumerate(zip(expected.token_ids, actual.token_ids, strict=True)):
+        if want != got:
+            return f"token {position}: {got} instead of {want}"
+    for position, (want, got) in enumerate(zip(expected.logprobs, actual.logprobs, strict=True)):
+        if abs(want - got) > logprob_atol:
+            return f"token {position}: logprob {got:.6f} instead of {want:.6f}"
+    return None
+
+
+def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
+    """Prompt tokens the server has processed so far, by source, from its Prometheus `/metrics`.
+
+    Sources are vLLM's: "local_compute", "local_cache_hit" and "external_kv_transfer". The
+    difference of two readings around a request shows whether its prompt KV was computed,
+    found in the prefix cache or pulled from another engine.
+    """
+    response = httpx.get(f"{base_url}/metrics", timeout=10.0)
+    response.raise_for_status()
+    totals: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if not line.startswith("vllm:prompt_tokens_by_source_total{"):
+            continue
+        labels, _, value = line.rpartition("} ")
+        source = labels.partition('source="')[2].partition('"')[0]
+        totals[source] = totals.get(source, 0.0) + float(value)
+    return totals
