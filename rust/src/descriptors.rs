@@ -60,6 +60,16 @@ pub struct RegionBounds {
     pub len: u64,
 }
 
+impl RegionBounds {
+    /// Whether `[addr, addr+len)` lies entirely inside this region (overflow counts as outside).
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        let (Some(end), Some(region_end)) = (addr.checked_add(len), self.addr.checked_add(self.len)) else {
+            return false;
+        };
+        addr >= self.addr && end <= region_end
+    }
+}
+
 /// Which engine an id or layout belongs to, so that errors say whose data was wrong.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {

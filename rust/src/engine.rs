@@ -58,6 +58,8 @@ struct LocalMemory {
 /// A ready connection to one peer engine.
 struct Peer {
     meta: EngineMetadata,
+    /// The peer's registered regions, every remote range is checked against.
+    regions: Vec<RegionBounds>,
     endpoint: Endpoint,
     link: PeerLink,
     alive: AtomicBool,
@@ -155,7 +157,7 @@ impl Engine {
             return Err(EngineError::InvalidArgument(format!("cannot register region {addr:#x}+{len}: null address or zero length")));
         }
         let mut local = self.shared.local.write().unwrap_or_else(|p| p.into_inner());
-        if local.regions.iter().any(|r| addr < r.addr + r.len && r.addr < addr.saturating_add(len)) {
+        if local.regions.iter().any(|r| addr < r.addr.saturating_add(r.len) && r.addr < addr.saturating_add(len)) {
             return Err(EngineError::InvalidArgument(format!("region {addr:#x}+{len} overlaps a registered region")));
         }
         let region = self.shared.worker.register(addr, len)?;
@@ -224,12 +226,12 @@ impl Engine {
         let layout = meta.layout.as_ref().ok_or_else(|| {
             EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
         })?;
-        let remote_bounds: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
-        layout.validate_within(&remote_bounds)?;
+        let regions: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
+        layout.validate_within(&regions)?;
         let rkeys: Vec<Vec<u8>> = meta.regions.iter().map(|r| r.rkey.clone()).collect();
         let endpoint = self.shared.worker.connect(&meta.worker_address, &rkeys)?;
         let id = meta.engine_id.clone();
-        let peer = Arc::new(Peer { meta, endpoint, link, alive: AtomicBool::new(true) });
+        let peer = Arc::new(Peer { meta, regions, endpoint, link, alive: AtomicBool::new(true) });
         let weak_shared = Arc::downgrade(&self.shared);
         let weak_peer = Arc::downgrade(&peer);
         peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
@@ -272,19 +274,20 @@ impl Engine {
             .ok_or_else(|| EngineError::InvalidArgument("set_layout must be called before read_blocks".into()))?;
         let remote_layout = peer.meta.layout.as_ref().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
         let plan = plan_reads(local_layout, remote_layout, local_ids, remote_ids)?;
-        let remote_bounds: Vec<RegionBounds> = peer.meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
-        check_remote_bounds(&plan, &remote_bounds)?;
+        check_remote_bounds(&plan, &peer.regions)?;
         let mut reads = Vec::with_capacity(plan.len());
         let mut nbytes = 0u64;
+        // Plans are segment-major, so consecutive reads nearly always fall in the region the
+        // previous one did: try that first.
+        let (mut local_hint, mut remote_hint) = (0usize, 0usize);
         for d in &plan {
-            let local_region = find_region(&local.regions, d.local_addr, d.len).ok_or_else(|| {
+            local_hint = find_region(&local.regions, local_hint, |r| r.contains(d.local_addr, d.len)).ok_or_else(|| {
                 EngineError::InvalidArgument(format!("local range {:#x}+{} is outside the registered regions", d.local_addr, d.len))
             })?;
-            let remote_region = remote_bounds
-                .iter()
-                .position(|r| d.remote_addr >= r.addr && d.remote_addr + d.len <= r.addr + r.len)
-                .ok_or_else(|| EngineError::InvalidArgument(format!("remote range {:#x}+{} is outside the peer's regions", d.remote_addr, d.len)))?;
-            reads.push(Read { local_addr: d.local_addr, local: local_region, remote_addr: d.remote_addr, remote_region, len: d.len });
+            remote_hint = find_region(&peer.regions, remote_hint, |r| r.contains(d.remote_addr, d.len)).ok_or_else(|| {
+                EngineError::InvalidArgument(format!("remote range {:#x}+{} is outside the peer's regions", d.remote_addr, d.len))
+            })?;
+            reads.push(Read { local_addr: d.local_addr, local: &local.regions[local_hint], remote_addr: d.remote_addr, remote_region: remote_hint, len: d.len });
             nbytes += d.len;
         }
         let batch = BatchState::new(&self.shared.worker);
@@ -345,8 +348,12 @@ fn bounds(regions: &[MemRegion]) -> Vec<RegionBounds> {
     regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect()
 }
 
-fn find_region(regions: &[MemRegion], addr: u64, len: u64) -> Option<&MemRegion> {
-    regions.iter().find(|r| r.contains(addr, len))
+/// Index of the first region satisfying `fits`, trying `hint` before scanning.
+fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Option<usize> {
+    if regions.get(hint).is_some_and(&fits) {
+        return Some(hint);
+    }
+    regions.iter().position(fits)
 }
 
 fn is_retryable(e: &HandshakeError) -> bool {

@@ -13,6 +13,7 @@ use std::ptr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
 use sys::{Api, StatusPtr};
 
@@ -231,7 +232,7 @@ unsafe impl Sync for MemRegion {}
 
 impl MemRegion {
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+        RegionBounds { addr: self.addr, len: self.len }.contains(addr, len)
     }
 }
 
