@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from .demo import register_demo
 from .proxy import config as proxy_config
 
 
@@ -168,7 +169,10 @@ def run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register_proxy,)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    register_proxy,
+    register_demo,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

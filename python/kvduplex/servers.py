@@ -363,21 +363,23 @@ class Completion:
 
 def complete(
     base_url: str,
-    prompt: str,
+    prompt: str | Sequence[int],
     max_tokens: int,
     logprobs: int = 5,
     kv_transfer_params: Mapping[str, Any] | None = None,
     *,
     seed: int = 0,
     timeout_s: float = 300.0,
+    headers: Mapping[str, str] | None = None,
 ) -> Completion:
     """Greedy `/v1/completions` request (temperature 0, fixed seed, EOS ignored).
 
-    EOS is ignored so every request yields exactly `max_tokens` tokens, whatever a random-weight
-    model happens to emit. Raises `ServerError` with the server's message on a non-200 answer.
+    `prompt` is text or token ids. EOS is ignored so every request yields exactly `max_tokens`
+    tokens, whatever a random-weight model happens to emit. `headers` go with the request (e.g. a
+    proxy's conversation id). Raises `ServerError` with the server's message on a non-200 answer.
     """
     body: dict[str, Any] = {
-        "prompt": prompt,
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
         "max_tokens": max_tokens,
         "temperature": 0,
         "seed": seed,
@@ -389,7 +391,9 @@ def complete(
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = dict(kv_transfer_params)
     started = time.perf_counter()
-    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
+    response = httpx.post(
+        f"{base_url}/v1/completions", json=body, headers=dict(headers or {}), timeout=timeout_s
+    )
     elapsed_s = time.perf_counter() - started
     if response.status_code != 200:
         raise ServerError(

@@ -109,6 +109,7 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python keyword arguments one to one
     #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0))]
     fn new(
         py: Python<'_>,

@@ -28,7 +28,6 @@ pub type ucp_err_handler_cb_t =
 
 pub const UCS_OK: ucs_status_t = 0;
 pub const UCS_INPROGRESS: ucs_status_t = 1;
-pub const UCS_ERR_BUSY: ucs_status_t = -15;
 const UCS_ERR_LAST: isize = -100;
 
 pub const UCP_API_MAJOR: c_uint = 1;
@@ -41,7 +40,6 @@ const fn bit(n: u32) -> u64 {
 pub const UCP_PARAM_FIELD_FEATURES: u64 = bit(0);
 pub const UCP_PARAM_FIELD_NAME: u64 = bit(8);
 pub const UCP_FEATURE_RMA: u64 = bit(1);
-pub const UCP_FEATURE_WAKEUP: u64 = bit(4);
 pub const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = bit(0);
 pub const UCS_THREAD_MODE_SERIALIZED: c_int = 1;
 pub const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = bit(0);
@@ -52,9 +50,7 @@ pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = bit(1);
 pub const UCP_MEM_ATTR_FIELD_MEM_TYPE: u64 = bit(2);
 pub const UCP_OP_ATTR_FIELD_CALLBACK: u32 = 1 << 1;
 pub const UCP_OP_ATTR_FIELD_USER_DATA: u32 = 1 << 2;
-pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMH: u32 = 1 << 8;
-pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1;
 pub const UCS_MEMORY_TYPE_HOST: u32 = 0;
 pub const UCS_MEMORY_TYPE_CUDA: u32 = 1;
 pub const UCS_MEMORY_TYPE_CUDA_MANAGED: u32 = 2;
@@ -184,9 +180,6 @@ ucp_api! {
     ucp_worker_get_address: fn(ucp_worker_h, *mut *mut ucp_address_t, *mut usize) -> ucs_status_t;
     ucp_worker_release_address: fn(ucp_worker_h, *mut ucp_address_t);
     ucp_worker_progress: fn(ucp_worker_h) -> c_uint;
-    ucp_worker_get_efd: fn(ucp_worker_h, *mut c_int) -> ucs_status_t;
-    ucp_worker_arm: fn(ucp_worker_h) -> ucs_status_t;
-    ucp_worker_signal: fn(ucp_worker_h) -> ucs_status_t;
     ucp_ep_create: fn(ucp_worker_h, *const ucp_ep_params_t, *mut ucp_ep_h) -> ucs_status_t;
     ucp_ep_close_nbx: fn(ucp_ep_h, *const ucp_request_param_t) -> ucs_status_ptr_t;
     ucp_ep_flush_nbx: fn(ucp_ep_h, *const ucp_request_param_t) -> ucs_status_ptr_t;
