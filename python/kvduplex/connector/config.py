@@ -1,0 +1,158 @@
+"""`kv_connector_extra_config` of DuplexConnector, parsed and validated once.
+
+Every option, its default and why:
+
+| key | default | meaning |
+|---|---|---|
+| `bidirectional_kv_xfer` | `false` | A decode node keeps a finished turn's KV blocks under a lease and returns them in `kv_transfer_params`, so the prefill node can pull them on the next turn. |
+| `kv_recompute_threshold` | `64` | Pull only when at least this many tokens are gained beyond the local prefix-cache hit (both directions). `0` pulls any gain. `"auto"` derives it from measured transfer and prefill speed (see `threshold.py`), starting at 64 until enough is measured. |
+| `kv_lease_ttl_s` | `30` | How long a prefill node holds a request's blocks for its decode node's read. |
+| `decode_kv_hold_ttl_s` | `120` | How long a decode node holds a finished turn's blocks for the next turn (bidirectional only). |
+| `decode_kv_hold_max_fraction` | `0.25` | Largest fraction of the KV cache that held finished turns may occupy on a decode node; a turn that would exceed it is freed at once. |
+| `read_deadline_margin_s` | `1.0` | A reader gives up a read this long before the owner's lease expires (covers clock skew between hosts), and declines to start one with less time left. |
+| `side_channel_host` | `$VLLM_HOST_IP`, else `127.0.0.1` | Address each worker's transfer engine listens on and announces to peers. |
+| `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port. With tensor parallelism rank r listens on port+r (or a free port each when 0). The real port is always announced. |
+| `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
+| `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate. |
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_RECOMPUTE_THRESHOLD = 64
+
+
+@dataclass(frozen=True)
+class DuplexConfig:
+    bidirectional_kv_xfer: bool = False
+    recompute_threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
+    auto_recompute_threshold: bool = False
+    kv_lease_ttl_s: float = 30.0
+    decode_kv_hold_ttl_s: float = 120.0
+    decode_kv_hold_max_fraction: float = 0.25
+    read_deadline_margin_s: float = 1.0
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    handshake_timeout_s: float = 10.0
+    auth_secret_env: str = "KVDUPLEX_SECRET"
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:
+        """Parse `kv_connector_extra_config`; raises ValueError naming the bad key."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"DuplexConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known keys: {sorted(_KNOWN_KEYS)}"
+            )
+        threshold_raw = extra.get("kv_recompute_threshold", DEFAULT_RECOMPUTE_THRESHOLD)
+        auto = threshold_raw == "auto"
+        threshold = (
+            DEFAULT_RECOMPUTE_THRESHOLD
+            if auto
+            else _int(threshold_raw, "kv_recompute_threshold", minimum=0)
+        )
+        margin = _seconds(extra, "read_deadline_margin_s", 1.0, allow_zero=True)
+        lease = _seconds(extra, "kv_lease_ttl_s", 30.0)
+        hold = _seconds(extra, "decode_kv_hold_ttl_s", 120.0)
+        for key, ttl in (("kv_lease_ttl_s", lease), ("decode_kv_hold_ttl_s", hold)):
+            if ttl <= margin:
+                raise ValueError(
+                    f"DuplexConnector: {key}={ttl} must exceed read_deadline_margin_s={margin}"
+                )
+        fraction = _number(extra, "decode_kv_hold_max_fraction", 0.25)
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(
+                f"DuplexConnector: decode_kv_hold_max_fraction must be in (0, 1], got {fraction}"
+            )
+        host = extra.get("side_channel_host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
+        if not isinstance(host, str) or not host:
+            raise ValueError(
+                f"DuplexConnector: side_channel_host must be a non-empty string, got {host!r}"
+            )
+        secret_env = extra.get("auth_secret_env", "KVDUPLEX_SECRET")
+        if not isinstance(secret_env, str) or not secret_env:
+            raise ValueError(
+                "DuplexConnector: auth_secret_env must be a non-empty string, "
+                f"got {secret_env!r}"
+            )
+        return cls(
+            bidirectional_kv_xfer=_bool(extra, "bidirectional_kv_xfer", False),
+            recompute_threshold=threshold,
+            auto_recompute_threshold=auto,
+            kv_lease_ttl_s=lease,
+            decode_kv_hold_ttl_s=hold,
+            decode_kv_hold_max_fraction=fraction,
+            read_deadline_margin_s=margin,
+            side_channel_host=host,
+            side_channel_port=_int(
+                extra.get("side_channel_port", 0), "side_channel_port", minimum=0, maximum=65535
+            ),
+            handshake_timeout_s=_seconds(extra, "handshake_timeout_s", 10.0),
+            auth_secret_env=secret_env,
+        )
+
+    def auth_secret(self) -> bytes | None:
+        value = os.environ.get(self.auth_secret_env)
+        return value.encode("utf-8") if value else None
+
+
+_KNOWN_KEYS = frozenset(
+    {
+        "bidirectional_kv_xfer",
+        "kv_recompute_threshold",
+        "kv_lease_ttl_s",
+        "decode_kv_hold_ttl_s",
+        "decode_kv_hold_max_fraction",
+        "read_deadline_margin_s",
+        "side_channel_host",
+        "side_channel_port",
+        "handshake_timeout_s",
+        "auth_secret_env",
+    }
+)
+
+
+def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"DuplexConnector: {key} must be true or false, got {value!r}")
+
+
+def _int(value: Any, key: str, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"DuplexConnector: {key} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = "" if maximum is None else f" and <= {maximum}"
+        raise ValueError(f"DuplexConnector: {key} must be >= {minimum}{upper}, got {value}")
+    return value
+
+
+def _number(extra: dict[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"DuplexConnector: {key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _seconds(extra: dict[str, Any], key: str, default: float, allow_zero: bool = False) -> float:
+    value = _number(extra, key, default)
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"DuplexConnector: {key} must be {bound} seconds, got {value}")
+    return value

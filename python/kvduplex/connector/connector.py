@@ -1,0 +1,155 @@
+"""`DuplexConnector`: vLLM's KVConnectorBase_V1 facade.
+
+vLLM builds one instance per role: in the EngineCore process (SCHEDULER) it forwards to
+`DuplexScheduler`, in each worker (WORKER) to `DuplexWorker`. Nothing else happens here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.metadata import DuplexConnectorMetadata
+from kvduplex.connector.scheduler import DuplexScheduler
+from kvduplex.connector.stats import DuplexConnectorStats, DuplexPromMetrics
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvduplex.connector.worker import DuplexWorker
+
+
+class DuplexConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        config = DuplexConfig.from_extra_config(transfer_config.kv_connector_extra_config)
+        engine_id = transfer_config.engine_id
+        self._scheduler: DuplexScheduler | None = None
+        self._worker: DuplexWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = DuplexScheduler(vllm_config, kv_cache_config, config, engine_id)
+        else:
+            # Only workers load the transfer core.
+            from vllm.distributed.parallel_state import get_tp_group
+
+            from kvduplex.connector.worker import DuplexWorker
+
+            self._worker = DuplexWorker(
+                vllm_config, kv_cache_config, config, engine_id, get_tp_group().rank_in_group
+            )
+
+    # ------------------------------------------------------------- scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._scheduler.set_xfer_handshake_metadata(metadata)
+
+    # ---------------------------------------------------------------- worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.get_handshake_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, DuplexConnectorMetadata)
+        self._worker.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous; nothing waits per layer."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Peers read blocks in place; nothing is saved."""
+
+    def wait_for_save(self) -> None:
+        """Peers read blocks in place; nothing is saved."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.get_transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ----------------------------------------------------------------- stats
+
+    def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.get_kv_connector_stats()
+        return self._scheduler.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> DuplexConnectorStats:
+        return DuplexConnectorStats(data=data) if data is not None else DuplexConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> DuplexPromMetrics:
+        return DuplexPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

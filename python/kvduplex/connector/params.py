@@ -1,0 +1,245 @@
+"""The one place where `kv_transfer_params` from clients and proxies are checked.
+
+Params come from outside the engine (any HTTP client can send them), so nothing in them is
+trusted: wrong types, negative or out-of-range ids, huge lists, unknown engines and missing keys
+are rejected with a reason, and the request then runs without a transfer. Block ids that pass
+here are still bounds-checked by the transfer core against the owner's registered layout before
+anything is read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvduplex.connector import metadata as md
+from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
+
+_MAX_ID_CHARS = 512
+_MAX_HOST_CHARS = 253
+_MAX_BLOCK_ID = 2**31 - 1
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class ParamsContext:
+    """What params are checked against: this engine's own shape."""
+
+    engine_id: str
+    tp_size: int
+    block_size: int
+    max_model_len: int
+    bidirectional: bool
+    read_deadline_margin_s: float
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class RemoteBlocks:
+    """Validated description of KV blocks a peer holds for this request."""
+
+    peer: md.PeerAddress
+    remote_request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    fingerprints: tuple[str, ...]
+    lease_expiry: float
+
+    def release(self) -> md.ReleaseSpec:
+        return md.ReleaseSpec(peer=self.peer, remote_request_id=self.remote_request_id)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Params asked for a transfer that will not happen, and why."""
+
+    reason: str
+    release: md.ReleaseSpec | None = None
+    """Where to tell the owner to free its blocks, when its address was valid."""
+
+
+class _Invalid(Exception):
+    pass
+
+
+def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejected | None:
+    """Validate the pull a request's params ask for; None when they ask for none."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        return Rejected(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    try:
+        prefill = _optional_bool(params, md.DO_REMOTE_PREFILL)
+        decode = _optional_bool(params, md.DO_REMOTE_DECODE)
+    except _Invalid as exc:
+        return Rejected(str(exc))
+    if prefill and decode:
+        return Rejected(f"{md.DO_REMOTE_PREFILL} and {md.DO_REMOTE_DECODE} are both true")
+    if prefill:
+        from_decode_node = False
+    elif decode and params.get(md.REMOTE_BLOCK_IDS) not in (None, []):
+        from_decode_node = True
+    else:
+        return None
+
+    try:
+        peer, remote_request_id = _parse_address(params, ctx)
+    except _Invalid as exc:
+        return Rejected(str(exc))
+    release = md.ReleaseSpec(peer=peer, remote_request_id=remote_request_id)
+    try:
+        if from_decode_node and not ctx.bidirectional:
+            raise _Invalid("bidirectional_kv_xfer is off on this engine")
+        blocks = _parse_blocks(params, ctx, time.time())
+    except _Invalid as exc:
+        return Rejected(str(exc), release)
+    block_ids, num_tokens, fingerprints, lease_expiry = blocks
+    return RemoteBlocks(
+        peer=peer,
+        remote_request_id=remote_request_id,
+        block_ids=block_ids,
+        num_tokens=num_tokens,
+        fingerprints=fingerprints,
+        lease_expiry=lease_expiry,
+    )
+
+
+def _parse_address(params: dict[str, Any], ctx: ParamsContext) -> tuple[md.PeerAddress, str]:
+    version = _required(params, md.PROTOCOL_KEY)
+    if isinstance(version, bool) or version != md.PROTOCOL_VERSION:
+        raise _Invalid(
+            f"{md.PROTOCOL_KEY}={version!r} is not this kvduplex's protocol "
+            f"{md.PROTOCOL_VERSION}"
+        )
+    engine_id = _text(params, md.REMOTE_ENGINE_ID, _MAX_ID_CHARS)
+    if engine_id == ctx.engine_id:
+        raise _Invalid(f"{md.REMOTE_ENGINE_ID} names this engine itself")
+    remote_request_id = _text(params, md.REMOTE_REQUEST_ID, _MAX_ID_CHARS)
+    host = _text(params, md.REMOTE_HOST, _MAX_HOST_CHARS)
+    port = _port(_required(params, md.REMOTE_PORT), md.REMOTE_PORT)
+    tp_size = _int(params, md.TP_SIZE)
+    if tp_size != ctx.tp_size:
+        raise _Invalid(
+            f"remote tensor-parallel size {tp_size} differs from this engine's {ctx.tp_size}; "
+            "kvduplex transfers only between equal TP sizes"
+        )
+    ports_raw = _required(params, md.REMOTE_PORTS)
+    if not isinstance(ports_raw, list) or len(ports_raw) != tp_size:
+        raise _Invalid(f"{md.REMOTE_PORTS} must be a list of {tp_size} port(s)")
+    ports = tuple(_port(p, md.REMOTE_PORTS) for p in ports_raw)
+    if ports[0] != port:
+        raise _Invalid(f"{md.REMOTE_PORT} differs from {md.REMOTE_PORTS}[0]")
+    return md.PeerAddress(engine_id=engine_id, host=host, ports=ports), remote_request_id
+
+
+def _parse_blocks(
+    params: dict[str, Any], ctx: ParamsContext, now: float
+) -> tuple[tuple[int, ...], int, tuple[str, ...], float]:
+    block_size = _int(params, md.REMOTE_BLOCK_SIZE)
+    if block_size != ctx.block_size:
+        raise _Invalid(
+            f"remote block size {block_size} differs from this engine's {ctx.block_size}"
+        )
+    num_tokens = _int(params, md.REMOTE_NUM_TOKENS)
+    if not 1 <= num_tokens <= ctx.max_model_len:
+        raise _Invalid(
+            f"{md.REMOTE_NUM_TOKENS}={num_tokens} is outside [1, {ctx.max_model_len}]"
+        )
+    expected_blocks = -(-num_tokens // block_size)
+    block_ids = _id_list(params, ctx.max_blocks)
+    if len(block_ids) != expected_blocks:
+        raise _Invalid(
+            f"{md.REMOTE_BLOCK_IDS} has {len(block_ids)} ids but {num_tokens} tokens need "
+            f"{expected_blocks} block(s)"
+        )
+    fingerprints = _fingerprints(params, expected_blocks)
+    lease_expiry = _required(params, md.REMOTE_LEASE_EXPIRY)
+    if (
+        isinstance(lease_expiry, bool)
+        or not isinstance(lease_expiry, (int, float))
+        or not math.isfinite(lease_expiry)
+    ):
+        raise _Invalid(f"{md.REMOTE_LEASE_EXPIRY} must be a finite number of seconds")
+    if lease_expiry - ctx.read_deadline_margin_s <= now:
+        raise _Invalid(
+            f"the owner's lease ends in {lease_expiry - now:.1f} s, within the "
+            f"{ctx.read_deadline_margin_s} s read margin"
+        )
+    return block_ids, num_tokens, fingerprints, float(lease_expiry)
+
+
+def _required(params: dict[str, Any], key: str) -> Any:
+    if key not in params or params[key] is None:
+        raise _Invalid(f"missing {key}")
+    return params[key]
+
+
+def _optional_bool(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _Invalid(f"{key} must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def _text(params: dict[str, Any], key: str, max_chars: int) -> str:
+    value = _required(params, key)
+    if not isinstance(value, str) or not value:
+        raise _Invalid(f"{key} must be a non-empty string")
+    if len(value) > max_chars or not value.isprintable() or value.strip() != value:
+        raise _Invalid(f"{key} must be at most {max_chars} printable characters")
+    return value
+
+
+def _int(params: dict[str, Any], key: str) -> int:
+    value = _required(params, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Invalid(f"{key} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _port(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise _Invalid(f"{key} must hold ports in [1, 65535], got {value!r}")
+    return value
+
+
+def _id_list(params: dict[str, Any], max_blocks: int) -> tuple[int, ...]:
+    raw = _required(params, md.REMOTE_BLOCK_IDS)
+    if not isinstance(raw, list):
+        raise _Invalid(f"{md.REMOTE_BLOCK_IDS} must be a list of integers")
+    if not 1 <= len(raw) <= max_blocks:
+        raise _Invalid(
+            f"{md.REMOTE_BLOCK_IDS} must have between 1 and {max_blocks} ids, got {len(raw)}"
+        )
+    for value in raw:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Invalid(f"{md.REMOTE_BLOCK_IDS} must hold integers only")
+        if not 1 <= value <= _MAX_BLOCK_ID:
+            raise _Invalid(f"{md.REMOTE_BLOCK_IDS} holds out-of-range id {value}")
+    if len(set(raw)) != len(raw):
+        raise _Invalid(f"{md.REMOTE_BLOCK_IDS} holds duplicate ids")
+    return tuple(raw)
+
+
+def _fingerprints(params: dict[str, Any], expected: int) -> tuple[str, ...]:
+    raw = _required(params, md.REMOTE_BLOCK_FINGERPRINTS)
+    if not isinstance(raw, list) or len(raw) != expected:
+        raise _Invalid(f"{md.REMOTE_BLOCK_FINGERPRINTS} must be a list of {expected} strings")
+    for value in raw:
+        if (
+            not isinstance(value, str)
+            or len(value) != FINGERPRINT_HEX_CHARS
+            or not _HEX.issuperset(value)
+        ):
+            raise _Invalid(
+                f"{md.REMOTE_BLOCK_FINGERPRINTS} must hold {FINGERPRINT_HEX_CHARS}-character "
+                "lowercase hex strings"
+            )
+    return tuple(raw)

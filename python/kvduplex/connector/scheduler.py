@@ -1,0 +1,398 @@
+"""Scheduler side of DuplexConnector: what to pull, what to hold, for how long.
+
+Runs in vLLM's EngineCore process and never touches the transfer core; it tells the workers
+what to do through `DuplexConnectorMetadata` once per step.
+
+Reader (the node that pulls): a request whose params describe a peer's blocks (P->D: the
+decode node pulls the prefill's blocks; D->P with `bidirectional_kv_xfer`: the prefill node
+pulls a finished turn's blocks back) gets the longest prefix of the peer's blocks whose token
+fingerprints equal its own prompt's, beyond its local prefix-cache hit, if at least
+`kv_recompute_threshold` tokens are gained. Each request pulls at most once; when it does not
+pull, the owner is told to free its blocks.
+
+Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
+with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally, keep
+their blocks under a lease and return params describing them. The workers free the blocks when
+the reader's release arrives or the lease expires, whichever is first, and report that through
+`finished_sending` exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
+
+from kvduplex.connector import metadata as md
+from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
+from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.connector.threshold import RecomputeThresholdEstimator
+from kvduplex.connector.token_fingerprint import (
+    block_fingerprints,
+    matched_prefix_tokens,
+    request_salt,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under vLLM's logger tree, so vLLM's handler, format and level apply.
+logger = init_logger(f"vllm.{__name__}")
+
+_HOLDABLE_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass
+class _PullState:
+    """A request whose params describe a peer's blocks; lives until the request finishes."""
+
+    remote: RemoteBlocks | Rejected
+    matched_tokens: int = -1
+    consumed: bool = False
+    """The pull was decided (started, declined or impossible): never pull again."""
+    last_num_computed: int = 0
+
+
+@dataclass(frozen=True)
+class _Hold:
+    num_blocks: int
+    decode_turn: bool
+
+
+class DuplexScheduler:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        config: DuplexConfig,
+        engine_id: str,
+    ) -> None:
+        self._config = config
+        self._engine_id = engine_id
+        self._block_size = vllm_config.cache_config.block_size
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._max_held_decode_blocks = int(
+            config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks
+        )
+        max_model_len = vllm_config.model_config.max_model_len
+        self._params_context = ParamsContext(
+            engine_id=engine_id,
+            tp_size=self._tp_size,
+            block_size=self._block_size,
+            max_model_len=max_model_len,
+            bidirectional=config.bidirectional_kv_xfer,
+            read_deadline_margin_s=config.read_deadline_margin_s,
+        )
+        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "kv_load_failure_policy is %r: a request whose KV pull fails will fail instead "
+                "of recomputing; set it to \"recompute\" to fall back",
+                vllm_config.kv_transfer_config.kv_load_failure_policy,
+            )
+        self._estimator = (
+            RecomputeThresholdEstimator(config.recompute_threshold, max_model_len)
+            if config.auto_recompute_threshold
+            else None
+        )
+        # Side channels of this engine's workers, index = TP rank; None until workers report.
+        self._host: str | None = None
+        self._ports: tuple[int, ...] | None = None
+        self._missing_address_logged = False
+
+        self._pulls: dict[str, _PullState] = {}
+        self._held: dict[str, _Hold] = {}
+        self._held_decode_blocks = 0
+        self._loads: list[md.LoadSpec] = []
+        self._releases: list[md.ReleaseSpec] = []
+        self._holds: list[md.HoldSpec] = []
+        self._stats = DuplexConnectorStats()
+        self._step_started: float | None = None
+        self._step_tokens = 0
+
+    # ---------------------------------------------------------------- reader
+
+    def recompute_threshold(self) -> int:
+        if self._estimator is not None:
+            return self._estimator.threshold()
+        return self._config.recompute_threshold
+
+    def on_new_request(self, request: Request) -> None:
+        self._pull_state(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        state = self._pull_state(request)
+        if state is None or state.consumed or isinstance(state.remote, Rejected):
+            return 0, False
+        state.last_num_computed = num_computed_tokens
+        gain = self._pullable_tokens(request, state) - num_computed_tokens
+        if gain <= 0 or gain < self.recompute_threshold():
+            return 0, False
+        return gain, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._pulls.get(request.request_id)
+        if state is None or state.consumed:
+            return
+        state.consumed = True
+        remote = state.remote
+        if isinstance(remote, Rejected):
+            if remote.release is not None:
+                self._releases.append(remote.release)
+            return
+        if num_external_tokens <= 0:
+            self._decline(request, state)
+            return
+        # The local prefix-cache hit is block-aligned: the load starts at a block boundary.
+        first_block = state.last_num_computed // self._block_size
+        end_block = -(-(state.last_num_computed + num_external_tokens) // self._block_size)
+        local_ids = blocks.get_block_ids()[0][first_block:end_block]
+        remote_ids = remote.block_ids[first_block:end_block]
+        self._loads.append(
+            md.LoadSpec(
+                request_id=request.request_id,
+                peer=remote.peer,
+                remote_request_id=remote.remote_request_id,
+                local_block_ids=tuple(local_ids),
+                remote_block_ids=tuple(remote_ids),
+                num_tokens=num_external_tokens,
+                lease_expiry=remote.lease_expiry,
+            )
+        )
+        logger.debug(
+            "Request %s pulls %d tokens (%d blocks) from engine %s",
+            request.request_id,
+            num_external_tokens,
+            len(local_ids),
+            remote.peer.engine_id,
+        )
+
+    def _decline(self, request: Request, state: _PullState) -> None:
+        """No pull for this request: tell the owner to free its blocks now."""
+        remote = state.remote
+        assert isinstance(remote, RemoteBlocks)
+        self._releases.append(remote.release())
+        gain = self._pullable_tokens(request, state) - state.last_num_computed
+        if gain > 0:
+            self._stats.add("pulls_declined")
+            self._stats.add("tokens_recomputed", gain)
+            logger.debug(
+                "Request %s recomputes %d tokens instead of pulling them (threshold %d)",
+                request.request_id,
+                gain,
+                self.recompute_threshold(),
+            )
+
+    def _pull_state(self, request: Request) -> _PullState | None:
+        state = self._pulls.get(request.request_id)
+        if state is not None:
+            return state
+        remote = parse_remote_blocks(request.kv_transfer_params, self._params_context)
+        if remote is None:
+            return None
+        if isinstance(remote, RemoteBlocks):
+            unsupported = _unsupported_reason(request)
+            if unsupported is not None:
+                remote = Rejected(unsupported, remote.release())
+        if isinstance(remote, Rejected):
+            self._stats.add("fallbacks")
+            logger.warning(
+                "Request %s runs without KV transfer: %s", request.request_id, remote.reason
+            )
+        state = _PullState(remote=remote)
+        self._pulls[request.request_id] = state
+        return state
+
+    def _pullable_tokens(self, request: Request, state: _PullState) -> int:
+        """Prompt tokens, from the first, whose KV the peer holds for the same token ids."""
+        remote = state.remote
+        assert isinstance(remote, RemoteBlocks)
+        if state.matched_tokens < 0:
+            prompt = request.prompt_token_ids or []
+            matched, mismatch_block = matched_prefix_tokens(
+                prompt,
+                remote.fingerprints,
+                remote.num_tokens,
+                self._block_size,
+                _salt(request),
+            )
+            state.matched_tokens = matched
+            if mismatch_block >= 0:
+                usable = min(remote.num_tokens, len(prompt))
+                self._stats.add("tokens_mismatched", usable - matched)
+                self._stats.add("fallbacks")
+                logger.warning(
+                    "Request %s: the tokens of block %d held by engine %s differ from the "
+                    "prompt's; only the first %d of %d tokens are reusable",
+                    request.request_id,
+                    mismatch_block,
+                    remote.peer.engine_id,
+                    matched,
+                    usable,
+                )
+        return min(state.matched_tokens, request.num_prompt_tokens)
+
+    # ----------------------------------------------------------------- owner
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        state = self._pulls.pop(request.request_id, None)
+        if state is not None and not state.consumed:
+            # Finished (e.g. aborted) before it was ever scheduled: free the owner's blocks.
+            if isinstance(state.remote, RemoteBlocks):
+                self._releases.append(state.remote.release())
+            elif state.remote.release is not None:
+                self._releases.append(state.remote.release)
+
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or request.status not in _HOLDABLE_STATUSES:
+            return False, None
+        hands_off = params.get(md.DO_REMOTE_DECODE) is True
+        took_over = params.get(md.DO_REMOTE_PREFILL) is True
+        if hands_off and not took_over:
+            decode_turn = False
+            ttl_s = self._config.kv_lease_ttl_s
+        elif took_over and not hands_off and self._config.bidirectional_kv_xfer:
+            decode_turn = True
+            ttl_s = self._config.decode_kv_hold_ttl_s
+        else:
+            return False, None
+
+        num_tokens = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
+        num_blocks = -(-num_tokens // self._block_size)
+        if num_blocks == 0 or len(block_ids) < num_blocks:
+            return False, None
+        if _unsupported_reason(request) is not None:
+            return False, None
+        if self._host is None or self._ports is None:
+            if not self._missing_address_logged:
+                self._missing_address_logged = True
+                logger.warning(
+                    "No transfer-engine address from the workers yet; finished requests "
+                    "free their KV blocks instead of offering them to peers"
+                )
+            return False, None
+        if decode_turn and self._held_decode_blocks + num_blocks > self._max_held_decode_blocks:
+            logger.debug(
+                "Request %s: not holding %d blocks, held finished turns already use %d of %d",
+                request.request_id,
+                num_blocks,
+                self._held_decode_blocks,
+                self._max_held_decode_blocks,
+            )
+            return False, None
+
+        held_ids = list(block_ids[:num_blocks])
+        fingerprints = block_fingerprints(
+            request.all_token_ids[:num_tokens], self._block_size, _salt(request)
+        )
+        self._held[request.request_id] = _Hold(num_blocks=num_blocks, decode_turn=decode_turn)
+        if decode_turn:
+            self._held_decode_blocks += num_blocks
+        self._holds.append(md.HoldSpec(request_id=request.request_id, ttl_s=ttl_s))
+        return True, {
+            md.DO_REMOTE_PREFILL: not decode_turn,
+            md.DO_REMOTE_DECODE: decode_turn,
+            md.REMOTE_ENGINE_ID: self._engine_id,
+            md.REMOTE_REQUEST_ID: request.request_id,
+            md.REMOTE_HOST: self._host,
+            md.REMOTE_PORT: self._ports[0],
+            md.REMOTE_PORTS: list(self._ports),
+            md.TP_SIZE: self._tp_size,
+            md.REMOTE_BLOCK_IDS: held_ids,
+            md.REMOTE_NUM_TOKENS: num_tokens,
+            md.REMOTE_BLOCK_SIZE: self._block_size,
+            md.REMOTE_BLOCK_FINGERPRINTS: fingerprints,
+            md.REMOTE_LEASE_EXPIRY: time.time() + ttl_s,
+            md.PROTOCOL_KEY: md.PROTOCOL_VERSION,
+        }
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        by_rank: dict[int, md.DuplexHandshakeMetadata] = {}
+        for tp_rank, rank_metadata in metadata.items():
+            if not isinstance(rank_metadata, md.DuplexHandshakeMetadata):
+                raise TypeError(
+                    f"DuplexConnector expected DuplexHandshakeMetadata from TP rank {tp_rank}, "
+                    f"got {type(rank_metadata).__name__}"
+                )
+            by_rank[tp_rank] = rank_metadata
+        if sorted(by_rank) != list(range(self._tp_size)):
+            raise ValueError(
+                f"DuplexConnector expected transfer-engine addresses from TP ranks "
+                f"0..{self._tp_size - 1}, got ranks {sorted(by_rank)}"
+            )
+        hosts = {m.host for m in by_rank.values()}
+        if len(hosts) != 1:
+            raise ValueError(
+                f"DuplexConnector: TP workers announce different hosts {sorted(hosts)}; "
+                "all ranks of one engine must share side_channel_host"
+            )
+        self._host = hosts.pop()
+        self._ports = tuple(by_rank[rank].port for rank in range(self._tp_size))
+        logger.info(
+            "DuplexConnector engine %s offers KV blocks at %s ports %s",
+            self._engine_id,
+            self._host,
+            list(self._ports),
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> md.DuplexConnectorMetadata:
+        meta = md.DuplexConnectorMetadata(
+            loads=self._loads, releases=self._releases, holds=self._holds
+        )
+        self._loads, self._releases, self._holds = [], [], []
+        if self._estimator is not None:
+            self._step_started = time.perf_counter()
+            self._step_tokens = scheduler_output.total_num_scheduled_tokens
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_sending or ():
+            hold = self._held.pop(request_id, None)
+            if hold is not None and hold.decode_turn:
+                self._held_decode_blocks -= hold.num_blocks
+        if self._estimator is None:
+            return
+        if self._step_started is not None:
+            self._estimator.observe_step(
+                time.perf_counter() - self._step_started, self._step_tokens
+            )
+            self._step_started = None
+        worker_stats = connector_output.kv_connector_stats
+        if worker_stats is not None:
+            for seconds, tokens in zip(
+                worker_stats.data.get("transfer_s", ()),
+                worker_stats.data.get("transfer_tokens", ()),
+            ):
+                self._estimator.observe_read(seconds, tokens)
+
+    def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
+        return self._stats.take()
+
+
+def _salt(request: Request) -> str:
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    return request_salt(request.cache_salt, lora)
+
+
+def _unsupported_reason(request: Request) -> str | None:
+    if request.prompt_token_ids is None or request.prompt_embeds is not None:
+        return "requests with prompt embeddings are not supported"
+    if request.mm_features:
+        return "multimodal requests are not supported"
+    return None

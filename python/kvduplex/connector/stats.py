@@ -1,0 +1,128 @@
+"""DuplexConnector's statistics, reported through vLLM's KV-connector stats hook.
+
+Workers record reads and lease outcomes, the scheduler records pull decisions; vLLM aggregates
+both every step, ships the plain `data` dict to the API server, logs `reduce()` as
+"KV Transfer metrics: ..." and feeds `DuplexPromMetrics` for /metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+COUNTERS: dict[str, str] = {
+    "transfers": "Block reads completed",
+    "blocks": "KV blocks read from peers",
+    "bytes": "Bytes read from peers",
+    "tokens_pulled": "Prompt tokens whose KV was pulled from a peer instead of computed",
+    "tokens_recomputed": "Tokens a peer held with matching ids that were computed locally "
+    "instead (below threshold or after a failure)",
+    "tokens_mismatched": "Tokens a peer held whose ids differ from the request's",
+    "pulls_declined": "Pulls skipped because the gain was under kv_recompute_threshold",
+    "failed_transfers": "Handshakes or reads that failed or ran out of lease time",
+    "fallbacks": "Requests that asked for a pull and recomputed instead after an error, "
+    "malformed params or a token mismatch",
+    "lease_expiries": "Held block sets freed because their lease expired",
+    "leases_released": "Held block sets freed because the reader released them",
+}
+SAMPLES = ("transfer_s", "transfer_tokens")
+
+
+@dataclass
+class DuplexConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+        else:
+            for key in COUNTERS:
+                self.data.setdefault(key, 0)
+            for key in SAMPLES:
+                self.data.setdefault(key, [])
+
+    def reset(self) -> None:
+        self.data = {key: 0 for key in COUNTERS}
+        for key in SAMPLES:
+            self.data[key] = []
+
+    def add(self, key: str, amount: int = 1) -> None:
+        self.data[key] += amount
+
+    def record_transfer(self, seconds: float, num_blocks: int, nbytes: int, tokens: int) -> None:
+        self.data["transfers"] += 1
+        self.data["blocks"] += num_blocks
+        self.data["bytes"] += nbytes
+        self.data["tokens_pulled"] += tokens
+        self.data["transfer_s"].append(seconds)
+        self.data["transfer_tokens"].append(tokens)
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in COUNTERS) and not self.data["transfer_s"]
+
+    def aggregate(self, other: KVConnectorStats) -> DuplexConnectorStats:
+        if not other.is_empty():
+            for key in COUNTERS:
+                self.data[key] += other.data.get(key, 0)
+            for key in SAMPLES:
+                self.data[key].extend(other.data.get(key, []))
+        return self
+
+    def take(self) -> DuplexConnectorStats | None:
+        """This interval's stats (None if nothing happened); starts a new interval."""
+        if self.is_empty():
+            return None
+        snapshot = DuplexConnectorStats(data=self.data)
+        self.reset()
+        return snapshot
+
+    def reduce(self) -> dict[str, int | float]:
+        durations = sorted(self.data["transfer_s"])
+        total_s = sum(durations)
+        out: dict[str, int | float] = {key: self.data[key] for key in COUNTERS if key != "bytes"}
+        out["MB"] = round(self.data["bytes"] / 1e6, 3)
+        if durations:
+            p99 = durations[max(0, math.ceil(0.99 * len(durations)) - 1)]
+            out["mean_transfer_ms"] = round(1e3 * total_s / len(durations), 3)
+            out["p99_transfer_ms"] = round(1e3 * p99, 3)
+        if total_s > 0:
+            out["throughput_MBps"] = round(self.data["bytes"] / total_s / 1e6, 1)
+        return out
+
+
+class DuplexPromMetrics(KVConnectorPromMetrics):
+    """Counters `vllm:kvduplex_<name>_total` and a transfer-time histogram per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvduplex_{key}", documentation=text, labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for key, text in COUNTERS.items()
+        }
+        self._transfer_time = create_metric_per_engine(
+            self._histogram_cls(
+                name="vllm:kvduplex_transfer_seconds",
+                documentation="Duration of one batched block read, post to last byte",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5],
+                labelnames=labelnames,
+            ),
+            per_engine_labelvalues,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            amount = transfer_stats_data.get(key, 0)
+            if amount:
+                per_engine[engine_idx].inc(amount)
+        for seconds in transfer_stats_data.get("transfer_s", []):
+            self._transfer_time[engine_idx].observe(seconds)

@@ -1,0 +1,95 @@
+"""`kv_recompute_threshold: "auto"`: the smallest pull that is faster than recomputing.
+
+Pulling n tokens costs one extra engine step of latency (the request waits for its KV in
+WAITING_FOR_REMOTE_KVS and is scheduled on a later step) plus the read itself, modelled as
+`a + b*n` (a: per-read latency, b: seconds per token, fitted by least squares over recent
+reads). Recomputing costs n / prefill_speed, with prefill_speed measured from steps that
+scheduled at least `MIN_PREFILL_STEP_TOKENS` tokens (scheduled tokens / step wall time). The
+threshold is the smallest n for which
+
+    step_s + a + b*n  <  n / prefill_speed,   i.e.   n > (step_s + a) / (1/prefill_speed - b)
+
+and, if reading a token is no faster than computing it, no pull is worth it (threshold =
+max_model_len + 1). Until `MIN_SAMPLES` reads and prefill steps were measured, the configured
+default (64) applies. Measurements decay exponentially (factor `DECAY` per sample), so the
+estimate follows load changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+MIN_SAMPLES = 4
+MIN_PREFILL_STEP_TOKENS = 64
+DECAY = 0.9
+
+
+class _Ema:
+    def __init__(self) -> None:
+        self.weight = 0.0
+        self.total = 0.0
+        self.samples = 0
+
+    def add(self, value: float) -> None:
+        self.weight = DECAY * self.weight + 1.0
+        self.total = DECAY * self.total + value
+        self.samples += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight
+
+
+class RecomputeThresholdEstimator:
+    def __init__(self, default_threshold: int, max_model_len: int) -> None:
+        self._default = default_threshold
+        self._never = max_model_len + 1
+        self._step_s = _Ema()
+        self._prefill_s_per_token = _Ema()
+        # Decayed sums for the least-squares fit of read time against tokens.
+        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._reads = 0
+
+    def observe_step(self, seconds: float, scheduled_tokens: int) -> None:
+        if seconds <= 0 or scheduled_tokens <= 0:
+            return
+        self._step_s.add(seconds)
+        if scheduled_tokens >= MIN_PREFILL_STEP_TOKENS:
+            self._prefill_s_per_token.add(seconds / scheduled_tokens)
+
+    def observe_read(self, seconds: float, tokens: int) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        d = DECAY
+        self._w = d * self._w + 1.0
+        self._sx = d * self._sx + tokens
+        self._sy = d * self._sy + seconds
+        self._sxx = d * self._sxx + tokens * tokens
+        self._sxy = d * self._sxy + tokens * seconds
+        self._reads += 1
+
+    def _read_model(self) -> tuple[float, float]:
+        """(seconds per read, seconds per token) of the fitted read time."""
+        mean_x = self._sx / self._w
+        mean_y = self._sy / self._w
+        var_x = self._sxx / self._w - mean_x * mean_x
+        if var_x > 1e-9 * max(1.0, mean_x * mean_x):
+            slope = (self._sxy / self._w - mean_x * mean_y) / var_x
+            if slope > 0:
+                return max(0.0, mean_y - slope * mean_x), slope
+        # All reads of one size (or noise hides the slope): charge it all per token.
+        return 0.0, mean_y / mean_x
+
+    def threshold(self) -> int:
+        if (
+            self._reads < MIN_SAMPLES
+            or self._prefill_s_per_token.samples < MIN_SAMPLES
+            or self._step_s.samples < MIN_SAMPLES
+        ):
+            return self._default
+        per_read_s, read_s_per_token = self._read_model()
+        saving_per_token = self._prefill_s_per_token.mean - read_s_per_token
+        if saving_per_token <= 0:
+            return self._never
+        fixed_s = self._step_s.mean + per_read_s
+        return min(self._never, max(1, math.floor(fixed_s / saving_per_token) + 1))

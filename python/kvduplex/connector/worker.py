@@ -1,0 +1,405 @@
+"""Worker side of DuplexConnector: the KV cache on the transfer core, reads, leases.
+
+One transfer-core `Engine` per vLLM worker (TP rank r of engine E is `E/tp<r>`); TP rank r
+reads only from the peer's rank r. Handshakes run on a background thread, once per peer
+address; reads are posted from the step hooks and polled every step. The owner side frees held
+blocks when a reader's release notification arrives or the lease expires, and reports each
+held request in `finished_sending` exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
+from kvduplex import _core
+from kvduplex.connector import metadata as md
+from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.leases import LeaseBook
+from kvduplex.connector.stats import DuplexConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Under vLLM's logger tree, so vLLM's handler, format and level apply.
+logger = init_logger(f"vllm.{__name__}")
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where the blocks of the registered KV cache live, as the transfer core sees them."""
+
+    regions: tuple[tuple[int, int], ...]
+    segment_bases: tuple[int, ...]
+    block_len: int
+    block_stride: int
+    num_blocks: int
+
+
+def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
+    """Treat each layer's KV block as one opaque page of bytes.
+
+    vLLM views every layer as [blocks, ...] (kernel blocks may split a cache block into
+    several consecutive pages). A block must be one dense byte range, at the same length and
+    stride in every layer; each distinct storage is registered once.
+    """
+    regions: dict[int, int] = {}
+    bases: list[int] = []
+    block_len = block_stride = None
+    for name, tensor in kv_caches.items():
+        if tensor.dim() < 2 or tensor.shape[0] % num_blocks:
+            raise ValueError(
+                f"DuplexConnector: KV cache of layer {name} has shape {tuple(tensor.shape)}, "
+                f"not [{num_blocks} blocks, ...]; only attention KV caches are supported"
+            )
+        pages_per_block = tensor.shape[0] // num_blocks
+        page = tensor[0]
+        page_bytes = page.numel() * tensor.element_size()
+        page_stride = tensor.stride(0) * tensor.element_size()
+        if not _is_dense(page) or (pages_per_block > 1 and page_stride != page_bytes):
+            raise ValueError(
+                f"DuplexConnector: a KV block of layer {name} is not one contiguous byte "
+                f"range (shape {tuple(tensor.shape)}, strides {tensor.stride()})"
+            )
+        layer_len, layer_stride = pages_per_block * page_bytes, pages_per_block * page_stride
+        if block_len is None:
+            block_len, block_stride = layer_len, layer_stride
+        elif (layer_len, layer_stride) != (block_len, block_stride):
+            raise ValueError(
+                f"DuplexConnector: layer {name} has block length/stride "
+                f"{layer_len}/{layer_stride}, other layers {block_len}/{block_stride}"
+            )
+        storage = tensor.untyped_storage()
+        regions[storage.data_ptr()] = storage.nbytes()
+        if tensor.data_ptr() not in bases:
+            bases.append(tensor.data_ptr())
+    if block_len is None:
+        raise ValueError("DuplexConnector: no KV cache tensors to register")
+    return KVLayout(
+        regions=tuple(regions.items()),
+        segment_bases=tuple(bases),
+        block_len=block_len,
+        block_stride=block_stride,
+        num_blocks=num_blocks,
+    )
+
+
+def _is_dense(page: torch.Tensor) -> bool:
+    """True when the tensor's elements fill one byte range without gaps or overlap."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(page.shape, page.stride()))
+    return all(stride > 0 for stride in page.stride()) and span == page.numel()
+
+
+def compatibility_fingerprint(
+    vllm_config: VllmConfig,
+    kv_caches: dict[str, torch.Tensor],
+    layout: KVLayout,
+    tp_rank: int,
+) -> dict[str, str]:
+    """Everything that must be equal on both sides for a block to mean the same KV."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    first = next(iter(kv_caches.values()))
+    hf = model.hf_config
+    fingerprint = {
+        "kvduplex_protocol": str(md.PROTOCOL_VERSION),
+        "vllm_version": vllm.__version__,
+        "architectures": ",".join(getattr(hf, "architectures", None) or []),
+        "model_type": str(getattr(hf, "model_type", "")),
+        "vocab_size": str(model.get_vocab_size()),
+        "hidden_size": str(model.get_hidden_size()),
+        "num_kv_heads": str(model.get_num_kv_heads(parallel)),
+        "head_size": str(model.get_head_size()),
+        "num_layers": str(len(kv_caches)),
+        "layer_names": hashlib.blake2b(
+            "\n".join(kv_caches).encode(), digest_size=8
+        ).hexdigest(),
+        "block_size": str(vllm_config.cache_config.block_size),
+        "cache_dtype": f"{vllm_config.cache_config.cache_dtype}/{first.dtype}",
+        "block_shape": "x".join(str(d) for d in first.shape[1:]),
+        "block_len": str(layout.block_len),
+        "segments": str(len(layout.segment_bases)),
+        "device_type": first.device.type,
+        "tp_size": str(parallel.tensor_parallel_size),
+        "tp_rank": str(tp_rank),
+    }
+    if first.device.type == "cpu":
+        # The CPU attention kernels lay out a block's interior per instruction set.
+        fingerprint["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return fingerprint
+
+
+class WrongPeerError(Exception):
+    """The engine at the announced address is not the one kv_transfer_params named."""
+
+
+@dataclass
+class _Inflight:
+    spec: md.LoadSpec
+    transfer: _core.Transfer
+    posted_at: float
+
+
+class DuplexWorker:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        config: DuplexConfig,
+        engine_id: str,
+        tp_rank: int,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._config = config
+        self._engine_id = engine_id
+        self._tp_rank = tp_rank
+        self._engine: _core.Engine | None = None
+        self._handshakes = ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="kvduplex-handshake"
+        )
+        self._connections: dict[tuple[str, int], Future[str]] = {}
+        self._waiting_loads: list[md.LoadSpec] = []
+        self._waiting_releases: list[md.ReleaseSpec] = []
+        self._inflight: dict[str, _Inflight] = {}
+        self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._leases = LeaseBook()
+        self._stats = DuplexConnectorStats()
+
+    # ------------------------------------------------------------- lifecycle
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = describe_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        fingerprint = compatibility_fingerprint(
+            self._vllm_config, kv_caches, layout, self._tp_rank
+        )
+        port = self._config.side_channel_port
+        engine = _core.Engine(
+            md.rank_engine_id(self._engine_id, self._tp_rank),
+            fingerprint,
+            host=self._config.side_channel_host,
+            port=port + self._tp_rank if port else 0,
+            secret=self._config.auth_secret(),
+        )
+        try:
+            for addr, length in layout.regions:
+                engine.register_region(addr, length)
+            engine.set_layout(
+                list(layout.segment_bases), layout.block_len, layout.block_stride,
+                layout.num_blocks,
+            )
+        except BaseException:
+            engine.close()
+            raise
+        self._engine = engine
+        logger.info(
+            "DuplexConnector worker %s: %d segments x %d blocks of %d bytes, side channel "
+            "%s:%d",
+            engine.engine_id,
+            len(layout.segment_bases),
+            layout.num_blocks,
+            layout.block_len,
+            engine.side_channel_host,
+            engine.side_channel_port,
+        )
+
+    def get_handshake_metadata(self) -> md.DuplexHandshakeMetadata | None:
+        if self._engine is None:
+            return None
+        return md.DuplexHandshakeMetadata(
+            tp_rank=self._tp_rank,
+            host=self._engine.side_channel_host,
+            port=self._engine.side_channel_port,
+        )
+
+    def shutdown(self) -> None:
+        self._handshakes.shutdown(wait=False, cancel_futures=True)
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    # ----------------------------------------------------------------- steps
+
+    def start_load_kv(self, meta: md.DuplexConnectorMetadata) -> None:
+        for hold in meta.holds:
+            if not self._leases.hold(hold.request_id, hold.ttl_s):
+                self._finished_sending.add(hold.request_id)
+                self._stats.add("leases_released")
+        for spec in meta.loads:
+            self._connect(spec.peer)
+            self._waiting_loads.append(spec)
+        for release in meta.releases:
+            self._connect(release.peer)
+            self._waiting_releases.append(release)
+        self._advance()
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        self._advance()
+        self._poll_reads()
+        self._take_notifications()
+        self._expire_holds()
+        results = KVConnectorTransferResults(
+            finished_sending=self._finished_sending,
+            finished_recving=self._finished_recving,
+        )
+        self._finished_sending, self._finished_recving = set(), set()
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
+        return self._stats.take()
+
+    # ------------------------------------------------------------ reader side
+
+    def _connect(self, peer: md.PeerAddress) -> None:
+        """Start a handshake with the peer's rank unless one is done or under way."""
+        if self._engine is None:
+            return
+        address = (peer.host, peer.ports[self._tp_rank])
+        existing = self._connections.get(address)
+        if existing is not None:
+            if not existing.done():
+                return
+            if existing.exception() is None and self._engine.peer_alive(existing.result()):
+                return
+        self._connections[address] = self._handshakes.submit(
+            self._engine.connect, address[0], address[1], self._config.handshake_timeout_s
+        )
+
+    def _connected_peer(self, peer: md.PeerAddress) -> str | None:
+        """The peer's engine id once connected; raises if the handshake failed or the peer
+        is not the engine the params named. None while the handshake runs."""
+        if self._engine is None:
+            raise RuntimeError("no KV cache was registered with the transfer core")
+        future = self._connections[(peer.host, peer.ports[self._tp_rank])]
+        if not future.done():
+            return None
+        peer_engine_id = future.result()
+        expected = peer.rank_engine_id(self._tp_rank)
+        if peer_engine_id != expected:
+            raise WrongPeerError(
+                f"the engine at {peer.host}:{peer.ports[self._tp_rank]} is {peer_engine_id!r}, "
+                f"not {expected!r} named in kv_transfer_params"
+            )
+        return peer_engine_id
+
+    def _advance(self) -> None:
+        """Post the reads and releases whose handshakes finished."""
+        waiting_loads, self._waiting_loads = self._waiting_loads, []
+        for spec in waiting_loads:
+            try:
+                peer_engine_id = self._connected_peer(spec.peer)
+            except Exception as exc:  # handshake failed: any error means "no transfer"
+                self._fail_load(spec, f"handshake failed: {exc}")
+                continue
+            if peer_engine_id is None:
+                self._waiting_loads.append(spec)
+            else:
+                self._post_read(spec, peer_engine_id)
+        waiting_releases, self._waiting_releases = self._waiting_releases, []
+        for release in waiting_releases:
+            try:
+                peer_engine_id = self._connected_peer(release.peer)
+                if peer_engine_id is None:
+                    self._waiting_releases.append(release)
+                    continue
+                self._engine.notify(peer_engine_id, md.encode_release(release.remote_request_id))
+            except Exception as exc:  # the owner's lease frees the blocks instead
+                logger.info(
+                    "Could not tell engine %s to free request %s's blocks (%s); its lease "
+                    "will free them",
+                    release.peer.engine_id,
+                    release.remote_request_id,
+                    exc,
+                )
+
+    def _post_read(self, spec: md.LoadSpec, peer_engine_id: str) -> None:
+        time_left = spec.lease_expiry - time.time() - self._config.read_deadline_margin_s
+        if time_left <= 0:
+            self._fail_load(spec, "the owner's lease ends before the read could finish")
+            self._notify_quietly(peer_engine_id, spec.remote_request_id)
+            return
+        try:
+            transfer = self._engine.read_blocks(
+                peer_engine_id,
+                list(spec.local_block_ids),
+                list(spec.remote_block_ids),
+                notify=md.encode_release(spec.remote_request_id),
+                timeout_s=time_left,
+            )
+        except _core.KvDuplexError as exc:
+            self._fail_load(spec, f"read not posted: {exc}")
+            self._notify_quietly(peer_engine_id, spec.remote_request_id)
+            return
+        self._inflight[spec.request_id] = _Inflight(spec, transfer, time.perf_counter())
+
+    def _poll_reads(self) -> None:
+        for request_id, inflight in list(self._inflight.items()):
+            try:
+                if not inflight.transfer.done():
+                    continue
+            except _core.KvDuplexError as exc:
+                del self._inflight[request_id]
+                self._fail_load(inflight.spec, f"read failed: {exc}")
+                continue
+            del self._inflight[request_id]
+            self._finished_recving.add(request_id)
+            self._stats.record_transfer(
+                time.perf_counter() - inflight.posted_at,
+                len(inflight.spec.local_block_ids),
+                inflight.transfer.nbytes,
+                inflight.spec.num_tokens,
+            )
+
+    def _fail_load(self, spec: md.LoadSpec, reason: str) -> None:
+        """The request recomputes the tokens it meant to pull."""
+        logger.warning(
+            "Request %s recomputes %d tokens instead of pulling them from engine %s: %s",
+            spec.request_id,
+            spec.num_tokens,
+            spec.peer.engine_id,
+            reason,
+        )
+        self._finished_recving.add(spec.request_id)
+        self._load_errors.update(spec.local_block_ids)
+        self._stats.add("failed_transfers")
+        self._stats.add("fallbacks")
+        self._stats.add("tokens_recomputed", spec.num_tokens)
+
+    def _notify_quietly(self, peer_engine_id: str, remote_request_id: str) -> None:
+        try:
+            self._engine.notify(peer_engine_id, md.encode_release(remote_request_id))
+        except _core.KvDuplexError as exc:
+            logger.debug("Release of %s not delivered: %s", remote_request_id, exc)
+
+    # ------------------------------------------------------------- owner side
+
+    def _take_notifications(self) -> None:
+        if self._engine is None:
+            return
+        for sender, payload in self._engine.take_notifications():
+            request_id = md.decode_release(payload)
+            if request_id is None:
+                logger.warning("Ignoring a malformed notification from engine %s", sender)
+            elif self._leases.release(request_id):
+                self._finished_sending.add(request_id)
+                self._stats.add("leases_released")
+
+    def _expire_holds(self) -> None:
+        for request_id in self._leases.expire():
+            self._finished_sending.add(request_id)
+            self._stats.add("lease_expiries")
+            logger.debug("Lease of request %s expired; its blocks are freed", request_id)

@@ -1,0 +1,333 @@
+"""Harness driving vLLM's real `Scheduler` with DuplexConnector on the CPU, no model weights.
+
+`engine(...)` builds a scheduler-side engine: a VllmConfig over a tiny local Llama config (no
+hub access), a KV cache of `num_blocks` blocks and vLLM's `Scheduler`, whose connector is a real
+`DuplexConnector`. `Engine.step(...)` runs one `schedule()` / `update_from_output()` round in
+which every request that completes its prompt samples `token`; what the workers would report
+(finished sending / receiving, failed blocks) is passed in explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvduplex.connector import DuplexConnector
+from kvduplex.connector.metadata import (
+    DuplexConnectorMetadata,
+    DuplexHandshakeMetadata,
+    LoadSpec,
+)
+from kvduplex.connector.scheduler import DuplexScheduler
+from kvduplex.connector.stats import DuplexConnectorStats
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_SIZE = 64
+EOS_TOKEN_ID = 2
+SIDE_CHANNEL_PORT = {"P": 41001, "D": 41002}
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": NUM_LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": NUM_KV_HEADS,
+    "head_dim": HEAD_SIZE,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_TOKEN_ID,
+    "torch_dtype": "float32",
+}
+
+
+def make_vllm_config(
+    model_dir: Path,
+    engine_id: str,
+    extra_config: dict[str, Any] | None = None,
+    num_blocks: int = 64,
+) -> VllmConfig:
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            seed=0,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=MAX_MODEL_LEN,
+            max_num_seqs=16,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="DuplexConnector",
+            kv_connector_module_path="kvduplex.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            engine_id=engine_id,
+            kv_connector_extra_config=dict(extra_config or {}),
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return vllm_config
+
+
+@dataclass
+class Step:
+    output: SchedulerOutput
+    outputs: list[EngineCoreOutput]
+
+    @property
+    def meta(self) -> DuplexConnectorMetadata:
+        meta = self.output.kv_connector_metadata
+        assert isinstance(meta, DuplexConnectorMetadata)
+        return meta
+
+    def finished(self, request_id: str) -> EngineCoreOutput | None:
+        for out in self.outputs:
+            if out.request_id == request_id and out.finish_reason is not None:
+                return out
+        return None
+
+
+@dataclass
+class Engine:
+    """A real vLLM Scheduler with DuplexConnector; workers are played by the test."""
+
+    name: str
+    scheduler: Scheduler
+    steps: list[Step] = field(default_factory=list)
+    stats: DuplexConnectorStats = field(default_factory=DuplexConnectorStats)
+    """Connector stats of every step so far, as vLLM reported them to its stats loggers."""
+
+    @property
+    def connector(self) -> DuplexConnector:
+        connector = self.scheduler.connector
+        assert isinstance(connector, DuplexConnector)
+        return connector
+
+    @property
+    def duplex(self) -> DuplexScheduler:
+        return self.connector._scheduler
+
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int = 1,
+        params: dict[str, Any] | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> Request:
+        extra_args = {"kv_transfer_params": params} if params is not None else None
+        sampling = SamplingParams(
+            max_tokens=max_tokens, stop_token_ids=stop_token_ids, extra_args=extra_args
+        )
+        request = Request(
+            request_id,
+            list(prompt),
+            sampling,
+            None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(
+        self,
+        token: int = 7,
+        finished_sending: Iterable[str] = (),
+        finished_recving: Iterable[str] = (),
+        invalid_block_ids: Iterable[int] = (),
+        worker_stats: DuplexConnectorStats | None = None,
+    ) -> Step:
+        output = self.scheduler.schedule()
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for request_id in req_ids:
+            request = self.scheduler.requests[request_id]
+            sampled.append([token] if request.num_computed_tokens >= request.num_tokens else [])
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=set(finished_sending),
+                finished_recving=set(finished_recving),
+                invalid_block_ids=set(invalid_block_ids),
+                kv_connector_stats=worker_stats,
+            ),
+        )
+        engine_outputs = self.scheduler.update_from_output(output, runner_output)
+        outputs = [o for eco in engine_outputs.values() for o in eco.outputs]
+        for eco in engine_outputs.values():
+            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+                self.stats.aggregate(
+                    DuplexConnector.build_kv_connector_stats(eco.scheduler_stats.kv_connector_stats)
+                )
+        step = Step(output=output, outputs=outputs)
+        self.steps.append(step)
+        return step
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+    def ref_count(self, block_id: int) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.blocks[block_id].ref_cnt
+
+
+def make_engine(
+    model_dir: Path,
+    name: str,
+    extra_config: dict[str, Any] | None = None,
+    num_blocks: int = 64,
+    announce: bool = True,
+) -> Engine:
+    vllm_config = make_vllm_config(model_dir, name, extra_config, num_blocks)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE,
+                    num_kv_heads=NUM_KV_HEADS,
+                    head_size=HEAD_SIZE,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+    engine = Engine(name=name, scheduler=scheduler)
+    if announce:
+        engine.connector.set_xfer_handshake_metadata(
+            {0: DuplexHandshakeMetadata(tp_rank=0, host="127.0.0.1", port=SIDE_CHANNEL_PORT[name])}
+        )
+    return engine
+
+
+def prompt_tokens(num_tokens: int, start: int = 100) -> list[int]:
+    """Distinct token ids, so no two test prompts share a prefix-cache block by accident."""
+    return [start + i for i in range(num_tokens)]
+
+
+def prefill(p: Engine, request_id: str, prompt: list[int], params: dict | None = None) -> dict:
+    """Turn's prefill on P (max_tokens=1, as a P/D proxy sends it); returns P's params."""
+    p.add(request_id, prompt, max_tokens=1, params=params or {"do_remote_decode": True})
+    for _ in range(4):
+        step = p.step()
+        finished = step.finished(request_id)
+        if finished is not None:
+            assert finished.kv_transfer_params is not None
+            return finished.kv_transfer_params
+        # A pull from D is in flight: the test plays the worker and completes it.
+        (load,) = step.meta.loads
+        assert load.request_id == request_id
+        p.step(finished_recving={request_id})
+    raise AssertionError(f"{request_id} did not finish on {p.name}")
+
+
+def decode(
+    d: Engine, request_id: str, prompt: list[int], params: dict, max_tokens: int
+) -> tuple[LoadSpec | None, dict | None]:
+    """D pulls (the test completes the read) and decodes; returns (load, D's params)."""
+    d.add(request_id, prompt, max_tokens=max_tokens, params=params)
+    step = d.step()
+    load = step.meta.loads[0] if step.meta.loads else None
+    if load is not None:
+        assert step.output.num_scheduled_tokens == {}
+        d.step(finished_recving={request_id})
+    for _ in range(max_tokens + 2):
+        step = d.step()
+        finished = step.finished(request_id)
+        if finished is not None:
+            return load, finished.kv_transfer_params
+    raise AssertionError(f"{request_id} did not finish on {d.name}")
+
+
+def running(engine: Engine) -> list[str]:
+    return [request.request_id for request in engine.scheduler.running]
+
+
+def make_kv_caches(num_blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """KV caches shaped and laid out like vLLM's on the CPU: per layer a
+    [blocks, kv_heads, block_size, 2 * head_size] float32 view of one shared storage, layer
+    after layer. Filled from `seed`, or zeros when it is None."""
+    page = NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE
+    numel = NUM_LAYERS * num_blocks * page
+    if seed is None:
+        storage = torch.zeros(numel)
+    else:
+        storage = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    layer = num_blocks * page
+    return {
+        f"model.layers.{i}.self_attn.attn": storage[i * layer : (i + 1) * layer].view(
+            num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE
+        )
+        for i in range(NUM_LAYERS)
+    }
+
+
+def make_worker(
+    model_dir: Path,
+    engine_id: str,
+    kv_caches: dict[str, torch.Tensor],
+    extra_config: dict[str, Any] | None = None,
+):
+    """A real DuplexWorker (transfer core included) with `kv_caches` registered."""
+    from kvduplex.connector.config import DuplexConfig
+    from kvduplex.connector.worker import DuplexWorker
+
+    num_blocks = next(iter(kv_caches.values())).shape[0]
+    vllm_config = make_vllm_config(model_dir, engine_id, extra_config, num_blocks)
+    worker = DuplexWorker(
+        vllm_config,
+        KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[]),
+        DuplexConfig.from_extra_config(extra_config),
+        engine_id,
+        tp_rank=0,
+    )
+    worker.register_kv_caches(kv_caches)
+    return worker

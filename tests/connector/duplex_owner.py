@@ -1,0 +1,50 @@
+"""An owner-side DuplexWorker in its own process, for the two-process worker tests.
+
+Builds KV caches filled from a seed, registers them, prints its side-channel address as one
+JSON line, then serves: each stdin line {"hold": request_id, "ttl_s": seconds} hands the
+worker a HoldSpec, as the scheduler would; the worker is stepped every few milliseconds and
+every non-empty result is printed as {"finished_sending": [...], "stats": {...}}. Exits when
+stdin closes. Run: python duplex_owner.py '{"model_dir": ..., "engine_id": ..., ...}'
+"""
+
+import json
+import select
+import sys
+
+from duplex_harness import make_kv_caches, make_worker
+
+from kvduplex.connector.metadata import DuplexConnectorMetadata, HoldSpec
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    kv_caches = make_kv_caches(spec["num_blocks"], seed=spec["seed"])
+    worker = make_worker(spec["model_dir"], spec["engine_id"], kv_caches, spec.get("extra_config"))
+    address = worker.get_handshake_metadata()
+    print(json.dumps({"host": address.host, "port": address.port}), flush=True)
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.005)
+        if ready:
+            line = sys.stdin.readline()
+            if not line:
+                break
+            command = json.loads(line)
+            hold = HoldSpec(request_id=command["hold"], ttl_s=command["ttl_s"])
+            worker.start_load_kv(DuplexConnectorMetadata(holds=[hold]))
+        results = worker.get_transfer_results()
+        stats = worker.get_kv_connector_stats()
+        if results.finished_sending or stats is not None:
+            print(
+                json.dumps(
+                    {
+                        "finished_sending": sorted(results.finished_sending),
+                        "stats": stats.data if stats is not None else {},
+                    }
+                ),
+                flush=True,
+            )
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

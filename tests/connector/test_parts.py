@@ -1,0 +1,122 @@
+"""The connector's pure parts: token fingerprints, config, stats, leases, auto threshold."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.leases import LeaseBook
+from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.connector.threshold import RecomputeThresholdEstimator
+from kvduplex.connector.token_fingerprint import block_fingerprints, matched_prefix_tokens
+
+
+def test_fingerprints_chain_over_blocks_and_cover_a_partial_tail():
+    tokens = list(range(40))
+    fps = block_fingerprints(tokens, 16)
+    assert len(fps) == 3 and all(len(f) == 16 for f in fps)
+    # Same block contents after a different prefix give a different fingerprint (chained).
+    shifted = block_fingerprints([99] + tokens[1:], 16)
+    assert shifted[0] != fps[0] and shifted[1] != fps[1]
+    assert block_fingerprints(tokens[:32], 16) == fps[:2]
+    assert block_fingerprints(tokens[:39], 16)[2] != fps[2]
+    assert block_fingerprints(tokens, 16, salt="lora-a") != fps
+    assert block_fingerprints(tokens, 8)[:1] != fps[:1]
+
+
+@pytest.mark.parametrize(
+    "local,expected",
+    [
+        (list(range(40)) + [5] * 30, (40, -1)),  # all of it, partial tail included
+        (list(range(35)), (32, -1)),  # local ends inside the remote tail: not covered
+        (list(range(20)) + [0] * 50, (16, 1)),  # block 1 differs
+        ([7] + list(range(1, 40)), (0, 0)),
+    ],
+)
+def test_matched_prefix(local, expected):
+    remote = block_fingerprints(list(range(40)), 16)
+    assert matched_prefix_tokens(local, remote, 40, 16) == expected
+
+
+def test_config_defaults_and_validation(monkeypatch):
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    config = DuplexConfig.from_extra_config({})
+    assert config == DuplexConfig()
+    assert config.recompute_threshold == 64 and not config.bidirectional_kv_xfer
+    auto = DuplexConfig.from_extra_config(
+        {"kv_recompute_threshold": "auto", "bidirectional_kv_xfer": "true"}
+    )
+    assert auto.auto_recompute_threshold and auto.bidirectional_kv_xfer
+    for bad in (
+        {"kv_recompute_treshold": 3},
+        {"kv_recompute_threshold": -1},
+        {"kv_recompute_threshold": "many"},
+        {"kv_lease_ttl_s": 0},
+        {"kv_lease_ttl_s": 0.5},  # not above the 1 s read margin
+        {"decode_kv_hold_max_fraction": 1.5},
+        {"side_channel_port": 70000},
+        {"side_channel_host": ""},
+        {"bidirectional_kv_xfer": "maybe"},
+    ):
+        with pytest.raises(ValueError, match="DuplexConnector"):
+            DuplexConfig.from_extra_config(bad)
+
+
+def test_secret_comes_from_the_named_environment_variable(monkeypatch):
+    config = DuplexConfig.from_extra_config({"auth_secret_env": "MY_SECRET"})
+    monkeypatch.delenv("MY_SECRET", raising=False)
+    assert config.auth_secret() is None
+    monkeypatch.setenv("MY_SECRET", "s3cret")
+    assert config.auth_secret() == b"s3cret"
+
+
+def test_stats_aggregate_and_reduce():
+    worker = DuplexConnectorStats()
+    for ms in range(1, 101):
+        worker.record_transfer(ms / 1000, num_blocks=2, nbytes=1_000_000, tokens=32)
+    scheduler = DuplexConnectorStats()
+    scheduler.add("pulls_declined")
+    scheduler.add("tokens_recomputed", 40)
+    total = DuplexConnectorStats(data=worker.take().data).aggregate(scheduler)
+    assert worker.is_empty() and worker.take() is None
+    reduced = total.reduce()
+    assert reduced["transfers"] == 100 and reduced["blocks"] == 200
+    assert reduced["tokens_pulled"] == 3200 and reduced["tokens_recomputed"] == 40
+    assert reduced["MB"] == 100.0
+    assert reduced["mean_transfer_ms"] == pytest.approx(50.5)
+    assert reduced["p99_transfer_ms"] == pytest.approx(99.0)
+
+
+def test_lease_book_ends_each_hold_exactly_once():
+    now = [100.0]
+    book = LeaseBook(clock=lambda: now[0])
+    assert book.hold("a", 5.0) and book.hold("b", 5.0)
+    assert book.release("a") and not book.release("a")
+    now[0] = 104.9
+    assert book.expire() == []
+    now[0] = 105.0
+    assert book.expire() == ["b"] and book.expire() == []
+    assert not book.release("b")
+    # A release that overtakes its hold frees the hold as soon as it arrives.
+    assert not book.release("c")
+    assert not book.hold("c", 5.0) and len(book) == 0
+
+
+def test_auto_threshold_from_measured_speeds():
+    estimator = RecomputeThresholdEstimator(default_threshold=64, max_model_len=4096)
+    assert estimator.threshold() == 64
+    # Steps of 256 tokens take 0.256 s: prefill costs 1 ms per token, a step 0.256 s.
+    # Reads cost 5 ms + 0.1 ms per token.
+    for tokens in (100, 200, 400, 800):
+        estimator.observe_step(0.256, 256)
+        estimator.observe_read(0.005 + 0.0001 * tokens, tokens)
+    # Pull when 0.256 + 0.005 + 0.0001 n < 0.001 n, i.e. n > 290.
+    assert estimator.threshold() == 291
+
+
+def test_auto_threshold_never_pulls_when_reading_is_slower_than_computing():
+    estimator = RecomputeThresholdEstimator(default_threshold=64, max_model_len=4096)
+    for tokens in (100, 200, 400, 800):
+        estimator.observe_step(0.064, 256)
+        estimator.observe_read(0.001 * tokens, tokens)
+    assert estimator.threshold() == 4097

@@ -1,0 +1,286 @@
+"""DuplexConnector's scheduler side under vLLM's real Scheduler: pulls, holds, leases."""
+
+from __future__ import annotations
+
+import pytest
+from duplex_harness import BLOCK_SIZE, Engine, decode, prefill, prompt_tokens, running
+from vllm.v1.request import RequestStatus
+
+from kvduplex.connector.leases import LeaseBook
+from kvduplex.connector.stats import DuplexConnectorStats
+
+BIDIRECTIONAL = {"bidirectional_kv_xfer": True}
+
+
+def test_multi_turn_lifecycle(engines):
+    p = engines("P", BIDIRECTIONAL)
+    d = engines("D", BIDIRECTIONAL)
+    turn1 = prompt_tokens(100)
+
+    # Turn 1, P->D: P prefills and holds its 7 blocks for D.
+    p_params = prefill(p, "p1", turn1)
+    assert p_params["do_remote_prefill"] is True and p_params["do_remote_decode"] is False
+    assert p_params["remote_num_tokens"] == 100
+    held_on_p = p_params["remote_block_ids"]
+    assert len(held_on_p) == 7
+    step = p.step()
+    assert [h.request_id for h in step.meta.holds] == ["p1"]
+    assert all(p.ref_count(b) == 1 for b in held_on_p)
+
+    # D pulls all 100 prompt tokens, then decodes 80 tokens and holds its blocks for turn 2.
+    load, d_params = decode(d, "d1", turn1, p_params, max_tokens=80)
+    assert load.remote_block_ids == tuple(held_on_p)
+    assert load.num_tokens == 100
+    assert len(load.local_block_ids) == 7
+    assert d_params["do_remote_decode"] is True and d_params["do_remote_prefill"] is False
+    assert d_params["remote_num_tokens"] == 179  # prompt + 80 outputs, the last not computed
+    assert len(d_params["remote_block_ids"]) == 12
+
+    # D's read-done notification reaches P's worker: P frees (its prefix cache keeps them).
+    p.step(finished_sending={"p1"})
+    assert all(p.ref_count(b) == 0 for b in held_on_p)
+    assert "p1" not in p.scheduler.requests
+
+    # Turn 2 on P: history (turn 1 + D's answer) + a new message. P's prefix cache covers 96
+    # tokens; D holds 179, so P pulls 83 tokens (blocks 6..11, the last one partial).
+    turn2 = turn1 + [7] * 80 + prompt_tokens(70, start=500)
+    p.add("p2", turn2, max_tokens=1, params=d_params)
+    step = p.step()
+    (load,) = step.meta.loads
+    assert load.num_tokens == 179 - 96
+    assert load.remote_block_ids == tuple(d_params["remote_block_ids"][6:12])
+    assert step.output.num_scheduled_tokens == {}
+    step = p.step(finished_recving={"p2"})
+    step = p.step()
+    assert step.output.num_scheduled_tokens == {"p2": len(turn2) - 179}
+    p_params2 = step.finished("p2").kv_transfer_params
+    assert p_params2["remote_num_tokens"] == len(turn2)
+
+    # P's read released D's hold.
+    d.step(finished_sending={"d1"})
+    assert "d1" not in d.scheduler.requests
+
+    # Turn 2 on D: its own prefix cache covers 176 tokens; it pulls the remaining 74 from P.
+    load, _ = decode(d, "d2", turn2, p_params2, max_tokens=4)
+    assert load.num_tokens == len(turn2) - 176
+    assert load.remote_block_ids == tuple(p_params2["remote_block_ids"][11:])
+
+
+@pytest.mark.parametrize("gain,pulls", [(63, False), (64, True)])
+def test_threshold_boundary_prefill_to_decode(engines, gain, pulls):
+    p, d = engines("P"), engines("D")
+    prompt = prompt_tokens(gain)
+    params = prefill(p, "p1", prompt)
+    d.add("d1", prompt, max_tokens=2, params=params)
+    step = d.step()
+    if pulls:
+        assert [load.num_tokens for load in step.meta.loads] == [64]
+        assert step.meta.releases == []
+    else:
+        assert step.meta.loads == []
+        assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
+        assert step.output.num_scheduled_tokens == {"d1": gain}
+        assert d.stats.data["pulls_declined"] == 1
+        assert d.stats.data["tokens_recomputed"] == gain
+
+
+@pytest.mark.parametrize("gain,pulls", [(31, False), (32, True)])
+def test_threshold_boundary_decode_to_prefill(engines, gain, pulls):
+    """The threshold also applies to D->P, beyond P's local prefix-cache hit."""
+    config = {**BIDIRECTIONAL, "kv_recompute_threshold": 32}
+    p, d = engines("P", config), engines("D", config)
+    turn1 = prompt_tokens(64)
+    _, d_params = decode(d, "d1", turn1, prefill(p, "p1", turn1), max_tokens=gain + 1)
+    p.step(finished_sending={"p1"})
+    # P's cache holds the 64 prompt tokens; D holds 64 + gain.
+    p.add("p2", turn1 + [7] * (gain + 1) + prompt_tokens(5, start=600), params=d_params)
+    step = p.step()
+    if pulls:
+        assert [load.num_tokens for load in step.meta.loads] == [gain]
+    else:
+        assert step.meta.loads == []
+        assert [r.remote_request_id for r in step.meta.releases] == ["d1"]
+
+
+def test_partial_last_block_is_pulled_and_divergence_inside_it_is_not(engines):
+    config = {**BIDIRECTIONAL, "kv_recompute_threshold": 0}
+    p, d = engines("P", config), engines("D", config)
+    turn1 = prompt_tokens(33)
+    _, d_params = decode(d, "d1", turn1, prefill(p, "p1", turn1), max_tokens=8)
+    assert d_params["remote_num_tokens"] == 40  # 2 full blocks + 8 tokens
+
+    fresh = engines("P", config)
+    history = turn1 + [7] * 8
+    fresh.add("same", history + prompt_tokens(30, start=700), params=d_params)
+    (load,) = fresh.step().meta.loads
+    assert load.num_tokens == 40 and len(load.remote_block_ids) == 3
+
+    edited = list(history)
+    edited[37] = 9  # inside D's partial third block
+    fresh.add("edited", edited + prompt_tokens(30, start=800), params=dict(d_params))
+    (load,) = fresh.step().meta.loads
+    assert load.num_tokens == 32 and len(load.remote_block_ids) == 2
+
+
+def test_fingerprint_mismatch_pulls_only_the_matching_prefix(engines, connector_log):
+    config = {**BIDIRECTIONAL, "kv_recompute_threshold": 0}
+    p, d = engines("P", config), engines("D", config)
+    turn1 = prompt_tokens(90)
+    _, d_params = decode(d, "d1", turn1, prefill(p, "p1", turn1), max_tokens=10)
+
+    # Reasoning stripped from the history: tokens from position 50 on differ.
+    edited = turn1[:50] + prompt_tokens(60, start=900)
+    fresh = engines("P", config)
+    fresh.add("p2", edited, params=d_params)
+    step = fresh.step()
+    (load,) = step.meta.loads
+    assert load.num_tokens == 48  # blocks 0-2 match; block 3 holds token 50
+    assert "differ from the prompt's" in connector_log.text
+
+    # The first block differs: nothing is pulled and D is told to free its blocks.
+    other = engines("P", config)
+    other.add("p3", [1] + turn1[1:], params=dict(d_params))
+    step = other.step()
+    assert step.meta.loads == []
+    assert [r.remote_request_id for r in step.meta.releases] == ["d1"]
+    assert step.output.num_scheduled_tokens == {"p3": 90}
+
+
+@pytest.mark.parametrize(
+    "stop_token_ids,expected",
+    [(None, RequestStatus.FINISHED_LENGTH_CAPPED), ([7], RequestStatus.FINISHED_STOPPED)],
+)
+def test_decode_turn_is_held_after_both_finish_statuses(engines, stop_token_ids, expected):
+    p, d = engines("P", BIDIRECTIONAL), engines("D", BIDIRECTIONAL)
+    prompt = prompt_tokens(70)
+    d.add("d1", prompt, max_tokens=5, params=prefill(p, "p1", prompt),
+          stop_token_ids=stop_token_ids)
+    d.step()
+    d.step(finished_recving={"d1"})
+    for _ in range(6):
+        finished = d.step(token=7).finished("d1")
+        if finished is not None:
+            break
+    assert d.scheduler.requests["d1"].status == expected
+    assert finished.kv_transfer_params["do_remote_decode"] is True
+    held = finished.kv_transfer_params["remote_block_ids"]
+    assert all(d.ref_count(b) == 1 for b in held)
+
+
+def test_aborted_request_is_not_held_and_frees_its_owner(engines):
+    p, d = engines("P", BIDIRECTIONAL), engines("D", BIDIRECTIONAL)
+    prompt = prompt_tokens(70)
+    params = prefill(p, "p1", prompt)
+    d.add("d1", prompt, max_tokens=5, params=params)
+    # Aborted while waiting to be scheduled: never pulled, so P must be told to free.
+    d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    step = d.step()
+    assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
+    assert step.meta.holds == []
+    assert "d1" not in d.scheduler.requests
+
+
+def test_bidirectional_off_decode_frees_at_once(engines):
+    p, d = engines("P"), engines("D")
+    prompt = prompt_tokens(70)
+    _, d_params = decode(d, "d1", prompt, prefill(p, "p1", prompt), max_tokens=3)
+    assert d_params is None
+    assert "d1" not in d.scheduler.requests
+
+
+def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
+    """Held blocks stay out of the free pool under cache pressure until the lease ends."""
+    now = [0.0]
+    p = engines("P", {"kv_lease_ttl_s": 5.0}, num_blocks=16)
+    book = LeaseBook(clock=lambda: now[0])
+    params = prefill(p, "p1", prompt_tokens(100))
+    held = set(params["remote_block_ids"])
+    assert len(held) == 7
+
+    def worker_step(**kwargs) -> None:
+        step = p.step(finished_sending=set(book.expire()), **kwargs)
+        for hold in step.meta.holds:
+            assert hold.ttl_s == 5.0
+            book.hold(hold.request_id, hold.ttl_s)
+
+    worker_step()
+    # 16 blocks, block 0 reserved, 7 held: a 9-block prompt (130 tokens) cannot be admitted,
+    # evicting cached blocks included, until P's lease ends.
+    p.add("big", prompt_tokens(130, start=300), max_tokens=5)
+    for _ in range(3):
+        now[0] += 1.0
+        worker_step()
+        assert "big" not in running(p)
+        assert all(p.ref_count(b) == 1 for b in held)
+    now[0] = 5.0
+    worker_step()  # lease ends: finished_sending reaches the scheduler this step
+    assert "p1" not in p.scheduler.requests
+    worker_step()
+    assert "big" in running(p)
+    assert set(p.block_ids("big")) & held  # the freed blocks are reused only now
+    assert book.expire() == [] and len(book) == 0
+
+
+def test_decode_hold_cap_bounds_cache_used_by_finished_turns(engines):
+    config = {**BIDIRECTIONAL, "decode_kv_hold_max_fraction": 0.2}
+    p, d = engines("P", config), engines("D", config, num_blocks=64)
+    # 64 blocks * 0.2 = 12 blocks may be held: the first turn (7 blocks) is, the second not.
+    a, b = prompt_tokens(100), prompt_tokens(100, start=400)
+    _, first = decode(d, "d1", a, prefill(p, "p1", a), max_tokens=2)
+    _, second = decode(d, "d2", b, prefill(p, "p2", b), max_tokens=2)
+    assert first is not None and second is None
+    d.step(finished_sending={"d1"})
+    _, third = decode(d, "d3", b + [7, 7], prefill(p, "p3", b + [7, 7]), max_tokens=2)
+    assert third is not None
+
+
+def test_no_params_without_worker_addresses(engines, connector_log):
+    p = engines("P", announce=False)
+    p.add("p1", prompt_tokens(40), max_tokens=1, params={"do_remote_decode": True})
+    step = p.step()
+    assert step.finished("p1").kv_transfer_params is None
+    assert "p1" not in p.scheduler.requests
+    assert "No transfer-engine address" in connector_log.text
+
+
+def test_failed_pull_recomputes_from_the_local_hit_and_never_pulls_again(engines):
+    p, d = engines("P"), engines("D")
+    prompt = prompt_tokens(100)
+    params = prefill(p, "p1", prompt)
+    d.add("d1", prompt, max_tokens=3, params=params)
+    (load,) = d.step().meta.loads
+    # The read failed: the worker reports the request done with its blocks invalid.
+    d.step(finished_recving={"d1"}, invalid_block_ids=set(load.local_block_ids))
+    step = d.step()
+    assert step.output.num_scheduled_tokens == {"d1": 100}
+    assert step.meta.loads == []
+    assert d.duplex.get_num_new_matched_tokens(d.scheduler.requests["d1"], 0) == (0, False)
+
+
+def test_pull_counts_start_at_a_local_prefix_hit(engines):
+    p, d = engines("P"), engines("D")
+    shared = prompt_tokens(64)
+    d.add("warm", shared, max_tokens=1)
+    d.step()
+    prompt = shared + prompt_tokens(80, start=700)
+    params = prefill(p, "p1", prompt)
+    d.add("d1", prompt, max_tokens=2, params=params)
+    (load,) = d.step().meta.loads
+    assert load.num_tokens == 80
+    assert load.remote_block_ids == tuple(params["remote_block_ids"][64 // BLOCK_SIZE :])
+
+
+def test_auto_threshold_learns_from_worker_reads_and_steps(engines):
+    p, d = engines("P"), engines("D", {"kv_recompute_threshold": "auto"})
+    assert d.duplex.recompute_threshold() == 64
+    for i in range(4):
+        d.add(f"warm{i}", prompt_tokens(100, start=2000 + 100 * i))
+        reads = DuplexConnectorStats()
+        # Reads far slower than this step's compute: pulling never pays off.
+        reads.record_transfer(5.0 * (i + 1), num_blocks=1, nbytes=1, tokens=16 * (i + 1))
+        d.step(worker_stats=reads)
+    assert d.duplex.recompute_threshold() == 1025
+    prompt = prompt_tokens(300)
+    d.add("d1", prompt, max_tokens=2, params=prefill(p, "p1", prompt))
+    step = d.step()
+    assert step.meta.loads == [] and len(step.meta.releases) == 1

@@ -1,0 +1,249 @@
+"""DuplexWorker on the real transfer core: two processes, vLLM-shaped CPU KV caches.
+
+The owner runs in its own process (duplex_owner.py) with caches filled from a seed; the reader
+is a DuplexWorker in this process. Every pulled block is compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from duplex_harness import NUM_LAYERS, make_kv_caches, make_worker
+
+from kvduplex.connector.metadata import (
+    DuplexConnectorMetadata,
+    LoadSpec,
+    PeerAddress,
+    ReleaseSpec,
+)
+from kvduplex.connector.worker import DuplexWorker, describe_kv_caches
+
+# Both engines must stay on loopback (UCX's tcp transport otherwise uses every interface).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+HERE = Path(__file__).parent
+NUM_BLOCKS = 24
+OWNER_SEED = 11
+OWNER_ID = "owner-engine"
+# A bound so a broken transfer fails the test instead of hanging it; not a speed check.
+WAIT_S = 60.0
+
+
+class OwnerProcess:
+    def __init__(self, model_dir: Path) -> None:
+        spec = {
+            "model_dir": str(model_dir),
+            "engine_id": OWNER_ID,
+            "num_blocks": NUM_BLOCKS,
+            "seed": OWNER_SEED,
+            "extra_config": {"read_deadline_margin_s": 0.5},
+        }
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "duplex_owner.py"), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"owner process exited with {self.proc.wait()}")
+        address = json.loads(line)
+        self.peer = PeerAddress(engine_id=OWNER_ID, host=address["host"], ports=(address["port"],))
+        self.expected = make_kv_caches(NUM_BLOCKS, seed=OWNER_SEED)
+        self.finished_sending: list[str] = []
+        self.stats: dict[str, int] = {}
+
+    def hold(self, request_id: str, ttl_s: float) -> None:
+        self.proc.stdin.write(json.dumps({"hold": request_id, "ttl_s": ttl_s}) + "\n")
+        self.proc.stdin.flush()
+
+    def poll(self, timeout_s: float) -> None:
+        """Take the reports that arrive within `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while True:
+            left = max(0.0, end - time.monotonic())
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if not ready:
+                return
+            report = json.loads(self.proc.stdout.readline())
+            self.finished_sending.extend(report["finished_sending"])
+            for key, value in report["stats"].items():
+                if isinstance(value, int):
+                    self.stats[key] = self.stats.get(key, 0) + value
+
+    def collect(self, until: int, settle_s: float = 0.3) -> None:
+        """Take reports until `until` requests finished sending, then a little longer so a
+        duplicate report would show up too."""
+        deadline = time.monotonic() + WAIT_S
+        while len(self.finished_sending) < until and time.monotonic() < deadline:
+            self.poll(0.05)
+        self.poll(settle_s)
+
+    def reset(self) -> None:
+        self.finished_sending.clear()
+        self.stats.clear()
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def owner(tiny_config_dir: Path):
+    process = OwnerProcess(tiny_config_dir)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def reader(tiny_config_dir: Path):
+    kv_caches = make_kv_caches(NUM_BLOCKS)
+    worker = make_worker(tiny_config_dir, "reader-engine", kv_caches, {"handshake_timeout_s": 2})
+    yield worker, kv_caches
+    worker.shutdown()
+
+
+def load(
+    owner: OwnerProcess, request_id: str, local: list[int], remote: list[int], **kw
+) -> LoadSpec:
+    return LoadSpec(
+        request_id=request_id,
+        peer=kw.get("peer", owner.peer),
+        remote_request_id=kw.get("remote_request_id", request_id),
+        local_block_ids=tuple(local),
+        remote_block_ids=tuple(remote),
+        num_tokens=16 * len(local),
+        lease_expiry=kw.get("lease_expiry", time.time() + 30),
+    )
+
+
+def run_until_received(worker: DuplexWorker, spec: LoadSpec) -> set[int]:
+    """Step the reader like vLLM does until the request is reported; returns failed blocks."""
+    worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+    failed: set[int] = set()
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        results = worker.get_transfer_results()
+        failed |= worker.get_block_ids_with_load_errors()
+        assert not results.finished_sending
+        if results.finished_recving:
+            assert results.finished_recving == {spec.request_id}
+            return failed
+        time.sleep(0.002)
+    raise AssertionError(f"{spec.request_id} was never reported")
+
+
+def test_pull_copies_every_layer_byte_exact_and_releases_the_owner(owner, reader):
+    worker, kv_caches = reader
+    owner.reset()
+    owner.hold("p-ok", ttl_s=30)
+    local, remote = [5, 9, 2, 3, 4], [3, 4, 10, 11, 12]
+    assert run_until_received(worker, load(owner, "p-ok", local, remote)) == set()
+    for name, tensor in kv_caches.items():
+        for lid, rid in zip(local, remote):
+            assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid, rid)
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(local))
+    assert all(not t[untouched].any() for t in kv_caches.values())
+    stats = worker.get_kv_connector_stats().data
+    assert stats["transfers"] == 1 and stats["tokens_pulled"] == 80
+    block_bytes = next(iter(kv_caches.values()))[0].nbytes
+    assert stats["bytes"] == len(local) * NUM_LAYERS * block_bytes
+    owner.collect(until=1)
+    assert owner.finished_sending == ["p-ok"]
+    assert owner.stats.get("leases_released") == 1
+
+
+def test_owner_lease_expires_exactly_once_without_a_reader(owner):
+    owner.reset()
+    owner.hold("p-expire", ttl_s=0.6)
+    owner.collect(until=1, settle_s=1.0)
+    assert owner.finished_sending == ["p-expire"]
+    assert owner.stats.get("lease_expiries") == 1
+
+
+def test_read_too_close_to_the_lease_end_is_declined_and_released(owner, reader):
+    worker, kv_caches = reader
+    owner.reset()
+    owner.hold("p-late", ttl_s=30)
+    spec = load(owner, "p-late", [6, 7], [6, 7], lease_expiry=time.time() + 0.2)
+    assert run_until_received(worker, spec) == {6, 7}
+    assert not any(t.any() for t in kv_caches.values())
+    owner.collect(until=1)
+    assert owner.finished_sending == ["p-late"] and owner.stats.get("leases_released") == 1
+    stats = worker.get_kv_connector_stats().data
+    assert stats["failed_transfers"] == 1 and stats["tokens_recomputed"] == 32
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["remote-id-out-of-range", "wrong-engine-at-address", "nobody-listening"],
+)
+def test_failed_pulls_report_their_blocks_and_write_nothing(owner, reader, case):
+    worker, kv_caches = reader
+    spec = load(owner, f"p-{case}", [8, 9], [4, 5])
+    if case == "remote-id-out-of-range":
+        spec = load(owner, f"p-{case}", [8, 9], [4, NUM_BLOCKS + 5])
+    elif case == "wrong-engine-at-address":
+        spec = load(owner, f"p-{case}", [8, 9], [4, 5],
+                    peer=PeerAddress("someone-else", owner.peer.host, owner.peer.ports))
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            unused_port = probe.getsockname()[1]
+        spec = load(owner, f"p-{case}", [8, 9], [4, 5],
+                    peer=PeerAddress(OWNER_ID, "127.0.0.1", (unused_port,)))
+    assert run_until_received(worker, spec) == {8, 9}
+    assert not any(t.any() for t in kv_caches.values())
+    assert worker.get_kv_connector_stats().data["fallbacks"] == 1
+
+
+def test_incompatible_peer_is_refused_at_handshake(owner, tiny_config_dir):
+    # One layer fewer than the owner: the compatibility fingerprint differs.
+    kv_caches = dict(list(make_kv_caches(NUM_BLOCKS).items())[: NUM_LAYERS - 1])
+    worker = make_worker(tiny_config_dir, "odd-reader", kv_caches, {"handshake_timeout_s": 2})
+    try:
+        assert run_until_received(worker, load(owner, "p-odd", [1], [1])) == {1}
+    finally:
+        worker.shutdown()
+
+
+def test_release_without_read_frees_the_owner(owner, reader):
+    worker, _ = reader
+    owner.reset()
+    owner.hold("p-skip", ttl_s=30)
+    worker.start_load_kv(DuplexConnectorMetadata(releases=[ReleaseSpec(owner.peer, "p-skip")]))
+    deadline = time.monotonic() + WAIT_S
+    while not owner.finished_sending and time.monotonic() < deadline:
+        worker.get_transfer_results()
+        owner.poll(0.01)
+    owner.collect(until=1)
+    assert owner.finished_sending == ["p-skip"]
+    assert owner.stats.get("leases_released") == 1 and not owner.stats.get("lease_expiries")
+
+
+def test_block_major_layout_is_described_as_strided_pages():
+    """Layers interleaved per block (vLLM's block-major layouts) still give one dense page
+    per layer and block, at a stride covering all layers."""
+    storage = torch.zeros(NUM_BLOCKS * NUM_LAYERS * 8 * 4)
+    by_block = storage.view(NUM_BLOCKS, NUM_LAYERS, 8, 4)
+    layout = describe_kv_caches({f"l{i}": by_block[:, i] for i in range(NUM_LAYERS)}, NUM_BLOCKS)
+    assert layout.block_len == 8 * 4 * 4
+    assert layout.block_stride == NUM_LAYERS * 8 * 4 * 4
+    assert layout.regions == ((storage.data_ptr(), storage.nbytes),)
+    with pytest.raises(ValueError, match="not one contiguous byte range"):
+        describe_kv_caches({"l0": storage.view(NUM_BLOCKS, NUM_LAYERS * 8, 4)[:, ::2]}, NUM_BLOCKS)
