@@ -25,6 +25,7 @@ fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
         secret: None,
         ucx_lib_dir: None,
         heartbeat: Duration::from_millis(200),
+        peer_error_handling: false,
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;

@@ -248,15 +248,24 @@ def test_reader_whose_owner_is_killed_gets_a_failure_not_a_hang(transport):
         reader.engine.close()
 
 
-def test_transfer_deadline_fails_the_batch():
-    owner = Owner("owner", TRANSPORTS["tcp"])
-    reader = Reader("reader", TRANSPORTS["tcp"])
+def test_deadline_fails_the_batch_and_no_late_byte_lands():
+    # Over tcp a cancelled read can only be cut off for sure with UCX peer error handling.
+    owner = Owner("owner", TRANSPORTS["tcp"], peer_error_handling=True)
+    reader = Reader("reader", TRANSPORTS["tcp"], peer_error_handling=True)
     try:
         peer = reader.engine.connect("127.0.0.1", owner.port)
         owner.proc.send_signal(19)  # SIGSTOP: alive but silent, so only the deadline can end it
-        transfer = reader.engine.read_blocks(peer, list(range(1, NUM_BLOCKS)), list(range(1, NUM_BLOCKS)), timeout_s=0.5)
+        ids = list(range(1, NUM_BLOCKS))
+        transfer = reader.engine.read_blocks(peer, ids, ids, timeout_s=0.5)
         with pytest.raises(core.TransferError, match="deadline"):
             transfer.wait(timeout_s=20)
+        reader.buf[:] = 0
+        owner.proc.send_signal(18)  # the owner now serves the reads it had queued
+        time.sleep(1.0)
+        assert not reader.buf.any(), "bytes of a failed batch landed after it was reported failed"
+        peer = reader.engine.connect("127.0.0.1", owner.port)
+        reader.engine.read_blocks(peer, [5], [6]).wait(timeout_s=30)
+        np.testing.assert_array_equal(reader.block(5), owner.expected_block(6))
     finally:
         owner.proc.send_signal(18)
         reader.engine.close()

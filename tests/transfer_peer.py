@@ -28,6 +28,7 @@ def main() -> None:
         spec.get("fingerprint", {"model": "tiny"}),
         secret=secret.encode() if secret else None,
         heartbeat_s=spec.get("heartbeat_s", 1.0),
+        peer_error_handling=spec.get("peer_error_handling", False),
     )
     base = buf.ctypes.data
     engine.register_region(base, buf.nbytes)

@@ -60,9 +60,13 @@ class Engine:
         secret: bytes | None = None,
         ucx_lib_dir: str | None = None,
         heartbeat_s: float = 1.0,
+        peer_error_handling: bool = False,
     ) -> None:
         """Start UCX and the side channel. `port=0` picks a free port. `ucx_lib_dir`
-        defaults to $KVDUPLEX_UCX_LIB_DIR, else the `libucx` wheel's lib directory."""
+        defaults to $KVDUPLEX_UCX_LIB_DIR, else the `libucx` wheel's lib directory.
+        A peer is declared dead after 3 missed `heartbeat_s`. `peer_error_handling` turns on
+        UCX peer error handling: a batch failed by its deadline then can never receive a late
+        byte, but UCX 1.22 reads over tcp instead of shared memory/cma (much slower)."""
     @property
     def engine_id(self) -> str: ...
     @property

@@ -18,6 +18,7 @@ use crate::handshake::{new_generation, EngineMetadata, Fingerprint, HandshakeErr
 use crate::side_channel::{Notification, PeerLink, SideChannelConfig, SideChannelServer};
 use crate::ucx::{BatchState, Endpoint, MemRegion, Read, UcxError, Worker};
 
+
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error(transparent)]
@@ -48,6 +49,8 @@ pub struct EngineConfig {
     pub secret: Option<Vec<u8>>,
     pub ucx_lib_dir: Option<PathBuf>,
     pub heartbeat: Duration,
+    /// UCX peer error handling on endpoints; see [`Worker::connect`] for the trade-off.
+    pub peer_error_handling: bool,
 }
 
 struct LocalMemory {
@@ -60,7 +63,8 @@ struct Peer {
     meta: EngineMetadata,
     /// The peer's registered regions, every remote range is checked against.
     regions: Vec<RegionBounds>,
-    endpoint: Endpoint,
+    /// Taken (and aborted) when the peer dies or a batch to it passes its deadline.
+    endpoint: Mutex<Option<Endpoint>>,
     link: PeerLink,
     alive: AtomicBool,
 }
@@ -72,6 +76,8 @@ struct Inflight {
     peer: Arc<Peer>,
     deadline: Instant,
     notify: Mutex<Option<Vec<u8>>>,
+    /// Why the engine failed this batch, which says more than UCX's "canceled".
+    abort_reason: Mutex<Option<String>>,
 }
 
 struct Shared {
@@ -229,9 +235,9 @@ impl Engine {
         let regions: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
         layout.validate_within(&regions)?;
         let rkeys: Vec<Vec<u8>> = meta.regions.iter().map(|r| r.rkey.clone()).collect();
-        let endpoint = self.shared.worker.connect(&meta.worker_address, &rkeys)?;
+        let endpoint = self.shared.worker.connect(&meta.worker_address, &rkeys, self.shared.config.peer_error_handling)?;
         let id = meta.engine_id.clone();
-        let peer = Arc::new(Peer { meta, regions, endpoint, link, alive: AtomicBool::new(true) });
+        let peer = Arc::new(Peer { meta, regions, endpoint: Mutex::new(Some(endpoint)), link, alive: AtomicBool::new(true) });
         let weak_shared = Arc::downgrade(&self.shared);
         let weak_peer = Arc::downgrade(&peer);
         peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
@@ -291,10 +297,14 @@ impl Engine {
             nbytes += d.len;
         }
         let batch = BatchState::new(&self.shared.worker);
-        let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: Instant::now() + timeout, notify: Mutex::new(notify) });
+        let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: Instant::now() + timeout, notify: Mutex::new(notify), abort_reason: Mutex::new(None) });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
-        if let Err(e) = peer.endpoint.post_reads(&reads, &batch) {
-            batch.finish(Err(e.to_string()));
+        let posted = match lock(&peer.endpoint).as_ref() {
+            Some(endpoint) => endpoint.post_reads(&reads, &batch).map_err(|e| e.to_string()),
+            None => Err(format!("peer {peer_id} was disconnected")),
+        };
+        if let Err(e) = posted {
+            batch.finish(Err(e));
         }
         drop(local);
         let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len() };
@@ -322,12 +332,11 @@ impl Engine {
         if let Some(t) = self.progress_thread.take() {
             let _ = t.join();
         }
-        for inflight in lock(&self.shared.inflight).drain(..) {
-            // Give posted reads a last chance to land before their endpoint closes.
-            self.shared.worker.progress();
-            inflight.batch.finish(Err("engine closed".into()));
-        }
         let peers: Vec<Arc<Peer>> = lock(&self.shared.peers).drain().map(|(_, p)| p).collect();
+        for peer in &peers {
+            abort_peer(&self.shared, peer, "engine closed");
+        }
+        lock(&self.shared.inflight).clear();
         drop(peers);
         lock(&self.shared.addresses).clear();
         if let Some(mut server) = lock(&self.shared.server).take() {
@@ -362,10 +371,37 @@ fn is_retryable(e: &HandshakeError) -> bool {
 
 fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
     let (Some(shared), Some(peer)) = (shared.upgrade(), peer.upgrade()) else { return };
-    peer.alive.store(false, Ordering::Release);
     log::warn!("peer {} is gone ({reason}); failing its in-flight transfers", peer.meta.engine_id);
-    for inflight in lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, &peer)) {
-        inflight.batch.finish(Err(format!("peer {} is gone: {reason}", peer.meta.engine_id)));
+    abort_peer(&shared, &peer, &format!("peer {} is gone: {reason}", peer.meta.engine_id));
+}
+
+/// Marks the peer unusable, force-closes its endpoint (UCX cancels every outstanding read on
+/// it, so no byte of them can land afterwards) and only then fails its pending batches.
+fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
+    if !peer.alive.swap(false, Ordering::AcqRel) && lock(&peer.endpoint).is_none() {
+        return;
+    }
+    let victims: Vec<Arc<Inflight>> = lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, peer)).cloned().collect();
+    for inflight in &victims {
+        lock(&inflight.abort_reason).get_or_insert_with(|| reason.to_string());
+    }
+    let endpoint = lock(&peer.endpoint).take();
+    if let Some(endpoint) = endpoint {
+        endpoint.abort();
+    }
+    for inflight in &victims {
+        inflight.batch.finish(Err(reason.to_string()));
+    }
+}
+
+/// Fails a batch that passed its deadline. Its reads may still be in flight, so the peer's
+/// endpoint is aborted first (failing every batch to that peer); the next `connect`
+/// re-handshakes.
+fn expire(shared: &Shared, inflight: &Inflight) {
+    if inflight.batch.outcome().is_none() && Instant::now() >= inflight.deadline && inflight.peer.alive.load(Ordering::Acquire) {
+        let reason = format!("deadline passed before the last byte arrived from peer {}", inflight.peer.meta.engine_id);
+        log::warn!("{reason}; aborting the connection to it");
+        abort_peer(shared, &inflight.peer, &reason);
     }
 }
 
@@ -397,11 +433,8 @@ fn progress_loop(shared: Weak<Shared>) {
 /// still pending.
 fn settle_all(shared: &Shared) -> bool {
     let pending: Vec<Arc<Inflight>> = lock(&shared.inflight).clone();
-    let now = Instant::now();
     for inflight in &pending {
-        if inflight.batch.outcome().is_none() && now >= inflight.deadline {
-            inflight.batch.finish(Err("deadline passed before the last byte arrived".into()));
-        }
+        expire(shared, inflight);
         if inflight.batch.outcome().is_some() {
             finish_inflight(shared, inflight);
         }
@@ -434,16 +467,11 @@ const WAIT_SPIN: Duration = Duration::from_micros(200);
 
 impl Transfer {
     fn settle(&self) -> Option<Result<(), EngineError>> {
-        let outcome = self.inflight.batch.outcome().or_else(|| {
-            if Instant::now() >= self.inflight.deadline {
-                self.inflight.batch.finish(Err("deadline passed before the last byte arrived".into()));
-                self.inflight.batch.outcome()
-            } else {
-                None
-            }
-        })?;
+        expire(&self.shared, &self.inflight);
+        let outcome = self.inflight.batch.outcome()?;
         finish_inflight(&self.shared, &self.inflight);
-        Some(outcome.map_err(EngineError::Transfer))
+        let reason = lock(&self.inflight.abort_reason).clone();
+        Some(outcome.map_err(|ucx_error| EngineError::Transfer(reason.unwrap_or(ucx_error))))
     }
 
     /// Non-blocking: `Ok(true)` when every byte arrived, `Ok(false)` while pending.

@@ -57,6 +57,7 @@ def test_config_defaults_and_validation(monkeypatch):
         {"side_channel_port": 70000},
         {"side_channel_host": ""},
         {"bidirectional_kv_xfer": "maybe"},
+        {"ucx_peer_error_handling": "sometimes"},
     ):
         with pytest.raises(ValueError, match="DuplexConnector"):
             DuplexConfig.from_extra_config(bad)

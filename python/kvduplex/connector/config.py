@@ -14,6 +14,7 @@ Every option, its default and why:
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port. With tensor parallelism rank r listens on port+r (or a free port each when 0). The real port is always announced. |
 | `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
 | `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate. |
+| `ucx_peer_error_handling` | `false` | UCX peer error handling on transfer endpoints. On, a read that fails by its deadline can never write late bytes into blocks being recomputed; but UCX 1.22 then moves host memory over tcp instead of cma/shared memory (several times slower on one host). Off, a dead peer is detected through the side channel's heartbeats, and a read aborted while a network transport still carries its data could land late. Turn it on for cross-host deployments where the transport keeps its speed with it. |
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class DuplexConfig:
     side_channel_port: int = 0
     handshake_timeout_s: float = 10.0
     auth_secret_env: str = "KVDUPLEX_SECRET"
+    ucx_peer_error_handling: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:
@@ -95,6 +97,7 @@ class DuplexConfig:
             ),
             handshake_timeout_s=_seconds(extra, "handshake_timeout_s", 10.0),
             auth_secret_env=secret_env,
+            ucx_peer_error_handling=_bool(extra, "ucx_peer_error_handling", False),
         )
 
     def auth_secret(self) -> bytes | None:
@@ -114,6 +117,7 @@ _KNOWN_KEYS = frozenset(
         "side_channel_port",
         "handshake_timeout_s",
         "auth_secret_env",
+        "ucx_peer_error_handling",
     }
 )
 

@@ -190,6 +190,7 @@ class DuplexWorker:
             host=self._config.side_channel_host,
             port=port + self._tp_rank if port else 0,
             secret=self._config.auth_secret(),
+            peer_error_handling=self._config.ucx_peer_error_handling,
         )
         try:
             for addr, length in layout.regions:

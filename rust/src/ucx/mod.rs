@@ -176,15 +176,19 @@ impl Worker {
     }
 
     /// Creates an endpoint to a peer worker and unpacks the peer's remote keys for it.
-    pub fn connect(self: &Arc<Self>, peer_address: &[u8], rkeys: &[Vec<u8>]) -> Result<Endpoint, UcxError> {
+    ///
+    /// `peer_error_handling` trades speed for a hard guarantee: with it, aborting the endpoint
+    /// tears down its transport connections, so no byte of a cancelled read lands afterwards;
+    /// but UCX 1.22 then reads over tcp emulation instead of cma/shared memory (1 vs 8-17
+    /// GB/s). Without it a dead peer is detected through the side channel, and a read aborted
+    /// while a network transport still carries its data may land late.
+    pub fn connect(self: &Arc<Self>, peer_address: &[u8], rkeys: &[Vec<u8>], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
         let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
         params.address = peer_address.as_ptr() as *const c_void;
-        // Peer error handling would make UCX 1.22 drop shared memory for tcp emulation
-        // (8-17 GB/s -> 1 GB/s); a dead peer is detected through the side channel instead.
-        params.err_mode = sys::UCP_ERR_HANDLING_MODE_NONE;
+        params.err_mode = if peer_error_handling { sys::UCP_ERR_HANDLING_MODE_PEER } else { sys::UCP_ERR_HANDLING_MODE_NONE };
         let mut ep = ptr::null_mut();
         // SAFETY: the address bytes stay alive for the call; UCX copies what it needs.
         self.check("ucp_ep_create", unsafe { (self.api.ucp_ep_create)(self.worker, &params, &mut ep) })?;
@@ -341,37 +345,62 @@ unsafe extern "C" fn flush_done(request: *mut c_void, status: sys::ucs_status_t,
     unsafe { (api.ucp_request_free)(request) };
 }
 
-impl Drop for Endpoint {
-    fn drop(&mut self) {
+impl Endpoint {
+    /// Closes the endpoint at once: UCX completes every outstanding read on it with an error,
+    /// after which no byte of them can land in local memory. For batches that must be failed
+    /// (deadline, dead peer) before their reads finished.
+    pub fn abort(mut self) {
+        self.close(true);
+    }
+
+    fn close(&mut self, force: bool) {
+        if self.ep.is_null() {
+            return;
+        }
         let api = self.worker.api;
-        let guard = self.worker.guard();
+        let _g = self.worker.guard();
         for rkey in self.rkeys.drain(..) {
             // SAFETY: unpacked on this endpoint and destroyed once, before the endpoint closes.
             unsafe { (api.ucp_rkey_destroy)(rkey) };
         }
-        let param = sys::ucp_request_param_t::default();
-        // SAFETY: ep is live and closed once; a non-forced close flushes outstanding reads.
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: if force { sys::UCP_OP_ATTR_FIELD_FLAGS } else { 0 },
+            flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
+            ..Default::default()
+        };
+        // SAFETY: ep is live and closed once (nulled below); a non-forced close flushes
+        // outstanding reads, a forced one cancels them.
         let sp = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
-        if let StatusPtr::Pending(req) = sys::status_ptr(sp) {
-            let deadline = Instant::now() + CLOSE_TIMEOUT;
-            loop {
-                // SAFETY: worker live, lock held, req pending until its status changes.
-                unsafe { (api.ucp_worker_progress)(self.worker.worker) };
-                let status = unsafe { (api.ucp_request_check_status)(req) };
-                if status != sys::UCS_INPROGRESS {
-                    // SAFETY: completed request, freed once.
-                    unsafe { (api.ucp_request_free)(req) };
-                    break;
-                }
-                if Instant::now() >= deadline {
-                    log::warn!("closing a UCX endpoint took over {CLOSE_TIMEOUT:?}; leaving it to worker teardown");
-                    // SAFETY: freeing a pending request is allowed; UCX releases it later.
-                    unsafe { (api.ucp_request_free)(req) };
-                    break;
+        self.ep = ptr::null_mut();
+        match sys::status_ptr(sp) {
+            StatusPtr::Done => {}
+            StatusPtr::Failed(status) => log::debug!("closing a UCX endpoint: {}", api.status_text(status)),
+            StatusPtr::Pending(req) => {
+                let deadline = Instant::now() + CLOSE_TIMEOUT;
+                loop {
+                    // SAFETY: worker live, lock held, req pending until its status changes.
+                    unsafe { (api.ucp_worker_progress)(self.worker.worker) };
+                    let status = unsafe { (api.ucp_request_check_status)(req) };
+                    if status != sys::UCS_INPROGRESS {
+                        // SAFETY: completed request, freed once.
+                        unsafe { (api.ucp_request_free)(req) };
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        log::warn!("closing a UCX endpoint took over {CLOSE_TIMEOUT:?}; leaving it to worker teardown");
+                        // SAFETY: freeing a pending request is allowed; UCX releases it later.
+                        unsafe { (api.ucp_request_free)(req) };
+                        break;
+                    }
                 }
             }
         }
-        drop(guard);
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.close(false);
     }
 }
 
