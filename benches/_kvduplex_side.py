@@ -1,0 +1,128 @@
+"""One kvduplex process of compare_transfer.py: `owner` (publishes its region) or `reader`
+(READs the owner's blocks). Started and driven by compare_transfer.py over a JSON-lines channel
+on stdin/stdout.
+
+A layout has one block size, so each pattern gets fresh engines on both sides: the owner's
+region as one segment of blocks of the pattern's size (stride = block size), and the same over
+the reader's destination region. Engine start, registration and the handshake are untimed; a
+timed batch is read_blocks (plan, bounds checks, posting) plus Transfer.wait.
+"""
+
+import os
+import sys
+import traceback
+
+from _bench_common import Channel, Region, block_ids, pattern_from_dict, side_log, timed_batches
+
+HOST = "127.0.0.1"
+
+
+def fingerprint(block_bytes: int) -> dict[str, str]:
+    return {"model": "compare_transfer", "dtype": "uint8", "block_bytes": str(block_bytes)}
+
+
+def start_engine(name: str, region: Region, block_bytes: int):
+    from kvduplex._core import Engine
+
+    engine = Engine(name, fingerprint(block_bytes), host=HOST)
+    engine.register_region(region.addr, region.nbytes)
+    engine.set_layout([region.addr], block_bytes, block_bytes, region.nbytes // block_bytes)
+    return engine
+
+
+def owner(chan: Channel, config: dict) -> None:
+    region = Region(config["region_bytes"], config["hugepages"])
+    region.fill_pattern()
+    chan.send(event="ready", memory=region.describe(), info={"host": HOST})
+    engine = None
+    while True:
+        cmd = chan.recv()
+        try:
+            if cmd["cmd"] == "quit":
+                return
+            if cmd["cmd"] == "setup":
+                pattern = pattern_from_dict(cmd["pattern"])
+                engine = start_engine(f"kvd-owner-{pattern.name}", region, pattern.block_bytes)
+                chan.send(event="setup", info={"port": engine.side_channel_port})
+            elif cmd["cmd"] == "teardown":
+                if engine is not None:
+                    engine.close()
+                    engine = None
+                chan.send(event="teardown")
+            else:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+        except Exception as exc:
+            side_log("kvduplex-owner", traceback.format_exc())
+            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
+
+
+def reader(chan: Channel, config: dict) -> None:
+    region = Region(config["region_bytes"], config["hugepages"])
+    region.touch()
+    chan.send(event="ready", memory=region.describe())
+    while True:
+        cmd = chan.recv()
+        try:
+            if cmd["cmd"] == "quit":
+                return
+            if cmd["cmd"] == "connect":
+                # Connections are per pattern (see run_pattern): a layout has one block size.
+                chan.send(event="connect", info={})
+            elif cmd["cmd"] == "run":
+                chan.send(event="result", **run_pattern(region, cmd))
+            else:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+        except Exception as exc:
+            side_log("kvduplex-reader", traceback.format_exc())
+            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
+
+
+def run_pattern(region: Region, cmd: dict) -> dict:
+    pattern = pattern_from_dict(cmd["pattern"])
+    num_slots = region.nbytes // pattern.block_bytes
+    local_ids = block_ids(pattern, num_slots, "local")
+    remote_ids = block_ids(pattern, num_slots, "remote")
+    local_list, remote_list = local_ids.tolist(), remote_ids.tolist()
+    timeout_s = cmd["batch_timeout_s"]
+    engine = start_engine(f"kvd-reader-{pattern.name}", region, pattern.block_bytes)
+    try:
+        peer = engine.connect(cmd["owner"]["host"], cmd["owner"]["port"], timeout_s=timeout_s)
+        last = []
+
+        def run_batch():
+            transfer = engine.read_blocks(peer, local_list, remote_list, timeout_s=timeout_s)
+            transfer.wait(timeout_s)
+            last[:] = [transfer]
+
+        result = timed_batches(
+            pattern, region.blocks(pattern.block_bytes), local_ids, remote_ids, run_batch,
+            cmd["warmup"], cmd["reps"],
+        )
+        result["num_descriptors"] = last[0].num_descriptors
+        return result
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    role = sys.argv[1]
+    chan = Channel()
+    try:
+        import kvduplex._core  # noqa: F401  (fail before any work when the build is missing)
+
+        config = chan.recv()
+        {"owner": owner, "reader": reader}[role](chan, config)
+        code = 0
+    except Exception as exc:
+        side_log(f"kvduplex-{role}", traceback.format_exc())
+        try:
+            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
+        except OSError:
+            pass
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
