@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -90,6 +90,8 @@ struct Shared {
     /// host:port → engine id, so `connect` to a known address is a lookup.
     addresses: Mutex<HashMap<String, String>>,
     inflight: Mutex<Vec<Arc<Inflight>>>,
+    /// Threads inside `Transfer::wait`, which drive UCX progress themselves.
+    waiters: AtomicUsize,
     stop: AtomicBool,
 }
 
@@ -135,6 +137,7 @@ impl Engine {
             peers: Mutex::new(HashMap::new()),
             addresses: Mutex::new(HashMap::new()),
             inflight: Mutex::new(Vec::new()),
+            waiters: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&shared);
@@ -329,6 +332,7 @@ impl Engine {
         if self.shared.stop.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.shared.worker.wake();
         if let Some(t) = self.progress_thread.take() {
             let _ = t.join();
         }
@@ -406,28 +410,37 @@ fn expire(shared: &Shared, inflight: &Inflight) {
 }
 
 /// Background progress: drives UCX (an owner must progress for tcp-emulated reads), enforces
-/// deadlines and sends read-done notifications. Sleeps progressively longer when idle so an
-/// idle engine costs almost no CPU.
+/// deadlines and sends read-done notifications for batches nobody waits on. Between rounds it
+/// sleeps on the worker's event fd, so an idle engine costs no CPU and still answers at once.
 fn progress_loop(shared: Weak<Shared>) {
-    let mut idle_rounds: u32 = 0;
+    let mut last_activity = Instant::now() - SPIN_AFTER_ACTIVITY;
     loop {
         let Some(shared) = shared.upgrade() else { return };
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
-        let worked = shared.worker.progress() > 0;
-        let busy = settle_all(&shared);
+        if shared.worker.progress() > 0 {
+            last_activity = Instant::now();
+        }
+        // Pending batches need their deadlines checked even when UCX stays silent.
+        let timeout = if settle_all(&shared) { BUSY_POLL } else { IDLE_POLL };
+        // While a peer is actively reading over a transport this worker must serve (tcp),
+        // keep progressing instead of paying a poll() round trip per message; a thread
+        // blocked in `Transfer::wait` already drives progress, so leave the core to it.
+        let spin = last_activity.elapsed() < SPIN_AFTER_ACTIVITY && shared.waiters.load(Ordering::Acquire) == 0;
+        let worker = Arc::clone(&shared.worker);
         drop(shared);
-        if worked || busy {
-            idle_rounds = 0;
+        if spin {
             std::thread::yield_now();
         } else {
-            idle_rounds = idle_rounds.saturating_add(1);
-            let sleep_us = u64::from(idle_rounds.min(100)) * 10;
-            std::thread::sleep(Duration::from_micros(sleep_us));
+            worker.wait_for_events(timeout);
         }
     }
 }
+
+const SPIN_AFTER_ACTIVITY: Duration = Duration::from_millis(2);
+const BUSY_POLL: Duration = Duration::from_millis(1);
+const IDLE_POLL: Duration = Duration::from_millis(100);
 
 /// Settles every in-flight batch that finished or passed its deadline; returns whether any is
 /// still pending.
@@ -462,8 +475,10 @@ pub struct Transfer {
     pub num_descriptors: usize,
 }
 
-/// How long `wait` spins on UCX progress before it starts sleeping between polls.
-const WAIT_SPIN: Duration = Duration::from_micros(200);
+/// How long `wait` drives UCX progress itself, back to back, before it also yields the CPU
+/// between rounds: a batch usually completes within this, and spinning is what makes small
+/// batches fast.
+const WAIT_SPIN: Duration = Duration::from_millis(2);
 
 impl Transfer {
     fn settle(&self) -> Option<Result<(), EngineError>> {
@@ -485,6 +500,13 @@ impl Transfer {
 
     /// Blocks until the batch completes, fails, or `timeout` passes.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
+        self.shared.waiters.fetch_add(1, Ordering::AcqRel);
+        let result = self.drive(timeout);
+        self.shared.waiters.fetch_sub(1, Ordering::AcqRel);
+        result
+    }
+
+    fn drive(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
         let start = Instant::now();
         loop {
             self.shared.worker.progress();
@@ -496,9 +518,11 @@ impl Transfer {
                 return Err(EngineError::WaitTimeout(waited));
             }
             if waited < WAIT_SPIN {
-                std::hint::spin_loop();
+                // Over tcp the owner must run to serve the reads; on a busy host it may need
+                // this core.
+                std::thread::yield_now();
             } else {
-                self.inflight.batch.wait_for_change(Duration::from_micros(100));
+                self.inflight.batch.wait_for_change(Duration::from_micros(50));
             }
         }
     }

@@ -7,7 +7,7 @@
 
 mod sys;
 
-use std::ffi::{c_void, CString};
+use std::ffi::{c_int, c_void, CString};
 use std::path::Path;
 use std::ptr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -43,6 +43,8 @@ pub struct Worker {
     worker: sys::ucp_worker_h,
     lock: Mutex<()>,
     address: Vec<u8>,
+    /// Owned by UCX (closed with the worker); readable when the worker has events.
+    event_fd: Option<c_int>,
 }
 
 // SAFETY: the raw handles are only used while `lock` is held (or in Drop, which has exclusive
@@ -62,7 +64,9 @@ impl Worker {
         // SAFETY: all-zero is valid for the reserve space and unused fields.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME;
-        params.features = sys::UCP_FEATURE_RMA;
+        // WAKEUP gives the worker an event fd, so an idle progress thread can sleep in poll()
+        // and still answer a tcp peer's reads at once.
+        params.features = sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP;
         params.name = name.as_ptr();
         let mut context = ptr::null_mut();
         // SAFETY: params and config are valid for the call; context is an out-pointer.
@@ -101,7 +105,16 @@ impl Worker {
         let address = unsafe { std::slice::from_raw_parts(addr as *const u8, addr_len).to_vec() };
         // SAFETY: addr came from ucp_worker_get_address on this worker.
         unsafe { (api.ucp_worker_release_address)(worker, addr) };
-        Ok(Arc::new(Worker { api, context, worker, lock: Mutex::new(()), address }))
+        let mut efd: c_int = -1;
+        // SAFETY: worker is live; efd is an out-pointer to a local.
+        let event_fd = match unsafe { (api.ucp_worker_get_efd)(worker, &mut efd) } {
+            sys::UCS_OK => Some(efd),
+            status => {
+                log::info!("UCX worker has no event fd ({}); the progress thread will poll", api.status_text(status));
+                None
+            }
+        };
+        Ok(Arc::new(Worker { api, context, worker, lock: Mutex::new(()), address, event_fd }))
     }
 
     /// This worker's address, which peers need to create an endpoint to it.
@@ -129,6 +142,41 @@ impl Worker {
                 return total;
             }
         }
+    }
+
+    /// Progresses, then sleeps until UCX has events or `timeout` passes (or `wake` is called).
+    pub fn wait_for_events(&self, timeout: Duration) {
+        let Some(fd) = self.event_fd else {
+            std::thread::sleep(timeout.min(Duration::from_millis(1)));
+            return;
+        };
+        {
+            let _g = self.guard();
+            // SAFETY: worker is live and the lock is held.
+            while unsafe { (self.api.ucp_worker_progress)(self.worker) } > 0 {}
+            // SAFETY: as above; arm reports BUSY when events arrived since the last progress.
+            let status = unsafe { (self.api.ucp_worker_arm)(self.worker) };
+            if status == sys::UCS_ERR_BUSY {
+                return;
+            }
+            if status != sys::UCS_OK {
+                drop(_g);
+                std::thread::sleep(timeout.min(Duration::from_millis(1)));
+                return;
+            }
+        }
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let millis = c_int::try_from(timeout.as_millis()).unwrap_or(c_int::MAX).max(1);
+        // SAFETY: one valid pollfd for the duration of the call; the fd stays open while the
+        // worker lives, and `self` keeps it alive.
+        unsafe { libc::poll(&mut pfd, 1, millis) };
+    }
+
+    /// Wakes a thread blocked in [`Worker::wait_for_events`].
+    pub fn wake(&self) {
+        let _g = self.guard();
+        // SAFETY: worker is live and the lock is held.
+        unsafe { (self.api.ucp_worker_signal)(self.worker) };
     }
 
     /// Registers `[addr, addr+len)` (host or GPU memory; UCX detects which) for remote reads.

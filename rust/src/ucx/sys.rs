@@ -28,6 +28,7 @@ pub type ucp_err_handler_cb_t =
 
 pub const UCS_OK: ucs_status_t = 0;
 pub const UCS_INPROGRESS: ucs_status_t = 1;
+pub const UCS_ERR_BUSY: ucs_status_t = -15;
 const UCS_ERR_LAST: isize = -100;
 
 pub const UCP_API_MAJOR: c_uint = 1;
@@ -40,6 +41,7 @@ const fn bit(n: u32) -> u64 {
 pub const UCP_PARAM_FIELD_FEATURES: u64 = bit(0);
 pub const UCP_PARAM_FIELD_NAME: u64 = bit(8);
 pub const UCP_FEATURE_RMA: u64 = bit(1);
+pub const UCP_FEATURE_WAKEUP: u64 = bit(4);
 pub const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = bit(0);
 pub const UCS_THREAD_MODE_SERIALIZED: c_int = 1;
 pub const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = bit(0);
@@ -183,6 +185,9 @@ ucp_api! {
     ucp_worker_get_address: fn(ucp_worker_h, *mut *mut ucp_address_t, *mut usize) -> ucs_status_t;
     ucp_worker_release_address: fn(ucp_worker_h, *mut ucp_address_t);
     ucp_worker_progress: fn(ucp_worker_h) -> c_uint;
+    ucp_worker_get_efd: fn(ucp_worker_h, *mut c_int) -> ucs_status_t;
+    ucp_worker_arm: fn(ucp_worker_h) -> ucs_status_t;
+    ucp_worker_signal: fn(ucp_worker_h) -> ucs_status_t;
     ucp_ep_create: fn(ucp_worker_h, *const ucp_ep_params_t, *mut ucp_ep_h) -> ucs_status_t;
     ucp_ep_close_nbx: fn(ucp_ep_h, *const ucp_request_param_t) -> ucs_status_ptr_t;
     ucp_ep_flush_nbx: fn(ucp_ep_h, *const ucp_request_param_t) -> ucs_status_ptr_t;
