@@ -13,8 +13,11 @@ import os
 import select
 import sys
 import time
+import traceback
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -221,6 +224,9 @@ class Channel:
         self._out.write(json.dumps(msg) + "\n")
         self._out.flush()
 
+    def send_error(self, exc: Exception) -> None:
+        self.send(event="error", error=f"{type(exc).__name__}: {exc}")
+
     def poll(self, timeout_s: float = 0.0) -> dict | None:
         """Return the next command if one arrives within `timeout_s`, else None."""
         return self._next(timeout=timeout_s)
@@ -243,3 +249,46 @@ class Channel:
 
 def side_log(role: str, msg: str) -> None:
     print(f"[{role} {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def serve_commands(chan: Channel, role: str, handlers: dict[str, Callable[[dict], None]]) -> None:
+    """Answer the driver's commands with `handlers[cmd]` until "quit". A failing command is
+    logged and answered with an error event; the process stays usable for the next one."""
+    while True:
+        cmd = chan.recv()
+        if cmd["cmd"] == "quit":
+            return
+        try:
+            handler = handlers.get(cmd["cmd"])
+            if handler is None:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+            handler(cmd)
+        except Exception as exc:
+            side_log(role, traceback.format_exc())
+            chan.send_error(exc)
+
+
+def run_side(
+    system: str,
+    roles: dict[str, Callable[[Channel, dict], None]],
+    preflight: Callable[[], None] = lambda: None,
+) -> NoReturn:
+    """Main of a side process: `preflight()`, then the role named by argv[1] with the config
+    the driver sends first. A failure is reported on the channel before the process exits.
+    Ends with os._exit: NIXL crashes at interpreter exit after creating a UCX backend."""
+    role = sys.argv[1]
+    chan = Channel()
+    try:
+        preflight()
+        config = chan.recv()
+        roles[role](chan, config)
+        code = 0
+    except Exception as exc:
+        side_log(f"{system}-{role}", traceback.format_exc())
+        try:
+            chan.send_error(exc)
+        except OSError:
+            pass
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)

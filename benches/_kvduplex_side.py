@@ -8,11 +8,15 @@ the reader's destination region. Engine start, registration and the handshake ar
 timed batch is read_blocks (plan, bounds checks, posting) plus Transfer.wait.
 """
 
-import os
-import sys
-import traceback
-
-from _bench_common import Channel, Region, block_ids, pattern_from_dict, side_log, timed_batches
+from _bench_common import (
+    Channel,
+    Region,
+    block_ids,
+    pattern_from_dict,
+    run_side,
+    serve_commands,
+    timed_batches,
+)
 
 HOST = "127.0.0.1"
 
@@ -35,46 +39,36 @@ def owner(chan: Channel, config: dict) -> None:
     region.fill_pattern()
     chan.send(event="ready", memory=region.describe(), info={"host": HOST})
     engine = None
-    while True:
-        cmd = chan.recv()
-        try:
-            if cmd["cmd"] == "quit":
-                return
-            if cmd["cmd"] == "setup":
-                pattern = pattern_from_dict(cmd["pattern"])
-                engine = start_engine(f"kvd-owner-{pattern.name}", region, pattern.block_bytes)
-                chan.send(event="setup", info={"port": engine.side_channel_port})
-            elif cmd["cmd"] == "teardown":
-                if engine is not None:
-                    engine.close()
-                    engine = None
-                chan.send(event="teardown")
-            else:
-                raise ValueError(f"unknown command {cmd['cmd']!r}")
-        except Exception as exc:
-            side_log("kvduplex-owner", traceback.format_exc())
-            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
+
+    def setup(cmd: dict) -> None:
+        nonlocal engine
+        pattern = pattern_from_dict(cmd["pattern"])
+        engine = start_engine(f"kvd-owner-{pattern.name}", region, pattern.block_bytes)
+        chan.send(event="setup", info={"port": engine.side_channel_port})
+
+    def teardown(cmd: dict) -> None:
+        nonlocal engine
+        if engine is not None:
+            engine.close()
+            engine = None
+        chan.send(event="teardown")
+
+    serve_commands(chan, "kvduplex-owner", {"setup": setup, "teardown": teardown})
 
 
 def reader(chan: Channel, config: dict) -> None:
     region = Region(config["region_bytes"], config["hugepages"])
     region.touch()
     chan.send(event="ready", memory=region.describe())
-    while True:
-        cmd = chan.recv()
-        try:
-            if cmd["cmd"] == "quit":
-                return
-            if cmd["cmd"] == "connect":
-                # Connections are per pattern (see run_pattern): a layout has one block size.
-                chan.send(event="connect", info={})
-            elif cmd["cmd"] == "run":
-                chan.send(event="result", **run_pattern(region, cmd))
-            else:
-                raise ValueError(f"unknown command {cmd['cmd']!r}")
-        except Exception as exc:
-            side_log("kvduplex-reader", traceback.format_exc())
-            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
+
+    def connect(cmd: dict) -> None:
+        # Connections are per pattern (see run_pattern): a layout has one block size.
+        chan.send(event="connect", info={})
+
+    def run(cmd: dict) -> None:
+        chan.send(event="result", **run_pattern(region, cmd))
+
+    serve_commands(chan, "kvduplex-reader", {"connect": connect, "run": run})
 
 
 def run_pattern(region: Region, cmd: dict) -> dict:
@@ -104,25 +98,9 @@ def run_pattern(region: Region, cmd: dict) -> dict:
         engine.close()
 
 
-def main() -> None:
-    role = sys.argv[1]
-    chan = Channel()
-    try:
-        import kvduplex._core  # noqa: F401  (fail before any work when the build is missing)
-
-        config = chan.recv()
-        {"owner": owner, "reader": reader}[role](chan, config)
-        code = 0
-    except Exception as exc:
-        side_log(f"kvduplex-{role}", traceback.format_exc())
-        try:
-            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
-        except OSError:
-            pass
-        code = 1
-    sys.stderr.flush()
-    os._exit(code)
+def check_build() -> None:
+    import kvduplex._core  # noqa: F401  (fail before any work when the build is missing)
 
 
 if __name__ == "__main__":
-    main()
+    run_side("kvduplex", {"owner": owner, "reader": reader}, check_build)

@@ -6,18 +6,22 @@ NIXL runs as vLLM's NixlConnector uses it: UCX backend, one descriptor per block
 per pattern with prep_xfer_dlist on both sides, then per batch make_prepped_xfer + transfer +
 polling check_xfer_state. Its progress thread is off (on 2 cores it halves throughput), so the
 owner polls: spinning, or once a millisecond (see compare_transfer.py --spin-owners).
-Processes end with os._exit: NIXL crashes at interpreter exit after creating a UCX backend.
 """
 
 import base64
-import os
-import sys
 import time
-import traceback
 
 import numpy as np
 
-from _bench_common import Channel, Region, block_ids, pattern_from_dict, side_log, timed_batches
+from _bench_common import (
+    Channel,
+    Region,
+    block_ids,
+    pattern_from_dict,
+    run_side,
+    serve_commands,
+    timed_batches,
+)
 
 MEM = "DRAM"
 
@@ -79,23 +83,17 @@ def reader(chan: Channel, config: dict) -> None:
     register(agent, region)
     chan.send(event="ready", memory=region.describe())
     peer = None
-    while True:
-        cmd = chan.recv()
-        if cmd["cmd"] == "quit":
-            return
-        try:
-            if cmd["cmd"] == "connect":
-                info = cmd["owner"]
-                peer = agent.add_remote_agent(base64.b64decode(info["metadata"]))
-                agent.make_connection(peer)
-                chan.send(event="connect", info={"peer": str(peer)})
-            elif cmd["cmd"] == "run":
-                chan.send(event="result", **run_pattern(agent, peer, region, cmd))
-            else:
-                raise ValueError(f"unknown command {cmd['cmd']!r}")
-        except Exception as exc:
-            side_log("nixl-reader", traceback.format_exc())
-            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
+
+    def connect(cmd: dict) -> None:
+        nonlocal peer
+        peer = agent.add_remote_agent(base64.b64decode(cmd["owner"]["metadata"]))
+        agent.make_connection(peer)
+        chan.send(event="connect", info={"peer": str(peer)})
+
+    def run(cmd: dict) -> None:
+        chan.send(event="result", **run_pattern(agent, peer, region, cmd))
+
+    serve_commands(chan, "nixl-reader", {"connect": connect, "run": run})
 
 
 def run_pattern(agent, peer, region: Region, cmd: dict) -> dict:
@@ -136,23 +134,5 @@ def run_pattern(agent, peer, region: Region, cmd: dict) -> dict:
         agent.release_dlist_handle(remote_side)
 
 
-def main() -> None:
-    role = sys.argv[1]
-    chan = Channel()
-    try:
-        config = chan.recv()
-        {"owner": owner, "reader": reader}[role](chan, config)
-        code = 0
-    except Exception as exc:
-        side_log(f"nixl-{role}", traceback.format_exc())
-        try:
-            chan.send(event="error", error=f"{type(exc).__name__}: {exc}")
-        except OSError:
-            pass
-        code = 1
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    main()
+    run_side("nixl", {"owner": owner, "reader": reader})

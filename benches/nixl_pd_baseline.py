@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from kvduplex.servers import (
+    NO_PULL_PREFILL_PARAMS,
     ServerError,
     VllmServer,
     complete,
@@ -45,15 +46,6 @@ NIXL_KV_TRANSFER_CONFIG = {
     "kv_connector": "NixlConnector",
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
-}
-# What a proxy sends to P: compute the prompt, keep its blocks for a remote decoder.
-PREFILL_KV_TRANSFER_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 # NIXL on this machine needs tcp (cma alone has no active-message transport); loopback only.
 NIXL_ENV = {
@@ -103,7 +95,7 @@ def transfer_round(
     """One P->D request as a proxy sends it, checked against the reference server."""
     expected = complete(reference.base_url, prompt, max_tokens)
     prefilled = complete(
-        prefill.base_url, prompt, max_tokens=1, kv_transfer_params=PREFILL_KV_TRANSFER_PARAMS
+        prefill.base_url, prompt, max_tokens=1, kv_transfer_params=NO_PULL_PREFILL_PARAMS
     )
     if not prefilled.kv_transfer_params:
         raise ServerError(f"prefill server returned no kv_transfer_params: {prefilled}")

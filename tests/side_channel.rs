@@ -53,15 +53,18 @@ fn connect_as(
     fp: &Fingerprint,
     secret: Option<&[u8]>,
 ) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
-    PeerLink::connect(
-        "127.0.0.1",
-        server.local_addr().port(),
-        engine_id,
-        fp,
-        secret,
-        TIMEOUT,
-        HEARTBEAT,
-    )
+    connect_to(server.local_addr().port(), engine_id, fp, secret, TIMEOUT)
+}
+
+/// Connects to whatever listens on `port` of 127.0.0.1: a real server or a hand-made peer.
+fn connect_to(
+    port: u16,
+    engine_id: &str,
+    fp: &Fingerprint,
+    secret: Option<&[u8]>,
+    timeout: Duration,
+) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
+    PeerLink::connect("127.0.0.1", port, engine_id, fp, secret, timeout, HEARTBEAT)
 }
 
 fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
@@ -405,16 +408,7 @@ fn a_client_reports_a_server_of_another_version() {
         refusal[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_be_bytes());
         stream.write_all(&refusal).unwrap();
     });
-    let err = PeerLink::connect(
-        "127.0.0.1",
-        port,
-        "r",
-        &Fingerprint::default(),
-        None,
-        TIMEOUT,
-        HEARTBEAT,
-    )
-    .unwrap_err();
+    let err = connect_to(port, "r", &Fingerprint::default(), None, TIMEOUT).unwrap_err();
     assert!(
         matches!(err, HandshakeError::ProtocolVersion { ours, theirs } if ours == PROTOCOL_VERSION && theirs == PROTOCOL_VERSION + 1),
         "{err:?}"
@@ -475,16 +469,7 @@ fn on_death_fires_after_three_silent_heartbeats() {
         while raw.receive().is_some() {}
     });
     let connected_at = Instant::now();
-    let (link, meta) = PeerLink::connect(
-        "127.0.0.1",
-        port,
-        "reader",
-        &fingerprint("bf16"),
-        None,
-        TIMEOUT,
-        HEARTBEAT,
-    )
-    .unwrap();
+    let (link, meta) = connect_to(port, "reader", &fingerprint("bf16"), None, TIMEOUT).unwrap();
     assert_eq!(meta.engine_id, "silent-owner");
     let (sender, deaths) = mpsc::channel();
     link.on_death(Box::new(move |reason| sender.send(reason).unwrap()));
@@ -595,16 +580,7 @@ fn bad_configurations_and_unreachable_servers_are_errors() {
         .local_addr()
         .unwrap()
         .port();
-    let err = PeerLink::connect(
-        "127.0.0.1",
-        port,
-        "r",
-        &Fingerprint::default(),
-        None,
-        TIMEOUT,
-        HEARTBEAT,
-    )
-    .unwrap_err();
+    let err = connect_to(port, "r", &Fingerprint::default(), None, TIMEOUT).unwrap_err();
     assert!(
         matches!(&err, HandshakeError::Unreachable { address, .. } if address.ends_with(&port.to_string())),
         "{err:?}"
@@ -614,14 +590,12 @@ fn bad_configurations_and_unreachable_servers_are_errors() {
     let mute = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = mute.local_addr().unwrap().port();
     let started = Instant::now();
-    let err = PeerLink::connect(
-        "127.0.0.1",
+    let err = connect_to(
         port,
         "r",
         &Fingerprint::default(),
         None,
         Duration::from_millis(200),
-        HEARTBEAT,
     )
     .unwrap_err();
     assert!(

@@ -85,6 +85,12 @@ class Reader:
         return self.buf[block_id * BLOCK:(block_id + 1) * BLOCK]
 
 
+def read_block_and_check(reader: Reader, peer: str, owner: Owner, local_id: int, remote_id: int) -> None:
+    """Reads the owner's block `remote_id` into `local_id` and checks every byte arrived."""
+    reader.engine.read_blocks(peer, [local_id], [remote_id]).wait(timeout_s=30)
+    np.testing.assert_array_equal(reader.block(local_id), owner.expected_block(remote_id))
+
+
 @pytest.fixture(params=sorted(TRANSPORTS))
 def transport(request):
     return TRANSPORTS[request.param]
@@ -195,8 +201,7 @@ def test_matching_secret_connects_and_reads():
     reader = Reader("reader", TRANSPORTS["tcp"], secret=b"s3cret")
     try:
         peer = reader.engine.connect("127.0.0.1", owner.port, timeout_s=5)
-        reader.engine.read_blocks(peer, [3], [4]).wait(timeout_s=30)
-        np.testing.assert_array_equal(reader.block(3), owner.expected_block(4))
+        read_block_and_check(reader, peer, owner, 3, 4)
     finally:
         reader.engine.close()
         owner.kill()
@@ -211,8 +216,7 @@ def test_garbage_on_the_side_channel_does_not_break_the_owner():
         reader = Reader("reader", TRANSPORTS["tcp"])
         try:
             peer = reader.engine.connect("127.0.0.1", owner.port, timeout_s=5)
-            reader.engine.read_blocks(peer, [1], [1]).wait(timeout_s=30)
-            np.testing.assert_array_equal(reader.block(1), owner.expected_block(1))
+            read_block_and_check(reader, peer, owner, 1, 1)
         finally:
             reader.engine.close()
     finally:
@@ -264,8 +268,7 @@ def test_deadline_fails_the_batch_and_no_late_byte_lands():
         time.sleep(1.0)
         assert not reader.buf.any(), "bytes of a failed batch landed after it was reported failed"
         peer = reader.engine.connect("127.0.0.1", owner.port)
-        reader.engine.read_blocks(peer, [5], [6]).wait(timeout_s=30)
-        np.testing.assert_array_equal(reader.block(5), owner.expected_block(6))
+        read_block_and_check(reader, peer, owner, 5, 6)
     finally:
         owner.proc.send_signal(18)
         reader.engine.close()

@@ -334,6 +334,17 @@ class ServerPair:
 
 # --- talking to a server -------------------------------------------------------------------
 
+# The kv_transfer_params a P/D proxy sends the prefill node when it has nothing to pull: compute
+# the prompt and keep its blocks for a remote decode node to read.
+NO_PULL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
 
 def with_nonce(text: str) -> str:
     """`text` behind a random 12-hex-digit nonce.

@@ -20,6 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvduplex.servers import (
+    NO_PULL_PREFILL_PARAMS,
     Completion,
     ServerPair,
     complete,
@@ -47,15 +48,6 @@ KV_TRANSFER_CONFIG = {
         "bidirectional_kv_xfer": True,
         "kv_recompute_threshold": THRESHOLD,
     },
-}
-# What a proxy sends the prefill node when it has nothing from a decode node.
-FIRST_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 
 
@@ -125,7 +117,7 @@ def test_turn2_pulls_the_answer_back_from_decode_and_matches_a_single_server(
     pair, reference_server, tokenizer
 ):
     turn1 = token_prompt(tokenizer, TURN1_TOKENS, seed=1)
-    first = Turn(pair, turn1, TURN1_ANSWER, FIRST_PREFILL_PARAMS)
+    first = Turn(pair, turn1, TURN1_ANSWER, NO_PULL_PREFILL_PARAMS)
     expected1 = complete(reference_server.base_url, turn1, TURN1_ANSWER)
     assert describe_mismatch(expected1, first.decode) is None
     assert first.decode_pulled == TURN1_TOKENS  # P->D: D computed nothing of the prompt
@@ -150,7 +142,7 @@ def test_edited_history_pulls_only_the_matching_prefix_and_matches_a_single_serv
     pair, reference_server, tokenizer
 ):
     turn1 = token_prompt(tokenizer, TURN1_TOKENS, seed=3)
-    first = Turn(pair, turn1, TURN1_ANSWER, FIRST_PREFILL_PARAMS)
+    first = Turn(pair, turn1, TURN1_ANSWER, NO_PULL_PREFILL_PARAMS)
     answer = first.decode.token_ids
     # "Reasoning" stripped from the answer: its tokens 40..69 (in D's 4th block) are gone.
     turn2 = turn1 + answer[:40] + answer[70:] + token_prompt(tokenizer, TURN2_NEW_TOKENS, seed=4)

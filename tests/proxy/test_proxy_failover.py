@@ -8,9 +8,10 @@ import time
 from kvduplex.proxy.balancer import UpstreamPool
 from kvduplex.proxy.config import parse_upstream
 from kvduplex.proxy.metrics import ProxyMetrics
+from kvduplex.servers import NO_PULL_PREFILL_PARAMS
 
 from conftest import FakeClock
-from test_proxy_flow import NO_PULL, post, sse_events
+from test_proxy_flow import post, sse_events
 
 
 def healthy(proxy, role: str, engine) -> float:
@@ -121,7 +122,7 @@ def test_conversation_whose_decode_server_is_gone_recomputes(cluster):
     assert response.status_code == 200
     assert response.headers["x-kvduplex-conversation"] == "decode_unavailable"
     assert response.headers["x-kvduplex-decode"] == f"127.0.0.1:{d1.port}"
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     # The recomputed turn lives on d1 now: the next turn pulls from there.
     post(proxy, conversation=on_d0[0])
     assert p.bodies()[-1]["kv_transfer_params"] == d1.returned_params[-2]

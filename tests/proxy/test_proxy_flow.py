@@ -8,15 +8,7 @@ from typing import Any
 import httpx
 
 from kvduplex.proxy.store import InMemoryConversationStore
-
-NO_PULL = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from kvduplex.servers import NO_PULL_PREFILL_PARAMS
 
 
 def post(
@@ -57,7 +49,7 @@ def test_non_streaming_turns_replay_decode_params_exactly_once(cluster):
     assert first.json()["choices"][0]["text"].startswith("d says")
 
     p_body, d_body = p.bodies()[-1], d.bodies()[-1]
-    assert p_body["kv_transfer_params"] == NO_PULL
+    assert p_body["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert "min_tokens" not in p_body and "n" not in p_body
     assert "conversation_id" not in p_body
@@ -82,7 +74,7 @@ def test_non_streaming_turns_replay_decode_params_exactly_once(cluster):
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[1]
     # Turn 3's decode kept nothing, so turn 4 has nothing to pull.
     assert post(proxy, conversation="c1", prompt="turn four").status_code == 200
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
 
     assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="hit") == 2
     assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="miss") == 2
@@ -134,7 +126,7 @@ def test_streaming_chat_relays_sse_and_captures_params_from_the_last_chunk(clust
     assert p.bodies()[-1]["kv_transfer_params"]["remote_request_id"] == "d-1"
     # A stream without params (vLLM 0.32 streams carry none) leaves nothing to pull.
     post(proxy, "/v1/chat/completions", conversation="chat-1", messages=messages)
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
 
 
 def test_conversation_decodes_on_the_decode_server_holding_its_blocks(cluster):
@@ -170,10 +162,10 @@ def test_callers_never_use_each_others_conversations(cluster):
     assert post(proxy, conversation="shared", api_key="key-a").status_code == 200
     # Caller B knows the id but not A's key: its prefill pulls nothing, A's entry stays.
     assert post(proxy, conversation="shared", api_key="key-b").status_code == 200
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     # Nor do callers without a key.
     assert post(proxy, conversation="shared").status_code == 200
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     # B cannot smuggle params in either.
     forged = dict(d.decode_params("forged"))
     before = len(p.requests)
@@ -195,7 +187,7 @@ def test_tenant_header_scopes_conversations_when_configured(cluster):
 
     post(proxy, conversation="c", api_key="k1", headers={"X-Tenant": "acme"})
     post(proxy, conversation="c", api_key="k1", headers={"X-Tenant": "other"})
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     # The tenant, not the key, names the caller.
     post(proxy, conversation="c", api_key="k2", headers={"X-Tenant": "acme"})
     assert p.bodies()[-1]["kv_transfer_params"]["remote_request_id"] == "d-1"
@@ -216,7 +208,7 @@ def test_entries_expire_after_the_conversation_ttl(cluster, clock):
     clock.advance(0.1)
     response = post(proxy, conversation="stale")
     assert response.headers["x-kvduplex-conversation"] == "expired"
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="expired") == 1
 
 
@@ -232,7 +224,7 @@ def test_store_size_bound_evicts_least_recently_written(cluster):
     post(proxy, conversation="c3")
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[2]
     post(proxy, conversation="c1")
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
 
 
 def _error(response: httpx.Response, status: int) -> str:

@@ -12,8 +12,9 @@ from kvduplex.proxy.store import (
     Lookup,
     RedisConversationStore,
 )
+from kvduplex.servers import NO_PULL_PREFILL_PARAMS
 
-from test_proxy_flow import NO_PULL, post
+from test_proxy_flow import post
 
 
 def key(conversation: str, tenant: str = "t") -> ConversationKey:
@@ -110,7 +111,7 @@ def test_two_proxy_replicas_share_conversations_through_redis(cluster, redis_url
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[1]
     # Another caller cannot reach it through either replica.
     post(replica_b, conversation="c", api_key="intruder")
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     post(replica_b, conversation="c", api_key="k")
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[2]
 
@@ -129,5 +130,5 @@ def test_redis_outage_degrades_to_recomputation(cluster, stopped_redis_url):
 
     for _ in range(2):
         assert post(proxy, conversation="c").status_code == 200
-        assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL
+        assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
     assert proxy.metric("kvduplex_proxy_errors_total", kind="store") == 4

@@ -72,17 +72,8 @@ class DuplexConfig:
             raise ValueError(
                 f"DuplexConnector: decode_kv_hold_max_fraction must be in (0, 1], got {fraction}"
             )
-        host = extra.get("side_channel_host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
-        if not isinstance(host, str) or not host:
-            raise ValueError(
-                f"DuplexConnector: side_channel_host must be a non-empty string, got {host!r}"
-            )
-        secret_env = extra.get("auth_secret_env", "KVDUPLEX_SECRET")
-        if not isinstance(secret_env, str) or not secret_env:
-            raise ValueError(
-                "DuplexConnector: auth_secret_env must be a non-empty string, "
-                f"got {secret_env!r}"
-            )
+        host = _text(extra, "side_channel_host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
+        secret_env = _text(extra, "auth_secret_env", "KVDUPLEX_SECRET")
         return cls(
             bidirectional_kv_xfer=_bool(extra, "bidirectional_kv_xfer", False),
             recompute_threshold=threshold,
@@ -129,6 +120,13 @@ def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise ValueError(f"DuplexConnector: {key} must be true or false, got {value!r}")
+
+
+def _text(extra: dict[str, Any], key: str, default: str) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"DuplexConnector: {key} must be a non-empty string, got {value!r}")
+    return value
 
 
 def _int(value: Any, key: str, minimum: int, maximum: int | None = None) -> int:

@@ -9,13 +9,13 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
@@ -350,17 +350,34 @@ class DuplexProxy:
             kind="no_upstream",
         )
 
-    async def _prefill(
-        self, route: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[Upstream, dict[str, Any] | None]:
+    def _candidates(self, pool: UpstreamPool, pinned: Upstream | None = None) -> Iterator[Upstream]:
+        """The upstreams to try in turn, each once: `pinned` first, then the pool's picks; ends
+        when none is left."""
         tried: set[str] = set()
         while True:
-            upstream = self.prefill.pick(frozenset(tried))
+            if pinned is not None and pinned.address not in tried:
+                upstream: Upstream | None = pinned
+            else:
+                upstream = pool.pick(frozenset(tried))
             if upstream is None:
-                raise self._no_upstream("prefill")
+                return
             tried.add(upstream.address)
+            yield upstream
+
+    async def _post_buffered(
+        self,
+        pool: UpstreamPool,
+        route: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        latency: Histogram,
+        pinned: Upstream | None = None,
+    ) -> tuple[Upstream, bytes]:
+        """POST to the first upstream that answers, failing over on transport errors; returns
+        that upstream and its size-limited 200 body. `latency` observes the time to answer."""
+        for upstream in self._candidates(pool, pinned):
             started = time.perf_counter()
-            with self.prefill.track(upstream):
+            with pool.track(upstream):
                 try:
                     async with self.client.stream(
                         "POST", upstream.base_url + route, json=body, headers=headers
@@ -369,43 +386,47 @@ class DuplexProxy:
                 except httpx.PoolTimeout:
                     raise self._pool_exhausted() from None
                 except httpx.TransportError as exc:
-                    self.prefill.mark_failed(upstream, _describe(exc))
+                    pool.mark_failed(upstream, _describe(exc))
                     continue
                 except ResponseTooLarge as exc:
                     raise ProxyError(
                         502,
-                        f"prefill server {upstream.address}: {exc}",
+                        f"{pool.role} server {upstream.address}: {exc}",
                         error_type="upstream_error",
                         kind="upstream_status",
                     ) from None
-            self.prefill.mark_ok(upstream)
-            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+            pool.mark_ok(upstream)
+            latency.observe(time.perf_counter() - started)
             if response.status_code != 200:
                 raise UpstreamErrorResponse(response.status_code, raw, upstream)
-            try:
-                params = json.loads(raw).get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                raise ProxyError(
-                    502,
-                    f"prefill server {upstream.address} answered with malformed JSON",
-                    error_type="upstream_error",
-                    kind="upstream_status",
-                ) from None
-            if not isinstance(params, dict):
-                if upstream.address not in self._warned_no_prefill_params:
-                    self._warned_no_prefill_params.add(upstream.address)
-                    logger.warning(
-                        "prefill server %s returned no kv_transfer_params (is it running with a "
-                        "KV connector?); decode servers will recompute the prompt",
-                        upstream.address,
-                    )
-                params = None
-            return upstream, params
+            return upstream, raw
+        raise self._no_upstream(pool.role)
 
-    def _pick_decode(self, pinned: Upstream | None, tried: set[str]) -> Upstream | None:
-        if pinned is not None and pinned.address not in tried:
-            return pinned
-        return self.decode.pick(frozenset(tried))
+    async def _prefill(
+        self, route: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[Upstream, dict[str, Any] | None]:
+        upstream, raw = await self._post_buffered(
+            self.prefill, route, body, headers, self.metrics.prefill_seconds
+        )
+        try:
+            params = json.loads(raw).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            raise ProxyError(
+                502,
+                f"prefill server {upstream.address} answered with malformed JSON",
+                error_type="upstream_error",
+                kind="upstream_status",
+            ) from None
+        if not isinstance(params, dict):
+            if upstream.address not in self._warned_no_prefill_params:
+                self._warned_no_prefill_params.add(upstream.address)
+                logger.warning(
+                    "prefill server %s returned no kv_transfer_params (is it running with a "
+                    "KV connector?); decode servers will recompute the prompt",
+                    upstream.address,
+                )
+            params = None
+        return upstream, params
 
     def _routing_headers(self, routing: dict[str, str], decode: Upstream) -> dict[str, str]:
         if not self.config.routing_headers:
@@ -425,53 +446,27 @@ class DuplexProxy:
         key: ConversationKey | None,
         routing: dict[str, str],
     ) -> Response:
-        tried: set[str] = set()
-        while True:
-            upstream = self._pick_decode(pinned, tried)
-            if upstream is None:
-                raise self._no_upstream("decode")
-            tried.add(upstream.address)
-            started = time.perf_counter()
-            with self.decode.track(upstream):
-                try:
-                    async with self.client.stream(
-                        "POST", upstream.base_url + route, json=body, headers=headers
-                    ) as response:
-                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
-                except httpx.PoolTimeout:
-                    raise self._pool_exhausted() from None
-                except httpx.TransportError as exc:
-                    self.decode.mark_failed(upstream, _describe(exc))
-                    continue
-                except ResponseTooLarge as exc:
-                    raise ProxyError(
-                        502,
-                        f"decode server {upstream.address}: {exc}",
-                        error_type="upstream_error",
-                        kind="upstream_status",
-                    ) from None
-            self.decode.mark_ok(upstream)
-            self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - started)
-            if response.status_code != 200:
-                raise UpstreamErrorResponse(response.status_code, raw, upstream)
-            try:
-                result = json.loads(raw)
-            except ValueError:
-                raise ProxyError(
-                    502,
-                    f"decode server {upstream.address} answered with malformed JSON",
-                    error_type="upstream_error",
-                    kind="upstream_status",
-                ) from None
-            if isinstance(result, dict) and "kv_transfer_params" in result:
-                await self.remember(key, upstream, result.pop("kv_transfer_params"))
-                # D's block ids and address stay inside the deployment.
-                raw = json.dumps(result, ensure_ascii=False).encode()
-            return Response(
-                raw,
-                media_type="application/json",
-                headers=self._routing_headers(routing, upstream),
-            )
+        upstream, raw = await self._post_buffered(
+            self.decode, route, body, headers, self.metrics.decode_first_byte_seconds, pinned
+        )
+        try:
+            result = json.loads(raw)
+        except ValueError:
+            raise ProxyError(
+                502,
+                f"decode server {upstream.address} answered with malformed JSON",
+                error_type="upstream_error",
+                kind="upstream_status",
+            ) from None
+        if isinstance(result, dict) and "kv_transfer_params" in result:
+            await self.remember(key, upstream, result.pop("kv_transfer_params"))
+            # D's block ids and address stay inside the deployment.
+            raw = json.dumps(result, ensure_ascii=False).encode()
+        return Response(
+            raw,
+            media_type="application/json",
+            headers=self._routing_headers(routing, upstream),
+        )
 
     async def _decode_stream(
         self,
@@ -482,12 +477,7 @@ class DuplexProxy:
         key: ConversationKey | None,
         routing: dict[str, str],
     ) -> Response:
-        tried: set[str] = set()
-        while True:
-            upstream = self._pick_decode(pinned, tried)
-            if upstream is None:
-                raise self._no_upstream("decode")
-            tried.add(upstream.address)
+        for upstream in self._candidates(self.decode, pinned):
             with contextlib.ExitStack() as outstanding:
                 outstanding.enter_context(self.decode.track(upstream))
                 started = time.perf_counter()
@@ -516,6 +506,7 @@ class DuplexProxy:
                 media_type=response.headers.get("content-type", "text/event-stream"),
                 headers=self._routing_headers(routing, upstream),
             )
+        raise self._no_upstream(self.decode.role)
 
     # ---- other routes ----------------------------------------------------------------------
 
