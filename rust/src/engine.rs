@@ -427,10 +427,14 @@ fn progress_loop(shared: Weak<Shared>) {
         // While a peer is actively reading over a transport this worker must serve (tcp),
         // keep progressing instead of paying a poll() round trip per message; a thread
         // blocked in `Transfer::wait` already drives progress, so leave the core to it.
-        let spin = last_activity.elapsed() < SPIN_AFTER_ACTIVITY && shared.waiters.load(Ordering::Acquire) == 0;
+        let waited_on = shared.waiters.load(Ordering::Acquire) > 0;
+        let spin = last_activity.elapsed() < SPIN_AFTER_ACTIVITY && !waited_on;
         let worker = Arc::clone(&shared.worker);
         drop(shared);
-        if spin {
+        if waited_on {
+            // Waking on every UCX event would only fight the waiter for the worker lock.
+            std::thread::sleep(BUSY_POLL);
+        } else if spin {
             std::thread::yield_now();
         } else {
             worker.wait_for_events(timeout);
