@@ -37,9 +37,10 @@ test: test-rust test-python
 bench: build
 	cargo bench
 	$(PY) benches/compare_transfer.py --json $(VENV)/compare_transfer.json
+	$(PY) benches/multiturn.py --quick --json $(VENV)/multiturn.json
 
 demo: build
-	$(PY) benches/compare_transfer.py --json $(VENV)/compare_transfer.json
+	$(VENV)/bin/kvduplex demo --json $(VENV)/demo.json
 
 clean:
 	rm -rf target $(VENV)
