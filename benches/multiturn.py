@@ -34,8 +34,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -63,7 +61,7 @@ from kvduplex.servers import (
     VllmServer,
     complete,
     describe_mismatch,
-    free_ports,
+    ports_outside_ephemeral_range,
     start_many,
     with_nonce,
 )
@@ -241,32 +239,6 @@ def server_factory(model_dir: Path, log_dir: Path) -> Callable[..., VllmServer]:
         return VllmServer(model_dir, name=name, extra_args=extra, env=env, log_dir=log_dir)
 
     return make
-
-
-def ports_outside_ephemeral_range(count: int) -> list[int]:
-    """Free ports for servers that bind them only once started, a minute later.
-
-    Ports from the kernel's ephemeral range (what binding port 0 returns) can be taken by any
-    outgoing connection in the meantime; that made a NIXL side channel fail with "Address already
-    in use". Falls back to ephemeral ports where the range is unknown.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return free_ports(count)
-    candidates = list(range(max(1024, low - 10000), low))
-    random.SystemRandom().shuffle(candidates)
-    ports: list[int] = []
-    for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == count:
-            return ports
-    raise ServerError(f"no {count} free ports below the ephemeral range starting at {low}")
 
 
 def nixl_config(num_threads: int | None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from kvduplex.servers import (
     VllmServer,
     complete,
     describe_mismatch,
-    free_ports,
+    ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,
     with_nonce,
@@ -124,7 +124,7 @@ def _external_kv_tokens(server: VllmServer) -> int:
 def run(args: argparse.Namespace, work_dir: Path) -> dict:
     model_dir = build_tiny_model(args.model_dir or work_dir / "tiny-model")
     pythonpath = os.pathsep.join([*nixl_pythonpath(work_dir), *_pythonpath()])
-    prefill_side_port, decode_side_port = free_ports(2)
+    prefill_side_port, decode_side_port = ports_outside_ephemeral_range(2)
 
     def nixl_server(name: str, side_channel_port: int) -> VllmServer:
         return VllmServer(

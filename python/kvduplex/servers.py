@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -94,6 +95,32 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """Return one TCP port that was free a moment ago."""
     return free_ports(1, host)[0]
+
+
+def ports_outside_ephemeral_range(count: int) -> list[int]:
+    """Free ports for servers that bind them only once started, a minute later.
+
+    Ports from the kernel's ephemeral range (what binding port 0 returns) can be taken by any
+    outgoing connection in the meantime; that made a NIXL side channel fail with "Address already
+    in use". Falls back to ephemeral ports where the range is unknown.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_ports(count)
+    candidates = list(range(max(1024, low - 10000), low))
+    random.SystemRandom().shuffle(candidates)
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise ServerError(f"no {count} free ports below the ephemeral range starting at {low}")
 
 
 class VllmServer:
