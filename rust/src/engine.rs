@@ -5,6 +5,10 @@
 //! Verbs, in order of use: [`Engine::start`] → [`Engine::register_region`] /
 //! [`Engine::set_layout`] → [`Engine::connect`] → [`Engine::read_blocks`] → poll or wait the
 //! [`Transfer`] → the owner drains [`Engine::take_notifications`].
+//!
+//! Owners also hold finished requests' blocks for readers ([`Engine::hold`] →
+//! [`Engine::release_hold`] / [`Engine::expire_holds`] / [`Engine::evict_holds`]) and answer
+//! other engines' [`Engine::lookup`]s of offered holds over the side channel.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -15,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use crate::descriptors::{check_remote_bounds, plan_reads, BlockLayout, PlanError, RegionBounds};
 use crate::handshake::{new_generation, EngineMetadata, Fingerprint, HandshakeError, RegionInfo};
-use crate::side_channel::{Notification, PeerLink, SideChannelConfig, SideChannelServer};
+use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
+use crate::side_channel::{KnownPeer, Notification, PeerLink, SideChannelConfig, SideChannelServer};
 use crate::ucx::{BatchState, Endpoint, MemRegion, Read, UcxError, Worker};
 
 
@@ -35,6 +40,8 @@ pub enum EngineError {
     WaitTimeout(Duration),
     #[error("{0}")]
     InvalidArgument(String),
+    #[error(transparent)]
+    Hold(#[from] HoldError),
     #[error("engine is closed")]
     Closed,
 }
@@ -51,6 +58,8 @@ pub struct EngineConfig {
     pub heartbeat: Duration,
     /// UCX peer error handling on endpoints; see [`Worker::connect`] for the trade-off.
     pub peer_error_handling: bool,
+    /// How long a lookup's match stays claimed for its reader (unless released earlier).
+    pub lookup_claim: Duration,
 }
 
 struct LocalMemory {
@@ -92,6 +101,10 @@ struct Shared {
     inflight: Mutex<Vec<Arc<Inflight>>>,
     /// Threads inside `Transfer::wait`, which drive UCX progress themselves.
     waiters: AtomicUsize,
+    /// This engine's held blocks; the side channel's lookups read it too.
+    holds: Arc<Mutex<HoldBook>>,
+    /// "host:port" of our side channel, announced to the owners we connect to.
+    side_channel: String,
     stop: AtomicBool,
 }
 
@@ -127,7 +140,10 @@ impl Engine {
             SideChannelConfig { host: config.host.clone(), port: config.port, secret: config.secret.clone(), heartbeat: config.heartbeat },
             meta,
         )?;
-        log::info!("engine {} (generation {generation:#x}) serving its side channel on {}", config.engine_id, server.local_addr());
+        let side_channel = format!("{}:{}", config.host, server.local_addr().port());
+        log::info!("engine {} (generation {generation:#x}) serving its side channel on {side_channel}", config.engine_id);
+        let holds = Arc::new(Mutex::new(HoldBook::new()));
+        server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
         let shared = Arc::new(Shared {
             config,
             generation,
@@ -138,6 +154,8 @@ impl Engine {
             addresses: Mutex::new(HashMap::new()),
             inflight: Mutex::new(Vec::new()),
             waiters: AtomicUsize::new(0),
+            holds,
+            side_channel,
             stop: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&shared);
@@ -217,6 +235,7 @@ impl Engine {
                 host,
                 port,
                 &self.shared.config.engine_id,
+                Some(self.shared.side_channel.clone()),
                 &self.shared.config.fingerprint,
                 self.shared.config.secret.as_deref(),
                 left.max(Duration::from_millis(1)),
@@ -324,6 +343,55 @@ impl Engine {
 
     pub fn take_notifications(&self) -> Vec<Notification> {
         lock(&self.shared.server).as_ref().map(|s| s.take_notifications()).unwrap_or_default()
+    }
+
+    /// Engines connected to our side channel that announced their own: the readers of this
+    /// engine, and so the owners a lookup may ask. Forgotten when their connection ends.
+    pub fn known_peers(&self) -> Vec<KnownPeer> {
+        lock(&self.shared.server).as_ref().map(|s| s.known_peers()).unwrap_or_default()
+    }
+
+    /// Holds `request_id`'s `num_blocks` blocks for readers for `ttl`; with fingerprints the
+    /// hold is offered to lookups together with `offer`. `Ok(false)`: its reader released it
+    /// already, free the blocks at once.
+    pub fn hold(
+        &self,
+        request_id: &str,
+        num_blocks: usize,
+        fingerprints: Vec<BlockFingerprint>,
+        offer: Vec<u8>,
+        ttl: Duration,
+    ) -> Result<bool, EngineError> {
+        Ok(lock(&self.shared.holds).hold(request_id, num_blocks, fingerprints, offer, ttl, Instant::now())?)
+    }
+
+    /// `reader` is done with `request_id`'s blocks (one claim, or the whole hold without a
+    /// claim id). Returns true when this freed the hold.
+    pub fn release_hold(&self, reader: &str, request_id: &str, claim_id: Option<u64>) -> bool {
+        lock(&self.shared.holds).release(reader, request_id, claim_id, Instant::now()).is_some()
+    }
+
+    /// Ends leases and claims whose time is up; returns the holds this freed.
+    pub fn expire_holds(&self) -> Vec<String> {
+        lock(&self.shared.holds).expire(Instant::now())
+    }
+
+    /// Frees unclaimed offered holds, least recently used first, until `num_blocks` blocks
+    /// were freed or none is left.
+    pub fn evict_holds(&self, num_blocks: usize) -> Vec<String> {
+        lock(&self.shared.holds).evict(num_blocks)
+    }
+
+    /// Blocks currently held for readers.
+    pub fn held_blocks(&self) -> usize {
+        lock(&self.shared.holds).held_blocks()
+    }
+
+    /// Asks a connected owner for the longest held turn whose blocks start with
+    /// `fingerprints`; a match is claimed for us until we release it (or its claim ends).
+    pub fn lookup(&self, peer_id: &str, fingerprints: Vec<BlockFingerprint>, timeout: Duration) -> Result<Option<LookupMatch>, EngineError> {
+        let peer = lock(&self.shared.peers).get(peer_id).cloned().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        Ok(peer.link.lookup(fingerprints, timeout)?)
     }
 
     /// Stops the progress thread, fails what is in flight, closes peers and the side channel,
@@ -530,4 +598,16 @@ impl Transfer {
             }
         }
     }
+}
+
+/// Answers side-channel lookups from the hold book, claiming matches for the asking engine.
+fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_channel::LookupHandler {
+    Arc::new(move |reader, request| {
+        let found = holds.upgrade().and_then(|holds| lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now()));
+        match &found {
+            Some(m) => log::debug!("lookup from {reader}: {} of {} blocks held by request {} (claim {})", m.matched_blocks, request.fingerprints.len(), m.owner_request_id, m.claim_id),
+            None => log::debug!("lookup from {reader}: none of {} blocks held", request.fingerprints.len()),
+        }
+        LookupReply { id: request.id, found }
+    })
 }

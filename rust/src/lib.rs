@@ -3,10 +3,12 @@
 //! The nouns: an [`engine::Engine`] owns a UCX context/worker and a side-channel listener;
 //! it registers memory *regions* and a block *layout*, connects to *peers* through a
 //! versioned handshake, and posts *batch reads* planned by [`descriptors`]. The owner of the
-//! read memory is *notified* once the last byte of a batch was read.
+//! read memory is *notified* once the last byte of a batch was read. An owner *holds* finished
+//! requests' blocks for readers ([`holds`]) and answers *lookups* of held turns by content.
 
 pub mod descriptors;
 pub mod handshake;
+pub mod holds;
 pub mod side_channel;
 pub mod engine;
 pub mod ucx;

@@ -45,7 +45,7 @@ fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
         EngineError::PeerNotConnected(_) => PeerNotConnectedError::new_err(msg),
         EngineError::Transfer(_) | EngineError::Closed => TransferError::new_err(msg),
         EngineError::WaitTimeout(_) => PyTimeoutError::new_err(msg),
-        EngineError::InvalidArgument(_) => PyValueError::new_err(msg),
+        EngineError::InvalidArgument(_) | EngineError::Hold(_) => PyValueError::new_err(msg),
     }
 }
 
@@ -83,7 +83,9 @@ impl Transfer {
 
 #[pyclass(module = "kvduplex._core", frozen)]
 struct Engine {
-    inner: std::sync::Mutex<Option<engine::Engine>>,
+    /// Calls share the engine (it is thread-safe), so a slow `connect` or `lookup` to one
+    /// peer never waits behind another; only `close` takes it exclusively.
+    inner: std::sync::RwLock<Option<engine::Engine>>,
     engine_id: String,
     generation: u64,
     host: String,
@@ -96,7 +98,7 @@ impl Engine {
         T: Send,
     {
         py.detach(|| {
-            let guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
             match guard.as_ref() {
                 Some(engine) => f(engine),
                 None => Err(EngineError::Closed),
@@ -110,7 +112,7 @@ impl Engine {
 impl Engine {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the Python keyword arguments one to one
-    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=false))]
+    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=false, lookup_claim_s=30.0))]
     fn new(
         py: Python<'_>,
         engine_id: String,
@@ -121,16 +123,18 @@ impl Engine {
         ucx_lib_dir: Option<PathBuf>,
         heartbeat_s: f64,
         peer_error_handling: bool,
+        lookup_claim_s: f64,
     ) -> PyResult<Self> {
+        let lookup_claim = seconds("lookup_claim_s", lookup_claim_s)?;
         let heartbeat = seconds("heartbeat_s", heartbeat_s)?;
         if heartbeat.is_zero() {
             return Err(PyValueError::new_err("heartbeat_s must be positive"));
         }
-        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat, peer_error_handling };
+        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat, peer_error_handling, lookup_claim };
         let engine = py.detach(|| engine::Engine::start(config)).map_err(|e| to_py(py, e))?;
         let addr = engine.side_channel_addr().map_err(|e| to_py(py, e))?;
         let generation = engine.generation();
-        Ok(Engine { inner: std::sync::Mutex::new(Some(engine)), engine_id, generation, host: addr.ip().to_string(), port: addr.port() })
+        Ok(Engine { inner: std::sync::RwLock::new(Some(engine)), engine_id, generation, host: addr.ip().to_string(), port: addr.port() })
     }
 
     #[getter]
@@ -191,6 +195,46 @@ impl Engine {
         self.with(py, |e| e.notify(&peer_engine_id, &payload))
     }
 
+    /// `[(engine_id, "host:port")]` of the engines connected to our side channel that
+    /// announced their own.
+    fn known_peers(&self, py: Python<'_>) -> PyResult<Vec<(String, String)>> {
+        let peers = self.with(py, |e| Ok(e.known_peers()))?;
+        Ok(peers.into_iter().map(|p| (p.engine_id, p.side_channel)).collect())
+    }
+
+    #[pyo3(signature = (request_id, num_blocks, ttl_s, *, fingerprints=Vec::new(), offer=Vec::new()))]
+    fn hold(&self, py: Python<'_>, request_id: String, num_blocks: usize, ttl_s: f64, fingerprints: Vec<String>, offer: Vec<u8>) -> PyResult<bool> {
+        let ttl = seconds("ttl_s", ttl_s)?;
+        let fingerprints = parse_fingerprints(&fingerprints)?;
+        self.with(py, |e| e.hold(&request_id, num_blocks, fingerprints, offer, ttl))
+    }
+
+    #[pyo3(signature = (reader, request_id, claim_id=None))]
+    fn release_hold(&self, py: Python<'_>, reader: String, request_id: String, claim_id: Option<u64>) -> PyResult<bool> {
+        self.with(py, |e| Ok(e.release_hold(&reader, &request_id, claim_id)))
+    }
+
+    fn expire_holds(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.with(py, |e| Ok(e.expire_holds()))
+    }
+
+    fn evict_holds(&self, py: Python<'_>, num_blocks: usize) -> PyResult<Vec<String>> {
+        self.with(py, |e| Ok(e.evict_holds(num_blocks)))
+    }
+
+    #[getter]
+    fn held_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| Ok(e.held_blocks()))
+    }
+
+    #[pyo3(signature = (peer_engine_id, fingerprints, timeout_s=1.0))]
+    fn lookup<'py>(&self, py: Python<'py>, peer_engine_id: String, fingerprints: Vec<String>, timeout_s: f64) -> PyResult<Option<(String, u32, u64, f64, Bound<'py, PyBytes>)>> {
+        let timeout = seconds("timeout_s", timeout_s)?;
+        let fingerprints = parse_fingerprints(&fingerprints)?;
+        let found = self.with(py, |e| e.lookup(&peer_engine_id, fingerprints, timeout))?;
+        Ok(found.map(|m| (m.owner_request_id, m.matched_blocks, m.claim_id, m.claim_ms as f64 / 1000.0, PyBytes::new(py, &m.offer))))
+    }
+
     fn take_notifications<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
         let notes = self.with(py, |e| Ok(e.take_notifications()))?;
         Ok(notes.into_iter().map(|n| (n.from_engine_id, PyBytes::new(py, &n.payload))).collect())
@@ -198,7 +242,7 @@ impl Engine {
 
     fn close(&self, py: Python<'_>) {
         py.detach(|| {
-            if let Some(mut engine) = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if let Some(mut engine) = self.inner.write().unwrap_or_else(|p| p.into_inner()).take() {
                 engine.close();
             }
         });
@@ -215,6 +259,16 @@ impl Engine {
     fn __repr__(&self) -> String {
         format!("Engine(engine_id={:?}, side_channel={}:{})", self.engine_id, self.host, self.port)
     }
+}
+
+/// Token fingerprints travel as 16-character lowercase hex strings (`token_fingerprint.py`).
+fn parse_fingerprints(hex: &[String]) -> PyResult<Vec<u64>> {
+    hex.iter()
+        .map(|h| {
+            let valid = h.len() == 16 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            valid.then(|| u64::from_str_radix(h, 16).ok()).flatten().ok_or_else(|| PyValueError::new_err(format!("a fingerprint must be 16 lowercase hex characters, got {h:?}")))
+        })
+        .collect()
 }
 
 #[pymodule]

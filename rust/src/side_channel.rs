@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,7 @@ use crate::handshake::wire::{
     self, AuthProof, ClientHello, Frame, FrameBuffer, Refusal, ServerHello,
 };
 use crate::handshake::{EngineMetadata, Fingerprint, HandshakeError};
+use crate::holds::{LookupMatch, LookupReply, LookupRequest};
 
 /// How long the server gives a client to complete the handshake.
 pub const SERVER_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -78,6 +79,16 @@ pub struct Notification {
 
 type Waker = Arc<dyn Fn() + Send + Sync>;
 
+/// Answers a lookup from the named (authenticated) client engine.
+pub type LookupHandler = Arc<dyn Fn(&str, &LookupRequest) -> LookupReply + Send + Sync>;
+
+/// An authenticated client that announced where its own side channel listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KnownPeer {
+    pub engine_id: String,
+    pub side_channel: String,
+}
+
 /// What the server's threads share.
 struct ServerState {
     secret: Option<Vec<u8>>,
@@ -88,6 +99,9 @@ struct ServerState {
     stopping: AtomicBool,
     /// A handle on each served socket, so shutdown can unblock its thread.
     connections: Mutex<HashMap<u64, TcpStream>>,
+    lookup: Mutex<Option<LookupHandler>>,
+    /// Connected clients that announced their side channel, by connection id.
+    directory: Mutex<HashMap<u64, KnownPeer>>,
 }
 
 /// Serves this engine's metadata to readers and collects their notifications.
@@ -123,6 +137,8 @@ impl SideChannelServer {
             waker: Mutex::new(None),
             stopping: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
+            lookup: Mutex::new(None),
+            directory: Mutex::new(HashMap::new()),
         });
         let acceptor_state = Arc::clone(&state);
         let acceptor = thread::Builder::new()
@@ -154,6 +170,20 @@ impl SideChannelServer {
     /// Called on the connection's thread after each notification is queued.
     pub fn set_notification_waker(&self, waker: Box<dyn Fn() + Send + Sync>) {
         *lock(&self.state.waker) = Some(Arc::from(waker));
+    }
+
+    /// Serves lookups of authenticated clients; without a handler every lookup finds nothing.
+    pub fn set_lookup_handler(&self, handler: LookupHandler) {
+        *lock(&self.state.lookup) = Some(handler);
+    }
+
+    /// Connected, authenticated clients that announced their own side channel: the engines
+    /// that read from this one. A client is forgotten when its connection ends.
+    pub fn known_peers(&self) -> Vec<KnownPeer> {
+        let mut peers: Vec<KnownPeer> = lock(&self.state.directory).values().cloned().collect();
+        peers.sort_by(|a, b| (&a.engine_id, &a.side_channel).cmp(&(&b.engine_id, &b.side_channel)));
+        peers.dedup();
+        peers
     }
 
     /// Stops accepting, closes every connection and joins every thread. Also run on drop.
@@ -232,7 +262,8 @@ fn spawn_connection(
     thread::Builder::new()
         .name(format!("kvduplex-side-channel-{id}"))
         .spawn(move || {
-            serve_connection(&thread_state, stream, client_addr);
+            serve_connection(&thread_state, id, stream, client_addr);
+            lock(&thread_state.directory).remove(&id);
             lock(&thread_state.connections).remove(&id);
         })
         .inspect_err(|_| {
@@ -244,9 +275,10 @@ fn spawn_connection(
 struct Client {
     engine_id: String,
     heartbeat: Duration,
+    side_channel: Option<String>,
 }
 
-fn serve_connection(state: &ServerState, stream: TcpStream, client_addr: SocketAddr) {
+fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr: SocketAddr) {
     let mut reader = FrameReader::new(stream);
     let deadline = Deadline::after(SERVER_HANDSHAKE_TIMEOUT);
     // How the logs name the client; its engine id once its hello has arrived.
@@ -269,6 +301,10 @@ fn serve_connection(state: &ServerState, stream: TcpStream, client_addr: SocketA
         }
     };
     info!("side channel: {who} connected");
+    if let Some(side_channel) = &client.side_channel {
+        let peer = KnownPeer { engine_id: client.engine_id.clone(), side_channel: side_channel.clone() };
+        lock(&state.directory).insert(id, peer);
+    }
     let liveness = Liveness::new(Instant::now(), state.heartbeat, client.heartbeat);
     let end = match reader.stream().try_clone() {
         Ok(writer) => run_link(
@@ -280,7 +316,15 @@ fn serve_connection(state: &ServerState, stream: TcpStream, client_addr: SocketA
                     queue_notification(state, &client.engine_id, payload);
                     Ok(())
                 }
-                other => Err(unexpected("Notify", &other)),
+                Frame::Lookup(request) => {
+                    let handler = lock(&state.lookup).clone();
+                    let reply = match handler {
+                        Some(handler) => handler(&client.engine_id, &request),
+                        None => LookupReply { id: request.id, found: None },
+                    };
+                    write_frame(&writer, &Frame::LookupReply(reply))
+                }
+                other => Err(unexpected("Notify or Lookup", &other)),
             },
         ),
         Err(e) => HandshakeError::Io(e),
@@ -339,6 +383,7 @@ fn answer_client(
     Ok(Client {
         engine_id: hello.engine_id,
         heartbeat: Duration::from_millis(hello.heartbeat_ms.into()),
+        side_channel: hello.side_channel,
     })
 }
 
@@ -360,6 +405,32 @@ pub struct PeerLink {
     writer: Arc<Mutex<TcpStream>>,
     /// For shutting the socket down without waiting on `writer`.
     socket: TcpStream,
+    lookups: Arc<PendingLookups>,
+}
+
+/// Lookups sent on a link, waiting for their replies (which the link thread delivers).
+#[derive(Default)]
+struct PendingLookups {
+    next_id: AtomicU64,
+    replies: Mutex<HashMap<u64, Option<LookupReply>>>,
+    arrived: Condvar,
+}
+
+impl PendingLookups {
+    /// Hands a reply to its waiter; a reply nobody waits for any more is dropped (the
+    /// owner's claim then ends at its deadline).
+    fn deliver(&self, reply: LookupReply) {
+        let mut replies = lock(&self.replies);
+        if let Some(slot) = replies.get_mut(&reply.id) {
+            *slot = Some(reply);
+            self.arrived.notify_all();
+        }
+    }
+
+    fn wake_all(&self) {
+        let _guard = lock(&self.replies);
+        self.arrived.notify_all();
+    }
 }
 
 type DeathCallback = Box<dyn FnOnce(String) + Send>;
@@ -372,11 +443,14 @@ enum LinkStatus {
 impl PeerLink {
     /// Connects to the owner at `host:port`, authenticates, checks compatibility and returns
     /// the link together with the owner's metadata. `timeout` bounds the whole handshake;
-    /// `heartbeat` is how often we ping the owner once connected.
+    /// `heartbeat` is how often we ping the owner once connected. `our_side_channel` tells
+    /// the owner where we listen ourselves.
+    #[allow(clippy::too_many_arguments)]
     pub fn connect(
         host: &str,
         port: u16,
         our_engine_id: &str,
+        our_side_channel: Option<String>,
         our_fingerprint: &Fingerprint,
         secret: Option<&[u8]>,
         timeout: Duration,
@@ -396,6 +470,7 @@ impl PeerLink {
             nonce,
             has_secret: secret.is_some(),
             heartbeat_ms,
+            side_channel: our_side_channel,
         };
         write_frame(&stream, &Frame::ClientHello(hello))?;
         let server_hello = match reader.read_frame_by(&deadline, "the server's hello")? {
@@ -440,6 +515,8 @@ impl PeerLink {
             Duration::from_millis(server_hello.heartbeat_ms.into()),
         );
         let (thread_status, thread_writer) = (Arc::clone(&status), Arc::clone(&writer));
+        let lookups = Arc::new(PendingLookups::default());
+        let thread_lookups = Arc::clone(&lookups);
         thread::Builder::new()
             .name("kvduplex-peer-link".to_owned())
             .spawn(move || {
@@ -447,15 +524,23 @@ impl PeerLink {
                     &mut reader,
                     liveness,
                     || write_frame(&lock(&thread_writer), &Frame::Ping),
-                    |frame| Err(unexpected("Ping", &frame)),
+                    |frame| match frame {
+                        Frame::LookupReply(reply) => {
+                            thread_lookups.deliver(reply);
+                            Ok(())
+                        }
+                        other => Err(unexpected("Ping or LookupReply", &other)),
+                    },
                 );
                 mark_dead(&thread_status, end.to_string());
+                thread_lookups.wake_all();
             })?;
         Ok((
             PeerLink {
                 status,
                 writer,
                 socket: stream,
+                lookups,
             },
             metadata,
         ))
@@ -482,14 +567,52 @@ impl PeerLink {
 
     /// Sends `payload` to the owner, which receives it as a [`Notification`] from our engine id.
     pub fn notify(&self, payload: &[u8]) -> Result<(), HandshakeError> {
+        let frame = wire::encode_frame(&Frame::Notify(payload.to_vec()))?;
+        self.send(&frame, "sending a notification")
+    }
+
+    /// Asks the owner for the longest turn it holds whose blocks start with `fingerprints`
+    /// (claimed for us when found). Fails when the link dies or no reply comes by `timeout`.
+    pub fn lookup(
+        &self,
+        fingerprints: Vec<u64>,
+        timeout: Duration,
+    ) -> Result<Option<LookupMatch>, HandshakeError> {
+        let deadline = Deadline::after(timeout);
+        let id = self.lookups.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = wire::encode_frame(&Frame::Lookup(LookupRequest { id, fingerprints }))?;
+        lock(&self.lookups.replies).insert(id, None);
+        let result = self.send(&frame, "sending a lookup").and_then(|()| {
+            let mut replies = lock(&self.lookups.replies);
+            loop {
+                if let Some(Some(reply)) = replies.get_mut(&id).map(Option::take) {
+                    return Ok(reply.found);
+                }
+                if let LinkStatus::Dead { reason } = &*lock(&self.status) {
+                    return Err(HandshakeError::PeerGone(reason.clone()));
+                }
+                let left = deadline.left("the owner's lookup reply")?;
+                replies = self
+                    .lookups
+                    .arrived
+                    .wait_timeout(replies, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+        });
+        lock(&self.lookups.replies).remove(&id);
+        result
+    }
+
+    /// Writes one whole frame; a failed write leaves the stream unusable, so the link dies.
+    fn send(&self, frame: &[u8], what: &str) -> Result<(), HandshakeError> {
         if let LinkStatus::Dead { reason } = &*lock(&self.status) {
             return Err(HandshakeError::PeerGone(reason.clone()));
         }
-        let frame = wire::encode_frame(&Frame::Notify(payload.to_vec()))?;
-        let sent = lock(&self.writer).write_all(&frame);
+        let sent = lock(&self.writer).write_all(frame);
         sent.map_err(|e| {
-            // A partly written frame leaves the stream unusable.
-            mark_dead(&self.status, format!("sending a notification failed: {e}"));
+            mark_dead(&self.status, format!("{what} failed: {e}"));
+            self.lookups.wake_all();
             HandshakeError::Io(e)
         })
     }

@@ -38,6 +38,7 @@ from kvduplex.connector import DuplexConnector
 from kvduplex.connector.metadata import (
     DuplexConnectorMetadata,
     DuplexHandshakeMetadata,
+    DuplexWorkerMetadata,
     LoadSpec,
 )
 from kvduplex.connector.scheduler import DuplexScheduler
@@ -96,7 +97,8 @@ def make_vllm_config(
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             engine_id=engine_id,
-            kv_connector_extra_config=dict(extra_config or {}),
+            # Lookups are tested where a test turns them on; elsewhere the params path alone.
+            kv_connector_extra_config={"lookup_timeout_ms": 0, **(extra_config or {})},
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -171,6 +173,7 @@ class Engine:
         finished_recving: Iterable[str] = (),
         invalid_block_ids: Iterable[int] = (),
         worker_stats: DuplexConnectorStats | None = None,
+        worker_meta: DuplexWorkerMetadata | None = None,
     ) -> Step:
         output = self.scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
@@ -190,6 +193,7 @@ class Engine:
                 finished_recving=set(finished_recving),
                 invalid_block_ids=set(invalid_block_ids),
                 kv_connector_stats=worker_stats,
+                kv_connector_worker_meta=worker_meta,
             ),
         )
         engine_outputs = self.scheduler.update_from_output(output, runner_output)

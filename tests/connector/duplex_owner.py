@@ -1,8 +1,8 @@
 """An owner-side DuplexWorker in its own process, for the two-process worker tests.
 
 Builds KV caches filled from a seed, registers them, prints its side-channel address as one
-JSON line, then serves: each stdin line {"hold": request_id, "ttl_s": seconds} hands the
-worker a HoldSpec, as the scheduler would; the worker is stepped every few milliseconds and
+JSON line, then serves: each stdin line {"hold": request_id, "ttl_s": seconds, optionally
+"num_blocks", "fingerprints", "offer"} hands the worker a HoldSpec, as the scheduler would; the worker is stepped every few milliseconds and
 every non-empty result is printed as {"finished_sending": [...], "stats": {...}}. Exits when
 stdin closes. Run: python duplex_owner.py '{"model_dir": ..., "engine_id": ..., ...}'
 """
@@ -29,7 +29,13 @@ def main() -> None:
             if not line:
                 break
             command = json.loads(line)
-            hold = HoldSpec(request_id=command["hold"], ttl_s=command["ttl_s"])
+            hold = HoldSpec(
+                request_id=command["hold"],
+                ttl_s=command["ttl_s"],
+                num_blocks=command.get("num_blocks", 1),
+                fingerprints=tuple(command.get("fingerprints", ())),
+                offer=command.get("offer", "").encode(),
+            )
             worker.start_load_kv(DuplexConnectorMetadata(holds=[hold]))
         results = worker.get_transfer_results()
         stats = worker.get_kv_connector_stats()

@@ -1,11 +1,10 @@
-"""The connector's pure parts: token fingerprints, config, stats, leases, auto threshold."""
+"""The connector's pure parts: token fingerprints, config, stats, auto threshold."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvduplex.connector.config import DuplexConfig
-from kvduplex.connector.leases import LeaseBook
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
 from kvduplex.connector.token_fingerprint import block_fingerprints, matched_prefix_tokens
@@ -86,21 +85,6 @@ def test_stats_aggregate_and_reduce():
     assert reduced["MB"] == 100.0
     assert reduced["mean_transfer_ms"] == pytest.approx(50.5)
     assert reduced["p99_transfer_ms"] == pytest.approx(99.0)
-
-
-def test_lease_book_ends_each_hold_exactly_once():
-    now = [100.0]
-    book = LeaseBook(clock=lambda: now[0])
-    assert book.hold("a", 5.0) and book.hold("b", 5.0)
-    assert book.release("a") and not book.release("a")
-    now[0] = 104.9
-    assert book.expire() == []
-    now[0] = 105.0
-    assert book.expire() == ["b"] and book.expire() == []
-    assert not book.release("b")
-    # A release that overtakes its hold frees the hold as soon as it arrives.
-    assert not book.release("c")
-    assert not book.hold("c", 5.0) and len(book) == 0
 
 
 def test_auto_threshold_from_measured_speeds():

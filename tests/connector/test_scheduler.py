@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 from duplex_harness import BLOCK_SIZE, Engine, decode, prefill, prompt_tokens, running
 from vllm.v1.request import RequestStatus
 
-from kvduplex.connector.leases import LeaseBook
+from kvduplex.connector import scheduler as scheduler_module
+from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True}
@@ -192,16 +196,23 @@ def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
     """Held blocks stay out of the free pool under cache pressure until the lease ends."""
     now = [0.0]
     p = engines("P", {"kv_lease_ttl_s": 5.0}, num_blocks=16)
-    book = LeaseBook(clock=lambda: now[0])
+    # The worker's hold book, reduced to what this test needs: request id -> lease end.
+    book: dict[str, float] = {}
+
+    def expire() -> set[str]:
+        ended = {rid for rid, end in book.items() if end <= now[0]}
+        for rid in ended:
+            del book[rid]
+        return ended
     params = prefill(p, "p1", prompt_tokens(100))
     held = set(params["remote_block_ids"])
     assert len(held) == 7
 
     def worker_step(**kwargs) -> None:
-        step = p.step(finished_sending=set(book.expire()), **kwargs)
+        step = p.step(finished_sending=expire(), **kwargs)
         for hold in step.meta.holds:
             assert hold.ttl_s == 5.0
-            book.hold(hold.request_id, hold.ttl_s)
+            book[hold.request_id] = now[0] + hold.ttl_s
 
     worker_step()
     # 16 blocks, block 0 reserved, 7 held: a 9-block prompt (130 tokens) cannot be admitted,
@@ -218,20 +229,31 @@ def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
     worker_step()
     assert "big" in running(p)
     assert set(p.block_ids("big")) & held  # the freed blocks are reused only now
-    assert book.expire() == [] and len(book) == 0
+    assert expire() == set() and not book
 
 
-def test_decode_hold_cap_bounds_cache_used_by_finished_turns(engines):
+def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     config = {**BIDIRECTIONAL, "decode_kv_hold_max_fraction": 0.2}
     p, d = engines("P", config), engines("D", config, num_blocks=64)
-    # 64 blocks * 0.2 = 12 blocks may be held: the first turn (7 blocks) is, the second not.
+    # 64 blocks * 0.2 = 12 blocks may be held: the first turn (7 blocks) fits; the second
+    # (7 more) is held too, and the workers are told to free 2 blocks of the least recently
+    # used unclaimed turns.
     a, b = prompt_tokens(100), prompt_tokens(100, start=400)
     _, first = decode(d, "d1", a, prefill(p, "p1", a), max_tokens=2)
+    assert all(s.meta.evict_blocks == 0 for s in d.steps)
     _, second = decode(d, "d2", b, prefill(p, "p2", b), max_tokens=2)
-    assert first is not None and second is None
+    assert first is not None and second is not None
+    d.step()
+    assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]
+    # The worker evicted d1: its blocks come back; a new turn then needs no eviction.
     d.step(finished_sending={"d1"})
-    _, third = decode(d, "d3", b + [7, 7], prefill(p, "p3", b + [7, 7]), max_tokens=2)
+    _, third = decode(d, "d3", prompt_tokens(20, start=900), prefill(p, "p3", prompt_tokens(20, start=900)), max_tokens=2)
     assert third is not None
+    assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]
+    # A turn larger than the whole cap is never held.
+    big = prompt_tokens(200, start=2000)
+    _, too_big = decode(d, "d4", big, prefill(p, "p4", big), max_tokens=2)
+    assert too_big is None
 
 
 def test_no_params_without_worker_addresses(engines, connector_log):
@@ -284,3 +306,87 @@ def test_auto_threshold_learns_from_worker_reads_and_steps(engines):
     d.add("d1", prompt, max_tokens=2, params=prefill(p, "p1", prompt))
     step = d.step()
     assert step.meta.loads == [] and len(step.meta.releases) == 1
+
+
+# ------------------------------------------------------------------ lookups (no params)
+
+LOOKUP = {"bidirectional_kv_xfer": True, "lookup_timeout_ms": 100, "kv_recompute_threshold": 16}
+
+
+def _held_turn(engines) -> tuple[list[int], dict]:
+    """D decodes a 100-token turn with 80 outputs and holds it; returns (its tokens, params)."""
+    p = engines("P", BIDIRECTIONAL)
+    d = engines("D", LOOKUP)
+    turn1 = prompt_tokens(100)
+    p_params = prefill(p, "p1", turn1)
+    _, d_params = decode(d, "d1", turn1, p_params, max_tokens=80)
+    d.step()
+    (hold,) = [h for s in d.steps for h in s.meta.holds]
+    # D offers its finished turn to lookups: fingerprints of every block and its params.
+    assert hold.request_id == "d1" and hold.num_blocks == 12 and len(hold.fingerprints) == 12
+    assert json.loads(hold.offer) == d_params
+    return turn1 + [7] * 79, d_params
+
+
+def test_lookup_finds_the_held_history_and_pulls_it_with_the_claim(engines):
+    history, d_params = _held_turn(engines)
+    p2 = engines("P", LOOKUP)
+    turn2 = history + prompt_tokens(40, start=600)  # 219 tokens: 13 full blocks
+    p2.add("p2", turn2, max_tokens=1, params={"do_remote_decode": True})
+    step = p2.step()
+    # Not scheduled while the lookup runs; the workers are asked with its full blocks.
+    assert step.output.num_scheduled_tokens == {}
+    (lookup,) = step.meta.lookups
+    assert lookup.request_id == "p2" and len(lookup.fingerprints) == 13
+    assert lookup.fingerprints[:11] == tuple(d_params["remote_block_fingerprints"][:11])
+    assert p2.step().output.num_scheduled_tokens == {}  # still waiting, asked only once
+    assert p2.steps[-1].meta.lookups == []
+    match = LookupMatch("D/tp0", "d1", 11, claim_id=5, claim_s=30.0, offer=json.dumps(d_params).encode())
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": match}))
+    step = p2.step()
+    (load,) = step.meta.loads
+    assert load.claim_id == 5 and load.remote_request_id == "d1"
+    # 11 full blocks matched; the 12th, partial (the answer's tail), matches by fingerprint.
+    assert load.num_tokens == 179
+    assert load.remote_block_ids == tuple(d_params["remote_block_ids"])
+    assert load.lease_expiry == pytest.approx(time.time() + 30.0, abs=5)
+
+
+def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, monkeypatch):
+    history, d_params = _held_turn(engines)
+    p2 = engines("P", LOOKUP)
+    p2.add("miss", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
+    p2.step()
+    step = p2.step(worker_meta=DuplexWorkerMetadata(lookups={"miss": None}))
+    p2.step()
+    assert "miss" in running(p2) or p2.steps[-1].finished("miss") is not None
+    assert all(not s.meta.loads for s in p2.steps)
+
+    monkeypatch.setattr(scheduler_module, "_LOOKUP_REPORT_GRACE_S", 0.0)
+    p2.add("silent", prompt_tokens(300, start=2000), max_tokens=1, params={"do_remote_decode": True})
+    p2.step()
+    time.sleep(0.15)
+    step = p2.step()
+    assert "silent" in step.output.num_scheduled_tokens  # gave up waiting: prefills
+    late = LookupMatch("D/tp0", "d1", 3, claim_id=9, claim_s=30.0, offer=json.dumps(d_params).encode())
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"silent": late}))
+    step = p2.step()
+    (release,) = step.meta.releases
+    assert (release.remote_request_id, release.claim_id) == ("d1", 9)
+
+
+def test_lookup_is_skipped_below_the_threshold_and_answers_are_checked(engines):
+    history, d_params = _held_turn(engines)
+    p2 = engines("P", {**LOOKUP, "kv_recompute_threshold": 512})
+    p2.add("short", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
+    step = p2.step()
+    assert step.meta.lookups == [] and "short" in step.output.num_scheduled_tokens
+    # An answer naming another engine than the one that answered is refused, claim released.
+    p3 = engines("P", LOOKUP)
+    p3.add("spoof", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
+    p3.step()
+    spoof = LookupMatch("X/tp0", "d1", 11, claim_id=2, claim_s=30.0, offer=json.dumps(d_params).encode())
+    p3.step(worker_meta=DuplexWorkerMetadata(lookups={"spoof": spoof}))
+    step = p3.step()
+    assert step.meta.loads == []
+    assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("d1", 2)]

@@ -6,6 +6,7 @@ is a DuplexWorker in this process. Every pulled block is compared byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -22,6 +23,7 @@ from duplex_harness import NUM_LAYERS, make_kv_caches, make_worker
 from kvduplex.connector.metadata import (
     DuplexConnectorMetadata,
     LoadSpec,
+    LookupSpec,
     PeerAddress,
     ReleaseSpec,
 )
@@ -64,8 +66,9 @@ class OwnerProcess:
         self.finished_sending: list[str] = []
         self.stats: dict[str, int] = {}
 
-    def hold(self, request_id: str, ttl_s: float) -> None:
-        self.proc.stdin.write(json.dumps({"hold": request_id, "ttl_s": ttl_s}) + "\n")
+    def hold(self, request_id: str, ttl_s: float, **offered) -> None:
+        command = {"hold": request_id, "ttl_s": ttl_s, **offered}
+        self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
 
     def poll(self, timeout_s: float) -> None:
@@ -247,3 +250,91 @@ def test_block_major_layout_is_described_as_strided_pages():
     assert layout.regions == ((storage.data_ptr(), storage.nbytes),)
     with pytest.raises(ValueError, match="not one contiguous byte range"):
         describe_kv_caches({"l0": storage.view(NUM_BLOCKS, NUM_LAYERS * 8, 4)[:, ::2]}, NUM_BLOCKS)
+
+
+# ------------------------------------------------------------------------------ lookups
+
+TURN_FINGERPRINTS = [f"{i:016x}" for i in (0xA1, 0xA2, 0xA3, 0xA4)]
+
+
+def look_up(worker: DuplexWorker, request_id: str, fingerprints: list[str], timeout_s: float = 2.0):
+    """Step the reader like vLLM does until its lookup is reported; returns the match."""
+    spec = LookupSpec(request_id, tuple(fingerprints), timeout_s)
+    worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        if meta is not None and request_id in meta.lookups:
+            return meta.lookups[request_id]
+        time.sleep(0.002)
+    raise AssertionError(f"lookup {request_id} was never reported")
+
+
+def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny_config_dir):
+    owner.reset()
+    offer = json.dumps({"remote_engine_id": OWNER_ID, "remote_block_ids": [3, 4, 10, 11]})
+    owner.hold("turn", ttl_s=3.0, num_blocks=4, fingerprints=TURN_FINGERPRINTS, offer=offer)
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    readers = []
+    try:
+        for name in ("reader-a", "reader-b"):
+            caches = make_kv_caches(NUM_BLOCKS)
+            worker = make_worker(tiny_config_dir, name, caches, {"decode_peers": [address]})
+            readers.append((worker, caches))
+        # Both find the first three blocks (the fourth differs), each with its own claim.
+        asked = TURN_FINGERPRINTS[:3] + [f"{0xFF:016x}"]
+        matches = [look_up(worker, "p2", asked) for worker, _ in readers]
+        assert all(m is not None and m.matched_blocks == 3 for m in matches)
+        assert all(m.owner_engine_id == f"{OWNER_ID}/tp0" for m in matches)
+        assert all(m.owner_request_id == "turn" for m in matches)
+        assert matches[0].claim_id != matches[1].claim_id
+        assert json.loads(matches[0].offer)["remote_block_ids"] == [3, 4, 10, 11]
+        specs = [
+            load(owner, "p2", [1, 2, 5], [3, 4, 10], remote_request_id="turn")
+            for _ in readers
+        ]
+        specs = [dataclasses.replace(s, claim_id=m.claim_id) for s, m in zip(specs, matches)]
+        # Both reads are posted before either is polled: they run at the same time.
+        for (worker, _), spec in zip(readers, specs):
+            worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+        pending = {0, 1}
+        deadline = time.monotonic() + WAIT_S
+        while pending and time.monotonic() < deadline:
+            for i in list(pending):
+                if readers[i][0].get_transfer_results().finished_recving:
+                    assert readers[i][0].get_block_ids_with_load_errors() == set()
+                    pending.discard(i)
+            time.sleep(0.002)
+        assert not pending
+        for (worker, caches), spec in zip(readers, specs):
+            for name, tensor in caches.items():
+                for lid, rid in zip(spec.local_block_ids, spec.remote_block_ids):
+                    assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid)
+        # The reads released their claims, not the hold: the turn stays offered...
+        owner.poll(0.3)
+        assert owner.finished_sending == []
+        assert look_up(readers[0][0], "p3", TURN_FINGERPRINTS) is not None
+        # ...and is freed exactly once when its hold ends and the last claim is gone.
+        readers[0][0].start_load_kv(
+            DuplexConnectorMetadata(releases=[ReleaseSpec(owner.peer, "turn", claim_id=None)])
+        )
+    finally:
+        for worker, _ in readers:
+            worker.shutdown()
+    owner.collect(until=1, settle_s=0.5)
+    assert owner.finished_sending == ["turn"]
+    # A miss, and an owner nobody listens at: nothing found, nothing hangs.
+    caches = make_kv_caches(NUM_BLOCKS)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        unused = probe.getsockname()[1]
+    worker = make_worker(
+        tiny_config_dir, "reader-c", caches, {"decode_peers": [address, f"127.0.0.1:{unused}"]}
+    )
+    try:
+        assert look_up(worker, "p4", TURN_FINGERPRINTS, timeout_s=0.5) is None
+        stats = worker.get_kv_connector_stats().data
+        assert stats["lookups_missed"] == 1 and stats["lookup_failures"] == 1
+    finally:
+        worker.shutdown()

@@ -21,11 +21,26 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvduplex.protocol import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    REMOTE_BLOCK_FINGERPRINTS,
+    REMOTE_BLOCK_IDS,
+    REMOTE_ENGINE_ID,
+    REMOTE_HOST,
+    REMOTE_NUM_TOKENS,
+    REMOTE_PORT,
+    REMOTE_REQUEST_ID,
+    TP_SIZE,
+)
 from kvduplex.proxy.app import DuplexProxy, create_app
 from kvduplex.proxy.config import ProxyConfig, parse_upstream
+from kvduplex.proxy.routing import conversation_key, rendezvous_score
 from kvduplex.proxy.store import ConversationStore
 
 START_TIMEOUT_S = 20.0
+# How long a gated fake stream waits for the test to let its next chunk go.
+STREAM_GATE_TIMEOUT_S = 5.0
 
 
 class FakeClock:
@@ -108,8 +123,18 @@ class FakeEngine:
         self.fail_with: tuple[int, Any] | None = None
         # D: drop the connection after this many streamed chunks.
         self.abort_stream_after: int | None = None
+        # D: send each streamed chunk after the first only once the test releases the gate
+        # (`gate_timeouts` counts chunks that went after waiting in vain).
+        self.stream_gate: threading.Semaphore | None = None
+        self.gate_timeouts = 0
+        # D: every streamed chunk, as sent.
+        self.sent_chunks: list[bytes] = []
         self.port = 0
         self._block_ids = itertools.count(1)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
     def bodies(self, path: str | None = None) -> list[dict[str, Any]]:
         return [r["body"] for r in self.requests if path is None or r["path"] == path]
@@ -119,29 +144,29 @@ class FakeEngine:
 
     def prefill_params(self, request_id: str) -> dict[str, Any]:
         return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.name,
-            "remote_block_ids": self._blocks(2),
-            "remote_host": "127.0.0.1",
-            "remote_port": self.port,
-            "remote_request_id": request_id,
-            "tp_size": 1,
+            DO_REMOTE_PREFILL: True,
+            DO_REMOTE_DECODE: False,
+            REMOTE_ENGINE_ID: self.name,
+            REMOTE_BLOCK_IDS: self._blocks(2),
+            REMOTE_HOST: "127.0.0.1",
+            REMOTE_PORT: self.port,
+            REMOTE_REQUEST_ID: request_id,
+            TP_SIZE: 1,
         }
 
     def decode_params(self, request_id: str) -> dict[str, Any]:
         blocks = self._blocks(3)
         return {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": self.name,
-            "remote_block_ids": blocks,
-            "remote_host": "127.0.0.1",
-            "remote_port": self.port,
-            "remote_request_id": request_id,
-            "remote_num_tokens": 16 * len(blocks),
-            "tp_size": 1,
-            "block_fingerprints": [f"{self.name}-{b:04x}" for b in blocks],
+            DO_REMOTE_DECODE: True,
+            DO_REMOTE_PREFILL: False,
+            REMOTE_ENGINE_ID: self.name,
+            REMOTE_BLOCK_IDS: blocks,
+            REMOTE_HOST: "127.0.0.1",
+            REMOTE_PORT: self.port,
+            REMOTE_REQUEST_ID: request_id,
+            REMOTE_NUM_TOKENS: 16 * len(blocks),
+            TP_SIZE: 1,
+            REMOTE_BLOCK_FINGERPRINTS: [f"{self.name}-{b:04x}" for b in blocks],
         }
 
     def app(self) -> FastAPI:
@@ -160,13 +185,13 @@ class FakeEngine:
             request_id = f"{self.name}-{len(self.requests)}"
             params = body.get("kv_transfer_params") or {}
             chat = request.url.path.endswith("/chat/completions")
-            if params.get("do_remote_decode"):
+            if params.get(DO_REMOTE_DECODE):
                 out_params = self.prefill_params(request_id)
                 self.returned_params.append(out_params)
                 return JSONResponse(self._completion(chat, request_id, "x", out_params))
             out_params = (
                 self.decode_params(request_id)
-                if params.get("do_remote_prefill") and self.return_decode_params
+                if params.get(DO_REMOTE_PREFILL) and self.return_decode_params
                 else None
             )
             self.returned_params.append(out_params)
@@ -210,6 +235,19 @@ class FakeEngine:
     async def _stream(
         self, chat: bool, request_id: str, pieces: list[str], params: dict[str, Any] | None
     ) -> Any:
+        for i, chunk in enumerate(self._stream_chunks(chat, request_id, pieces, params)):
+            if self.stream_gate is not None and i > 0:
+                released = await asyncio.to_thread(
+                    self.stream_gate.acquire, True, STREAM_GATE_TIMEOUT_S
+                )
+                self.gate_timeouts += not released
+            self.sent_chunks.append(chunk)
+            yield chunk
+            await asyncio.sleep(0)
+
+    def _stream_chunks(
+        self, chat: bool, request_id: str, pieces: list[str], params: dict[str, Any] | None
+    ) -> Iterator[bytes]:
         for i, piece in enumerate(pieces):
             if self.abort_stream_after is not None and i == self.abort_stream_after:
                 raise RuntimeError("fake engine dies mid-stream")
@@ -228,7 +266,6 @@ class FakeEngine:
             if last and self.stream_params:
                 chunk["kv_transfer_params"] = params
             yield f"data: {json.dumps(chunk)}\n\n".encode()
-            await asyncio.sleep(0)
         yield b"data: [DONE]\n\n"
 
 
@@ -248,6 +285,22 @@ class ProxyHandle:
     def metric(self, name: str, **labels: str) -> float:
         value = self.proxy.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
+
+    def decode_by_hash(self, body: dict[str, Any], caller: str = "anonymous") -> str:
+        """The D that rendezvous hashing picks for `body` among all of the proxy's D."""
+        key = conversation_key(caller, body)
+        return max(
+            (u.address for u in self.proxy.decode.upstreams),
+            key=lambda address: rendezvous_score(key, address),
+        )
+
+    def prompt_routed_to(self, engine: FakeEngine, label: str = "prompt") -> str:
+        """A completions prompt (model "tiny", no caller) that the hash routes to `engine`."""
+        for i in itertools.count():
+            prompt = f"{label} {i}"
+            if self.decode_by_hash({"model": "tiny", "prompt": prompt}) == engine.address:
+                return prompt
+        raise AssertionError("unreachable")
 
 
 class Cluster:

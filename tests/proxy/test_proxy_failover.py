@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
+from kvduplex.protocol import prefill_request_params
 from kvduplex.proxy.balancer import UpstreamPool
 from kvduplex.proxy.config import parse_upstream
 from kvduplex.proxy.metrics import ProxyMetrics
-from kvduplex.servers import NO_PULL_PREFILL_PARAMS
 
 from conftest import FakeClock
 from test_proxy_flow import post, sse_events
@@ -94,12 +94,13 @@ def test_no_live_prefill_gives_503(cluster):
 def test_dead_decode_fails_over_before_the_response_starts(cluster):
     p, d0, d1 = cluster.engine("p"), cluster.engine("d0"), cluster.engine("d1")
     proxy = cluster.proxy([p], [d0, d1], backoff_initial_s=30)
+    prompt = proxy.prompt_routed_to(d0)
     cluster.stop_engine(d0)
 
     for stream in (False, True, False, True):
-        response = post(proxy, stream=stream)
+        response = post(proxy, stream=stream, prompt=prompt)
         assert response.status_code == 200
-        assert response.headers["x-kvduplex-decode"] == f"127.0.0.1:{d1.port}"
+        assert response.headers["x-kvduplex-decode"] == d1.address
     assert sse_events(response.content)[-1]["choices"][0]["finish_reason"] == "length"
     assert healthy(proxy, "decode", d0) == 0
 
@@ -107,41 +108,37 @@ def test_dead_decode_fails_over_before_the_response_starts(cluster):
 def test_conversation_whose_decode_server_is_gone_recomputes(cluster):
     p, d0, d1 = cluster.engine("p"), cluster.engine("d0"), cluster.engine("d1")
     proxy = cluster.proxy([p], [d0, d1], backoff_initial_s=30)
-    holder_of = {}
-    for c in ("first", "second"):
-        holder_of[c] = post(proxy, conversation=c).headers["x-kvduplex-decode"]
-    d0_address = f"127.0.0.1:{d0.port}"
-    on_d0 = [c for c, holder in holder_of.items() if holder == d0_address]
-    # Least-outstanding ties alternate, so exactly one conversation lives on each D.
-    assert len(on_d0) == 1
+    prompt = proxy.prompt_routed_to(d0)
+    assert post(proxy, conversation="c", prompt=prompt).headers["x-kvduplex-decode"] == d0.address
 
     cluster.stop_engine(d0)
     proxy.check_health()
     assert healthy(proxy, "decode", d0) == 0
-    response = post(proxy, conversation=on_d0[0])
+    response = post(proxy, conversation="c", prompt=prompt)
     assert response.status_code == 200
     assert response.headers["x-kvduplex-conversation"] == "decode_unavailable"
-    assert response.headers["x-kvduplex-decode"] == f"127.0.0.1:{d1.port}"
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert response.headers["x-kvduplex-decode"] == d1.address
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
     # The recomputed turn lives on d1 now: the next turn pulls from there.
-    post(proxy, conversation=on_d0[0])
+    post(proxy, conversation="c", prompt=prompt)
     assert p.bodies()[-1]["kv_transfer_params"] == d1.returned_params[-2]
 
 
 def test_decode_dying_unnoticed_fails_over_and_the_conversation_moves(cluster):
     p, d0, d1 = cluster.engine("p"), cluster.engine("d0"), cluster.engine("d1")
     proxy = cluster.proxy([p], [d0, d1], backoff_initial_s=30)
-    assert post(proxy, conversation="c").headers["x-kvduplex-decode"] == f"127.0.0.1:{d0.port}"
+    prompt = proxy.prompt_routed_to(d0)
+    assert post(proxy, conversation="c", prompt=prompt).headers["x-kvduplex-decode"] == d0.address
 
     cluster.stop_engine(d0)
-    response = post(proxy, conversation="c")
+    response = post(proxy, conversation="c", prompt=prompt)
     # The proxy still believed d0 alive: P was told to pull from it (the connector falls back to
     # recomputing when the pull fails), and decoding moved to d1.
     assert response.status_code == 200
     assert response.headers["x-kvduplex-conversation"] == "hit"
-    assert response.headers["x-kvduplex-decode"] == f"127.0.0.1:{d1.port}"
+    assert response.headers["x-kvduplex-decode"] == d1.address
     assert p.bodies()[-1]["kv_transfer_params"] == d0.returned_params[0]
-    post(proxy, conversation="c")
+    post(proxy, conversation="c", prompt=prompt)
     assert p.bodies()[-1]["kv_transfer_params"] == d1.returned_params[0]
 
 

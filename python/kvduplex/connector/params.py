@@ -49,9 +49,13 @@ class RemoteBlocks:
     num_tokens: int
     fingerprints: tuple[str, ...]
     lease_expiry: float
+    claim_id: int | None = None
+    """Set when a lookup found the blocks: the owner's claim for this reader."""
 
     def release(self) -> md.ReleaseSpec:
-        return md.ReleaseSpec(peer=self.peer, remote_request_id=self.remote_request_id)
+        return md.ReleaseSpec(
+            peer=self.peer, remote_request_id=self.remote_request_id, claim_id=self.claim_id
+        )
 
 
 @dataclass(frozen=True)

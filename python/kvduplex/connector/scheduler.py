@@ -10,6 +10,14 @@ fingerprints equal its own prompt's, beyond its local prefix-cache hit, if at le
 `kv_recompute_threshold` tokens are gained. Each request pulls at most once; when it does not
 pull, the owner is told to free its blocks.
 
+Lookup (bidirectional, the prefill node): a request whose params describe no peer's blocks
+(a router sent only vLLM's standard `do_remote_decode`, or nothing) is looked up by its prompt:
+the scheduler sends the fingerprints of its full blocks to the workers (`LookupSpec`), which
+ask the decode engines they know; `get_num_new_matched_tokens` returns None ("ask again")
+meanwhile, so vLLM's scheduler loop never blocks. The longest match arrives in
+`DuplexWorkerMetadata`, claimed on the owner for this reader, and is pulled like params from a
+router. No answer within `lookup_timeout_ms`: the request prefills normally.
+
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
 with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally, keep
 their blocks under a lease and return params describing them. The workers free the blocks when
@@ -19,6 +27,8 @@ the reader's release arrives or the lease expires, whichever is first, and repor
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +58,9 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
+# get_num_new_matched_tokens' "not yet": the lookup runs.
+_ASK_AGAIN = object()
+
 _HOLDABLE_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
@@ -60,6 +73,20 @@ class _PullState:
     consumed: bool = False
     """The pull was decided (started, declined or impossible): never pull again."""
     last_num_computed: int = 0
+
+
+@dataclass
+class _LookupState:
+    """A request whose prompt was looked up on the known owners."""
+
+    asked_at: float
+    arrived: bool = False
+    match: md.LookupMatch | None = None
+
+
+# A lookup's answer travels worker -> scheduler once per step; past its own timeout plus this,
+# the scheduler stops waiting for it (a worker that never answers is a bug, not a slow peer).
+_LOOKUP_REPORT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +136,9 @@ class DuplexScheduler:
         self._missing_address_logged = False
 
         self._pulls: dict[str, _PullState] = {}
+        self._lookups: dict[str, _LookupState] = {}
+        self._lookup_specs: list[md.LookupSpec] = []
+        self._evict_blocks = 0
         self._held: dict[str, _Hold] = {}
         self._held_decode_blocks = 0
         self._loads: list[md.LoadSpec] = []
@@ -130,8 +160,13 @@ class DuplexScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         state = self._pull_state(request)
+        if state is None:
+            looked_up = self._look_up(request, num_computed_tokens)
+            if looked_up is _ASK_AGAIN:
+                return None, False
+            state = looked_up
         if state is None or state.consumed or isinstance(state.remote, Rejected):
             return 0, False
         state.last_num_computed = num_computed_tokens
@@ -169,6 +204,7 @@ class DuplexScheduler:
                 remote_block_ids=tuple(remote_ids),
                 num_tokens=num_external_tokens,
                 lease_expiry=remote.lease_expiry,
+                claim_id=remote.claim_id,
             )
         )
         logger.debug(
@@ -195,9 +231,158 @@ class DuplexScheduler:
                 self.recompute_threshold(),
             )
 
+    # ---------------------------------------------------------------- lookup
+
+    def _look_up(self, request: Request, num_computed_tokens: int) -> _PullState | None | object:
+        """The pull a lookup found for the request, None when there is none, or _ASK_AGAIN
+        while the lookup runs."""
+        lookup = self._lookups.get(request.request_id)
+        if lookup is None:
+            if not self._lookup_worthwhile(request, num_computed_tokens):
+                self._lookups[request.request_id] = _LookupState(asked_at=0.0, arrived=True)
+                return None
+            self._start_lookup(request)
+            return _ASK_AGAIN
+        if not lookup.arrived:
+            waited = time.monotonic() - lookup.asked_at
+            if waited <= self._config.lookup_timeout_s + _LOOKUP_REPORT_GRACE_S:
+                return _ASK_AGAIN
+            logger.warning(
+                "Request %s: no lookup answer from the workers after %.1f s; prefilling",
+                request.request_id,
+                waited,
+            )
+            lookup.arrived = True
+            return None
+        match, lookup.match = lookup.match, None
+        if match is None:
+            return self._pulls.get(request.request_id)
+        state = _PullState(remote=self._remote_from_match(request, match))
+        self._pulls[request.request_id] = state
+        return state
+
+    def _lookup_worthwhile(self, request: Request, num_computed_tokens: int) -> bool:
+        if not self._config.bidirectional_kv_xfer or self._config.lookup_timeout_s <= 0:
+            return False
+        if _unsupported_reason(request) is not None:
+            return False
+        full_blocks = request.num_prompt_tokens // self._block_size
+        gain = full_blocks * self._block_size - num_computed_tokens
+        if gain <= 0:
+            return False
+        if gain < self.recompute_threshold():
+            self._stats.add("lookups_skipped")
+            return False
+        return True
+
+    def _start_lookup(self, request: Request) -> None:
+        prompt = request.prompt_token_ids or []
+        full = len(prompt) // self._block_size * self._block_size
+        fingerprints = block_fingerprints(prompt[:full], self._block_size, _salt(request))
+        params = request.kv_transfer_params
+        hint = params.get(md.DECODE_HINT) if isinstance(params, dict) else None
+        if not (isinstance(hint, str) and 0 < len(hint) <= 300 and hint.isprintable()):
+            hint = None
+        self._lookups[request.request_id] = _LookupState(asked_at=time.monotonic())
+        self._lookup_specs.append(
+            md.LookupSpec(
+                request_id=request.request_id,
+                fingerprints=tuple(fingerprints),
+                timeout_s=self._config.lookup_timeout_s,
+                hint=hint,
+            )
+        )
+
+    def _remote_from_match(self, request: Request, match: md.LookupMatch) -> RemoteBlocks | Rejected:
+        """Check an owner's answer exactly like params from a router, cut to what matched."""
+        try:
+            params = json.loads(match.offer)
+        except (ValueError, UnicodeDecodeError):
+            params = None
+        if not isinstance(params, dict):
+            self._stats.add("fallbacks")
+            logger.warning(
+                "Request %s: engine %s answered its lookup with malformed params; prefilling "
+                "(its claim ends by itself)",
+                request.request_id,
+                match.owner_engine_id,
+            )
+            return Rejected("malformed lookup answer")
+        params = dict(params)
+        ids, fingerprints = params.get(md.REMOTE_BLOCK_IDS), params.get(md.REMOTE_BLOCK_FINGERPRINTS)
+        num_tokens = params.get(md.REMOTE_NUM_TOKENS)
+        if isinstance(ids, list) and isinstance(fingerprints, list) and isinstance(num_tokens, int):
+            keep = match.matched_blocks
+            if keep + 1 == len(ids) and num_tokens % self._block_size:
+                # The turn's partial last block (the answer's tail) was not compared by the
+                # lookup, which sends full blocks only; its fingerprint is checked below.
+                keep += 1
+            params[md.REMOTE_BLOCK_IDS] = ids[:keep]
+            params[md.REMOTE_BLOCK_FINGERPRINTS] = fingerprints[:keep]
+            params[md.REMOTE_NUM_TOKENS] = min(num_tokens, keep * self._block_size)
+        # The claim, not the hold's own end, is how long the owner keeps the blocks for us;
+        # counted from our clock, so the hosts' clocks need not agree.
+        params[md.REMOTE_LEASE_EXPIRY] = time.time() + match.claim_s
+        remote = parse_remote_blocks(params, self._params_context)
+        if isinstance(remote, RemoteBlocks):
+            if md.rank_engine_id(remote.peer.engine_id, 0) != match.owner_engine_id:
+                remote = Rejected(
+                    f"lookup answer from {match.owner_engine_id} names engine "
+                    f"{remote.peer.engine_id}",
+                    dataclasses.replace(remote.release(), claim_id=match.claim_id),
+                )
+            else:
+                remote = dataclasses.replace(remote, claim_id=match.claim_id)
+                logger.debug(
+                    "Request %s: engine %s holds %d of its blocks (request %s, claim %d)",
+                    request.request_id,
+                    remote.peer.engine_id,
+                    match.matched_blocks,
+                    match.owner_request_id,
+                    match.claim_id,
+                )
+                return remote
+        elif remote is None:
+            remote = Rejected("lookup answer asks for no transfer")
+        elif remote.release is not None:
+            remote = Rejected(
+                remote.reason, dataclasses.replace(remote.release, claim_id=match.claim_id)
+            )
+        self._stats.add("fallbacks")
+        logger.warning(
+            "Request %s runs without the KV its lookup found: %s", request.request_id, remote.reason
+        )
+        return remote
+
+    def _on_lookup_answers(self, answers: dict[str, md.LookupMatch | None]) -> None:
+        for request_id, match in answers.items():
+            lookup = self._lookups.get(request_id)
+            if lookup is not None and not lookup.arrived:
+                lookup.arrived, lookup.match = True, match
+            elif match is not None:
+                # Too late (given up, or the request is gone): hand the claim back.
+                remote = self._remote_from_match_quietly(match)
+                if remote is not None:
+                    self._releases.append(remote)
+
+    def _remote_from_match_quietly(self, match: md.LookupMatch) -> md.ReleaseSpec | None:
+        try:
+            params = json.loads(match.offer)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(params, dict):
+            return None
+        try:
+            host, port = params[md.REMOTE_HOST], params[md.REMOTE_PORTS]
+            engine_id = params[md.REMOTE_ENGINE_ID]
+            peer = md.PeerAddress(engine_id=engine_id, host=host, ports=tuple(port))
+        except (KeyError, TypeError):
+            return None
+        return md.ReleaseSpec(peer, match.owner_request_id, match.claim_id)
+
     def _pull_state(self, request: Request) -> _PullState | None:
         state = self._pulls.get(request.request_id)
-        if state is not None:
+        if state is not None or request.request_id in self._lookups:
             return state
         remote = parse_remote_blocks(request.kv_transfer_params, self._params_context)
         if remote is None:
@@ -250,6 +435,11 @@ class DuplexScheduler:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._pulls.pop(request.request_id, None)
+        lookup = self._lookups.pop(request.request_id, None)
+        if lookup is not None and lookup.match is not None:
+            release = self._remote_from_match_quietly(lookup.match)
+            if release is not None:
+                self._releases.append(release)
         if state is not None and not state.consumed:
             # Finished (e.g. aborted) before it was ever scheduled: free the owner's blocks.
             if isinstance(state.remote, RemoteBlocks):
@@ -285,15 +475,19 @@ class DuplexScheduler:
                     "free their KV blocks instead of offering them to peers"
                 )
             return False, None
-        if decode_turn and self._held_decode_blocks + num_blocks > self._max_held_decode_blocks:
+        if decode_turn and num_blocks > self._max_held_decode_blocks:
             logger.debug(
-                "Request %s: not holding %d blocks, held finished turns already use %d of %d",
+                "Request %s: not holding %d blocks, more than held turns may use (%d)",
                 request.request_id,
                 num_blocks,
-                self._held_decode_blocks,
                 self._max_held_decode_blocks,
             )
             return False, None
+        if decode_turn:
+            overflow = self._held_decode_blocks + num_blocks - self._max_held_decode_blocks
+            if overflow > 0:
+                # Make room: the workers free the least recently used unclaimed turns.
+                self._evict_blocks = max(self._evict_blocks, overflow)
 
         held_ids = list(block_ids[:num_blocks])
         fingerprints = block_fingerprints(
@@ -302,8 +496,7 @@ class DuplexScheduler:
         self._held[request.request_id] = _Hold(num_blocks=num_blocks, decode_turn=decode_turn)
         if decode_turn:
             self._held_decode_blocks += num_blocks
-        self._holds.append(md.HoldSpec(request_id=request.request_id, ttl_s=ttl_s))
-        return True, {
+        params = {
             md.DO_REMOTE_PREFILL: not decode_turn,
             md.DO_REMOTE_DECODE: decode_turn,
             md.REMOTE_ENGINE_ID: self._engine_id,
@@ -319,6 +512,17 @@ class DuplexScheduler:
             md.REMOTE_LEASE_EXPIRY: time.time() + ttl_s,
             md.PROTOCOL_KEY: md.PROTOCOL_VERSION,
         }
+        offered = decode_turn and self._config.lookup_timeout_s > 0
+        self._holds.append(
+            md.HoldSpec(
+                request_id=request.request_id,
+                ttl_s=ttl_s,
+                num_blocks=num_blocks,
+                fingerprints=tuple(fingerprints) if offered else (),
+                offer=json.dumps(params).encode() if offered else b"",
+            )
+        )
+        return True, params
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         by_rank: dict[int, md.DuplexHandshakeMetadata] = {}
@@ -353,15 +557,23 @@ class DuplexScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> md.DuplexConnectorMetadata:
         meta = md.DuplexConnectorMetadata(
-            loads=self._loads, releases=self._releases, holds=self._holds
+            loads=self._loads,
+            releases=self._releases,
+            holds=self._holds,
+            lookups=self._lookup_specs,
+            evict_blocks=self._evict_blocks,
         )
-        self._loads, self._releases, self._holds = [], [], []
+        self._loads, self._releases, self._holds, self._lookup_specs = [], [], [], []
+        self._evict_blocks = 0
         if self._estimator is not None:
             self._step_started = time.perf_counter()
             self._step_tokens = scheduler_output.total_num_scheduled_tokens
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, md.DuplexWorkerMetadata):
+            self._on_lookup_answers(worker_meta.lookups)
         for request_id in connector_output.finished_sending or ():
             hold = self._held.pop(request_id, None)
             if hold is not None and hold.decode_turn:

@@ -31,8 +31,14 @@ COUNTERS: dict[str, str] = {
     "malformed params or a token mismatch",
     "lease_expiries": "Held block sets freed because their lease expired",
     "leases_released": "Held block sets freed because the reader released them",
+    "evictions": "Held finished turns freed early to make room for new ones",
+    "turns_offered": "Finished turns held and offered to other engines' lookups",
+    "lookups_hit": "Lookups of a prompt's blocks that found a held turn on a peer",
+    "lookups_missed": "Lookups that found no held turn (or had no peer to ask)",
+    "lookup_failures": "Peers that failed or timed out answering a lookup",
+    "lookups_skipped": "Requests whose possible gain was under kv_recompute_threshold, not looked up",
 }
-SAMPLES = ("transfer_s", "transfer_tokens")
+SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s")
 
 
 @dataclass
@@ -62,8 +68,14 @@ class DuplexConnectorStats(KVConnectorStats):
         self.data["transfer_s"].append(seconds)
         self.data["transfer_tokens"].append(tokens)
 
+    def record_lookup(self, seconds: float, hit: bool) -> None:
+        self.data["lookups_hit" if hit else "lookups_missed"] += 1
+        self.data["lookup_s"].append(seconds)
+
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in COUNTERS) and not self.data["transfer_s"]
+        return not any(self.data[key] for key in COUNTERS) and not any(
+            self.data[key] for key in SAMPLES
+        )
 
     def aggregate(self, other: KVConnectorStats) -> DuplexConnectorStats:
         if not other.is_empty():
@@ -90,6 +102,10 @@ class DuplexConnectorStats(KVConnectorStats):
             p99 = durations[max(0, math.ceil(0.99 * len(durations)) - 1)]
             out["mean_transfer_ms"] = round(1e3 * total_s / len(durations), 3)
             out["p99_transfer_ms"] = round(1e3 * p99, 3)
+        lookups = sorted(self.data["lookup_s"])
+        if lookups:
+            out["p50_lookup_ms"] = round(1e3 * lookups[len(lookups) // 2], 3)
+            out["p99_lookup_ms"] = round(1e3 * lookups[max(0, math.ceil(0.99 * len(lookups)) - 1)], 3)
         if total_s > 0:
             out["throughput_MBps"] = round(self.data["bytes"] / total_s / 1e6, 1)
         return out
@@ -118,6 +134,15 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
             ),
             per_engine_labelvalues,
         )
+        self._lookup_time = create_metric_per_engine(
+            self._histogram_cls(
+                name="vllm:kvduplex_lookup_seconds",
+                documentation="Duration of one lookup of a prompt's blocks on the known peers",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1],
+                labelnames=labelnames,
+            ),
+            per_engine_labelvalues,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():
@@ -126,3 +151,5 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(amount)
         for seconds in transfer_stats_data.get("transfer_s", []):
             self._transfer_time[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get("lookup_s", []):
+            self._lookup_time[engine_idx].observe(seconds)

@@ -1,10 +1,16 @@
-"""Worker side of DuplexConnector: the KV cache on the transfer core, reads, leases.
+"""Worker side of DuplexConnector: the KV cache on the transfer core, reads, holds, lookups.
 
 One transfer-core `Engine` per vLLM worker (TP rank r of engine E is `E/tp<r>`); TP rank r
-reads only from the peer's rank r. Handshakes run on a background thread, once per peer
-address; reads are posted from the step hooks and polled every step. The owner side frees held
-blocks when a reader's release notification arrives or the lease expires, and reports each
-held request in `finished_sending` exactly once.
+reads only from the peer's rank r. Handshakes run on background threads, once per peer
+address; reads are posted from the step hooks and polled every step. The owner side holds
+finished requests' blocks in the transfer core's hold book, frees them when a reader's release
+arrives, the hold expires or it is evicted, and reports each held request in
+`finished_sending` exactly once.
+
+Lookups (bidirectional mode, prefill side): the scheduler asks "who holds these blocks?"; TP
+rank 0 asks every engine its transfer core knows as a reader (decode nodes that pulled from
+us announce their side channel in the handshake), plus `decode_peers` and a router's hint, in
+parallel, and reports the longest match back through `DuplexWorkerMetadata`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ from vllm.logger import init_logger
 from kvduplex import _core
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
-from kvduplex.connector.leases import LeaseBook
 from kvduplex.connector.stats import DuplexConnectorStats
 
 if TYPE_CHECKING:
@@ -166,6 +171,11 @@ class DuplexWorker:
         self._handshakes = ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="kvduplex-handshake"
         )
+        self._lookup_pool = ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="kvduplex-lookup"
+        )
+        self._lookups: dict[str, _PendingLookup] = {}
+        self._lookup_results: dict[str, md.LookupMatch | None] = {}
         self._connections: dict[tuple[str, int], Future[str]] = {}
         self._waiting_loads: list[md.LoadSpec] = []
         self._waiting_releases: list[md.ReleaseSpec] = []
@@ -173,7 +183,6 @@ class DuplexWorker:
         self._finished_recving: set[str] = set()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
-        self._leases = LeaseBook()
         self._stats = DuplexConnectorStats()
 
     # ------------------------------------------------------------- lifecycle
@@ -225,6 +234,7 @@ class DuplexWorker:
 
     def shutdown(self) -> None:
         self._handshakes.shutdown(wait=False, cancel_futures=True)
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -233,9 +243,11 @@ class DuplexWorker:
 
     def start_load_kv(self, meta: md.DuplexConnectorMetadata) -> None:
         for hold in meta.holds:
-            if not self._leases.hold(hold.request_id, hold.ttl_s):
-                self._finished_sending.add(hold.request_id)
-                self._stats.add("leases_released")
+            self._hold(hold)
+        if meta.evict_blocks:
+            self._evict(meta.evict_blocks)
+        for lookup in meta.lookups:
+            self._start_lookup(lookup)
         for spec in meta.loads:
             self._connect(spec.peer)
             self._waiting_loads.append(spec)
@@ -255,6 +267,13 @@ class DuplexWorker:
         )
         self._finished_sending, self._finished_recving = set(), set()
         return results
+
+    def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
+        self._collect_lookups()
+        if not self._lookup_results:
+            return None
+        results, self._lookup_results = self._lookup_results, {}
+        return md.DuplexWorkerMetadata(lookups=results)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -317,7 +336,10 @@ class DuplexWorker:
                 if peer_engine_id is None:
                     self._waiting_releases.append(release)
                     continue
-                self._engine.notify(peer_engine_id, md.encode_release(release.remote_request_id))
+                self._engine.notify(
+                    peer_engine_id,
+                    md.encode_release(release.remote_request_id, release.claim_id),
+                )
             except Exception as exc:  # the owner's lease frees the blocks instead
                 logger.info(
                     "Could not tell engine %s to free request %s's blocks (%s); its lease "
@@ -330,20 +352,20 @@ class DuplexWorker:
     def _post_read(self, spec: md.LoadSpec, peer_engine_id: str) -> None:
         time_left = spec.lease_expiry - time.time() - self._config.read_deadline_margin_s
         if time_left <= 0:
-            self._fail_load(spec, "the owner's lease ends before the read could finish")
-            self._notify_quietly(peer_engine_id, spec.remote_request_id)
+            self._fail_load(spec, "the owner's hold ends before the read could finish")
+            self._notify_quietly(peer_engine_id, spec.remote_request_id, spec.claim_id)
             return
         try:
             transfer = self._engine.read_blocks(
                 peer_engine_id,
                 list(spec.local_block_ids),
                 list(spec.remote_block_ids),
-                notify=md.encode_release(spec.remote_request_id),
+                notify=md.encode_release(spec.remote_request_id, spec.claim_id),
                 timeout_s=time_left,
             )
         except _core.KvDuplexError as exc:
             self._fail_load(spec, f"read not posted: {exc}")
-            self._notify_quietly(peer_engine_id, spec.remote_request_id)
+            self._notify_quietly(peer_engine_id, spec.remote_request_id, spec.claim_id)
             return
         self._inflight[spec.request_id] = _Inflight(spec, transfer, time.perf_counter())
 
@@ -380,27 +402,158 @@ class DuplexWorker:
         self._stats.add("fallbacks")
         self._stats.add("tokens_recomputed", spec.num_tokens)
 
-    def _notify_quietly(self, peer_engine_id: str, remote_request_id: str) -> None:
+    def _notify_quietly(
+        self, peer_engine_id: str, remote_request_id: str, claim_id: int | None = None
+    ) -> None:
         try:
-            self._engine.notify(peer_engine_id, md.encode_release(remote_request_id))
+            self._engine.notify(peer_engine_id, md.encode_release(remote_request_id, claim_id))
         except _core.KvDuplexError as exc:
             logger.debug("Release of %s not delivered: %s", remote_request_id, exc)
 
     # ------------------------------------------------------------- owner side
 
+    def _hold(self, hold: md.HoldSpec) -> None:
+        if self._engine is None:
+            self._finished_sending.add(hold.request_id)
+            return
+        try:
+            held = self._engine.hold(
+                hold.request_id,
+                hold.num_blocks,
+                hold.ttl_s,
+                fingerprints=list(hold.fingerprints),
+                offer=hold.offer,
+            )
+        except ValueError as exc:
+            logger.warning("Not holding request %s's blocks: %s", hold.request_id, exc)
+            held = False
+        if not held:
+            self._finished_sending.add(hold.request_id)
+            self._stats.add("leases_released")
+        elif hold.fingerprints:
+            self._stats.add("turns_offered")
+
+    def _evict(self, num_blocks: int) -> None:
+        for request_id in self._engine.evict_holds(num_blocks) if self._engine else ():
+            self._finished_sending.add(request_id)
+            self._stats.add("evictions")
+            logger.debug("Held turn %s evicted to make room", request_id)
+
     def _take_notifications(self) -> None:
         if self._engine is None:
             return
         for sender, payload in self._engine.take_notifications():
-            request_id = md.decode_release(payload)
-            if request_id is None:
+            release = md.decode_release(payload)
+            if release is None:
                 logger.warning("Ignoring a malformed notification from engine %s", sender)
-            elif self._leases.release(request_id):
-                self._finished_sending.add(request_id)
+            elif self._engine.release_hold(sender, release.owner_request_id, release.claim_id):
+                self._finished_sending.add(release.owner_request_id)
                 self._stats.add("leases_released")
 
     def _expire_holds(self) -> None:
-        for request_id in self._leases.expire():
+        if self._engine is None:
+            return
+        for request_id in self._engine.expire_holds():
             self._finished_sending.add(request_id)
             self._stats.add("lease_expiries")
-            logger.debug("Lease of request %s expired; its blocks are freed", request_id)
+            logger.debug("Hold of request %s ended; its blocks are freed", request_id)
+
+    # ----------------------------------------------------------------- lookups
+
+    def _lookup_targets(self, hint: str | None) -> list[tuple[str, int]]:
+        """Side channels to ask: the router's hint first, the configured decode peers, then
+        every reader our transfer core knows (same TP rank)."""
+        addresses: list[str] = []
+        if hint:
+            addresses.append(hint)
+        addresses.extend(self._config.decode_peers)
+        addresses.extend(address for _, address in self._engine.known_peers())
+        targets: list[tuple[str, int]] = []
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            if host and port.isdigit() and (host, int(port)) not in targets:
+                targets.append((host.strip("[]"), int(port)))
+        return targets
+
+    def _start_lookup(self, spec: md.LookupSpec) -> None:
+        if self._engine is None or self._tp_rank != 0:
+            return
+        targets = self._lookup_targets(spec.hint)
+        if not targets:
+            self._lookup_results[spec.request_id] = None
+            self._stats.add("lookups_missed")
+            return
+        deadline = time.monotonic() + spec.timeout_s
+        futures = [
+            self._lookup_pool.submit(self._lookup_one, host, port, spec.fingerprints, deadline)
+            for host, port in targets
+        ]
+        self._lookups[spec.request_id] = _PendingLookup(spec, futures, deadline, time.perf_counter())
+
+    def _lookup_one(
+        self, host: str, port: int, fingerprints: tuple[str, ...], deadline: float
+    ) -> md.LookupMatch | None:
+        """Runs on the lookup pool: connect (cached) and ask one owner."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no time left to connect")
+        peer = self._engine.connect(host, port, left)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no time left to ask")
+        found = self._engine.lookup(peer, list(fingerprints), left)
+        if found is None:
+            return None
+        owner_request_id, matched_blocks, claim_id, claim_s, offer = found
+        return md.LookupMatch(peer, owner_request_id, matched_blocks, claim_id, claim_s, offer)
+
+    def _collect_lookups(self) -> None:
+        """Report lookups whose every owner answered or whose deadline passed; release the
+        claims of every match but the longest."""
+        now = time.monotonic()
+        for request_id, pending in list(self._lookups.items()):
+            if now < pending.deadline and not all(f.done() for f in pending.futures):
+                continue
+            del self._lookups[request_id]
+            matches: list[md.LookupMatch] = []
+            failures: list[str] = []
+            for future in pending.futures:
+                if not future.done():
+                    failures.append("no answer in time")
+                    future.add_done_callback(self._release_late_claim)
+                    continue
+                try:
+                    found = future.result()
+                except Exception as exc:  # any failure of one owner is that owner's miss
+                    failures.append(str(exc) or type(exc).__name__)
+                    continue
+                if found is not None:
+                    matches.append(found)
+            matches.sort(key=lambda m: m.matched_blocks, reverse=True)
+            best = matches[0] if matches else None
+            for other in matches[1:]:
+                self._notify_quietly(other.owner_engine_id, other.owner_request_id, other.claim_id)
+            self._lookup_results[request_id] = best
+            self._stats.record_lookup(time.perf_counter() - pending.started, best is not None)
+            if failures:
+                self._stats.add("lookup_failures", len(failures))
+                logger.info(
+                    "Request %s: %d of %d owners did not answer its lookup (%s)",
+                    request_id, len(failures), len(pending.futures), "; ".join(failures[:3]),
+                )
+
+    def _release_late_claim(self, future: Future[md.LookupMatch | None]) -> None:
+        """An answer that came after its lookup was reported: give its claim back."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        found = future.result()
+        if found is not None:
+            self._notify_quietly(found.owner_engine_id, found.owner_request_id, found.claim_id)
+
+
+@dataclass
+class _PendingLookup:
+    spec: md.LookupSpec
+    futures: list[Future[md.LookupMatch | None]]
+    deadline: float
+    started: float

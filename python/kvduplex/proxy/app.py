@@ -1,10 +1,16 @@
-"""The OpenAI-compatible P/D proxy: prefill on P, decode on D, and per conversation remember D's
-`kv_transfer_params` so the next turn's prefill pulls the history's KV back from D."""
+"""The OpenAI-compatible P/D proxy: prefill on P, decode on D.
+
+D is chosen per conversation: by rendezvous hashing on a key derived from the caller, the model
+and the conversation's first messages (`routing`), so every turn of a conversation, streamed or
+not, with or without a conversation id, reaches the same D on every proxy replica. A request
+that names a conversation id also remembers D's returned `kv_transfer_params`; its next turn
+goes to that D first and hands P the params, so P pulls the history's KV back from D."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -18,15 +24,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, prefill_request_params
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
 from .config import ProxyConfig
 from .metrics import ProxyMetrics
+from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
 
 logger = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "x-conversation-id"
 CONVERSATION_FIELD = "conversation_id"
+# The request and response field of vLLM's OpenAI server that carries kv_transfer_params.
+PARAMS_FIELD = "kv_transfer_params"
+_PARAMS_FIELD_JSON = json.dumps(PARAMS_FIELD).encode()
 # Request fields that make no sense for the one-token prefill step (vLLM rejects stream_options
 # without stream and min_tokens above max_tokens; extra choices would only waste P's compute).
 _PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "n", "best_of")
@@ -119,16 +130,16 @@ class SseParamsScanner:
         if self._skipping_long_line:
             self._skipping_long_line = False
             return line
-        if not line.startswith(b"data:") or b'"kv_transfer_params"' not in line:
+        if not line.startswith(b"data:") or _PARAMS_FIELD_JSON not in line:
             return line
         body = line[5:].strip()
         try:
             event = json.loads(body)
         except ValueError:
             return line
-        if not isinstance(event, dict) or "kv_transfer_params" not in event:
+        if not isinstance(event, dict) or PARAMS_FIELD not in event:
             return line
-        params = event.pop("kv_transfer_params")
+        params = event.pop(PARAMS_FIELD)
         if isinstance(params, dict):
             self.params = params
         ending = b"\r\n" if line.endswith(b"\r\n") else b"\n"
@@ -144,18 +155,22 @@ def _prefill_body(body: dict[str, Any], pull_params: dict[str, Any] | None) -> d
         prefill["max_completion_tokens"] = 1
     prefill["stream"] = False
     if pull_params is None:
-        params: dict[str, Any] = {
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        params = prefill_request_params()
     else:
         params = dict(pull_params)
-    params["do_remote_decode"] = True
-    params["do_remote_prefill"] = False
-    prefill["kv_transfer_params"] = params
+        params[DO_REMOTE_DECODE] = True
+        params[DO_REMOTE_PREFILL] = False
+    prefill[PARAMS_FIELD] = params
     return prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeChoice:
+    """How a request's D is chosen: `pinned` (the D a remembered conversation entry names) if it
+    answers, else rendezvous hashing on `route_key` over the live decode servers."""
+
+    pinned: Upstream | None
+    route_key: bytes
 
 
 class DuplexProxy:
@@ -269,17 +284,19 @@ class DuplexProxy:
 
     async def generate(self, request: Request, route: str) -> Response:
         body = await self._read_json(request)
-        if "kv_transfer_params" in body:
+        if PARAMS_FIELD in body:
             raise _bad_request("'kv_transfer_params' is set by the proxy, not by callers")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad_request("'stream' must be a boolean")
         conversation = self._conversation_id(request, body)
+        caller = self._tenant(request)
         key = (
-            ConversationKey(self._tenant(request), _digest("conversation", conversation))
+            ConversationKey(caller, _digest("conversation", conversation))
             if conversation is not None
             else None
         )
+        route_key = conversation_key(caller, body)
         lookup, pinned, pull_params = await self.recall(key)
         forward_headers = {}
         if "authorization" in request.headers:
@@ -290,13 +307,14 @@ class DuplexProxy:
         )
         decode_body = dict(body)
         if decode_params is not None:
-            decode_body["kv_transfer_params"] = decode_params
+            decode_body[PARAMS_FIELD] = decode_params
         routing = {"prefill": prefill_upstream.address, "conversation": lookup}
+        choice = _DecodeChoice(pinned, route_key)
         if stream:
             return await self._decode_stream(
-                route, decode_body, forward_headers, pinned, key, routing
+                route, decode_body, forward_headers, choice, key, routing
             )
-        return await self._decode_json(route, decode_body, forward_headers, pinned, key, routing)
+        return await self._decode_json(route, decode_body, forward_headers, choice, key, routing)
 
     async def recall(
         self, key: ConversationKey | None
@@ -324,7 +342,7 @@ class DuplexProxy:
 
     async def remember(self, key: ConversationKey | None, upstream: Upstream, params: Any) -> None:
         """Keep D's params for the next turn when D holds the blocks for a readback."""
-        if key is None or not isinstance(params, dict) or not params.get("do_remote_decode"):
+        if key is None or not isinstance(params, dict) or not params.get(DO_REMOTE_DECODE):
             return
         try:
             result = await self.store.put(key, upstream.address, params)
@@ -350,15 +368,19 @@ class DuplexProxy:
             kind="no_upstream",
         )
 
-    def _candidates(self, pool: UpstreamPool, pinned: Upstream | None = None) -> Iterator[Upstream]:
-        """The upstreams to try in turn, each once: `pinned` first, then the pool's picks; ends
-        when none is left."""
+    def _candidates(
+        self, pool: UpstreamPool, choice: _DecodeChoice | None = None
+    ) -> Iterator[Upstream]:
+        """The upstreams to try in turn, each once: the remembered one first, then the pool's
+        picks (by the routing key when there is one); ends when none is left."""
+        pinned = choice.pinned if choice is not None else None
+        key = choice.route_key if choice is not None else None
         tried: set[str] = set()
         while True:
             if pinned is not None and pinned.address not in tried:
                 upstream: Upstream | None = pinned
             else:
-                upstream = pool.pick(frozenset(tried))
+                upstream = pool.pick(frozenset(tried), key)
             if upstream is None:
                 return
             tried.add(upstream.address)
@@ -371,11 +393,11 @@ class DuplexProxy:
         body: dict[str, Any],
         headers: dict[str, str],
         latency: Histogram,
-        pinned: Upstream | None = None,
+        choice: _DecodeChoice | None = None,
     ) -> tuple[Upstream, bytes]:
         """POST to the first upstream that answers, failing over on transport errors; returns
         that upstream and its size-limited 200 body. `latency` observes the time to answer."""
-        for upstream in self._candidates(pool, pinned):
+        for upstream in self._candidates(pool, choice):
             started = time.perf_counter()
             with pool.track(upstream):
                 try:
@@ -409,7 +431,7 @@ class DuplexProxy:
             self.prefill, route, body, headers, self.metrics.prefill_seconds
         )
         try:
-            params = json.loads(raw).get("kv_transfer_params")
+            params = json.loads(raw).get(PARAMS_FIELD)
         except (ValueError, AttributeError):
             raise ProxyError(
                 502,
@@ -428,6 +450,10 @@ class DuplexProxy:
             params = None
         return upstream, params
 
+    def _count_decode_route(self, choice: _DecodeChoice, decode: Upstream) -> None:
+        rule = "remembered" if decode is choice.pinned else "hash"
+        self.metrics.decode_routes.labels(rule).inc()
+
     def _routing_headers(self, routing: dict[str, str], decode: Upstream) -> dict[str, str]:
         if not self.config.routing_headers:
             return {}
@@ -442,13 +468,14 @@ class DuplexProxy:
         route: str,
         body: dict[str, Any],
         headers: dict[str, str],
-        pinned: Upstream | None,
+        choice: _DecodeChoice,
         key: ConversationKey | None,
         routing: dict[str, str],
     ) -> Response:
         upstream, raw = await self._post_buffered(
-            self.decode, route, body, headers, self.metrics.decode_first_byte_seconds, pinned
+            self.decode, route, body, headers, self.metrics.decode_first_byte_seconds, choice
         )
+        self._count_decode_route(choice, upstream)
         try:
             result = json.loads(raw)
         except ValueError:
@@ -458,8 +485,8 @@ class DuplexProxy:
                 error_type="upstream_error",
                 kind="upstream_status",
             ) from None
-        if isinstance(result, dict) and "kv_transfer_params" in result:
-            await self.remember(key, upstream, result.pop("kv_transfer_params"))
+        if isinstance(result, dict) and PARAMS_FIELD in result:
+            await self.remember(key, upstream, result.pop(PARAMS_FIELD))
             # D's block ids and address stay inside the deployment.
             raw = json.dumps(result, ensure_ascii=False).encode()
         return Response(
@@ -473,11 +500,11 @@ class DuplexProxy:
         route: str,
         body: dict[str, Any],
         headers: dict[str, str],
-        pinned: Upstream | None,
+        choice: _DecodeChoice,
         key: ConversationKey | None,
         routing: dict[str, str],
     ) -> Response:
-        for upstream in self._candidates(self.decode, pinned):
+        for upstream in self._candidates(self.decode, choice):
             with contextlib.ExitStack() as outstanding:
                 outstanding.enter_context(self.decode.track(upstream))
                 started = time.perf_counter()
@@ -500,6 +527,7 @@ class DuplexProxy:
                     finally:
                         await response.aclose()
                     raise UpstreamErrorResponse(response.status_code, raw, upstream)
+                self._count_decode_route(choice, upstream)
                 relay = _StreamRelay(self, response, upstream, outstanding.pop_all(), key, started)
             return _RelayResponse(
                 relay,

@@ -1,5 +1,6 @@
-"""Upstream selection (least outstanding requests) and health: an upstream that fails a request or a
-health probe is taken out of rotation and tried again after an exponential backoff."""
+"""Upstream selection (least outstanding requests, or rendezvous hashing on a routing key) and
+health: an upstream that fails a request or a health probe is taken out of rotation and tried
+again after an exponential backoff."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 
 from .config import UpstreamAddress
 from .metrics import ProxyMetrics
+from .routing import rendezvous_score
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +71,20 @@ class UpstreamPool:
         """In rotation, or taken out with its backoff over (it gets one trial)."""
         return upstream.healthy or upstream.retry_at <= self._clock()
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> Upstream | None:
-        """The available upstream with the fewest requests in flight; healthy ones before those
-        on trial; ties go round-robin."""
+    def pick(
+        self, exclude: frozenset[str] = frozenset(), key: bytes | None = None
+    ) -> Upstream | None:
+        """An available upstream not in `exclude`; healthy ones before those on trial. Without
+        `key`: the one with the fewest requests in flight, ties going round-robin. With `key`:
+        the one rendezvous hashing ranks highest for it, the same on every proxy that lists the
+        same upstreams (in any order)."""
         candidates = [u for u in self.upstreams if u.address not in exclude]
         healthy = [u for u in candidates if u.healthy]
         pool = healthy or [u for u in candidates if self.is_available(u)]
         if not pool:
             return None
+        if key is not None:
+            return max(pool, key=lambda u: (rendezvous_score(key, u.address), u.address))
         start = self._rotation % len(pool)
         self._rotation += 1
         return min(pool[start:] + pool[:start], key=lambda u: u.outstanding)

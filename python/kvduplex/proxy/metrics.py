@@ -39,6 +39,13 @@ class ProxyMetrics:
             "Entries evicted by the store's size bound before they were used.",
             registry=self.registry,
         )
+        self.decode_routes = Counter(
+            "kvduplex_proxy_decode_routes",
+            "Requests decoded, by what chose their D: remembered (the D a conversation entry "
+            "names) or hash (rendezvous hashing on the conversation's routing key).",
+            ["rule"],
+            registry=self.registry,
+        )
         self.upstream_outstanding = Gauge(
             "kvduplex_proxy_upstream_outstanding",
             "Requests in flight per upstream.",

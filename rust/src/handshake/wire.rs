@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::auth::{Nonce, Proof};
+use crate::holds::{LookupReply, LookupRequest};
 use super::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
 
 pub const MAGIC: [u8; 4] = *b"KVDX";
@@ -20,6 +21,9 @@ pub const FRAME_HEADER_LEN: usize = 11;
 pub const MAX_METADATA_FRAME_LEN: u32 = 16 << 20;
 /// A notification carries request ids, not data.
 pub const MAX_NOTIFY_FRAME_LEN: u32 = 1 << 20;
+/// A lookup carries one fingerprint per block of a prompt; its reply the owner's offer
+/// (`holds::MAX_FINGERPRINTS` and `holds::MAX_OFFER_BYTES` fit).
+pub const MAX_LOOKUP_FRAME_LEN: u32 = 1 << 20;
 /// Hellos, proofs, refusals and pings.
 pub const MAX_CONTROL_FRAME_LEN: u32 = 64 << 10;
 /// Bounds the heartbeat a peer may announce, so its death is noticed within minutes at most.
@@ -35,6 +39,8 @@ pub enum FrameKind {
     Metadata = 5,
     Notify = 6,
     Ping = 7,
+    Lookup = 8,
+    LookupReply = 9,
 }
 
 impl FrameKind {
@@ -47,6 +53,8 @@ impl FrameKind {
             5 => Self::Metadata,
             6 => Self::Notify,
             7 => Self::Ping,
+            8 => Self::Lookup,
+            9 => Self::LookupReply,
             _ => return None,
         })
     }
@@ -55,6 +63,7 @@ impl FrameKind {
         match self {
             Self::Metadata => MAX_METADATA_FRAME_LEN,
             Self::Notify => MAX_NOTIFY_FRAME_LEN,
+            Self::Lookup | Self::LookupReply => MAX_LOOKUP_FRAME_LEN,
             _ => MAX_CONTROL_FRAME_LEN,
         }
     }
@@ -69,6 +78,10 @@ pub struct ClientHello {
     pub has_secret: bool,
     /// How often the client pings; the server declares it dead after three silent intervals.
     pub heartbeat_ms: u32,
+    /// Where the client's own side channel listens ("host:port"), so the server can find it
+    /// later (a prefill node looks up held turns on the decode nodes that read from it).
+    #[serde(default)]
+    pub side_channel: Option<String>,
 }
 
 /// The server's answer to a [`ClientHello`].
@@ -149,6 +162,8 @@ pub enum Frame {
     Metadata(EngineMetadata),
     Notify(Vec<u8>),
     Ping,
+    Lookup(LookupRequest),
+    LookupReply(LookupReply),
 }
 
 impl Frame {
@@ -161,6 +176,8 @@ impl Frame {
             Self::Metadata(_) => FrameKind::Metadata,
             Self::Notify(_) => FrameKind::Notify,
             Self::Ping => FrameKind::Ping,
+            Self::Lookup(_) => FrameKind::Lookup,
+            Self::LookupReply(_) => FrameKind::LookupReply,
         }
     }
 }
@@ -190,6 +207,14 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>, HandshakeError> {
         }
         Frame::Metadata(metadata) => {
             encoded = msgpack(metadata);
+            &encoded
+        }
+        Frame::Lookup(lookup) => {
+            encoded = msgpack(lookup);
+            &encoded
+        }
+        Frame::LookupReply(reply) => {
+            encoded = msgpack(reply);
             &encoded
         }
     };
@@ -353,6 +378,8 @@ fn decode_body(kind: FrameKind, body: &[u8]) -> Result<Frame, HandshakeError> {
         FrameKind::Refused => Frame::Refused(from_msgpack(kind, body)?),
         FrameKind::Metadata => Frame::Metadata(from_msgpack(kind, body)?),
         FrameKind::Notify => Frame::Notify(body.to_vec()),
+        FrameKind::Lookup => Frame::Lookup(from_msgpack(kind, body)?),
+        FrameKind::LookupReply => Frame::LookupReply(from_msgpack(kind, body)?),
         FrameKind::Ping if body.is_empty() => Frame::Ping,
         FrameKind::Ping => {
             return Err(HandshakeError::Malformed(format!(

@@ -1,0 +1,90 @@
+"""kvduplex's wire protocol between engines, routers and clients, in one place.
+
+Imports nothing from vLLM, so the proxy, the demo, benchmarks and tests use the same names
+as the connector. What lives here:
+
+- the `kv_transfer_params` keys: vLLM's own (what every P/D router forwards) and kvduplex's
+  extensions, with the protocol version that both sides of a transfer must share;
+- the notifications a reader sends an owner over the transfer core's side channel (`release`);
+- the held-turn lookup: the token fingerprints a reader asks about and the owner's answer
+  (carried by the transfer core's Lookup/LookupReply frames, see `rust/src/holds.rs`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# Version of kvduplex's kv_transfer_params extensions and notification payloads. Both sides of
+# a transfer must speak the same version; the transfer core's handshake checks its own.
+PROTOCOL_VERSION = 1
+
+# --- kv_transfer_params: vLLM's keys (what existing P/D proxies forward) ---
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+REMOTE_ENGINE_ID = "remote_engine_id"
+REMOTE_BLOCK_IDS = "remote_block_ids"
+REMOTE_HOST = "remote_host"
+REMOTE_PORT = "remote_port"
+REMOTE_REQUEST_ID = "remote_request_id"
+TP_SIZE = "tp_size"
+REMOTE_NUM_TOKENS = "remote_num_tokens"
+
+# --- kv_transfer_params: kvduplex's own keys ---
+PROTOCOL_KEY = "kvduplex_protocol"
+REMOTE_PORTS = "remote_ports"
+REMOTE_BLOCK_SIZE = "remote_block_size"
+REMOTE_BLOCK_FINGERPRINTS = "remote_block_fingerprints"
+REMOTE_LEASE_EXPIRY = "remote_lease_expiry"
+# Optional router hint on a prefill request: the side channel ("host:port" of TP rank 0) of
+# the decode engine that served the conversation's last turn; P asks it first.
+DECODE_HINT = "kvduplex_decode_hint"
+
+
+def prefill_request_params() -> dict[str, object]:
+    """The params a router puts on the prefill node's request (vLLM's standard P/D shape)."""
+    return {
+        DO_REMOTE_DECODE: True,
+        DO_REMOTE_PREFILL: False,
+        REMOTE_ENGINE_ID: None,
+        REMOTE_BLOCK_IDS: None,
+        REMOTE_HOST: None,
+        REMOTE_PORT: None,
+    }
+
+
+# --- side-channel notifications, reader -> owner ---
+
+
+def encode_release(owner_request_id: str, claim_id: int | None = None) -> bytes:
+    """'I have read your blocks for `owner_request_id`, or will not': the owner may free them.
+
+    With `claim_id` (the blocks were found by a lookup) only that claim ends; the owner keeps
+    holding the turn for other readers until its hold ends."""
+    message: dict[str, object] = {"v": PROTOCOL_VERSION, "release": owner_request_id}
+    if claim_id is not None:
+        message["claim"] = claim_id
+    return json.dumps(message).encode()
+
+
+@dataclass(frozen=True)
+class Release:
+    owner_request_id: str
+    claim_id: int | None
+
+
+def decode_release(payload: bytes) -> Release | None:
+    """The release a notification carries, or None if it is not one."""
+    try:
+        message = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
+        return None
+    request_id = message.get("release")
+    claim = message.get("claim")
+    if not isinstance(request_id, str):
+        return None
+    if claim is not None and (isinstance(claim, bool) or not isinstance(claim, int) or claim < 0):
+        return None
+    return Release(request_id, claim)
