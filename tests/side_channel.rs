@@ -12,6 +12,7 @@ use kvduplex::handshake::wire::{
     self, AuthProof, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, ServerHello,
 };
 use kvduplex::handshake::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
+use kvduplex::holds::{LookupMatch, LookupReply, LookupRequest};
 use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 
 const HEARTBEAT: Duration = Duration::from_millis(100);
@@ -606,4 +607,55 @@ fn bad_configurations_and_unreachable_servers_are_errors() {
     );
     assert!(started.elapsed() < Duration::from_secs(2));
     let _ = mute.accept().map(|(s, _)| s.shutdown(Shutdown::Both));
+}
+
+#[test]
+fn lookups_are_served_only_after_authentication_and_echo_their_id() {
+    let server = start(Some(b"s3cret"));
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&asked);
+    server.set_lookup_handler(Arc::new(move |reader: &str, request: &LookupRequest| {
+        seen.lock().unwrap().push((reader.to_owned(), request.fingerprints.clone()));
+        let found = (request.fingerprints.first() == Some(&7)).then(|| LookupMatch {
+            owner_request_id: "turn".to_owned(),
+            matched_blocks: 1,
+            claim_id: 3,
+            claim_ms: 1000,
+            offer: b"{}".to_vec(),
+        });
+        LookupReply { id: request.id, found }
+    }));
+    // Before any hello: the server refuses and closes, and never consults the hold book.
+    let mut raw = RawClient::connect(&server);
+    raw.send(&Frame::Lookup(LookupRequest { id: 1, fingerprints: vec![7] }));
+    assert!(matches!(raw.receive(), Some(Ok(Frame::Refused(_))) | None));
+    assert!(raw.receive().is_none());
+    // An authenticated link: each lookup gets its own reply, misses included.
+    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
+    let found = link.lookup(vec![7, 8], TIMEOUT).unwrap().unwrap();
+    assert_eq!((found.owner_request_id.as_str(), found.claim_id), ("turn", 3));
+    assert!(link.lookup(vec![9], TIMEOUT).unwrap().is_none());
+    assert_eq!(*asked.lock().unwrap(), vec![("reader".to_owned(), vec![7, 8]), ("reader".to_owned(), vec![9])]);
+    // The server's directory only lists clients that announced a side channel.
+    assert!(server.known_peers().is_empty());
+}
+
+#[test]
+fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
+    let server = start(None);
+    server.set_lookup_handler(Arc::new(|_: &str, request: &LookupRequest| {
+        // Slower than the reader waits, faster than three heartbeats (the link stays alive).
+        thread::sleep(Duration::from_millis(150));
+        LookupReply { id: request.id, found: None }
+    }));
+    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), None).unwrap();
+    let started = Instant::now();
+    let err = link.lookup(vec![1], Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(err, HandshakeError::Timeout { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // A late reply is dropped; the link keeps working.
+    assert!(link.lookup(vec![1], TIMEOUT).unwrap().is_none());
+    drop(server);
+    assert!(wait_until(TIMEOUT, || !link.is_alive()));
+    assert!(link.lookup(vec![1], TIMEOUT).is_err());
 }

@@ -110,9 +110,10 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         help=PROXY_HELP,
         description=(
             "Routes /v1/completions and /v1/chat/completions through a prefill server (P) and a "
-            "decode server (D). A conversation (X-Conversation-Id header or 'conversation_id' "
-            "body field) has its next turn's prefill pull the history's KV back from the D that "
-            "holds it."
+            "decode server (D). Each conversation stays on one D, chosen by a stable hash of "
+            "the caller, the model and the conversation's first messages; P finds the history's "
+            "KV on that D by itself, streaming or not. A conversation id (X-Conversation-Id "
+            "header or 'conversation_id' body field) additionally remembers D's params."
         ),
     )
     parser.add_argument(

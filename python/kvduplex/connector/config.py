@@ -8,7 +8,7 @@ Every option, its default and why:
 | `kv_recompute_threshold` | `64` | Pull only when at least this many tokens are gained beyond the local prefix-cache hit (both directions). `0` pulls any gain. `"auto"` derives it from measured transfer and prefill speed (see `threshold.py`), starting at 64 until enough is measured. |
 | `kv_lease_ttl_s` | `30` | How long a prefill node holds a request's blocks for its decode node's read. |
 | `decode_kv_hold_ttl_s` | `120` | How long a decode node holds a finished turn's blocks for the next turn (bidirectional only). |
-| `decode_kv_hold_max_fraction` | `0.25` | Largest fraction of the KV cache that held finished turns may occupy on a decode node; a turn that would exceed it is freed at once. |
+| `decode_kv_hold_max_fraction` | `0.25` | Largest fraction of the KV cache that held finished turns may occupy on a decode node; a new turn past it evicts the least recently used unclaimed held turns (a turn larger than the whole fraction is freed at once). |
 | `read_deadline_margin_s` | `1.0` | A reader gives up a read this long before the owner's lease expires (covers clock skew between hosts), and declines to start one with less time left. |
 | `side_channel_host` | `$VLLM_HOST_IP`, else `127.0.0.1` | Address each worker's transfer engine listens on and announces to peers. |
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port. With tensor parallelism rank r listens on port+r (or a free port each when 0). The real port is always announced. |
