@@ -1,8 +1,14 @@
-"""Multi-turn P/D benchmark: the same conversations through three systems, one after another.
+"""Multi-turn P/D benchmark: the same conversations through four systems, one after another.
 
 Systems (each: one prefill server P, one decode server D, the kvduplex proxy in front):
-- `kvduplex-bidirectional`: DuplexConnector with `bidirectional_kv_xfer: true`; on each later
-  turn P pulls the history's KV back from the D that decoded the previous turn.
+- `kvduplex-bidirectional` (the "conversation-id" mode): DuplexConnector with
+  `bidirectional_kv_xfer: true`; turns are non-streaming and carry the proxy's conversation-id
+  header, so the proxy replays D's `kv_transfer_params` to P and on each later turn P pulls the
+  history's KV back from the D that decoded the previous turn.
+- `kvduplex-bidirectional-stream`: the same servers and proxy, but every turn is streamed
+  (`"stream": true`) and sent without a conversation id: the proxy routes the conversation to a D
+  by hashing its start, and P finds the previous turn's KV on D by the prompt itself (a lookup of
+  the prompt's block fingerprints over the side channel).
 - `kvduplex-one-way`: DuplexConnector, P->D only; P recomputes whatever its own prefix cache
   lacks.
 - `nixl-bidirectional`: vLLM's NixlConnector with `bidirectional_kv_xfer: true` and the same
@@ -13,10 +19,20 @@ expected outputs, its prompts (history = earlier prompts and its answers) are re
 through every system, and its TTFT is shown for context.
 
 Turns are lockstep: turn k of all conversations is sent at once, then turn k+1. Per turn and
-system: mean time to first token (P's TTFT + D's TTFT from their `/metrics` histograms; turns are
-non-streaming because vLLM 0.32 returns `kv_transfer_params` only there), prompt tokens P
-computed, took from its prefix cache and pulled from D (`vllm:prompt_tokens_by_source`), wall
-time, and how many answers equal the single server's (tokens, logprobs within 1e-3).
+system: mean time to first token (P's TTFT + D's TTFT from their `/metrics` histograms; the
+conversation-id mode is non-streaming because vLLM 0.32 returns `kv_transfer_params` only there;
+the streaming mode also reports the client-side TTFT: request sent to first streamed token),
+prompt tokens P computed, took from its prefix cache and pulled from D
+(`vllm:prompt_tokens_by_source`), wall time, and how many answers equal the single server's
+(tokens, logprobs within 1e-3).
+
+The lookup's own cost, from P's `/metrics` read around every turn: lookups that hit, missed,
+failed (per peer) or were skipped (`vllm:kvduplex_lookups_*_total`), and p50/p99 of
+`vllm:kvduplex_lookup_seconds` on a miss and on a hit. The histogram does not split hits from
+misses, so its bucket deltas are pooled per turn: a turn whose lookups all missed (turn 1, whose
+nonce-prefixed prompt nobody holds) counts as misses, one whose lookups all hit (turns >= 2 when
+P finds D's held turn) as hits, anything else as "mixed". The percentiles are bucket upper bounds
+(buckets 0.5 ms .. 1 s), not exact values.
 
 Targets: bidirectional computes only the new tokens on turns >= 2 (the new user message plus the
 previous answer's last token, whose KV D never computed), and its mean TTFT on turns >= 2 is at
@@ -58,8 +74,10 @@ from kvduplex.demo import (
 from kvduplex.servers import (
     Completion,
     ServerError,
+    StreamedCompletion,
     VllmServer,
     complete,
+    complete_streamed,
     describe_mismatch,
     ports_outside_ephemeral_range,
     start_many,
@@ -83,9 +101,19 @@ NIXL_BIDIRECTIONAL_CONFIG = {
 }
 SINGLE_SERVER = "single-server"
 BIDIRECTIONAL = "kvduplex-bidirectional"
+STREAM = "kvduplex-bidirectional-stream"
 ONE_WAY = "kvduplex-one-way"
 NIXL = "nixl-bidirectional"
-SYSTEMS = (BIDIRECTIONAL, ONE_WAY, NIXL)
+SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY, NIXL)
+# The kvduplex systems, whose outputs must equal the single server's.
+KVDUPLEX_SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY)
+# Systems sent with "stream": true and no conversation id.
+STREAMED_SYSTEMS = (STREAM,)
+LOOKUP_HISTOGRAM = "vllm:kvduplex_lookup_seconds"
+LOOKUP_PERCENTILES_NOTE = (
+    "lookup p50/p99 are upper bounds of vllm:kvduplex_lookup_seconds buckets (0.5 ms .. 1 s), "
+    "pooled over turns whose lookups all missed (miss) or all hit (hit)"
+)
 
 
 @dataclass(frozen=True)
@@ -117,6 +145,82 @@ class TurnStats:
     wall_s: float
     matches: int
     mismatches: list[str]
+    # Mean client-side time to first token (streamed systems only).
+    mean_client_ttft_s: float | None = None
+    # P's lookups during the turn (DuplexConnector counters; 0 elsewhere).
+    lookups_hit: int = 0
+    lookups_missed: int = 0
+    lookup_failures: int = 0
+    lookups_skipped: int = 0
+    # Growth of P's lookup-time histogram during the turn: cumulative count per bucket upper
+    # bound ("le" label, e.g. "0.001", "+Inf").
+    lookup_buckets: dict[str, float] | None = None
+
+
+def read_lookup_buckets(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:
+    """P's `vllm:kvduplex_lookup_seconds` histogram: cumulative count by bucket upper bound,
+    summed over engines; empty for a server without it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+    response.raise_for_status()
+    buckets: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == f"{LOOKUP_HISTOGRAM}_bucket":
+                le = sample.labels.get("le", "")
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    return buckets
+
+
+def _le_key(le: str) -> float:
+    return float("inf") if le in ("+Inf", "Inf", "inf") else float(le)
+
+
+def bucket_quantile(buckets: dict[str, float], q: float) -> str | None:
+    """The upper bound ("le") of the bucket holding quantile `q` of a cumulative histogram;
+    None when it has no samples."""
+    ordered = sorted(buckets.items(), key=lambda item: _le_key(item[0]))
+    total = ordered[-1][1] if ordered else 0.0
+    if total <= 0:
+        return None
+    rank = max(1.0, q * total)
+    for le, count in ordered:
+        if count >= rank - 1e-9:
+            return le
+    return ordered[-1][0]
+
+
+def lookup_summary(stats: Sequence[TurnStats]) -> dict[str, Any]:
+    """Lookup counts and p50/p99 (bucket upper bounds) on misses and hits over `stats`."""
+    pools: dict[str, dict[str, float]] = {"miss": {}, "hit": {}, "mixed": {}}
+    for t in stats:
+        if not t.lookup_buckets:
+            continue
+        if t.lookups_missed and not t.lookups_hit:
+            pool = pools["miss"]
+        elif t.lookups_hit and not t.lookups_missed:
+            pool = pools["hit"]
+        else:
+            pool = pools["mixed"]
+        for le, count in t.lookup_buckets.items():
+            pool[le] = pool.get(le, 0.0) + count
+    summary: dict[str, Any] = {
+        "hits": sum(t.lookups_hit for t in stats),
+        "misses": sum(t.lookups_missed for t in stats),
+        "failures": sum(t.lookup_failures for t in stats),
+        "skipped": sum(t.lookups_skipped for t in stats),
+        "hits_turn_1": sum(t.lookups_hit for t in stats if t.turn == 0),
+        "misses_turns_2_plus": sum(t.lookups_missed for t in stats if t.turn >= 1),
+    }
+    for name, pool in pools.items():
+        summary[f"on_{name}"] = {
+            "samples": int(max(pool.values(), default=0.0)),
+            "p50_le_s": bucket_quantile(pool, 0.5),
+            "p99_le_s": bucket_quantile(pool, 0.99),
+        }
+    summary["note"] = LOOKUP_PERCENTILES_NOTE
+    return summary
 
 
 def _sum_or_none(first: float | None, second: float | None) -> float | None:
@@ -128,13 +232,18 @@ def run_turn(
     prompts: Sequence[list[int]],
     max_tokens: int,
     conversation_ids: Sequence[str] | None,
+    streamed: bool = False,
 ) -> tuple[list[Completion], float]:
-    """Send one turn of every conversation at once; return the answers and the wall time."""
+    """Send one turn of every conversation at once; return the answers and the wall time.
+
+    `streamed`: each request with `"stream": true` (answers are `StreamedCompletion`s)."""
 
     def send(index: int) -> Completion:
         headers = (
             {CONVERSATION_HEADER: conversation_ids[index]} if conversation_ids is not None else None
         )
+        if streamed:
+            return complete_streamed(url, prompts[index], max_tokens, headers=headers)
         return complete(url, prompts[index], max_tokens, headers=headers)
 
     started = time.perf_counter()
@@ -152,13 +261,15 @@ def run_conversations(
     *,
     conversation_prefix: str | None,
     expected: list[list[Completion]] | None,
+    streamed: bool = False,
 ) -> tuple[list[TurnStats], list[list[Completion]]]:
     """Run all conversations turn by turn through `url`.
 
     With `expected` (the single server's answers), every prompt is the single server's history,
     so all systems see identical conversations; without, the history grows from the answers.
     `prefill_url` / `decode_url` are the servers whose /metrics count the turn (for a single
-    server, `prefill_url` is that server and `decode_url` is None).
+    server, `prefill_url` is that server and `decode_url` is None). `conversation_prefix` None
+    sends no conversation-id header; `streamed` streams every answer.
     """
     n = workload.conversations
     conversation_ids = (
@@ -170,9 +281,20 @@ def run_conversations(
     for turn in range(workload.turns):
         prompts = [histories[c] + messages[c][turn] for c in range(n)]
         prefill_before = read_metrics(prefill_url)
+        lookups_before = read_lookup_buckets(prefill_url)
         decode_before = read_metrics(decode_url) if decode_url else None
-        answers, wall_s = run_turn(url, prompts, workload.max_tokens, conversation_ids)
+        answers, wall_s = run_turn(
+            url, prompts, workload.max_tokens, conversation_ids, streamed=streamed
+        )
         prefill = read_metrics_after(prefill_url, prefill_before, n).minus(prefill_before)
+        # A lookup is recorded before its request is scheduled, so before it finishes.
+        lookups_after = read_lookup_buckets(prefill_url)
+        lookup_buckets = {
+            le: count - lookups_before.get(le, 0.0) for le, count in lookups_after.items()
+        }
+        client_ttfts = [
+            a.ttft_s for a in answers if isinstance(a, StreamedCompletion) and a.ttft_s is not None
+        ]
         decode: MetricsSnapshot | None = None
         if decode_url and decode_before is not None:
             decode = read_metrics_after(decode_url, decode_before, n).minus(decode_before)
@@ -199,6 +321,12 @@ def run_conversations(
                 wall_s=wall_s,
                 matches=n - len(mismatches),
                 mismatches=mismatches,
+                mean_client_ttft_s=statistics.fmean(client_ttfts) if client_ttfts else None,
+                lookups_hit=int(prefill.connector.get("lookups_hit", 0.0)),
+                lookups_missed=int(prefill.connector.get("lookups_missed", 0.0)),
+                lookup_failures=int(prefill.connector.get("lookup_failures", 0.0)),
+                lookups_skipped=int(prefill.connector.get("lookups_skipped", 0.0)),
+                lookup_buckets=lookup_buckets or None,
             )
         )
         logger.info("turn %d: %s", turn + 1, json.dumps(asdict(stats[-1])))
@@ -214,16 +342,20 @@ def warm_up(servers: Sequence[VllmServer]) -> None:
         complete(server.base_url, with_nonce("warm up"), max_tokens=2)
 
 
-def warm_up_transfer_path(proxy_url: str, model_dir: Path) -> None:
+def warm_up_transfer_path(proxy_url: str, model_dir: Path, streamed: bool = False) -> None:
     """A two-turn conversation through the proxy: connects P->D and, where the second turn pulls,
-    D->P, so no system's first measured turn includes a transfer-engine handshake."""
+    D->P, so no system's first measured turn includes a transfer-engine handshake. `streamed`:
+    sent the way the streaming mode sends (streamed, no conversation id), so P's second turn
+    also makes its first lookup on D."""
     messages = user_turns(model_dir, 2, first_words=100, user_words=20, seed=999)
     history: list[int] = []
+    conversation_id = f"warm-up-{time.time_ns()}"
     for message in messages:
         prompt = history + message
-        answer = complete(
-            proxy_url, prompt, 80, headers={CONVERSATION_HEADER: f"warm-up-{time.time_ns()}"}
-        )
+        if streamed:
+            answer: Completion = complete_streamed(proxy_url, prompt, 80)
+        else:
+            answer = complete(proxy_url, prompt, 80, headers={CONVERSATION_HEADER: conversation_id})
         history = prompt + answer.token_ids
 
 
@@ -252,9 +384,9 @@ def nixl_config(num_threads: int | None) -> dict[str, Any]:
 def pd_servers(
     system: str, make: Callable[..., VllmServer], work_dir: Path, nixl_num_threads: int | None
 ) -> tuple[VllmServer, VllmServer]:
-    if system in (BIDIRECTIONAL, ONE_WAY):
+    if system in KVDUPLEX_SYSTEMS:
         config = duplex_kv_transfer_config(
-            bidirectional=system == BIDIRECTIONAL, recompute_threshold=RECOMPUTE_THRESHOLD
+            bidirectional=system != ONE_WAY, recompute_threshold=RECOMPUTE_THRESHOLD
         )
         return make(f"{system}-prefill", config), make(f"{system}-decode", config)
     inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
@@ -277,8 +409,12 @@ def pd_servers(
 def summarize(stats: list[TurnStats], conversations: int) -> dict[str, Any]:
     later = [t for t in stats if t.turn >= 1]
     ttfts = [t.mean_ttft_s for t in later if t.mean_ttft_s is not None]
+    client_ttfts = [t.mean_client_ttft_s for t in later if t.mean_client_ttft_s is not None]
     return {
         "mean_ttft_s_turns_2_plus": statistics.fmean(ttfts) if ttfts else None,
+        "mean_client_ttft_s_turns_2_plus": (
+            statistics.fmean(client_ttfts) if client_ttfts else None
+        ),
         "prefill_computed_tokens_turns_2_plus": sum(t.prefill_computed_tokens for t in later),
         "new_tokens_turns_2_plus": sum(t.new_tokens for t in later),
         "pulled_from_decode_tokens_turns_2_plus": sum(t.pulled_from_decode_tokens for t in later),
@@ -288,6 +424,7 @@ def summarize(stats: list[TurnStats], conversations: int) -> dict[str, Any]:
         ),
         "total_s": sum(t.wall_s for t in stats),
         "all_match": all(not t.mismatches for t in stats),
+        "lookup": lookup_summary(stats),
     }
 
 
@@ -295,29 +432,41 @@ def _fmt_ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.0f}"
 
 
+def _fmt_le(le: str | None) -> str:
+    if le is None:
+        return "-"
+    if _le_key(le) == float("inf"):
+        return ">1000"
+    return f"<={1e3 * float(le):g}"
+
+
 def format_tables(report: dict[str, Any]) -> str:
     lines = []
+    width = max([30, *(len(name) + 1 for name in report["systems"])])
     header = (
-        f"{'system':<24}{'turn':>5}{'new':>7}{'P computed':>12}{'P cache':>9}"
-        f"{'pulled':>8}{'TTFT ms':>9}{'P ms':>7}{'D ms':>7}{'wall s':>8}{'match':>7}"
+        f"{'system':<{width}}{'turn':>5}{'new':>7}{'P computed':>12}{'P cache':>9}"
+        f"{'pulled':>8}{'TTFT ms':>9}{'P ms':>7}{'D ms':>7}{'client ms':>10}"
+        f"{'lookups hit/miss/fail':>22}{'wall s':>8}{'match':>7}"
     )
     lines.append(header)
     for system, result in report["systems"].items():
         if "error" in result:
-            lines.append(f"{system:<24}failed: {result['error']}")
+            lines.append(f"{system:<{width}}failed: {result['error']}")
             continue
         for t in result["turns"]:
+            lookups = f"{t['lookups_hit']}/{t['lookups_missed']}/{t['lookup_failures']}"
             lines.append(
-                f"{system:<24}{t['turn'] + 1:>5}{t['new_tokens']:>7}"
+                f"{system:<{width}}{t['turn'] + 1:>5}{t['new_tokens']:>7}"
                 f"{t['prefill_computed_tokens']:>12}{t['prefill_cache_hit_tokens']:>9}"
                 f"{t['pulled_from_decode_tokens']:>8}{_fmt_ms(t['mean_ttft_s']):>9}"
                 f"{_fmt_ms(t['mean_prefill_ttft_s']):>7}{_fmt_ms(t['mean_decode_ttft_s']):>7}"
+                f"{_fmt_ms(t['mean_client_ttft_s']):>10}{lookups:>22}"
                 f"{t['wall_s']:>8.1f}{t['matches']:>4}/{report['workload']['conversations']}"
             )
     lines.append("")
     lines.append(
-        f"{'system':<24}{'TTFT ms t>=2':>13}{'P computed t>=2':>16}{'new t>=2':>10}"
-        f"{'pulled t>=2':>12}{'total s':>9}{'outputs':>9}"
+        f"{'system':<{width}}{'TTFT ms t>=2':>13}{'client ms t>=2':>15}{'P computed t>=2':>16}"
+        f"{'new t>=2':>10}{'pulled t>=2':>12}{'total s':>9}{'outputs':>9}"
     )
     for system, result in report["systems"].items():
         if "error" in result:
@@ -325,10 +474,29 @@ def format_tables(report: dict[str, Any]) -> str:
         s = result["summary"]
         outputs = "equal" if s["all_match"] else "DIFFER"
         lines.append(
-            f"{system:<24}{_fmt_ms(s['mean_ttft_s_turns_2_plus']):>13}"
+            f"{system:<{width}}{_fmt_ms(s['mean_ttft_s_turns_2_plus']):>13}"
+            f"{_fmt_ms(s['mean_client_ttft_s_turns_2_plus']):>15}"
             f"{s['prefill_computed_tokens_turns_2_plus']:>16}{s['new_tokens_turns_2_plus']:>10}"
             f"{s['pulled_from_decode_tokens_turns_2_plus']:>12}{s['total_s']:>9.1f}{outputs:>9}"
         )
+    lines.append("")
+    lines.append(
+        f"{'system':<{width}}{'hits':>6}{'misses':>8}{'failed':>8}{'skipped':>9}"
+        f"{'miss n':>8}{'miss p50 ms':>13}{'miss p99 ms':>13}"
+        f"{'hit n':>7}{'hit p50 ms':>12}{'hit p99 ms':>12}{'mixed n':>9}"
+    )
+    for system, result in report["systems"].items():
+        if "error" in result:
+            continue
+        lookup = result["summary"]["lookup"]
+        miss, hit = lookup["on_miss"], lookup["on_hit"]
+        lines.append(
+            f"{system:<{width}}{lookup['hits']:>6}{lookup['misses']:>8}{lookup['failures']:>8}"
+            f"{lookup['skipped']:>9}{miss['samples']:>8}{_fmt_le(miss['p50_le_s']):>13}"
+            f"{_fmt_le(miss['p99_le_s']):>13}{hit['samples']:>7}{_fmt_le(hit['p50_le_s']):>12}"
+            f"{_fmt_le(hit['p99_le_s']):>12}{lookup['on_mixed']['samples']:>9}"
+        )
+    lines.append(f"({LOOKUP_PERCENTILES_NOTE}; '<=x': the bucket's upper bound)")
     lines.append("")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {'-' if value is None else f'{value:.2f}'}")
@@ -389,7 +557,8 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
             with start_many([prefill, decode]):
                 warm_up([prefill, decode])
                 with ProxyThread([prefill.base_url], [decode.base_url]) as proxy:
-                    warm_up_transfer_path(proxy.base_url, model_dir)
+                    streamed = system in STREAMED_SYSTEMS
+                    warm_up_transfer_path(proxy.base_url, model_dir, streamed=streamed)
                     logger.info("%s: running %d conversations", system, workload.conversations)
                     stats, _ = run_conversations(
                         proxy.base_url,
@@ -397,8 +566,10 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
                         decode.base_url,
                         messages,
                         workload,
-                        conversation_prefix=f"{system}-{time.time_ns()}",
+                        # The streaming mode sends no conversation id: the proxy routes by hash.
+                        conversation_prefix=None if streamed else f"{system}-{time.time_ns()}",
                         expected=expected,
+                        streamed=streamed,
                     )
         except (ServerError, httpx.HTTPError) as exc:
             # One system failing (e.g. a server stalled) must not lose the others' results.
@@ -424,10 +595,17 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 
     report["ratios"] = {
         "TTFT t>=2 bidirectional / nixl": _ratio(ttft(BIDIRECTIONAL), ttft(NIXL)),
+        "TTFT t>=2 bidirectional-stream / nixl": _ratio(ttft(STREAM), ttft(NIXL)),
+        "TTFT t>=2 bidirectional-stream / bidirectional": _ratio(
+            ttft(STREAM), ttft(BIDIRECTIONAL)
+        ),
         "TTFT t>=2 bidirectional / one-way": _ratio(ttft(BIDIRECTIONAL), ttft(ONE_WAY)),
         "P computed t>=2 bidirectional / nixl": _ratio(computed(BIDIRECTIONAL), computed(NIXL)),
         "P computed t>=2 bidirectional / one-way": _ratio(
             computed(BIDIRECTIONAL), computed(ONE_WAY)
+        ),
+        "P computed t>=2 bidirectional-stream / one-way": _ratio(
+            computed(STREAM), computed(ONE_WAY)
         ),
     }
     bidirectional_ratio = report["ratios"]["TTFT t>=2 bidirectional / nixl"]
@@ -438,13 +616,16 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
             if BIDIRECTIONAL in summaries
             else None
         ),
+        "bidirectional-stream computes only new tokens on turns >= 2": (
+            summaries[STREAM]["computes_only_new_tokens"] if STREAM in summaries else None
+        ),
         "bidirectional TTFT t>=2 <= 0.5x nixl": (
             bidirectional_ratio <= 0.5 if bidirectional_ratio is not None else None
         ),
     }
     report["ok"] = all(
         name in summaries and summaries[name]["all_match"]
-        for name in (BIDIRECTIONAL, ONE_WAY)
+        for name in KVDUPLEX_SYSTEMS
         if name in systems
     )
     return report

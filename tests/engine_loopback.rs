@@ -118,7 +118,12 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     assert!(owner.hold("turn-1", 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap());
     assert!(owner.known_peers().is_empty());
     let peer = connect(&reader, &owner).unwrap();
-    // The owner's directory now names the reader and its own side channel.
+    // The owner's directory now names the reader and its own side channel (the owner's
+    // connection thread records it right after the handshake).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while owner.known_peers().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let known = owner.known_peers();
     let reader_addr = reader.side_channel_addr().unwrap();
     assert_eq!(known.len(), 1);

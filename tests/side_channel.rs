@@ -659,3 +659,40 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
     assert!(wait_until(TIMEOUT, || !link.is_alive()));
     assert!(link.lookup(vec![1], TIMEOUT).is_err());
 }
+
+#[test]
+fn an_unauthenticated_client_cannot_make_the_server_buffer_a_large_frame() {
+    let server = start(Some(b"s3cret"));
+    let mut raw = RawClient::connect(&server);
+    // Only the header of a 1 MiB notification, before any hello: refused at the header.
+    let mut header = Vec::from(wire::MAGIC);
+    header.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+    header.push(FrameKind::Notify as u8);
+    header.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    raw.stream.write_all(&header).unwrap();
+    let started = Instant::now();
+    assert!(matches!(raw.receive(), Some(Ok(Frame::Refused(_))) | None));
+    assert!(started.elapsed() < Duration::from_secs(3), "the server waited for the body");
+    // An authenticated client still gets large frames (a big notification) through.
+    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
+    link.notify(&vec![7u8; 512 << 10]).unwrap();
+    assert!(wait_until(TIMEOUT, || server.take_notifications().len() == 1));
+}
+
+#[test]
+fn metadata_with_an_empty_worker_address_or_rkey_is_refused_naming_the_field() {
+    let mut meta = metadata("owner");
+    assert!(meta.validate().is_ok());
+    meta.worker_address.clear();
+    let err = meta.validate().unwrap_err().to_string();
+    assert!(err.contains("worker_address"), "{err}");
+    let mut meta = metadata("owner");
+    meta.regions.push(kvduplex::handshake::RegionInfo {
+        addr: 4096,
+        len: 4096,
+        rkey: vec![],
+        memory: kvduplex::handshake::MemoryType::Host,
+    });
+    let err = meta.validate().unwrap_err().to_string();
+    assert!(err.contains("regions[0]") && err.contains("rkey"), "{err}");
+}

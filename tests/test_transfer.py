@@ -305,3 +305,33 @@ def test_reader_whose_owner_is_killed_mid_batch_fails_before_its_deadline():
             transfer.wait(timeout_s=30)
     finally:
         reader.engine.close()
+
+
+def test_huge_timeouts_are_no_panic_and_an_unclosed_engine_drops_without_hanging(tmp_path):
+    """Regressions: `timeout_s=1e19` overflowed `Instant + Duration` (a PanicException that
+    `except Exception` misses); dropping an engine without close() at INFO logging deadlocked
+    (its threads log through Python's logging while the drop held the GIL)."""
+    script = tmp_path / "drop_unclosed.py"
+    script.write_text(
+        "import logging, numpy as np\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from kvduplex._core import Engine\n"
+        "buffers = [np.zeros(4 * 4096, dtype=np.uint8) for _ in range(2)]\n"
+        "engines = []\n"
+        "for i, buf in enumerate(buffers):\n"
+        "    e = Engine(f'e{i}', {'m': 'x'})\n"
+        "    e.register_region(buf.ctypes.data, buf.nbytes)\n"
+        "    e.set_layout([buf.ctypes.data], 4096, 4096, 4)\n"
+        "    engines.append(e)\n"
+        "owner, reader = engines\n"
+        "peer = reader.connect(owner.side_channel_host, owner.side_channel_port, timeout_s=1e19)\n"
+        "reader.read_blocks(peer, [1], [2], timeout_s=1e19).wait(timeout_s=1e19)\n"
+        "del owner, reader, engines\n"
+        "print('dropped', flush=True)\n"
+    )
+    env = dict(os.environ, UCX_TLS="tcp,self", UCX_NET_DEVICES="lo")
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dropped" in done.stdout

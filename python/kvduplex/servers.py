@@ -14,6 +14,7 @@ Only the standard library, httpx and `kvduplex.protocol` are used.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -501,3 +502,125 @@ def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
         source = labels.partition('source="')[2].partition('"')[0]
         totals[source] = totals.get(source, 0.0) + float(value)
     return totals
+
+
+@dataclass(frozen=True)
+class StreamedCompletion(Completion):
+    """A `Completion` that came as a server-sent-event stream, with its client-side TTFT."""
+
+    # From sending the request to the first chunk that carries a generated token.
+    ttft_s: float | None = None
+    chunks: int = 0
+
+
+def complete_streamed(
+    base_url: str,
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    logprobs: int = 5,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    headers: Mapping[str, str] | None = None,
+    cache_salt: str | None = None,
+) -> StreamedCompletion:
+    """`complete`'s request with ``"stream": true``: the answer is read chunk by chunk.
+
+    Same body as `complete` (temperature 0, fixed seed, EOS ignored, logprobs, token ids), so
+    `describe_mismatch` compares a streamed answer with a non-streamed one. Token ids are the
+    chunks' ``token_ids`` where the server sends them, else those of the "token_id:<id>" logprob
+    tokens (both must agree when both are there). `ttft_s` is measured on the client: request
+    sent to first chunk with a generated token. Raises `ServerError` on a non-200 answer or an
+    error event in the stream.
+    """
+    body: dict[str, Any] = {
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": seed,
+        "ignore_eos": True,
+        "logprobs": logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "stream": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    text_parts: list[str] = []
+    token_ids: list[int] = []
+    logprob_tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[int, float]] = []
+    prompt_token_ids: list[int] = []
+    finish_reason: str | None = None
+    answer_kv_params: dict[str, Any] | None = None
+    ttft_s: float | None = None
+    chunks = 0
+    done = False
+    url = f"{base_url}/v1/completions"
+    started = time.perf_counter()
+    with httpx.stream(
+        "POST", url, json=body, headers=dict(headers or {}), timeout=timeout_s
+    ) as response:
+        if response.status_code != 200:
+            response.read()
+            raise ServerError(f"POST {url} answered {response.status_code}: {response.text}")
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, comments, other SSE fields
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise ServerError(f"POST {url} streamed an error: {event['error']}")
+            chunks += 1
+            if event.get("kv_transfer_params") is not None:
+                answer_kv_params = event["kv_transfer_params"]
+            for choice in event.get("choices") or []:
+                if choice.get("index", 0) != 0:
+                    continue
+                if choice.get("prompt_token_ids"):
+                    prompt_token_ids = list(choice["prompt_token_ids"])
+                delta_ids = list(choice.get("token_ids") or [])
+                delta_logprobs = choice.get("logprobs") or {}
+                delta_tokens = list(delta_logprobs.get("tokens") or [])
+                if ttft_s is None and (choice.get("text") or delta_ids or delta_tokens):
+                    ttft_s = time.perf_counter() - started
+                text_parts.append(choice.get("text") or "")
+                token_ids.extend(delta_ids)
+                logprob_tokens.extend(delta_tokens)
+                token_logprobs.extend(
+                    float(lp) for lp in delta_logprobs.get("token_logprobs") or []
+                )
+                top_logprobs.extend(
+                    {_token_id(token): float(lp) for token, lp in (alternatives or {}).items()}
+                    for alternatives in delta_logprobs.get("top_logprobs") or []
+                )
+                if choice.get("finish_reason") is not None:
+                    finish_reason = choice["finish_reason"]
+    elapsed_s = time.perf_counter() - started
+    if not done:
+        raise ServerError(f"POST {url}: the stream ended without [DONE]")
+    ids_from_logprobs = [_token_id(token) for token in logprob_tokens]
+    if token_ids and ids_from_logprobs and token_ids != ids_from_logprobs:
+        raise ServerError(
+            f"POST {url}: streamed token_ids {token_ids[:8]}... differ from the logprob "
+            f"tokens {ids_from_logprobs[:8]}..."
+        )
+    return StreamedCompletion(
+        text="".join(text_parts),
+        token_ids=token_ids or ids_from_logprobs,
+        prompt_token_ids=prompt_token_ids,
+        logprobs=token_logprobs,
+        top_logprobs=top_logprobs,
+        finish_reason=finish_reason,
+        kv_transfer_params=answer_kv_params,
+        elapsed_s=elapsed_s,
+        ttft_s=ttft_s,
+        chunks=chunks,
+    )

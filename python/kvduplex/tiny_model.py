@@ -7,6 +7,12 @@ constants below, so two builds (on any machine with the same library versions) p
 weights and the same token ids.
 
 Usage: ``python -m kvduplex.tiny_model OUT_DIR`` or ``build_tiny_model(Path(...))``.
+
+A second variant, ``python -m kvduplex.tiny_model OUT_DIR --chat`` or
+``build_tiny_chat_model(Path(...))``, has the same weights but a word-level tokenizer whose
+outputs survive detokenize -> retokenize, for multi-turn chats: with byte-level BPE a random
+model's token ids mostly re-encode differently, so turn N+1's prompt would not start with turn
+N's prompt + answer ids. See `build_tiny_chat_model`.
 """
 
 from __future__ import annotations
@@ -88,6 +94,46 @@ _SYLLABLES = (
 )
 _PUNCTUATION = (".", ",", "?", "!", ";", ":")
 
+# --- The chat variant (word-level tokenizer) ---
+CHAT_UNK_TOKEN = "<unk>"
+# The vocabulary layout, fixed so that token ids are constants: the special tokens first (pad,
+# bos and eos at the ids the BPE tokenizer gives them, so the model config and weights are the
+# same), then the role markers the chat template writes, then plain lowercase words.
+CHAT_SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, CHAT_UNK_TOKEN)
+CHAT_ROLE_MARKERS = ("system:", "user:", "assistant:")
+CHAT_EOS_TOKEN_ID = CHAT_SPECIAL_TOKENS.index(EOS_TOKEN)
+CHAT_FIRST_WORD_ID = len(CHAT_SPECIAL_TOKENS) + len(CHAT_ROLE_MARKERS)
+# What a chat client must let the model sample: the plain words and eos. A random-weight model
+# gives every id some probability, and <pad>/<s>/<unk> would be generated now and then; they are
+# skipped in detokenization, so the answer text would lose them and the next turn's prompt would
+# not contain them. Pass ``extra_body={"allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS)}``
+# (vLLM's sampling parameter) with every chat request. Role markers are left out too: they would
+# round-trip, but an answer that says "user:" reads like a new turn.
+CHAT_ALLOWED_TOKEN_IDS = (CHAT_EOS_TOKEN_ID, *range(CHAT_FIRST_WORD_ID, VOCAB_SIZE))
+
+# Same shape as CHAT_TEMPLATE: "<s>system: ...\nuser: ...\nassistant: ...\nuser: ...\nassistant:".
+# The role markers are single vocabulary words and everything between words is whitespace, which
+# the tokenizer splits on and drops, so the rendered history tokenizes to exactly the earlier
+# prompt ids + the answer ids, whatever spacing the streamed answer text has. Messages may hold
+# only vocabulary words (see `chat_vocabulary`, `sample_chat_text`); anything else becomes <unk>.
+CHAT_MODEL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+# Written to COMPLETE_MARKER in a chat build (the word list follows from SEED and the code).
+_CHAT_SPEC = {
+    "format": 1,
+    "variant": "chat",
+    "seed": SEED,
+    "model": MODEL_CONFIG,
+    "chat_template": CHAT_MODEL_TEMPLATE,
+    "special_tokens": list(CHAT_SPECIAL_TOKENS),
+    "role_markers": list(CHAT_ROLE_MARKERS),
+}
+
 
 def _vocabulary(rng: random.Random) -> list[str]:
     words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(600)]
@@ -131,6 +177,69 @@ def sample_text(num_words: int, seed: int = 0) -> str:
         sentences.append(_sentence(rng, vocabulary, length))
         num_words -= length
     return " ".join(sentences)
+
+
+def chat_vocabulary() -> list[str]:
+    """The chat variant's plain words, in token-id order from `CHAT_FIRST_WORD_ID`.
+
+    The distinct lowercase words of the BPE model's training language first (so the same words
+    appear in both variants), then more words built the same way until the vocabulary is full.
+    """
+    words = list(dict.fromkeys(_vocabulary(random.Random(SEED))))
+    rng = random.Random(f"{SEED}-chat")
+    while len(words) < VOCAB_SIZE - CHAT_FIRST_WORD_ID:
+        word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))
+        if word not in words:
+            words.append(word)
+    return words
+
+
+def sample_chat_text(num_words: int, seed: int = 0) -> str:
+    """`num_words` words of the chat vocabulary (one token each), separated by spaces, by seed.
+
+    The chat variant's counterpart of `sample_text` (whose punctuation, capitals and numbers the
+    word-level tokenizer does not know).
+    """
+    rng = random.Random(f"{SEED}-chat-{seed}")
+    words = chat_vocabulary()
+    return " ".join(rng.choice(words) for _ in range(num_words))
+
+
+def _build_chat_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [*CHAT_SPECIAL_TOKENS, *CHAT_ROLE_MARKERS, *chat_vocabulary()]
+    if len(tokens) != VOCAB_SIZE or len(set(tokens)) != VOCAB_SIZE:
+        raise RuntimeError(f"chat vocabulary has {len(set(tokens))} tokens, expected {VOCAB_SIZE}")
+    tokenizer = Tokenizer(
+        models.WordLevel({token: i for i, token in enumerate(tokens)}, unk_token=CHAT_UNK_TOKEN)
+    )
+    # Words are split on (and lose) any run of whitespace; decoding joins tokens with one space
+    # (the WordPiece decoder without cleanup, whose "##" continuation prefix no word has). So
+    # decode(ids) re-encodes to ids, and so does any text with the same words and other spacing:
+    # vLLM's streaming detokenizer (tokenizers' DecodeStream, primed with the prompt) yields
+    # " word" per token, i.e. the answer text has a leading space.
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.add_special_tokens(list(CHAT_SPECIAL_TOKENS))
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=CHAT_UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_MODEL_TEMPLATE
+    fast.save_pretrained(out_dir)
 
 
 def _build_tokenizer(out_dir: Path) -> None:
@@ -188,11 +297,12 @@ def _build_model(out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def is_complete(model_dir: Path) -> bool:
-    """True when `model_dir` holds a finished build of exactly this tiny model."""
+def is_complete(model_dir: Path, *, chat: bool = False) -> bool:
+    """True when `model_dir` holds a finished build of exactly this tiny model (or its chat
+    variant, with `chat`)."""
     marker = Path(model_dir) / COMPLETE_MARKER
     try:
-        return json.loads(marker.read_text()) == _SPEC
+        return json.loads(marker.read_text()) == (_CHAT_SPEC if chat else _SPEC)
     except (OSError, ValueError):
         return False
 
@@ -204,12 +314,39 @@ def build_tiny_model(out_dir: Path) -> Path:
     written into a sibling temporary directory and renamed into place, so an interrupted or
     concurrent build never leaves a half-written model behind.
     """
+    return _build(out_dir, chat=False)
+
+
+def build_tiny_chat_model(out_dir: Path) -> Path:
+    """Write the chat variant of the tiny model to `out_dir` (created if needed) and return it.
+
+    Same weights and config as `build_tiny_model` (serve it with the same `SERVER_ARGS`), but a
+    word-level tokenizer whose token ids round-trip: for a multi-turn chat through
+    `/v1/chat/completions`, the prompt of turn N+1 (the history rendered with
+    `CHAT_MODEL_TEMPLATE`, the previous answer given back as its streamed text) tokenizes to
+    exactly turn N's prompt ids + turn N's generated ids (without the final eos), then the new
+    messages. That holds when
+    - messages contain only vocabulary words (`chat_vocabulary`, e.g. `sample_chat_text`),
+      separated by any whitespace, and roles are system/user/assistant;
+    - requests pass ``allowed_token_ids=CHAT_ALLOWED_TOKEN_IDS`` (in the OpenAI SDK:
+      ``extra_body={"allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS)}``), so that the model
+      never samples <pad>, <s> or <unk>, which detokenization would drop or the next prompt
+      would not contain;
+    - `skip_special_tokens` keeps its default (an eos that ends the answer is not in its text).
+    Reuse and atomic replacement work as in `build_tiny_model`; the two variants never reuse
+    each other's directories.
+    """
+    return _build(out_dir, chat=True)
+
+
+def _build(out_dir: Path, *, chat: bool) -> Path:
     out_dir = Path(out_dir).resolve()
-    if is_complete(out_dir):
-        logger.debug("reusing tiny model at %s", out_dir)
+    what = "tiny chat model" if chat else "tiny model"
+    if is_complete(out_dir, chat=chat):
+        logger.debug("reusing %s at %s", what, out_dir)
         return out_dir
     if (out_dir / COMPLETE_MARKER).exists():
-        logger.info("rebuilding tiny model at %s: it was built from a different spec", out_dir)
+        logger.info("rebuilding %s at %s: it was built from a different spec", what, out_dir)
     elif out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(
             f"{out_dir} is not empty and holds no tiny model; refusing to replace it"
@@ -218,17 +355,21 @@ def build_tiny_model(out_dir: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
-        _build_tokenizer(staging)
+        if chat:
+            _build_chat_tokenizer(staging)
+        else:
+            _build_tokenizer(staging)
         _build_model(staging)
-        (staging / COMPLETE_MARKER).write_text(json.dumps(_SPEC, indent=1, sort_keys=True))
-        if is_complete(out_dir):  # another process finished first
+        spec = _CHAT_SPEC if chat else _SPEC
+        (staging / COMPLETE_MARKER).write_text(json.dumps(spec, indent=1, sort_keys=True))
+        if is_complete(out_dir, chat=chat):  # another process finished first
             return out_dir
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("built tiny model at %s", out_dir)
+    logger.info("built %s at %s", what, out_dir)
     return out_dir
 
 
@@ -238,9 +379,16 @@ def main(argv: list[str] | None = None) -> None:
         description="Write a tiny random-weight Llama and tokenizer that vLLM can serve.",
     )
     parser.add_argument("out_dir", type=Path, help="directory to create (reused when complete)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the chat variant: same weights, a word-level tokenizer whose ids round-trip "
+        "through multi-turn chats (see build_tiny_chat_model)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(build_tiny_model(args.out_dir))
+    build = build_tiny_chat_model if args.chat else build_tiny_model
+    print(build(args.out_dir))
 
 
 if __name__ == "__main__":

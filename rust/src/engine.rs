@@ -227,7 +227,7 @@ impl Engine {
                 return Ok(id);
             }
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut delay = CONNECT_BACKOFF_START;
         let (link, meta) = loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -243,7 +243,7 @@ impl Engine {
             );
             match attempt {
                 Ok(ok) => break ok,
-                Err(e) if is_retryable(&e) && Instant::now() + delay < deadline => {
+                Err(e) if is_retryable(&e) && deadline_after(delay) < deadline => {
                     log::debug!("side channel {key} not ready ({e}); retrying in {delay:?}");
                     std::thread::sleep(delay);
                     delay = (delay * 2).min(CONNECT_BACKOFF_MAX);
@@ -319,7 +319,7 @@ impl Engine {
             nbytes += d.len;
         }
         let batch = BatchState::new(&self.shared.worker);
-        let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: Instant::now() + timeout, notify: Mutex::new(notify), abort_reason: Mutex::new(None) });
+        let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: deadline_after(timeout), notify: Mutex::new(notify), abort_reason: Mutex::new(None) });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
         let posted = match lock(&peer.endpoint).as_ref() {
             Some(endpoint) => endpoint.post_reads(&reads, &batch).map_err(|e| e.to_string()),
@@ -598,6 +598,13 @@ impl Transfer {
             }
         }
     }
+}
+
+/// `now + timeout`, or a year from now when that overflows the clock (a timeout that large is
+/// as good as none, and must not panic).
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600))).unwrap_or(now)
 }
 
 /// Answers side-channel lookups from the hold book, claiming matches for the asking engine.

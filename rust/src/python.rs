@@ -108,6 +108,17 @@ impl Engine {
     }
 }
 
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Python drops an unclosed engine with the GIL held, while closing joins threads that
+        // log through pyo3-log, which needs the GIL: close with the GIL released.
+        let engine = self.inner.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(mut engine) = engine {
+            Python::attach(|py| py.detach(|| engine.close()));
+        }
+    }
+}
+
 #[pymethods]
 impl Engine {
     #[new]

@@ -280,6 +280,8 @@ struct Client {
 
 fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr: SocketAddr) {
     let mut reader = FrameReader::new(stream);
+    // Until the client is authenticated it may send hellos and proofs only: nothing larger.
+    reader.frames.set_limit(Some(wire::MAX_CONTROL_FRAME_LEN));
     let deadline = Deadline::after(SERVER_HANDSHAKE_TIMEOUT);
     // How the logs name the client; its engine id once its hello has arrived.
     let mut who = client_addr.to_string();
@@ -300,6 +302,7 @@ fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr
             return;
         }
     };
+    reader.frames.set_limit(None);
     info!("side channel: {who} connected");
     if let Some(side_channel) = &client.side_channel {
         let peer = KnownPeer { engine_id: client.engine_id.clone(), side_channel: side_channel.clone() };
@@ -504,6 +507,7 @@ impl PeerLink {
         // The server checked too; checking here as well keeps a misbehaving server from
         // handing us blocks we cannot interpret.
         our_fingerprint.check_compatible(&metadata.fingerprint)?;
+        metadata.validate()?;
 
         let status = Arc::new(Mutex::new(LinkStatus::Alive {
             on_death: Vec::new(),

@@ -390,3 +390,15 @@ def test_lookup_is_skipped_below_the_threshold_and_answers_are_checked(engines):
     step = p3.step()
     assert step.meta.loads == []
     assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("d1", 2)]
+
+
+def test_a_garbage_lookup_answer_prefills_normally(engines, connector_log):
+    history, _ = _held_turn(engines)
+    p2 = engines("P", LOOKUP)
+    p2.add("junk", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
+    p2.step()
+    junk = LookupMatch("D/tp0", "d1", 11, claim_id=4, claim_s=30.0, offer=b"\xff not json")
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"junk": junk}))
+    step = p2.step()
+    assert step.meta.loads == [] and "junk" in step.output.num_scheduled_tokens
+    assert any("malformed params" in m for m in connector_log.messages())

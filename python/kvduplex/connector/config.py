@@ -14,7 +14,7 @@ Every option, its default and why:
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port. With tensor parallelism rank r listens on port+r (or a free port each when 0). The real port is always announced. |
 | `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
 | `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate. |
-| `lookup_timeout_ms` | `100` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history (one side-channel round trip: well under 1 ms on a LAN when connected, a few ms for a first handshake). Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off. |
+| `lookup_timeout_ms` | `250` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history. A live, connected peer answers in one side-channel round trip (measured here: ~1 ms on loopback, tens of ms when 4 vLLM servers share 2 cores); prefill nodes connect to announced decode nodes ahead of time, so no lookup pays for a handshake. The wait only matters when a peer is hung (a dead one is dropped by its heartbeats within 3 s), and 250 ms stays below the prefill time of a history long enough to be worth pulling. Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off. |
 | `decode_peers` | `[]` | Bidirectional only: side channels (`"host:port"` of TP rank 0) of decode engines to look up held turns on, besides those the prefill node learns by itself (every decode engine that pulls from it announces its side channel). |
 | `ucx_peer_error_handling` | `false` | UCX peer error handling on transfer endpoints. On, a read that fails by its deadline can never write late bytes into blocks being recomputed; but UCX 1.22 then moves host memory over tcp instead of cma/shared memory (several times slower on one host). Off, a dead peer is detected through the side channel's heartbeats, and a read aborted while a network transport still carries its data could land late. Turn it on for cross-host deployments where the transport keeps its speed with it. |
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_RECOMPUTE_THRESHOLD = 64
-DEFAULT_LOOKUP_TIMEOUT_MS = 100
+DEFAULT_LOOKUP_TIMEOUT_MS = 250
 
 
 @dataclass(frozen=True)

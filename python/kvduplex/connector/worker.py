@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
+# How often TP rank 0 looks for newly announced engines to connect to ahead of lookups.
+_PEER_SCAN_INTERVAL_S = 1.0
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Where the blocks of the registered KV cache live, as the transfer core sees them."""
@@ -176,6 +180,7 @@ class DuplexWorker:
         )
         self._lookups: dict[str, _PendingLookup] = {}
         self._lookup_results: dict[str, md.LookupMatch | None] = {}
+        self._next_peer_scan = 0.0
         self._connections: dict[tuple[str, int], Future[str]] = {}
         self._waiting_loads: list[md.LoadSpec] = []
         self._waiting_releases: list[md.ReleaseSpec] = []
@@ -261,6 +266,7 @@ class DuplexWorker:
         self._poll_reads()
         self._take_notifications()
         self._expire_holds()
+        self._connect_to_known_peers()
         results = KVConnectorTransferResults(
             finished_sending=self._finished_sending,
             finished_recving=self._finished_recving,
@@ -286,9 +292,11 @@ class DuplexWorker:
 
     def _connect(self, peer: md.PeerAddress) -> None:
         """Start a handshake with the peer's rank unless one is done or under way."""
+        self._connect_to((peer.host, peer.ports[self._tp_rank]))
+
+    def _connect_to(self, address: tuple[str, int]) -> None:
         if self._engine is None:
             return
-        address = (peer.host, peer.ports[self._tp_rank])
         existing = self._connections.get(address)
         if existing is not None:
             if not existing.done():
@@ -474,6 +482,17 @@ class DuplexWorker:
             if host and port.isdigit() and (host, int(port)) not in targets:
                 targets.append((host.strip("[]"), int(port)))
         return targets
+
+    def _connect_to_known_peers(self) -> None:
+        """Connect ahead of time to the engines that announced themselves (lookup targets),
+        so a lookup never pays for a first handshake within its short deadline."""
+        now = time.monotonic()
+        if self._engine is None or self._tp_rank != 0 or now < self._next_peer_scan:
+            return
+        self._next_peer_scan = now + _PEER_SCAN_INTERVAL_S
+        for host, port in self._lookup_targets(None):
+            if (host, port) not in self._connections:
+                self._connect_to((host, port))
 
     def _start_lookup(self, spec: md.LookupSpec) -> None:
         if self._engine is None or self._tp_rank != 0:

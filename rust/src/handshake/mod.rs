@@ -84,6 +84,34 @@ pub struct EngineMetadata {
     pub fingerprint: Fingerprint,
 }
 
+impl EngineMetadata {
+    /// Refuses metadata that UCX would read past: UCX takes a worker address and packed rkeys
+    /// without their lengths, so an empty (or absurdly short) one is a malformed peer, not a
+    /// call to make.
+    pub fn validate(&self) -> Result<(), HandshakeError> {
+        if self.worker_address.len() < MIN_PACKED_LEN {
+            return Err(HandshakeError::Malformed(format!(
+                "engine {:?} sent a {}-byte worker_address",
+                self.engine_id,
+                self.worker_address.len()
+            )));
+        }
+        for (index, region) in self.regions.iter().enumerate() {
+            if region.rkey.len() < MIN_PACKED_LEN {
+                return Err(HandshakeError::Malformed(format!(
+                    "engine {:?} sent a {}-byte rkey for regions[{index}]",
+                    self.engine_id,
+                    region.rkey.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Shorter packed worker addresses or rkeys than this are never produced by UCX.
+pub const MIN_PACKED_LEN: usize = 4;
+
 /// A fresh value for [`EngineMetadata::generation`], drawn from the OS.
 pub fn new_generation() -> Result<u64, HandshakeError> {
     getrandom::u64().map_err(|e| HandshakeError::Random(e.to_string()))

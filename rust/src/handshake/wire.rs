@@ -292,11 +292,19 @@ pub fn decode_frame(bytes: &[u8]) -> Result<Frame, HandshakeError> {
 #[derive(Debug, Default)]
 pub struct FrameBuffer {
     bytes: Vec<u8>,
+    /// A cap on every frame's body below the kinds' own (before authentication).
+    limit: Option<u32>,
 }
 
 impl FrameBuffer {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Refuse frames whose body exceeds `limit` whatever their kind (`None`: the kinds' caps).
+    /// A server keeps unauthenticated clients to hello-sized frames this way.
+    pub fn set_limit(&mut self, limit: Option<u32>) {
+        self.limit = limit;
     }
 
     pub fn extend(&mut self, bytes: &[u8]) {
@@ -309,6 +317,13 @@ impl FrameBuffer {
         let Some(header) = parse_header(&self.bytes)? else {
             return Ok(None);
         };
+        if let Some(limit) = self.limit.filter(|limit| header.body_len > *limit) {
+            return Err(HandshakeError::FrameTooLarge {
+                kind: header.kind,
+                len: u64::from(header.body_len),
+                max: u64::from(limit),
+            });
+        }
         let frame_len = header.frame_len();
         if self.bytes.len() < frame_len {
             return Ok(None);

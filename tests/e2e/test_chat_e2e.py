@@ -1,0 +1,191 @@
+"""A streamed multi-turn chat, no conversation id, through P and two D's: P finds each turn's
+history on the D that holds it, by the prompt alone, and every answer equals a single server's.
+
+The official `openai` SDK sends `/v1/chat/completions` with `stream=True` and keeps only text,
+like a chat UI: the next turn's history carries the previous answer as its streamed text. The
+word-level tiny chat model round-trips that text to the same token ids (checked here on the
+single server: turn N+1's prompt starts with turn N's prompt and answer ids), so reuse is
+possible at all; `allowed_token_ids` keeps the random model from sampling special tokens.
+
+Two routers:
+- `kvduplex proxy` (conversation routed to one D by a stable hash, stream passed through);
+- a router that relays only vLLM's standard P/D params (P gets `do_remote_decode` and
+  `max_tokens=1`, D gets P's params and the client's request). Its turns alternate between the
+  two D's, so P must find the D that decoded the previous turn among the D's it knows.
+
+This module runs first in tests/e2e and stops its four servers (reference, P, D1, D2) when done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.protocol import prefill_request_params
+from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
+from kvduplex.tiny_model import (
+    CHAT_ALLOWED_TOKEN_IDS,
+    CHAT_EOS_TOKEN_ID,
+    SERVED_MODEL_NAME,
+    SERVER_ARGS,
+    build_tiny_chat_model,
+    sample_chat_text,
+)
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 128
+TURNS = 4
+MAX_TOKENS = 60
+LOGPROB_ATOL = 1e-3
+THRESHOLD = 16
+
+
+@dataclass
+class Answer:
+    prompt_ids: list[int]
+    text: str
+    token_ids: list[int]
+    """Generated ids without a final eos."""
+    logprobs: list[float]
+
+
+@dataclass
+class Servers:
+    reference: VllmServer
+    prefill: VllmServer
+    decodes: list[VllmServer]
+
+
+@pytest.fixture(scope="module")
+def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Servers]:
+    model_dir = build_tiny_chat_model(pytestconfig.cache.mkdir("kvduplex-tiny-chat-model"))
+    config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
+
+    def server(name: str, kv: bool) -> VllmServer:
+        extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
+        return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)
+
+    group = [server("chat-reference", False), server("chat-prefill", True)]
+    group += [server("chat-decode-1", True), server("chat-decode-2", True)]
+    with start_many(group) as (reference, prefill, d1, d2):
+        yield Servers(reference, prefill, [d1, d2])
+
+
+def stream_chat(base_url: str, messages: list[dict], kv_transfer_params: dict | None = None) -> Answer:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
+    extra: dict = {"allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS), "return_token_ids": True}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
+    stream = client.chat.completions.create(
+        model=SERVED_MODEL_NAME,
+        messages=messages,
+        stream=True,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        seed=0,
+        logprobs=True,
+        extra_body=extra,
+    )
+    prompt_ids: list[int] = []
+    text, token_ids, logprobs = "", [], []
+    chunks = 0
+    for chunk in stream:
+        chunks += 1
+        prompt_ids = (chunk.model_extra or {}).get("prompt_token_ids") or prompt_ids
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            token_ids += (choice.model_extra or {}).get("token_ids") or []
+            if choice.logprobs is not None and choice.logprobs.content:
+                logprobs += [entry.logprob for entry in choice.logprobs.content]
+    assert chunks > 2, "the answer was not streamed"
+    if token_ids and token_ids[-1] == CHAT_EOS_TOKEN_ID:
+        token_ids, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
+    return Answer(prompt_ids, text, token_ids, logprobs[: len(token_ids)])
+
+
+def relay(servers: Servers, decode: VllmServer) -> Callable[[list[dict]], Answer]:
+    """The smallest standard P/D router: P prefills with `do_remote_decode`, D streams."""
+
+    def send(messages: list[dict]) -> Answer:
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "messages": messages,
+            "max_tokens": 1,
+            "temperature": 0,
+            "allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS),
+            "kv_transfer_params": prefill_request_params(),
+        }
+        response = httpx.post(f"{servers.prefill.base_url}/v1/chat/completions", json=body, timeout=300)
+        response.raise_for_status()
+        params = response.json().get("kv_transfer_params")
+        assert params is not None, "P offered no KV blocks"
+        return stream_chat(decode.base_url, messages, params)
+
+    return send
+
+
+def run_chat(
+    servers: Servers, send_turn: Callable[[int], Callable[[list[dict]], Answer]], seed: int
+) -> list[tuple[Answer, dict[str, float]]]:
+    """Four turns; each is compared with the single server. Returns (answer, P's prompt
+    tokens by source for the turn) per turn."""
+    messages = [{"role": "system", "content": sample_chat_text(300, seed=seed)}]
+    turns = []
+    previous: list[int] | None = None
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": sample_chat_text(40, seed=seed * 10 + turn)})
+        expected = stream_chat(servers.reference.base_url, messages)
+        # The reference's own prompt ids show the history round-trips through text.
+        if previous is not None:
+            assert expected.prompt_ids[: len(previous)] == previous, f"turn {turn}: no round trip"
+        before = prompt_tokens_by_source(servers.prefill.base_url)
+        answer = send_turn(turn)(messages)
+        after = prompt_tokens_by_source(servers.prefill.base_url)
+        on_p = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+        assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
+        assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
+        assert answer.text == expected.text
+        logger.info(
+            "turn %d: %d prompt tokens, P %s", turn + 1, len(expected.prompt_ids), on_p
+        )
+        turns.append((expected, on_p))
+        previous = expected.prompt_ids + expected.token_ids
+        messages.append({"role": "assistant", "content": answer.text})
+    return turns
+
+
+def check_reuse(turns: list[tuple[Answer, dict[str, float]]]) -> None:
+    """On turns >= 2, P computes only the new tokens (and the previous answer's last token,
+    whose KV the decode node never computed); the rest is its own cache or pulled from D."""
+    for turn in range(1, len(turns)):
+        previous, _ = turns[turn - 1]
+        answer, on_p = turns[turn]
+        held = len(previous.prompt_ids) + len(previous.token_ids) - 1
+        new = len(answer.prompt_ids) - held
+        assert on_p.get("external_kv_transfer", 0) > 0, (turn, on_p)
+        assert on_p.get("local_compute", 0) == new, (turn, on_p, new)
+
+
+@pytest.mark.e2e
+def test_streamed_chat_through_kvduplex_proxy_pulls_every_later_turn(servers):
+    with ProxyThread(
+        [servers.prefill.base_url], [d.base_url for d in servers.decodes]
+    ) as proxy:
+        turns = run_chat(servers, lambda turn: lambda m: stream_chat(proxy.base_url, m), seed=1)
+    check_reuse(turns)
+
+
+@pytest.mark.e2e
+def test_streamed_chat_through_a_standard_router_finds_the_d_that_holds_each_turn(servers):
+    # Turns alternate D1, D2, D1, D2: P's history for turn k is on the other D than turn k's.
+    turns = run_chat(servers, lambda turn: relay(servers, servers.decodes[turn % 2]), seed=2)
+    check_reuse(turns)
