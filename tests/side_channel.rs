@@ -696,3 +696,30 @@ fn metadata_with_an_empty_worker_address_or_rkey_is_refused_naming_the_field() {
     let err = meta.validate().unwrap_err().to_string();
     assert!(err.contains("regions[0]") && err.contains("rkey"), "{err}");
 }
+
+fn threads_of_this_process() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Threads:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn idle_sockets_keep_threads_bounded_and_never_lock_out_a_real_peer() {
+    let server = start(Some(b"s3cret"));
+    let before = threads_of_this_process();
+    // 2,000 sockets that never say hello (the process allows 20,000 descriptors here).
+    let idle: Vec<TcpStream> = (0..2000)
+        .map(|_| TcpStream::connect(server.local_addr()).unwrap())
+        .collect();
+    thread::sleep(Duration::from_millis(500));
+    let during = threads_of_this_process();
+    assert!(
+        during <= before + kvduplex::side_channel::MAX_PENDING_HANDSHAKES + 8,
+        "{before} threads before, {during} with 2,000 idle sockets"
+    );
+    // A peer with the secret still connects (within the usual timeout) and is served.
+    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
+    link.notify(b"still served").unwrap();
+    assert!(wait_until(TIMEOUT, || server.take_notifications().len() == 1));
+    drop(idle);
+}

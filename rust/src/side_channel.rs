@@ -30,6 +30,14 @@ use crate::holds::{LookupMatch, LookupReply, LookupRequest};
 pub const SERVER_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once, handshaking or established; more are refused.
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections still in their handshake (not yet authenticated) at once; a new one past it
+/// closes the oldest, so idle or slow-drip sockets can neither take every slot nor keep a
+/// thread each beyond this bound, and a real peer (whose handshake takes milliseconds) still
+/// gets through.
+pub const MAX_PENDING_HANDSHAKES: usize = 64;
+/// Notifications received and not yet taken; past it new ones are dropped with a warning
+/// (a dropped release only delays freeing until the hold's own end).
+pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
 /// Bounds every write, so a peer that stops reading cannot block its writer forever.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the accept loop checks for shutdown: std cannot interrupt a blocking `accept`,
@@ -102,6 +110,9 @@ struct ServerState {
     lookup: Mutex<Option<LookupHandler>>,
     /// Connected clients that announced their side channel, by connection id.
     directory: Mutex<HashMap<u64, KnownPeer>>,
+    /// Connections still in their handshake, oldest first.
+    pending: Mutex<std::collections::VecDeque<u64>>,
+    dropped_notifications: std::sync::atomic::AtomicU64,
 }
 
 /// Serves this engine's metadata to readers and collects their notifications.
@@ -139,6 +150,8 @@ impl SideChannelServer {
             connections: Mutex::new(HashMap::new()),
             lookup: Mutex::new(None),
             directory: Mutex::new(HashMap::new()),
+            pending: Mutex::new(std::collections::VecDeque::new()),
+            dropped_notifications: std::sync::atomic::AtomicU64::new(0),
         });
         let acceptor_state = Arc::clone(&state);
         let acceptor = thread::Builder::new()
@@ -237,6 +250,19 @@ fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) -> Vec<JoinHand
             continue;
         }
         next_id += 1;
+        let evicted = {
+            let mut pending = lock(&state.pending);
+            let evicted = (pending.len() >= MAX_PENDING_HANDSHAKES).then(|| pending.pop_front()).flatten();
+            pending.push_back(next_id);
+            evicted
+        };
+        if let Some(oldest) = evicted {
+            if let Some(stream) = lock(&state.connections).get(&oldest) {
+                // Its thread's read fails at once and the thread ends.
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+            info!("side channel: {MAX_PENDING_HANDSHAKES} handshakes pending; closed the oldest to serve {client_addr}");
+        }
         match spawn_connection(state, next_id, stream, client_addr) {
             Ok(handler) => handlers.push(handler),
             Err(e) => warn!("side channel: dropped the connection from {client_addr}: {e}"),
@@ -289,6 +315,7 @@ fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr
         who = format!("engine {:?} at {client_addr}", hello.engine_id);
         answer_client(state, &mut reader, hello, &deadline)
     });
+    lock(&state.pending).retain(|pending| *pending != id);
     let client = match handshake {
         Ok(client) => client,
         Err(e) => {
@@ -391,10 +418,20 @@ fn answer_client(
 }
 
 fn queue_notification(state: &ServerState, from_engine_id: &str, payload: Vec<u8>) {
-    lock(&state.notifications).push(Notification {
+    let mut queue = lock(&state.notifications);
+    if queue.len() >= MAX_QUEUED_NOTIFICATIONS {
+        drop(queue);
+        let dropped = state.dropped_notifications.fetch_add(1, Ordering::Relaxed);
+        if dropped.is_power_of_two() || dropped == 0 {
+            warn!("side channel: {MAX_QUEUED_NOTIFICATIONS} notifications wait to be taken; dropped one from engine {from_engine_id:?} ({} so far)", dropped + 1);
+        }
+        return;
+    }
+    queue.push(Notification {
         from_engine_id: from_engine_id.to_owned(),
         payload,
     });
+    drop(queue);
     let waker = lock(&state.waker).clone();
     if let Some(waker) = waker {
         waker();

@@ -342,7 +342,7 @@ def test_lookup_finds_the_held_history_and_pulls_it_with_the_claim(engines):
     assert p2.step().output.num_scheduled_tokens == {}  # still waiting, asked only once
     assert p2.steps[-1].meta.lookups == []
     match = LookupMatch("D/tp0", "d1", 11, claim_id=5, claim_s=30.0, offer=json.dumps(d_params).encode())
-    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": match}))
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": [match]}))
     step = p2.step()
     (load,) = step.meta.loads
     assert load.claim_id == 5 and load.remote_request_id == "d1"
@@ -357,7 +357,7 @@ def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, m
     p2 = engines("P", LOOKUP)
     p2.add("miss", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
     p2.step()
-    step = p2.step(worker_meta=DuplexWorkerMetadata(lookups={"miss": None}))
+    step = p2.step(worker_meta=DuplexWorkerMetadata(lookups={"miss": []}))
     p2.step()
     assert "miss" in running(p2) or p2.steps[-1].finished("miss") is not None
     assert all(not s.meta.loads for s in p2.steps)
@@ -369,7 +369,7 @@ def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, m
     step = p2.step()
     assert "silent" in step.output.num_scheduled_tokens  # gave up waiting: prefills
     late = LookupMatch("D/tp0", "d1", 3, claim_id=9, claim_s=30.0, offer=json.dumps(d_params).encode())
-    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"silent": late}))
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"silent": [late]}))
     step = p2.step()
     (release,) = step.meta.releases
     assert (release.remote_request_id, release.claim_id) == ("d1", 9)
@@ -386,7 +386,7 @@ def test_lookup_is_skipped_below_the_threshold_and_answers_are_checked(engines):
     p3.add("spoof", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
     p3.step()
     spoof = LookupMatch("X/tp0", "d1", 11, claim_id=2, claim_s=30.0, offer=json.dumps(d_params).encode())
-    p3.step(worker_meta=DuplexWorkerMetadata(lookups={"spoof": spoof}))
+    p3.step(worker_meta=DuplexWorkerMetadata(lookups={"spoof": [spoof]}))
     step = p3.step()
     assert step.meta.loads == []
     assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("d1", 2)]
@@ -398,7 +398,27 @@ def test_a_garbage_lookup_answer_prefills_normally(engines, connector_log):
     p2.add("junk", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
     p2.step()
     junk = LookupMatch("D/tp0", "d1", 11, claim_id=4, claim_s=30.0, offer=b"\xff not json")
-    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"junk": junk}))
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"junk": [junk]}))
     step = p2.step()
     assert step.meta.loads == [] and "junk" in step.output.num_scheduled_tokens
     assert any("malformed params" in m for m in connector_log.messages())
+
+
+def test_of_two_owners_the_one_whose_partial_block_matches_wins(engines):
+    """Two D's hold turns sharing the same full blocks (an older and a newer turn of one
+    conversation); both match 11 blocks, but only the newer one's partial 12th block holds the
+    prompt's tokens. P takes that one and hands the other claim back."""
+    history, d_params = _held_turn(engines)
+    older = dict(d_params, remote_request_id="d0", remote_num_tokens=177)
+    p2 = engines("P", LOOKUP)
+    p2.add("p2", history + prompt_tokens(40, start=600), max_tokens=1, params={"do_remote_decode": True})
+    p2.step()
+    answers = [
+        LookupMatch("D/tp0", "d0", 11, claim_id=1, claim_s=30.0, offer=json.dumps(older).encode()),
+        LookupMatch("D/tp0", "d1", 11, claim_id=2, claim_s=30.0, offer=json.dumps(d_params).encode()),
+    ]
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": answers}))
+    step = p2.step()
+    (load,) = step.meta.loads
+    assert (load.remote_request_id, load.claim_id, load.num_tokens) == ("d1", 2, 179)
+    assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("d0", 1)]

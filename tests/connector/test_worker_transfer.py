@@ -258,7 +258,8 @@ TURN_FINGERPRINTS = [f"{i:016x}" for i in (0xA1, 0xA2, 0xA3, 0xA4)]
 
 
 def look_up(worker: DuplexWorker, request_id: str, fingerprints: list[str], timeout_s: float = 2.0):
-    """Step the reader like vLLM does until its lookup is reported; returns the match."""
+    """Step the reader like vLLM does until its lookup is reported; returns the longest match
+    (None: no owner holds any of the blocks)."""
     spec = LookupSpec(request_id, tuple(fingerprints), timeout_s)
     worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
     deadline = time.monotonic() + WAIT_S
@@ -266,7 +267,8 @@ def look_up(worker: DuplexWorker, request_id: str, fingerprints: list[str], time
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         if meta is not None and request_id in meta.lookups:
-            return meta.lookups[request_id]
+            matches = meta.lookups[request_id]
+            return matches[0] if matches else None
         time.sleep(0.002)
     raise AssertionError(f"lookup {request_id} was never reported")
 
@@ -338,3 +340,27 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
         assert stats["lookups_missed"] == 1 and stats["lookup_failures"] == 1
     finally:
         worker.shutdown()
+
+
+def test_an_owner_that_dies_between_lookup_and_read_costs_a_recompute_not_a_hang(
+    tiny_config_dir: Path,
+):
+    owner = OwnerProcess(tiny_config_dir)
+    caches = make_kv_caches(NUM_BLOCKS)
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    worker = make_worker(tiny_config_dir, "reader-d", caches, {"decode_peers": [address]})
+    try:
+        owner.hold("turn", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, offer="{}")
+        match = look_up(worker, "p5", TURN_FINGERPRINTS)
+        assert match is not None and match.matched_blocks == 4
+        owner.proc.kill()
+        owner.proc.wait()
+        spec = load(owner, "p5", [1, 2], [3, 4], remote_request_id="turn")
+        spec = dataclasses.replace(spec, claim_id=match.claim_id)
+        assert run_until_received(worker, spec) == {1, 2}
+        assert not any(t.any() for t in caches.values())
+        # Later lookups skip the dead owner quickly: nothing found, nothing hangs.
+        assert look_up(worker, "p6", TURN_FINGERPRINTS, timeout_s=0.5) is None
+    finally:
+        worker.shutdown()
+        owner.stop()

@@ -133,9 +133,11 @@ class DuplexConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
-    """Lookups the workers finished this step: request id -> the best match, or None."""
+    """Lookups the workers finished this step: request id -> every owner's match, longest
+    first (empty: nobody holds any of the prompt). The scheduler picks, since only it can check
+    the partial last block of each turn against the prompt's tokens."""
 
-    lookups: dict[str, LookupMatch | None] = field(default_factory=dict)
+    lookups: dict[str, list[LookupMatch]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DuplexWorkerMetadata:
         # Only TP rank 0 looks up; other ranks report nothing.

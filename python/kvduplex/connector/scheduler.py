@@ -81,7 +81,7 @@ class _LookupState:
 
     asked_at: float
     arrived: bool = False
-    match: md.LookupMatch | None = None
+    matches: list[md.LookupMatch] = dataclasses.field(default_factory=list)
 
 
 # A lookup's answer travels worker -> scheduler once per step; past its own timeout plus this,
@@ -254,10 +254,30 @@ class DuplexScheduler:
             )
             lookup.arrived = True
             return None
-        match, lookup.match = lookup.match, None
-        if match is None:
+        matches, lookup.matches = lookup.matches, []
+        if not matches:
             return self._pulls.get(request.request_id)
-        state = _PullState(remote=self._remote_from_match(request, match))
+        # Owners matched the same full blocks at most; the turn whose partial last block also
+        # holds the prompt's tokens gives more. Take the most tokens, hand the others back.
+        candidates = []
+        for match in matches:
+            remote = self._remote_from_match(request, match)
+            tokens = -1
+            if isinstance(remote, RemoteBlocks):
+                tokens, _ = matched_prefix_tokens(
+                    request.prompt_token_ids or [],
+                    remote.fingerprints,
+                    remote.num_tokens,
+                    self._block_size,
+                    _salt(request),
+                )
+            candidates.append((tokens, remote))
+        candidates.sort(key=lambda candidate: candidate[0], reverse=True)
+        for _, other in candidates[1:]:
+            release = other.release() if isinstance(other, RemoteBlocks) else other.release
+            if release is not None:
+                self._releases.append(release)
+        state = _PullState(remote=candidates[0][1])
         self._pulls[request.request_id] = state
         return state
 
@@ -354,16 +374,20 @@ class DuplexScheduler:
         )
         return remote
 
-    def _on_lookup_answers(self, answers: dict[str, md.LookupMatch | None]) -> None:
-        for request_id, match in answers.items():
+    def _on_lookup_answers(self, answers: dict[str, list[md.LookupMatch]]) -> None:
+        for request_id, matches in answers.items():
             lookup = self._lookups.get(request_id)
             if lookup is not None and not lookup.arrived:
-                lookup.arrived, lookup.match = True, match
-            elif match is not None:
-                # Too late (given up, or the request is gone): hand the claim back.
-                remote = self._remote_from_match_quietly(match)
-                if remote is not None:
-                    self._releases.append(remote)
+                lookup.arrived, lookup.matches = True, list(matches)
+            else:
+                # Too late (given up, or the request is gone): hand the claims back.
+                self._release_matches(matches)
+
+    def _release_matches(self, matches: list[md.LookupMatch]) -> None:
+        for match in matches:
+            release = self._remote_from_match_quietly(match)
+            if release is not None:
+                self._releases.append(release)
 
     def _remote_from_match_quietly(self, match: md.LookupMatch) -> md.ReleaseSpec | None:
         try:
@@ -436,10 +460,8 @@ class DuplexScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._pulls.pop(request.request_id, None)
         lookup = self._lookups.pop(request.request_id, None)
-        if lookup is not None and lookup.match is not None:
-            release = self._remote_from_match_quietly(lookup.match)
-            if release is not None:
-                self._releases.append(release)
+        if lookup is not None:
+            self._release_matches(lookup.matches)
         if state is not None and not state.consumed:
             # Finished (e.g. aborted) before it was ever scheduled: free the owner's blocks.
             if isinstance(state.remote, RemoteBlocks):

@@ -179,7 +179,7 @@ class DuplexWorker:
             max_workers=8, thread_name_prefix="kvduplex-lookup"
         )
         self._lookups: dict[str, _PendingLookup] = {}
-        self._lookup_results: dict[str, md.LookupMatch | None] = {}
+        self._lookup_results: dict[str, list[md.LookupMatch]] = {}
         self._next_peer_scan = 0.0
         self._connections: dict[tuple[str, int], Future[str]] = {}
         self._waiting_loads: list[md.LoadSpec] = []
@@ -499,7 +499,7 @@ class DuplexWorker:
             return
         targets = self._lookup_targets(spec.hint)
         if not targets:
-            self._lookup_results[spec.request_id] = None
+            self._lookup_results[spec.request_id] = []
             self._stats.add("lookups_missed")
             return
         deadline = time.monotonic() + spec.timeout_s
@@ -527,8 +527,7 @@ class DuplexWorker:
         return md.LookupMatch(peer, owner_request_id, matched_blocks, claim_id, claim_s, offer)
 
     def _collect_lookups(self) -> None:
-        """Report lookups whose every owner answered or whose deadline passed; release the
-        claims of every match but the longest."""
+        """Report lookups whose every owner answered or whose deadline passed."""
         now = time.monotonic()
         for request_id, pending in list(self._lookups.items()):
             if now < pending.deadline and not all(f.done() for f in pending.futures):
@@ -549,11 +548,8 @@ class DuplexWorker:
                 if found is not None:
                     matches.append(found)
             matches.sort(key=lambda m: m.matched_blocks, reverse=True)
-            best = matches[0] if matches else None
-            for other in matches[1:]:
-                self._notify_quietly(other.owner_engine_id, other.owner_request_id, other.claim_id)
-            self._lookup_results[request_id] = best
-            self._stats.record_lookup(time.perf_counter() - pending.started, best is not None)
+            self._lookup_results[request_id] = matches
+            self._stats.record_lookup(time.perf_counter() - pending.started, bool(matches))
             if failures:
                 self._stats.add("lookup_failures", len(failures))
                 logger.info(
