@@ -27,6 +27,7 @@ fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
         heartbeat: Duration::from_millis(200),
         peer_error_handling: false,
         lookup_claim: Duration::from_secs(30),
+        allow_unauthenticated: false,
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;

@@ -44,6 +44,7 @@ fn start(secret: Option<&[u8]>) -> SideChannelServer {
         port: 0,
         secret: secret.map(<[u8]>::to_vec),
         heartbeat: HEARTBEAT,
+        allow_unauthenticated: false,
     };
     SideChannelServer::start(config, metadata("owner")).unwrap()
 }
@@ -722,4 +723,19 @@ fn idle_sockets_keep_threads_bounded_and_never_lock_out_a_real_peer() {
     link.notify(b"still served").unwrap();
     assert!(wait_until(TIMEOUT, || server.take_notifications().len() == 1));
     drop(idle);
+}
+
+#[test]
+fn a_non_loopback_side_channel_needs_a_secret_unless_allowed_explicitly() {
+    let open = SideChannelConfig { host: "0.0.0.0".to_owned(), ..SideChannelConfig::default() };
+    let err = SideChannelServer::start(open.clone(), metadata("x")).err().expect("refused");
+    assert!(err.to_string().contains("without a shared secret"), "{err}");
+    let with_secret = SideChannelConfig { secret: Some(b"s".to_vec()), ..open.clone() };
+    SideChannelServer::start(with_secret, metadata("x")).unwrap();
+    let allowed = SideChannelConfig { allow_unauthenticated: true, ..open };
+    SideChannelServer::start(allowed, metadata("x")).unwrap();
+    for host in ["127.0.0.1", "localhost", "::1"] {
+        let local = SideChannelConfig { host: host.to_owned(), ..SideChannelConfig::default() };
+        SideChannelServer::start(local, metadata("x")).unwrap();
+    }
 }

@@ -335,3 +335,10 @@ def test_huge_timeouts_are_no_panic_and_an_unclosed_engine_drops_without_hanging
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "dropped" in done.stdout
+
+
+def test_a_non_loopback_side_channel_without_a_secret_is_refused_unless_allowed():
+    with pytest.raises(core.HandshakeError, match="without a shared secret"):
+        Engine("open", {"m": "x"}, host="0.0.0.0")
+    Engine("open", {"m": "x"}, host="0.0.0.0", allow_unauthenticated=True).close()
+    Engine("closed", {"m": "x"}, host="0.0.0.0", secret=b"s").close()

@@ -61,12 +61,17 @@ class Engine:
         ucx_lib_dir: str | None = None,
         heartbeat_s: float = 1.0,
         peer_error_handling: bool = False,
+        lookup_claim_s: float = 30.0,
+        allow_unauthenticated: bool = False,
     ) -> None:
         """Start UCX and the side channel. `port=0` picks a free port. `ucx_lib_dir`
         defaults to $KVDUPLEX_UCX_LIB_DIR, else the `libucx` wheel's lib directory.
         A peer is declared dead after 3 missed `heartbeat_s`. `peer_error_handling` turns on
         UCX peer error handling: a batch failed by its deadline then can never receive a late
-        byte, but UCX 1.22 reads over tcp instead of shared memory/cma (much slower)."""
+        byte, but UCX 1.22 reads over tcp instead of shared memory/cma (much slower). A
+        lookup's match stays claimed for its reader `lookup_claim_s`. Without a `secret` the side
+        channel must listen on a loopback `host` unless `allow_unauthenticated` (trusted
+        networks only). Raises HandshakeError when it cannot listen."""
     @property
     def engine_id(self) -> str: ...
     @property
@@ -101,6 +106,39 @@ class Engine:
         the peer after the last byte was read. Fails (never hangs) after `timeout_s`."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:
         """Send a notification without reading (e.g. 'not pulling; free your blocks')."""
+    def known_peers(self) -> list[tuple[str, str]]:
+        """(engine id, "host:port") of connected engines that announced their side channel:
+        the engines that read from this one; forgotten when their connection ends."""
+    def hold(
+        self,
+        request_id: str,
+        num_blocks: int,
+        ttl_s: float,
+        *,
+        fingerprints: Sequence[str] = (),
+        offer: bytes = b"",
+    ) -> bool:
+        """Hold a finished request's blocks for readers for `ttl_s`. With fingerprints (16 hex
+        characters per block) the hold is offered to lookups together with `offer`. False: a
+        reader released it already; free the blocks now. Raises ValueError for a request
+        already held, over 65,536 fingerprints or an offer over 512 KiB."""
+    def release_hold(self, reader: str, request_id: str, claim_id: int | None = None) -> bool:
+        """`reader` is done with the blocks: its claim ends, or without a claim id the hold
+        itself. True when this freed the hold (report it as finished sending)."""
+    def expire_holds(self) -> list[str]:
+        """End holds and claims whose time is up; returns the holds freed."""
+    def evict_holds(self, num_blocks: int) -> list[str]:
+        """Free unclaimed offered holds, least recently used first, until `num_blocks` blocks
+        were freed or none is left; returns the holds freed."""
+    @property
+    def held_blocks(self) -> int: ...
+    def lookup(
+        self, peer_engine_id: str, fingerprints: Sequence[str], timeout_s: float = 1.0
+    ) -> tuple[str, int, int, float, bytes] | None:
+        """Ask a connected owner for the longest held turn starting with these blocks:
+        (owner request id, matched blocks, claim id, claim seconds, offer), claimed for us
+        until we release the claim; None when it holds none. Raises HandshakeError when the
+        owner does not answer within `timeout_s` or is gone."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (sender engine id, payload) notifications received so far, in order."""
     def close(self) -> None:

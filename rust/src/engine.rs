@@ -60,6 +60,8 @@ pub struct EngineConfig {
     pub peer_error_handling: bool,
     /// How long a lookup's match stays claimed for its reader (unless released earlier).
     pub lookup_claim: Duration,
+    /// Serve peers without a shared secret on a non-loopback address (trusted networks).
+    pub allow_unauthenticated: bool,
 }
 
 struct LocalMemory {
@@ -137,7 +139,13 @@ impl Engine {
             fingerprint: config.fingerprint.clone(),
         };
         let server = SideChannelServer::start(
-            SideChannelConfig { host: config.host.clone(), port: config.port, secret: config.secret.clone(), heartbeat: config.heartbeat },
+            SideChannelConfig {
+                host: config.host.clone(),
+                port: config.port,
+                secret: config.secret.clone(),
+                heartbeat: config.heartbeat,
+                allow_unauthenticated: config.allow_unauthenticated,
+            },
             meta,
         )?;
         let side_channel = format!("{}:{}", config.host, server.local_addr().port());

@@ -123,7 +123,7 @@ impl Drop for Engine {
 impl Engine {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the Python keyword arguments one to one
-    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=false, lookup_claim_s=30.0))]
+    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=false, lookup_claim_s=30.0, allow_unauthenticated=false))]
     fn new(
         py: Python<'_>,
         engine_id: String,
@@ -135,13 +135,14 @@ impl Engine {
         heartbeat_s: f64,
         peer_error_handling: bool,
         lookup_claim_s: f64,
+        allow_unauthenticated: bool,
     ) -> PyResult<Self> {
         let lookup_claim = seconds("lookup_claim_s", lookup_claim_s)?;
         let heartbeat = seconds("heartbeat_s", heartbeat_s)?;
         if heartbeat.is_zero() {
             return Err(PyValueError::new_err("heartbeat_s must be positive"));
         }
-        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat, peer_error_handling, lookup_claim };
+        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat, peer_error_handling, lookup_claim, allow_unauthenticated };
         let engine = py.detach(|| engine::Engine::start(config)).map_err(|e| to_py(py, e))?;
         let addr = engine.side_channel_addr().map_err(|e| to_py(py, e))?;
         let generation = engine.generation();

@@ -54,6 +54,8 @@ pub struct SideChannelConfig {
     pub secret: Option<Vec<u8>>,
     /// How often each established connection is pinged.
     pub heartbeat: Duration,
+    /// Listen on a non-loopback address without a shared secret (trusted networks only).
+    pub allow_unauthenticated: bool,
 }
 
 impl Default for SideChannelConfig {
@@ -63,6 +65,7 @@ impl Default for SideChannelConfig {
             port: 0,
             secret: None,
             heartbeat: Duration::from_secs(1),
+            allow_unauthenticated: false,
         }
     }
 }
@@ -130,6 +133,22 @@ impl SideChannelServer {
     ) -> Result<Self, HandshakeError> {
         wire::heartbeat_ms(config.heartbeat)?;
         check_secret(config.secret.as_deref())?;
+        if config.secret.is_none() && !is_loopback(&config.host) {
+            if !config.allow_unauthenticated {
+                return Err(HandshakeError::Config(format!(
+                    "the side channel would listen on {} without a shared secret: any host that \
+                     reaches it could read this engine's registered memory; set a secret (e.g. \
+                     $KVDUPLEX_SECRET on every engine) or allow unauthenticated peers explicitly \
+                     on a trusted network",
+                    config.host
+                )));
+            }
+            warn!(
+                "side channel on {} accepts unauthenticated peers (allowed explicitly): only for \
+                 trusted networks",
+                config.host
+            );
+        }
         wire::encode_metadata_frame(&metadata)?;
         let address = format!("{}:{}", config.host, config.port);
         let bind_error = |source| HandshakeError::Bind {
@@ -860,6 +879,15 @@ fn unexpected(expected: &str, got: &Frame) -> HandshakeError {
         "expected a {expected} frame, got a {:?} frame",
         got.kind()
     ))
+}
+
+/// Loopback addresses (and `localhost`) are reachable from this host only.
+fn is_loopback(host: &str) -> bool {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    match bare.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => bare.eq_ignore_ascii_case("localhost"),
+    }
 }
 
 fn check_secret(secret: Option<&[u8]>) -> Result<(), HandshakeError> {

@@ -57,9 +57,25 @@ def test_config_defaults_and_validation(monkeypatch):
         {"side_channel_host": ""},
         {"bidirectional_kv_xfer": "maybe"},
         {"ucx_peer_error_handling": "sometimes"},
+        {"lookup_timeout_ms": -1},
+        {"lookup_timeout_ms": 10**6},
+        {"decode_peers": ["no-port"]},
+        {"decode_peers": ["host:99999"]},
+        {"decode_peers": 7},
+        {"allow_unauthenticated_peers": "perhaps"},
     ):
         with pytest.raises(ValueError, match="DuplexConnector"):
             DuplexConfig.from_extra_config(bad)
+
+
+def test_lookup_options():
+    config = DuplexConfig.from_extra_config(
+        {"lookup_timeout_ms": 40, "decode_peers": "10.0.0.2:5600, [::1]:5601"}
+    )
+    assert config.lookup_timeout_s == pytest.approx(0.04)
+    assert config.decode_peers == ("10.0.0.2:5600", "[::1]:5601")
+    assert DuplexConfig().lookup_timeout_s == pytest.approx(0.25)
+    assert DuplexConfig.from_extra_config({"lookup_timeout_ms": 0}).lookup_timeout_s == 0
 
 
 def test_secret_comes_from_the_named_environment_variable(monkeypatch):

@@ -13,7 +13,8 @@ Every option, its default and why:
 | `side_channel_host` | `$VLLM_HOST_IP`, else `127.0.0.1` | Address each worker's transfer engine listens on and announces to peers. |
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port. With tensor parallelism rank r listens on port+r (or a free port each when 0). The real port is always announced. |
 | `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
-| `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate. |
+| `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate, which is allowed only on a loopback `side_channel_host` (or with `allow_unauthenticated_peers`). |
+| `allow_unauthenticated_peers` | `false` | Serve the side channel without a shared secret on a non-loopback address. Any host that reaches it can then read the registered KV cache: only for trusted networks; logged as a warning at start. |
 | `lookup_timeout_ms` | `250` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history. A live, connected peer answers in one side-channel round trip (measured here: ~1 ms on loopback, tens of ms when 4 vLLM servers share 2 cores); prefill nodes connect to announced decode nodes ahead of time, so no lookup pays for a handshake. The wait only matters when a peer is hung (a dead one is dropped by its heartbeats within 3 s), and 250 ms stays below the prefill time of a history long enough to be worth pulling. Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off. |
 | `decode_peers` | `[]` | Bidirectional only: side channels (`"host:port"` of TP rank 0) of decode engines to look up held turns on, besides those the prefill node learns by itself (every decode engine that pulls from it announces its side channel). |
 | `ucx_peer_error_handling` | `false` | UCX peer error handling on transfer endpoints. On, a read that fails by its deadline can never write late bytes into blocks being recomputed; but UCX 1.22 then moves host memory over tcp instead of cma/shared memory (several times slower on one host). Off, a dead peer is detected through the side channel's heartbeats, and a read aborted while a network transport still carries its data could land late. Turn it on for cross-host deployments where the transport keeps its speed with it. |
@@ -44,6 +45,7 @@ class DuplexConfig:
     handshake_timeout_s: float = 10.0
     auth_secret_env: str = "KVDUPLEX_SECRET"
     ucx_peer_error_handling: bool = False
+    allow_unauthenticated_peers: bool = False
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_MS / 1000
     decode_peers: tuple[str, ...] = ()
 
@@ -94,6 +96,7 @@ class DuplexConfig:
             handshake_timeout_s=_seconds(extra, "handshake_timeout_s", 10.0),
             auth_secret_env=secret_env,
             ucx_peer_error_handling=_bool(extra, "ucx_peer_error_handling", False),
+            allow_unauthenticated_peers=_bool(extra, "allow_unauthenticated_peers", False),
             lookup_timeout_s=_int(
                 extra.get("lookup_timeout_ms", DEFAULT_LOOKUP_TIMEOUT_MS),
                 "lookup_timeout_ms",
@@ -124,6 +127,7 @@ _KNOWN_KEYS = frozenset(
         "ucx_peer_error_handling",
         "lookup_timeout_ms",
         "decode_peers",
+        "allow_unauthenticated_peers",
     }
 )
 

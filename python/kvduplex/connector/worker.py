@@ -205,6 +205,8 @@ class DuplexWorker:
             port=port + self._tp_rank if port else 0,
             secret=self._config.auth_secret(),
             peer_error_handling=self._config.ucx_peer_error_handling,
+            lookup_claim_s=self._config.kv_lease_ttl_s,
+            allow_unauthenticated=self._config.allow_unauthenticated_peers,
         )
         try:
             for addr, length in layout.regions:
