@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 # Version of kvduplex's kv_transfer_params extensions and notification payloads. Both sides of
 # a transfer must speak the same version; the transfer core's handshake checks its own.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # --- kv_transfer_params: vLLM's keys (what existing P/D proxies forward) ---
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -85,6 +85,8 @@ def decode_release(payload: bytes) -> Release | None:
     claim = message.get("claim")
     if not isinstance(request_id, str):
         return None
-    if claim is not None and (isinstance(claim, bool) or not isinstance(claim, int) or claim < 0):
+    if claim is not None and (
+        isinstance(claim, bool) or not isinstance(claim, int) or not 0 <= claim < 2**64
+    ):
         return None
     return Release(request_id, claim)

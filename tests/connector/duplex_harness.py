@@ -9,6 +9,7 @@ which every request that completes its prompt samples `token`; what the workers 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ from kvduplex.connector.metadata import (
     DuplexHandshakeMetadata,
     DuplexWorkerMetadata,
     LoadSpec,
+    LookupMatch,
+    LookupSpec,
 )
 from kvduplex.connector.scheduler import DuplexScheduler
 from kvduplex.connector.stats import DuplexConnectorStats
@@ -207,6 +210,18 @@ class Engine:
         self.steps.append(step)
         return step
 
+    def pull_step(self, held: dict, claim_id: int = 1) -> Step:
+        """A scheduling round for requests whose params name a decode node's turn: P first
+        looks the turn up there (the read must be claimed); the test answers as D's worker
+        would from `held` (D's params). Returns the round in which P schedules."""
+        step = self.step()
+        if not step.meta.lookups:
+            return step
+        answers = {l.request_id: answer_lookup(l, held, claim_id) for l in step.meta.lookups}
+        # The answers reach the scheduler at the end of this round; it schedules in the next.
+        self.step(worker_meta=DuplexWorkerMetadata(lookups=answers))
+        return self.step()
+
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
 
@@ -257,15 +272,49 @@ def prompt_tokens(num_tokens: int, start: int = 100) -> list[int]:
     return [start + i for i in range(num_tokens)]
 
 
+def answer_lookup(lookup: LookupSpec, held: dict | None, claim_id: int = 1) -> list[LookupMatch]:
+    """What D's worker answers a lookup when it holds the turn `held` (D's params): a match of
+    the leading full blocks whose fingerprints agree, claimed, or nothing."""
+    if not held or not held.get("remote_block_fingerprints"):
+        return []
+    matched = 0
+    for mine, theirs in zip(lookup.fingerprints, held["remote_block_fingerprints"]):
+        if mine != theirs:
+            break
+        matched += 1
+    if matched == 0:
+        return []
+    return [
+        LookupMatch(
+            owner_engine_id=f"{held['remote_engine_id']}/tp0",
+            owner_address=f"{held['remote_host']}:{held['remote_ports'][0]}",
+            owner_request_id=held["remote_request_id"],
+            matched_blocks=matched,
+            claim_id=claim_id,
+            claim_expiry=held["remote_lease_expiry"],
+            offer=json.dumps(held).encode(),
+        )
+    ]
+
+
 def prefill(p: Engine, request_id: str, prompt: list[int], params: dict | None = None) -> dict:
-    """Turn's prefill on P (max_tokens=1, as a P/D proxy sends it); returns P's params."""
+    """Turn's prefill on P (max_tokens=1, as a P/D proxy sends it); returns P's params.
+
+    Decode-node params are read under a claim: P looks the turn up on that D first, and the
+    test plays D's worker, answering from `params`."""
     p.add(request_id, prompt, max_tokens=1, params=params or {"do_remote_decode": True})
-    for _ in range(4):
-        step = p.step()
+    answer = None
+    for _ in range(6):
+        step = p.step(worker_meta=answer)
+        answer = None
         finished = step.finished(request_id)
         if finished is not None:
             assert finished.kv_transfer_params is not None
             return finished.kv_transfer_params
+        if step.meta.lookups:
+            (lookup,) = step.meta.lookups
+            answer = DuplexWorkerMetadata(lookups={request_id: answer_lookup(lookup, params)})
+            continue
         # A pull from D is in flight: the test plays the worker and completes it.
         (load,) = step.meta.loads
         assert load.request_id == request_id

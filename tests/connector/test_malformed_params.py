@@ -132,7 +132,7 @@ def test_pull_from_decode_refused_when_bidirectional_is_off(engines, connector_l
         "remote_block_size": 16,
         "remote_block_fingerprints": ["00" * 8] * 2,
         "remote_lease_expiry": time.time() + 60,
-        "kvduplex_protocol": 1,
+        "kvduplex_protocol": 2,
     }
     p.add("p1", PROMPT, max_tokens=1, params=params)
     step = p.step()

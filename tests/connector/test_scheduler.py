@@ -49,8 +49,9 @@ def test_multi_turn_lifecycle(engines):
     # tokens; D holds 179, so P pulls 83 tokens (blocks 6..11, the last one partial).
     turn2 = turn1 + [7] * 80 + prompt_tokens(70, start=500)
     p.add("p2", turn2, max_tokens=1, params=d_params)
-    step = p.step()
+    step = p.pull_step(d_params)
     (load,) = step.meta.loads
+    assert load.claim_id == 1  # read under the claim P's lookup took on D
     assert load.num_tokens == 179 - 96
     assert load.remote_block_ids == tuple(d_params["remote_block_ids"][6:12])
     assert step.output.num_scheduled_tokens == {}
@@ -98,7 +99,7 @@ def test_threshold_boundary_decode_to_prefill(engines, gain, pulls):
     p.step(finished_sending={"p1"})
     # P's cache holds the 64 prompt tokens; D holds 64 + gain.
     p.add("p2", turn1 + [7] * (gain + 1) + prompt_tokens(5, start=600), params=d_params)
-    step = p.step()
+    step = p.pull_step(d_params)
     if pulls:
         assert [load.num_tokens for load in step.meta.loads] == [gain]
     else:
@@ -116,13 +117,13 @@ def test_partial_last_block_is_pulled_and_divergence_inside_it_is_not(engines):
     fresh = engines("P", config)
     history = turn1 + [7] * 8
     fresh.add("same", history + prompt_tokens(30, start=700), params=d_params)
-    (load,) = fresh.step().meta.loads
+    (load,) = fresh.pull_step(d_params).meta.loads
     assert load.num_tokens == 40 and len(load.remote_block_ids) == 3
 
     edited = list(history)
     edited[37] = 9  # inside D's partial third block
     fresh.add("edited", edited + prompt_tokens(30, start=800), params=dict(d_params))
-    (load,) = fresh.step().meta.loads
+    (load,) = fresh.pull_step(d_params).meta.loads
     assert load.num_tokens == 32 and len(load.remote_block_ids) == 2
 
 
@@ -136,17 +137,15 @@ def test_fingerprint_mismatch_pulls_only_the_matching_prefix(engines, connector_
     edited = turn1[:50] + prompt_tokens(60, start=900)
     fresh = engines("P", config)
     fresh.add("p2", edited, params=d_params)
-    step = fresh.step()
+    step = fresh.pull_step(d_params)
     (load,) = step.meta.loads
     assert load.num_tokens == 48  # blocks 0-2 match; block 3 holds token 50
-    assert "differ from the prompt's" in connector_log.text
 
-    # The first block differs: nothing is pulled and D is told to free its blocks.
+    # The first block differs: D holds nothing of this prompt, nothing is pulled or claimed.
     other = engines("P", config)
     other.add("p3", [1] + turn1[1:], params=dict(d_params))
-    step = other.step()
-    assert step.meta.loads == []
-    assert [r.remote_request_id for r in step.meta.releases] == ["d1"]
+    step = other.pull_step(d_params)
+    assert step.meta.loads == [] and step.meta.releases == []
     assert step.output.num_scheduled_tokens == {"p3": 90}
 
 
@@ -341,7 +340,9 @@ def test_lookup_finds_the_held_history_and_pulls_it_with_the_claim(engines):
     assert lookup.fingerprints[:11] == tuple(d_params["remote_block_fingerprints"][:11])
     assert p2.step().output.num_scheduled_tokens == {}  # still waiting, asked only once
     assert p2.steps[-1].meta.lookups == []
-    match = LookupMatch("D/tp0", "d1", 11, claim_id=5, claim_s=30.0, offer=json.dumps(d_params).encode())
+    match = LookupMatch(
+        "D/tp0", "127.0.0.1:41002", "d1", 11, 5, time.time() + 30, json.dumps(d_params).encode()
+    )
     p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": [match]}))
     step = p2.step()
     (load,) = step.meta.loads
@@ -368,7 +369,9 @@ def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, m
     time.sleep(0.15)
     step = p2.step()
     assert "silent" in step.output.num_scheduled_tokens  # gave up waiting: prefills
-    late = LookupMatch("D/tp0", "d1", 3, claim_id=9, claim_s=30.0, offer=json.dumps(d_params).encode())
+    late = LookupMatch(
+        "D/tp0", "127.0.0.1:41002", "d1", 3, 9, time.time() + 30, json.dumps(d_params).encode()
+    )
     p2.step(worker_meta=DuplexWorkerMetadata(lookups={"silent": [late]}))
     step = p2.step()
     (release,) = step.meta.releases
@@ -385,7 +388,9 @@ def test_lookup_is_skipped_below_the_threshold_and_answers_are_checked(engines):
     p3 = engines("P", LOOKUP)
     p3.add("spoof", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
     p3.step()
-    spoof = LookupMatch("X/tp0", "d1", 11, claim_id=2, claim_s=30.0, offer=json.dumps(d_params).encode())
+    spoof = LookupMatch(
+        "X/tp0", "127.0.0.1:41002", "d1", 11, 2, time.time() + 30, json.dumps(d_params).encode()
+    )
     p3.step(worker_meta=DuplexWorkerMetadata(lookups={"spoof": [spoof]}))
     step = p3.step()
     assert step.meta.loads == []
@@ -397,7 +402,9 @@ def test_a_garbage_lookup_answer_prefills_normally(engines, connector_log):
     p2 = engines("P", LOOKUP)
     p2.add("junk", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
     p2.step()
-    junk = LookupMatch("D/tp0", "d1", 11, claim_id=4, claim_s=30.0, offer=b"\xff not json")
+    junk = LookupMatch(
+        "D/tp0", "127.0.0.1:41002", "d1", 11, 4, time.time() + 30, b"\xff not json"
+    )
     p2.step(worker_meta=DuplexWorkerMetadata(lookups={"junk": [junk]}))
     step = p2.step()
     assert step.meta.loads == [] and "junk" in step.output.num_scheduled_tokens
@@ -414,8 +421,8 @@ def test_of_two_owners_the_one_whose_partial_block_matches_wins(engines):
     p2.add("p2", history + prompt_tokens(40, start=600), max_tokens=1, params={"do_remote_decode": True})
     p2.step()
     answers = [
-        LookupMatch("D/tp0", "d0", 11, claim_id=1, claim_s=30.0, offer=json.dumps(older).encode()),
-        LookupMatch("D/tp0", "d1", 11, claim_id=2, claim_s=30.0, offer=json.dumps(d_params).encode()),
+        LookupMatch("D/tp0", "127.0.0.1:41002", "d0", 11, 1, time.time() + 30, json.dumps(older).encode()),
+        LookupMatch("D/tp0", "127.0.0.1:41002", "d1", 11, 2, time.time() + 30, json.dumps(d_params).encode()),
     ]
     p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": answers}))
     step = p2.step()

@@ -114,10 +114,13 @@ class LookupMatch:
     """An owner's answer: it holds `matched_blocks` leading blocks, claimed for us."""
 
     owner_engine_id: str
+    owner_address: str
+    """The side channel ("host:port") that answered; claims are released there."""
     owner_request_id: str
     matched_blocks: int
     claim_id: int
-    claim_s: float
+    claim_expiry: float
+    """Wall-clock time (time.time()) the claim ends, counted from when the lookup was sent."""
     offer: bytes
 
 

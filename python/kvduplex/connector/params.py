@@ -51,6 +51,8 @@ class RemoteBlocks:
     lease_expiry: float
     claim_id: int | None = None
     """Set when a lookup found the blocks: the owner's claim for this reader."""
+    from_decode_node: bool = False
+    """A decode node's finished turn (bidirectional), not a prefill node's prompt."""
 
     def release(self) -> md.ReleaseSpec:
         return md.ReleaseSpec(
@@ -110,6 +112,7 @@ def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejec
         num_tokens=num_tokens,
         fingerprints=fingerprints,
         lease_expiry=lease_expiry,
+        from_decode_node=from_decode_node,
     )
 
 

@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from kvduplex.connector import metadata as md
-from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.config import DEFAULT_LOOKUP_TIMEOUT_MS, DuplexConfig
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
@@ -79,9 +79,12 @@ class _PullState:
 class _LookupState:
     """A request whose prompt was looked up on the known owners."""
 
+    request: Request
     asked_at: float
+    timeout_s: float = 0.0
     arrived: bool = False
-    matches: list[md.LookupMatch] = dataclasses.field(default_factory=list)
+    chosen: RemoteBlocks | Rejected | None = None
+    """The answer picked when it arrived, until the request takes it."""
 
 
 # A lookup's answer travels worker -> scheduler once per step; past its own timeout plus this,
@@ -137,6 +140,11 @@ class DuplexScheduler:
 
         self._pulls: dict[str, _PullState] = {}
         self._lookups: dict[str, _LookupState] = {}
+        # Lookups need every TP rank's reads claimed; claims live on rank 0 only, so with
+        # tensor parallelism kvduplex keeps the params path (and refuses turns past the cap).
+        self._lookups_possible = config.bidirectional_kv_xfer and self._tp_size == 1
+        # Decode-node params seen on a request: where to look up first (the read is claimed).
+        self._hints: dict[str, str] = {}
         self._lookup_specs: list[md.LookupSpec] = []
         self._evict_blocks = 0
         self._held: dict[str, _Hold] = {}
@@ -238,14 +246,16 @@ class DuplexScheduler:
         while the lookup runs."""
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
-            if not self._lookup_worthwhile(request, num_computed_tokens):
-                self._lookups[request.request_id] = _LookupState(asked_at=0.0, arrived=True)
+            hint = self._hints.pop(request.request_id, None)
+            timeout_s = self._lookup_timeout_s(hinted=hint is not None)
+            if timeout_s <= 0 or not self._lookup_worthwhile(request, num_computed_tokens):
+                self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
                 return None
-            self._start_lookup(request)
+            self._start_lookup(request, hint, timeout_s)
             return _ASK_AGAIN
         if not lookup.arrived:
             waited = time.monotonic() - lookup.asked_at
-            if waited <= self._config.lookup_timeout_s + _LOOKUP_REPORT_GRACE_S:
+            if waited <= lookup.timeout_s + _LOOKUP_REPORT_GRACE_S:
                 return _ASK_AGAIN
             logger.warning(
                 "Request %s: no lookup answer from the workers after %.1f s; prefilling",
@@ -254,12 +264,69 @@ class DuplexScheduler:
             )
             lookup.arrived = True
             return None
-        matches, lookup.matches = lookup.matches, []
-        if not matches:
+        chosen, lookup.chosen = lookup.chosen, None
+        if chosen is None:
             return self._pulls.get(request.request_id)
-        # Owners matched the same full blocks at most; the turn whose partial last block also
-        # holds the prompt's tokens gives more. Take the most tokens, hand the others back.
-        candidates = []
+        state = _PullState(remote=chosen)
+        self._pulls[request.request_id] = state
+        return state
+
+    def _lookup_timeout_s(self, hinted: bool) -> float:
+        """Unhinted lookups (discovery) follow `lookup_timeout_ms`; a lookup hinted by a
+        decode node's params (how every decode-node turn is read, so that the read is claimed)
+        runs even when discovery is off."""
+        if not self._lookups_possible:
+            return 0.0
+        if hinted and self._config.lookup_timeout_s <= 0:
+            return DEFAULT_LOOKUP_TIMEOUT_MS / 1000
+        return self._config.lookup_timeout_s
+
+    def _lookup_worthwhile(self, request: Request, num_computed_tokens: int) -> bool:
+        if _unsupported_reason(request) is not None or request.skip_reading_prefix_cache:
+            return False
+        full_blocks = request.num_prompt_tokens // self._block_size
+        gain = full_blocks * self._block_size - num_computed_tokens
+        if gain <= 0:
+            return False
+        if gain < self.recompute_threshold():
+            self._stats.add("lookups_skipped")
+            return False
+        return True
+
+    def _start_lookup(self, request: Request, hint: str | None, timeout_s: float) -> None:
+        prompt = request.prompt_token_ids or []
+        full = len(prompt) // self._block_size * self._block_size
+        fingerprints = block_fingerprints(prompt[:full], self._block_size, _salt(request))
+        self._lookups[request.request_id] = _LookupState(
+            request, time.monotonic(), timeout_s=timeout_s
+        )
+        self._lookup_specs.append(
+            md.LookupSpec(
+                request_id=request.request_id,
+                fingerprints=tuple(fingerprints),
+                timeout_s=timeout_s,
+                hint=hint,
+            )
+        )
+
+    def _on_lookup_answers(self, answers: dict[str, list[md.LookupMatch]]) -> None:
+        for request_id, matches in answers.items():
+            lookup = self._lookups.get(request_id)
+            if lookup is None or lookup.arrived:
+                # Too late (given up, or the request is gone): hand every claim back.
+                for match in matches:
+                    self._releases.append(_owner_release(match))
+                continue
+            lookup.arrived = True
+            lookup.chosen = self._choose(lookup.request, matches)
+
+    def _choose(
+        self, request: Request, matches: list[md.LookupMatch]
+    ) -> RemoteBlocks | Rejected | None:
+        """Owners matched the same full blocks at most; the turn whose partial last block also
+        holds the prompt's tokens gives more. Keep the most tokens, hand the other claims back
+        at once."""
+        best: tuple[int, RemoteBlocks | Rejected] | None = None
         for match in matches:
             remote = self._remote_from_match(request, match)
             tokens = -1
@@ -271,63 +338,23 @@ class DuplexScheduler:
                     self._block_size,
                     _salt(request),
                 )
-            candidates.append((tokens, remote))
-        candidates.sort(key=lambda candidate: candidate[0], reverse=True)
-        for _, other in candidates[1:]:
-            release = other.release() if isinstance(other, RemoteBlocks) else other.release
-            if release is not None:
-                self._releases.append(release)
-        state = _PullState(remote=candidates[0][1])
-        self._pulls[request.request_id] = state
-        return state
-
-    def _lookup_worthwhile(self, request: Request, num_computed_tokens: int) -> bool:
-        if not self._config.bidirectional_kv_xfer or self._config.lookup_timeout_s <= 0:
-            return False
-        if _unsupported_reason(request) is not None:
-            return False
-        full_blocks = request.num_prompt_tokens // self._block_size
-        gain = full_blocks * self._block_size - num_computed_tokens
-        if gain <= 0:
-            return False
-        if gain < self.recompute_threshold():
-            self._stats.add("lookups_skipped")
-            return False
-        return True
-
-    def _start_lookup(self, request: Request) -> None:
-        prompt = request.prompt_token_ids or []
-        full = len(prompt) // self._block_size * self._block_size
-        fingerprints = block_fingerprints(prompt[:full], self._block_size, _salt(request))
-        params = request.kv_transfer_params
-        hint = params.get(md.DECODE_HINT) if isinstance(params, dict) else None
-        if not (isinstance(hint, str) and 0 < len(hint) <= 300 and hint.isprintable()):
-            hint = None
-        self._lookups[request.request_id] = _LookupState(asked_at=time.monotonic())
-        self._lookup_specs.append(
-            md.LookupSpec(
-                request_id=request.request_id,
-                fingerprints=tuple(fingerprints),
-                timeout_s=self._config.lookup_timeout_s,
-                hint=hint,
-            )
-        )
+            if best is None or tokens > best[0]:
+                if best is not None:
+                    self._hand_back(best[1])
+                best = (tokens, remote)
+            else:
+                self._hand_back(remote)
+        return None if best is None else best[1]
 
     def _remote_from_match(self, request: Request, match: md.LookupMatch) -> RemoteBlocks | Rejected:
         """Check an owner's answer exactly like params from a router, cut to what matched."""
+        release = _owner_release(match)
         try:
             params = json.loads(match.offer)
         except (ValueError, UnicodeDecodeError):
             params = None
         if not isinstance(params, dict):
-            self._stats.add("fallbacks")
-            logger.warning(
-                "Request %s: engine %s answered its lookup with malformed params; prefilling "
-                "(its claim ends by itself)",
-                request.request_id,
-                match.owner_engine_id,
-            )
-            return Rejected("malformed lookup answer")
+            return self._reject_match(request, match, "malformed params", release)
         params = dict(params)
         ids, fingerprints = params.get(md.REMOTE_BLOCK_IDS), params.get(md.REMOTE_BLOCK_FINGERPRINTS)
         num_tokens = params.get(md.REMOTE_NUM_TOKENS)
@@ -340,69 +367,41 @@ class DuplexScheduler:
             params[md.REMOTE_BLOCK_IDS] = ids[:keep]
             params[md.REMOTE_BLOCK_FINGERPRINTS] = fingerprints[:keep]
             params[md.REMOTE_NUM_TOKENS] = min(num_tokens, keep * self._block_size)
-        # The claim, not the hold's own end, is how long the owner keeps the blocks for us;
-        # counted from our clock, so the hosts' clocks need not agree.
-        params[md.REMOTE_LEASE_EXPIRY] = time.time() + match.claim_s
+        # The claim, not the hold's own end, is how long the owner keeps the blocks for us.
+        params[md.REMOTE_LEASE_EXPIRY] = match.claim_expiry
         remote = parse_remote_blocks(params, self._params_context)
-        if isinstance(remote, RemoteBlocks):
-            if md.rank_engine_id(remote.peer.engine_id, 0) != match.owner_engine_id:
-                remote = Rejected(
-                    f"lookup answer from {match.owner_engine_id} names engine "
-                    f"{remote.peer.engine_id}",
-                    dataclasses.replace(remote.release(), claim_id=match.claim_id),
-                )
-            else:
-                remote = dataclasses.replace(remote, claim_id=match.claim_id)
-                logger.debug(
-                    "Request %s: engine %s holds %d of its blocks (request %s, claim %d)",
-                    request.request_id,
-                    remote.peer.engine_id,
-                    match.matched_blocks,
-                    match.owner_request_id,
-                    match.claim_id,
-                )
-                return remote
-        elif remote is None:
-            remote = Rejected("lookup answer asks for no transfer")
-        elif remote.release is not None:
-            remote = Rejected(
-                remote.reason, dataclasses.replace(remote.release, claim_id=match.claim_id)
-            )
+        if not isinstance(remote, RemoteBlocks):
+            reason = remote.reason if isinstance(remote, Rejected) else "it asks for no transfer"
+            return self._reject_match(request, match, reason, release)
+        if md.rank_engine_id(remote.peer.engine_id, 0) != match.owner_engine_id:
+            reason = f"it names engine {remote.peer.engine_id}"
+            return self._reject_match(request, match, reason, release)
+        logger.debug(
+            "Request %s: engine %s holds %d of its blocks (request %s, claim %d)",
+            request.request_id,
+            remote.peer.engine_id,
+            match.matched_blocks,
+            match.owner_request_id,
+            match.claim_id,
+        )
+        return dataclasses.replace(remote, claim_id=match.claim_id)
+
+    def _hand_back(self, remote: RemoteBlocks | Rejected) -> None:
+        release = remote.release() if isinstance(remote, RemoteBlocks) else remote.release
+        if release is not None:
+            self._releases.append(release)
+
+    def _reject_match(
+        self, request: Request, match: md.LookupMatch, reason: str, release: md.ReleaseSpec
+    ) -> Rejected:
         self._stats.add("fallbacks")
         logger.warning(
-            "Request %s runs without the KV its lookup found: %s", request.request_id, remote.reason
+            "Request %s: the lookup answer of engine %s is unusable (%s); prefilling",
+            request.request_id,
+            match.owner_engine_id,
+            reason,
         )
-        return remote
-
-    def _on_lookup_answers(self, answers: dict[str, list[md.LookupMatch]]) -> None:
-        for request_id, matches in answers.items():
-            lookup = self._lookups.get(request_id)
-            if lookup is not None and not lookup.arrived:
-                lookup.arrived, lookup.matches = True, list(matches)
-            else:
-                # Too late (given up, or the request is gone): hand the claims back.
-                self._release_matches(matches)
-
-    def _release_matches(self, matches: list[md.LookupMatch]) -> None:
-        for match in matches:
-            release = self._remote_from_match_quietly(match)
-            if release is not None:
-                self._releases.append(release)
-
-    def _remote_from_match_quietly(self, match: md.LookupMatch) -> md.ReleaseSpec | None:
-        try:
-            params = json.loads(match.offer)
-        except (ValueError, UnicodeDecodeError):
-            return None
-        if not isinstance(params, dict):
-            return None
-        try:
-            host, port = params[md.REMOTE_HOST], params[md.REMOTE_PORTS]
-            engine_id = params[md.REMOTE_ENGINE_ID]
-            peer = md.PeerAddress(engine_id=engine_id, host=host, ports=tuple(port))
-        except (KeyError, TypeError):
-            return None
-        return md.ReleaseSpec(peer, match.owner_request_id, match.claim_id)
+        return Rejected(f"lookup answer: {reason}", release)
 
     def _pull_state(self, request: Request) -> _PullState | None:
         state = self._pulls.get(request.request_id)
@@ -415,6 +414,11 @@ class DuplexScheduler:
             unsupported = _unsupported_reason(request)
             if unsupported is not None:
                 remote = Rejected(unsupported, remote.release())
+            elif remote.from_decode_node and self._lookups_possible:
+                # A decode node's finished turn is read only under a claim (the turn may be
+                # evicted otherwise): look it up there first, then pull what the claim covers.
+                self._hints[request.request_id] = f"{remote.peer.host}:{remote.peer.ports[0]}"
+                return None
         if isinstance(remote, Rejected):
             self._stats.add("fallbacks")
             logger.warning(
@@ -460,8 +464,9 @@ class DuplexScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._pulls.pop(request.request_id, None)
         lookup = self._lookups.pop(request.request_id, None)
-        if lookup is not None:
-            self._release_matches(lookup.matches)
+        self._hints.pop(request.request_id, None)
+        if lookup is not None and lookup.chosen is not None:
+            self._hand_back(lookup.chosen)
         if state is not None and not state.consumed:
             # Finished (e.g. aborted) before it was ever scheduled: free the owner's blocks.
             if isinstance(state.remote, RemoteBlocks):
@@ -507,8 +512,18 @@ class DuplexScheduler:
             return False, None
         if decode_turn:
             overflow = self._held_decode_blocks + num_blocks - self._max_held_decode_blocks
+            if overflow > 0 and not self._lookups_possible:
+                logger.debug(
+                    "Request %s: not holding %d blocks, held finished turns already use %d of %d",
+                    request.request_id,
+                    num_blocks,
+                    self._held_decode_blocks,
+                    self._max_held_decode_blocks,
+                )
+                return False, None
             if overflow > 0:
-                # Make room: the workers free the least recently used unclaimed turns.
+                # Make room: the workers free the least recently used unclaimed turns (every
+                # read of a held turn is claimed, so none is freed under a read).
                 self._evict_blocks = max(self._evict_blocks, overflow)
 
         held_ids = list(block_ids[:num_blocks])
@@ -534,7 +549,7 @@ class DuplexScheduler:
             md.REMOTE_LEASE_EXPIRY: time.time() + ttl_s,
             md.PROTOCOL_KEY: md.PROTOCOL_VERSION,
         }
-        offered = decode_turn and self._config.lookup_timeout_s > 0
+        offered = decode_turn and self._lookups_possible
         self._holds.append(
             md.HoldSpec(
                 request_id=request.request_id,
@@ -630,3 +645,12 @@ def _unsupported_reason(request: Request) -> str | None:
     if request.mm_features:
         return "multimodal requests are not supported"
     return None
+
+
+def _owner_release(match: md.LookupMatch) -> md.ReleaseSpec:
+    """Where to hand a lookup's claim back: the side channel that answered it (TP rank 0)."""
+    host, _, port = match.owner_address.rpartition(":")
+    engine_id = match.owner_engine_id.rsplit("/tp", 1)[0]
+    peer = md.PeerAddress(engine_id=engine_id, host=host, ports=(int(port),))
+    return md.ReleaseSpec(peer, match.owner_request_id, match.claim_id)
+

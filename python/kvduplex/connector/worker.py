@@ -435,8 +435,13 @@ class DuplexWorker:
                 offer=hold.offer,
             )
         except ValueError as exc:
-            logger.warning("Not holding request %s's blocks: %s", hold.request_id, exc)
-            held = False
+            # E.g. a turn too long to offer: hold it without offering it (no lookup finds
+            # it, so no reader reads it; it ends at its TTL).
+            logger.warning("Not offering request %s's blocks to lookups: %s", hold.request_id, exc)
+            try:
+                held = self._engine.hold(hold.request_id, hold.num_blocks, hold.ttl_s)
+            except ValueError:
+                held = False
         if not held:
             self._finished_sending.add(hold.request_id)
             self._stats.add("leases_released")
@@ -456,7 +461,15 @@ class DuplexWorker:
             release = md.decode_release(payload)
             if release is None:
                 logger.warning("Ignoring a malformed notification from engine %s", sender)
-            elif self._engine.release_hold(sender, release.owner_request_id, release.claim_id):
+                continue
+            try:
+                freed = self._engine.release_hold(
+                    sender, release.owner_request_id, release.claim_id
+                )
+            except (ValueError, OverflowError, _core.KvDuplexError) as exc:
+                logger.warning("Ignoring a release from engine %s: %s", sender, exc)
+                continue
+            if freed:
                 self._finished_sending.add(release.owner_request_id)
                 self._stats.add("leases_released")
 
@@ -505,14 +518,22 @@ class DuplexWorker:
             self._stats.add("lookups_missed")
             return
         deadline = time.monotonic() + spec.timeout_s
+        sent_at = time.time()
         futures = [
-            self._lookup_pool.submit(self._lookup_one, host, port, spec.fingerprints, deadline)
+            self._lookup_pool.submit(
+                self._lookup_one, host, port, spec.fingerprints, deadline, sent_at
+            )
             for host, port in targets
         ]
         self._lookups[spec.request_id] = _PendingLookup(spec, futures, deadline, time.perf_counter())
 
     def _lookup_one(
-        self, host: str, port: int, fingerprints: tuple[str, ...], deadline: float
+        self,
+        host: str,
+        port: int,
+        fingerprints: tuple[str, ...],
+        deadline: float,
+        sent_at: float,
     ) -> md.LookupMatch | None:
         """Runs on the lookup pool: connect (cached) and ask one owner."""
         left = deadline - time.monotonic()
@@ -526,7 +547,16 @@ class DuplexWorker:
         if found is None:
             return None
         owner_request_id, matched_blocks, claim_id, claim_s, offer = found
-        return md.LookupMatch(peer, owner_request_id, matched_blocks, claim_id, claim_s, offer)
+        # The owner started the claim after we sent: counting from the send is conservative.
+        return md.LookupMatch(
+            owner_engine_id=peer,
+            owner_address=f"{host}:{port}",
+            owner_request_id=owner_request_id,
+            matched_blocks=matched_blocks,
+            claim_id=claim_id,
+            claim_expiry=sent_at + claim_s,
+            offer=offer,
+        )
 
     def _collect_lookups(self) -> None:
         """Report lookups whose every owner answered or whose deadline passed."""

@@ -19,7 +19,8 @@ use wire::{Frame, FrameKind};
 
 /// Version of the side-channel protocol. The frame header's magic and version fields keep
 /// their place in every future version so that a mismatch is always reported as one.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: lookups of held turns (Lookup/LookupReply frames, the client's side channel in its hello).
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Where a registered region lives; the reader needs it to pick a UCX memory type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
