@@ -130,6 +130,12 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     assert_eq!(known.len(), 1);
     assert_eq!(known[0].engine_id, "reader");
     assert_eq!(known[0].side_channel, format!("127.0.0.1:{}", reader_addr.port()));
+    // ...and connects back to it on its own, so its own lookups never wait for a handshake.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !owner.peer_alive("reader") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(owner.peer_alive("reader"));
     let found = reader.lookup(&peer, vec![11, 12, 99], Duration::from_secs(5)).unwrap().expect("held");
     assert_eq!((found.owner_request_id.as_str(), found.matched_blocks), ("turn-1", 2));
     assert_eq!(found.offer, b"params");

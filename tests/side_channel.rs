@@ -398,7 +398,8 @@ fn a_protocol_version_mismatch_is_reported_on_both_sides() {
     let Ok(Frame::Refused(Refusal::Other(reason))) = wire::decode_frame(&reply) else {
         panic!("{reply:?}");
     };
-    assert!(reason.contains("ours is 1, theirs is 2"), "{reason}");
+    let expected = format!("ours is {PROTOCOL_VERSION}, theirs is {}", PROTOCOL_VERSION + 1);
+    assert!(reason.contains(&expected), "{reason}");
 }
 
 #[test]

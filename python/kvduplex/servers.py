@@ -396,6 +396,32 @@ class Completion:
     elapsed_s: float
 
 
+def _completion_body(
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    logprobs: int,
+    kv_transfer_params: Mapping[str, Any] | None,
+    seed: int,
+    cache_salt: str | None,
+) -> dict[str, Any]:
+    """The greedy `/v1/completions` body `complete` and `complete_streamed` send."""
+    body: dict[str, Any] = {
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": seed,
+        "ignore_eos": True,
+        "logprobs": logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
+
+
 def complete(
     base_url: str,
     prompt: str | Sequence[int],
@@ -414,20 +440,7 @@ def complete(
     tokens, whatever a random-weight model happens to emit. `headers` go with the request (e.g. a
     proxy's conversation id). Raises `ServerError` with the server's message on a non-200 answer.
     """
-    body: dict[str, Any] = {
-        "prompt": prompt if isinstance(prompt, str) else list(prompt),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "seed": seed,
-        "ignore_eos": True,
-        "logprobs": logprobs,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-    }
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = dict(kv_transfer_params)
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
+    body = _completion_body(prompt, max_tokens, logprobs, kv_transfer_params, seed, cache_salt)
     started = time.perf_counter()
     response = httpx.post(
         f"{base_url}/v1/completions", json=body, headers=dict(headers or {}), timeout=timeout_s
@@ -534,21 +547,8 @@ def complete_streamed(
     sent to first chunk with a generated token. Raises `ServerError` on a non-200 answer or an
     error event in the stream.
     """
-    body: dict[str, Any] = {
-        "prompt": prompt if isinstance(prompt, str) else list(prompt),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "seed": seed,
-        "ignore_eos": True,
-        "logprobs": logprobs,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "stream": True,
-    }
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = dict(kv_transfer_params)
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
+    body = _completion_body(prompt, max_tokens, logprobs, kv_transfer_params, seed, cache_salt)
+    body["stream"] = True
     text_parts: list[str] = []
     token_ids: list[int] = []
     logprob_tokens: list[str] = []

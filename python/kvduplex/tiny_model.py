@@ -206,8 +206,7 @@ def sample_chat_text(num_words: int, seed: int = 0) -> str:
 
 
 def _build_chat_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tokens = [*CHAT_SPECIAL_TOKENS, *CHAT_ROLE_MARKERS, *chat_vocabulary()]
     if len(tokens) != VOCAB_SIZE or len(set(tokens)) != VOCAB_SIZE:
@@ -223,28 +222,17 @@ def _build_chat_tokenizer(out_dir: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tokenizer.add_special_tokens(list(CHAT_SPECIAL_TOKENS))
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
+    _save_with_bos(
+        tokenizer,
+        out_dir,
+        CHAT_MODEL_TEMPLATE,
         unk_token=CHAT_UNK_TOKEN,
         clean_up_tokenization_spaces=False,
-        model_max_length=MODEL_CONFIG["max_position_embeddings"],
     )
-    fast.chat_template = CHAT_MODEL_TEMPLATE
-    fast.save_pretrained(out_dir)
 
 
 def _build_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -261,6 +249,14 @@ def _build_tokenizer(out_dir: Path) -> None:
             f"tokenizer training produced {tokenizer.get_vocab_size()} tokens, "
             f"expected {VOCAB_SIZE}; the training text is too small"
         )
+    _save_with_bos(tokenizer, out_dir, CHAT_TEMPLATE)
+
+
+def _save_with_bos(tokenizer, out_dir: Path, chat_template: str, **extra: object) -> None:
+    """Prepend BOS to every encoding and save as a transformers fast tokenizer with the template."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A",
@@ -273,8 +269,9 @@ def _build_tokenizer(out_dir: Path) -> None:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        **extra,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
 
 

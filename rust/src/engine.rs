@@ -107,6 +107,8 @@ struct Shared {
     holds: Arc<Mutex<HoldBook>>,
     /// "host:port" of our side channel, announced to the owners we connect to.
     side_channel: String,
+    /// One gate per address, so concurrent connects to one peer make one handshake.
+    connecting: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     stop: AtomicBool,
 }
 
@@ -164,8 +166,12 @@ impl Engine {
             waiters: AtomicUsize::new(0),
             holds,
             side_channel,
+            connecting: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
         });
+        if let Some(server) = lock(&shared.server).as_ref() {
+            server.set_announce_handler(connect_back_handler(Arc::downgrade(&shared)));
+        }
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
@@ -229,63 +235,76 @@ impl Engine {
     /// Unreachable peers are retried with backoff until `timeout`; refusals (incompatible,
     /// authentication) fail at once.
     pub fn connect(&self, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
-        let key = format!("{host}:{port}");
-        if let Some(id) = lock(&self.shared.addresses).get(&key).cloned() {
-            if lock(&self.shared.peers).get(&id).is_some_and(|p| p.alive.load(Ordering::Acquire)) {
-                return Ok(id);
-            }
-        }
-        let deadline = deadline_after(timeout);
-        let mut delay = CONNECT_BACKOFF_START;
-        let (link, meta) = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let attempt = PeerLink::connect(
-                host,
-                port,
-                &self.shared.config.engine_id,
-                Some(self.shared.side_channel.clone()),
-                &self.shared.config.fingerprint,
-                self.shared.config.secret.as_deref(),
-                left.max(Duration::from_millis(1)),
-                self.shared.config.heartbeat,
-            );
-            match attempt {
-                Ok(ok) => break ok,
-                Err(e) if is_retryable(&e) && deadline_after(delay) < deadline => {
-                    log::debug!("side channel {key} not ready ({e}); retrying in {delay:?}");
-                    std::thread::sleep(delay);
-                    delay = (delay * 2).min(CONNECT_BACKOFF_MAX);
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        let layout = meta.layout.as_ref().ok_or_else(|| {
-            EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
-        })?;
-        let regions: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
-        layout.validate_within(&regions)?;
-        let rkeys: Vec<Vec<u8>> = meta.regions.iter().map(|r| r.rkey.clone()).collect();
-        let endpoint = self.shared.worker.connect(&meta.worker_address, &rkeys, self.shared.config.peer_error_handling)?;
-        let id = meta.engine_id.clone();
-        let peer = Arc::new(Peer { meta, regions, endpoint: Mutex::new(Some(endpoint)), link, alive: AtomicBool::new(true) });
-        let weak_shared = Arc::downgrade(&self.shared);
-        let weak_peer = Arc::downgrade(&peer);
-        peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
-        let previous = lock(&self.shared.peers).insert(id.clone(), Arc::clone(&peer));
-        match previous {
-            Some(old) if old.meta.generation != peer.meta.generation => {
-                log::info!("peer {id} restarted (generation {:#x} -> {:#x}); dropped its old endpoint and keys", old.meta.generation, peer.meta.generation)
-            }
-            _ => log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len()),
-        }
-        lock(&self.shared.addresses).insert(key, id.clone());
-        Ok(id)
+        connect_shared(&self.shared, host, port, timeout)
     }
 
     pub fn peer_alive(&self, peer_id: &str) -> bool {
         lock(&self.shared.peers).get(peer_id).is_some_and(|p| p.alive.load(Ordering::Acquire))
     }
+}
 
+/// [`Engine::connect`]; also run by the side channel for engines that announce themselves.
+fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
+    let key = format!("{host}:{port}");
+    // One handshake per address at a time: a second caller waits and finds the first's link.
+    let gate = Arc::clone(lock(&shared.connecting).entry(key.clone()).or_default());
+    let _one_at_a_time = lock(&gate);
+    if shared.stop.load(Ordering::Acquire) {
+        return Err(EngineError::Closed);
+    }
+    if let Some(id) = lock(&shared.addresses).get(&key).cloned() {
+        if lock(&shared.peers).get(&id).is_some_and(|p| p.alive.load(Ordering::Acquire)) {
+            return Ok(id);
+        }
+    }
+    let deadline = deadline_after(timeout);
+    let mut delay = CONNECT_BACKOFF_START;
+    let (link, meta) = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = PeerLink::connect(
+            host,
+            port,
+            &shared.config.engine_id,
+            Some(shared.side_channel.clone()),
+            &shared.config.fingerprint,
+            shared.config.secret.as_deref(),
+            left.max(Duration::from_millis(1)),
+            shared.config.heartbeat,
+        );
+        match attempt {
+            Ok(ok) => break ok,
+            Err(e) if is_retryable(&e) && deadline_after(delay) < deadline => {
+                log::debug!("side channel {key} not ready ({e}); retrying in {delay:?}");
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(CONNECT_BACKOFF_MAX);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let layout = meta.layout.as_ref().ok_or_else(|| {
+        EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
+    })?;
+    let regions: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
+    layout.validate_within(&regions)?;
+    let rkeys: Vec<Vec<u8>> = meta.regions.iter().map(|r| r.rkey.clone()).collect();
+    let endpoint = shared.worker.connect(&meta.worker_address, &rkeys, shared.config.peer_error_handling)?;
+    let id = meta.engine_id.clone();
+    let peer = Arc::new(Peer { meta, regions, endpoint: Mutex::new(Some(endpoint)), link, alive: AtomicBool::new(true) });
+    let weak_shared = Arc::downgrade(&shared);
+    let weak_peer = Arc::downgrade(&peer);
+    peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
+    let previous = lock(&shared.peers).insert(id.clone(), Arc::clone(&peer));
+    match previous {
+        Some(old) if old.meta.generation != peer.meta.generation => {
+            log::info!("peer {id} restarted (generation {:#x} -> {:#x}); dropped its old endpoint and keys", old.meta.generation, peer.meta.generation)
+        }
+        _ => log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len()),
+    }
+    lock(&shared.addresses).insert(key, id.clone());
+    Ok(id)
+}
+
+impl Engine {
     /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`.
     pub fn read_blocks(
         &self,
@@ -613,6 +632,32 @@ impl Transfer {
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600))).unwrap_or(now)
+}
+
+/// How long connecting back to an announced engine may take before it is left for later.
+const CONNECT_BACK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects back, on a thread of its own, to every engine that connects to us and announces
+/// its side channel: those are the engines whose held turns our lookups ask about, and a
+/// lookup must not pay for a first handshake within its short deadline.
+fn connect_back_handler(shared: Weak<Shared>) -> crate::side_channel::AnnounceHandler {
+    Arc::new(move |peer| {
+        let shared = shared.clone();
+        let address = peer.side_channel.clone();
+        let Some((host, port)) = address.rsplit_once(':').and_then(|(h, p)| Some((h.trim_start_matches('[').trim_end_matches(']').to_owned(), p.parse::<u16>().ok()?))) else {
+            log::warn!("engine {} announced an unusable side channel {address:?}", peer.engine_id);
+            return;
+        };
+        let spawned = std::thread::Builder::new().name("kvduplex-connect-back".into()).spawn(move || {
+            let Some(shared) = shared.upgrade() else { return };
+            if let Err(e) = connect_shared(&shared, &host, port, CONNECT_BACK_TIMEOUT) {
+                log::info!("could not connect back to {host}:{port}: {e}");
+            }
+        });
+        if let Err(e) = spawned {
+            log::warn!("cannot start a thread to connect back to {address}: {e}");
+        }
+    })
 }
 
 /// Answers side-channel lookups from the hold book, claiming matches for the asking engine.

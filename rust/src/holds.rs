@@ -28,6 +28,9 @@ pub const MAX_FINGERPRINTS: usize = 65_536;
 pub const MAX_OFFER_BYTES: usize = 512 << 10;
 /// The most claims alive at once over all holds; a lookup past it finds nothing.
 pub const MAX_CLAIMS: usize = 4096;
+/// The most (position, hold) pairs one lookup examines, so a hostile reader cannot hold the
+/// book's lock for long; a lookup past it finds nothing.
+pub const MAX_EXAMINED: usize = 16_384;
 /// A release that arrives before its hold is remembered this long, and at most this many.
 pub const EARLY_RELEASE_KEEP: Duration = Duration::from_secs(60);
 pub const MAX_EARLY_RELEASES: usize = 4096;
@@ -180,10 +183,21 @@ impl HoldBook {
         if self.num_claims >= MAX_CLAIMS || fingerprints.len() > MAX_FINGERPRINTS {
             return None;
         }
+        // Chained fingerprints never repeat within one prompt; a lookup that repeats them is
+        // not a prompt's.
+        let distinct: HashSet<&BlockFingerprint> = fingerprints.iter().collect();
+        if distinct.len() != fingerprints.len() {
+            return None;
+        }
         // Chained fingerprints: a hold that has the reader's block i at position i has all
         // of blocks 0..=i, so the last position found is the longest match.
+        let mut examined = 0usize;
         let (request_id, matched) = fingerprints.iter().enumerate().rev().find_map(|(i, fp)| {
             let candidates = self.index.get(fp)?;
+            examined += candidates.len();
+            if examined > MAX_EXAMINED {
+                return None;
+            }
             candidates
                 .iter()
                 .filter_map(|id| Some((id, self.held.get(id)?)))
@@ -463,6 +477,21 @@ mod tests {
         assert!(matches!(book.hold("b", 1, vec![], huge, TTL, t0), Err(HoldError::OfferTooLarge(_))));
         // A TTL that overflows Instant is a hold that lasts, not a panic.
         assert_eq!(book.hold("c", 1, vec![], vec![], Duration::MAX, t0), Ok(true));
+    }
+
+    #[test]
+    fn lookups_that_repeat_fingerprints_or_examine_too_much_find_nothing() {
+        let t0 = Instant::now();
+        let mut book = HoldBook::new();
+        // Many holds sharing a first block (a long common system prompt).
+        for n in 0..(MAX_EXAMINED as u64 + 1) {
+            assert_eq!(book.hold(&format!("t{n}"), 2, vec![1, 1000 + n], vec![], TTL, t0), Ok(true));
+        }
+        assert!(book.lookup("P", &[1, 1, 1], CLAIM, t0).is_none());
+        // The shared block alone examines every hold sharing it: more than allowed.
+        assert!(book.lookup("P", &[1], CLAIM, t0).is_none());
+        // A distinct second block is found at once.
+        assert_eq!(book.lookup("P", &[1, 1005], CLAIM, t0).unwrap().owner_request_id, "t5");
     }
 
     #[test]

@@ -30,7 +30,12 @@ import pytest
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
 from kvduplex.protocol import prefill_request_params
-from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
+from kvduplex.servers import (
+    VllmServer,
+    ports_outside_ephemeral_range,
+    prompt_tokens_by_source,
+    start_many,
+)
 from kvduplex.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     CHAT_EOS_TOKEN_ID,
@@ -68,14 +73,18 @@ class Servers:
 @pytest.fixture(scope="module")
 def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Servers]:
     model_dir = build_tiny_chat_model(pytestconfig.cache.mkdir("kvduplex-tiny-chat-model"))
-    config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
+    (d1_side_channel,) = ports_outside_ephemeral_range(1)
 
-    def server(name: str, kv: bool) -> VllmServer:
+    def server(name: str, kv: bool, **extra_config: object) -> VllmServer:
+        config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
+        config["kv_connector_extra_config"].update(extra_config)
         extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
         return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)
 
     group = [server("chat-reference", False), server("chat-prefill", True)]
-    group += [server("chat-decode-1", True), server("chat-decode-2", True)]
+    group.append(server("chat-decode-1", True, side_channel_port=d1_side_channel))
+    # D2 also serves as a second prefill node (below); it knows D1 from its config.
+    group.append(server("chat-decode-2", True, decode_peers=[f"127.0.0.1:{d1_side_channel}"]))
     with start_many(group) as (reference, prefill, d1, d2):
         yield Servers(reference, prefill, [d1, d2])
 
@@ -112,8 +121,11 @@ def stream_chat(base_url: str, messages: list[dict], kv_transfer_params: dict | 
     return Answer(prompt_ids, text, token_ids, logprobs[: len(token_ids)])
 
 
-def relay(servers: Servers, decode: VllmServer) -> Callable[[list[dict]], Answer]:
+def relay(
+    servers: Servers, decode: VllmServer, prefill: VllmServer | None = None
+) -> Callable[[list[dict]], Answer]:
     """The smallest standard P/D router: P prefills with `do_remote_decode`, D streams."""
+    prefill = prefill or servers.prefill
 
     def send(messages: list[dict]) -> Answer:
         body = {
@@ -124,7 +136,7 @@ def relay(servers: Servers, decode: VllmServer) -> Callable[[list[dict]], Answer
             "allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS),
             "kv_transfer_params": prefill_request_params(),
         }
-        response = httpx.post(f"{servers.prefill.base_url}/v1/chat/completions", json=body, timeout=300)
+        response = httpx.post(f"{prefill.base_url}/v1/chat/completions", json=body, timeout=300)
         response.raise_for_status()
         params = response.json().get("kv_transfer_params")
         assert params is not None, "P offered no KV blocks"
@@ -189,3 +201,28 @@ def test_streamed_chat_through_a_standard_router_finds_the_d_that_holds_each_tur
     # Turns alternate D1, D2, D1, D2: P's history for turn k is on the other D than turn k's.
     turns = run_chat(servers, lambda turn: relay(servers, servers.decodes[turn % 2]), seed=2)
     check_reuse(turns)
+
+
+@pytest.mark.e2e
+def test_a_conversation_sharing_a_long_first_message_pulls_it_from_the_d_that_holds_it(servers):
+    """Conversation A's first turn is held on D1. Conversation B starts with the same long
+    system message on a prefill node that has never seen it (D2, serving as a second P): it
+    finds the shared prefix in A's held turn on D1 and pulls it instead of computing it."""
+    system = {"role": "system", "content": sample_chat_text(300, seed=3)}
+    first_a = [system, {"role": "user", "content": sample_chat_text(40, seed=31)}]
+    answer_a = relay(servers, servers.decodes[0])(first_a)
+    assert answer_a.token_ids == stream_chat(servers.reference.base_url, first_a).token_ids
+
+    first_b = [system, {"role": "user", "content": sample_chat_text(40, seed=32)}]
+    expected = stream_chat(servers.reference.base_url, first_b)
+    second_prefill = servers.decodes[1]
+    before = prompt_tokens_by_source(second_prefill.base_url)
+    answer_b = relay(servers, servers.decodes[0], prefill=second_prefill)(first_b)
+    after = prompt_tokens_by_source(second_prefill.base_url)
+    on_p2 = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    logger.info("conversation B's first turn (%d tokens) on P2: %s", len(expected.prompt_ids), on_p2)
+    assert answer_b.token_ids == expected.token_ids
+    assert answer_b.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
+    # B shares A's first 303 tokens (bos, "system:", 300 words, "user:"): 2 full blocks.
+    assert on_p2.get("external_kv_transfer", 0) == 2 * BLOCK, on_p2
+    assert on_p2.get("local_compute", 0) == len(expected.prompt_ids) - 2 * BLOCK, on_p2

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-# How often TP rank 0 looks for newly announced engines to connect to ahead of lookups.
+# How often TP rank 0 checks its connections to `decode_peers` (reconnecting lost ones).
 _PEER_SCAN_INTERVAL_S = 1.0
 
 
@@ -268,7 +268,7 @@ class DuplexWorker:
         self._poll_reads()
         self._take_notifications()
         self._expire_holds()
-        self._connect_to_known_peers()
+        self._connect_to_decode_peers()
         results = KVConnectorTransferResults(
             finished_sending=self._finished_sending,
             finished_recving=self._finished_recving,
@@ -498,16 +498,17 @@ class DuplexWorker:
                 targets.append((host.strip("[]"), int(port)))
         return targets
 
-    def _connect_to_known_peers(self) -> None:
-        """Connect ahead of time to the engines that announced themselves (lookup targets),
-        so a lookup never pays for a first handshake within its short deadline."""
+    def _connect_to_decode_peers(self) -> None:
+        """Connect ahead of time to the configured `decode_peers`, so a lookup never pays for a
+        first handshake within its short deadline (the transfer core connects back to the
+        engines that announce themselves on its own)."""
         now = time.monotonic()
         if self._engine is None or self._tp_rank != 0 or now < self._next_peer_scan:
             return
         self._next_peer_scan = now + _PEER_SCAN_INTERVAL_S
-        for host, port in self._lookup_targets(None):
-            if (host, port) not in self._connections:
-                self._connect_to((host, port))
+        for address in self._config.decode_peers:
+            host, _, port = address.rpartition(":")
+            self._connect_to((host.strip("[]"), int(port)))
 
     def _start_lookup(self, spec: md.LookupSpec) -> None:
         if self._engine is None or self._tp_rank != 0:
