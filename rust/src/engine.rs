@@ -74,10 +74,30 @@ struct Peer {
     meta: EngineMetadata,
     /// The peer's registered regions, every remote range is checked against.
     regions: Vec<RegionBounds>,
-    /// Taken (and aborted) when the peer dies or a batch to it passes its deadline.
+    /// Opened by the first read (an engine connected only to look up, or connected back to,
+    /// holds no UCX endpoint); taken (and aborted) when the peer dies or a batch to it passes
+    /// its deadline.
     endpoint: Mutex<Option<Endpoint>>,
+    /// The endpoint was opened once; it is never reopened (a new `connect` makes a new peer).
+    endpoint_opened: AtomicBool,
     link: PeerLink,
     alive: AtomicBool,
+}
+
+impl Peer {
+    /// Posts `reads` on the peer's endpoint, opening it on first use.
+    fn post_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), String> {
+        let mut endpoint = lock(&self.endpoint);
+        if endpoint.is_none() && self.alive.load(Ordering::Acquire) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
+            let rkeys: Vec<Vec<u8>> = self.meta.regions.iter().map(|r| r.rkey.clone()).collect();
+            let opened = shared.worker.connect(&self.meta.worker_address, &rkeys, shared.config.peer_error_handling);
+            *endpoint = Some(opened.map_err(|e| format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id))?);
+        }
+        match endpoint.as_ref() {
+            Some(endpoint) => endpoint.post_reads(reads, batch).map_err(|e| e.to_string()),
+            None => Err(format!("peer {} was disconnected", self.meta.engine_id)),
+        }
+    }
 }
 
 /// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
@@ -286,10 +306,15 @@ fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration
     })?;
     let regions: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
     layout.validate_within(&regions)?;
-    let rkeys: Vec<Vec<u8>> = meta.regions.iter().map(|r| r.rkey.clone()).collect();
-    let endpoint = shared.worker.connect(&meta.worker_address, &rkeys, shared.config.peer_error_handling)?;
     let id = meta.engine_id.clone();
-    let peer = Arc::new(Peer { meta, regions, endpoint: Mutex::new(Some(endpoint)), link, alive: AtomicBool::new(true) });
+    let peer = Arc::new(Peer {
+        meta,
+        regions,
+        endpoint: Mutex::new(None),
+        endpoint_opened: AtomicBool::new(false),
+        link,
+        alive: AtomicBool::new(true),
+    });
     let weak_shared = Arc::downgrade(&shared);
     let weak_peer = Arc::downgrade(&peer);
     peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
@@ -348,10 +373,7 @@ impl Engine {
         let batch = BatchState::new(&self.shared.worker);
         let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: deadline_after(timeout), notify: Mutex::new(notify), abort_reason: Mutex::new(None) });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
-        let posted = match lock(&peer.endpoint).as_ref() {
-            Some(endpoint) => endpoint.post_reads(&reads, &batch).map_err(|e| e.to_string()),
-            None => Err(format!("peer {peer_id} was disconnected")),
-        };
+        let posted = peer.post_reads(&self.shared, &reads, &batch);
         if let Err(e) = posted {
             batch.finish(Err(e));
         }

@@ -113,8 +113,17 @@ impl Drop for Engine {
         // Python drops an unclosed engine with the GIL held, while closing joins threads that
         // log through pyo3-log, which needs the GIL: close with the GIL released.
         let engine = self.inner.get_mut().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(mut engine) = engine {
-            Python::attach(|py| py.detach(|| engine.close()));
+        if let Some(engine) = engine {
+            let mut engine = Some(engine);
+            let closed = Python::try_attach(|py| {
+                let mut engine = engine.take();
+                py.detach(move || engine.as_mut().map(engine::Engine::close));
+            });
+            if closed.is_none() {
+                // The interpreter is shutting down: its threads can no longer log through
+                // Python, so nothing is joined; the process is ending and the OS reclaims.
+                std::mem::forget(engine);
+            }
         }
     }
 }

@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 PdPairFactory = Callable[..., ServerPair]
 
+# Lookups answer in ~1 ms on loopback, but this suite runs four vLLM servers on two cores, where
+# a side-channel round trip was seen to take ~300 ms once; the tests check reuse, not timing,
+# so they give lookups more time than the 250 ms default.
+E2E_LOOKUP_TIMEOUT_MS = 3000
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import E2E_LOOKUP_TIMEOUT_MS
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
 from kvduplex.protocol import prefill_request_params
@@ -77,6 +78,7 @@ def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Serve
 
     def server(name: str, kv: bool, **extra_config: object) -> VllmServer:
         config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
+        config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
         config["kv_connector_extra_config"].update(extra_config)
         extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
         return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)

@@ -19,6 +19,8 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
+from conftest import E2E_LOOKUP_TIMEOUT_MS
+
 from kvduplex.servers import (
     NO_PULL_PREFILL_PARAMS,
     Completion,
@@ -47,6 +49,7 @@ KV_TRANSFER_CONFIG = {
     "kv_connector_extra_config": {
         "bidirectional_kv_xfer": True,
         "kv_recompute_threshold": THRESHOLD,
+        "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
     },
 }
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import E2E_LOOKUP_TIMEOUT_MS
+
 from kvduplex.demo import (
     CONVERSATION_HEADER,
     LOGPROB_ATOL,
@@ -30,7 +32,9 @@ ANSWER_TOKENS = 80
 def test_conversation_through_proxy_pulls_history_and_matches_single_server(
     pd_pair, reference_server, tiny_model_dir
 ):
-    pair = pd_pair(duplex_kv_transfer_config(bidirectional=True, recompute_threshold=64))
+    config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=64)
+    config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
+    pair = pd_pair(config)
     prefill_url = pair.prefill.base_url
     messages = user_turns(tiny_model_dir, TURNS, first_words=150, user_words=30)
     history: list[int] = []
