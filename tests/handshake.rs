@@ -318,7 +318,7 @@ proptest! {
 
     #[test]
     fn random_bodies_behind_a_valid_header_never_panic(
-        kind in 1u8..=7,
+        kind in 1u8..=9,
         body in prop::collection::vec(any::<u8>(), 0..512),
     ) {
         let bytes = raw_frame(PROTOCOL_VERSION, kind, &body);
