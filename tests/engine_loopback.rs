@@ -136,10 +136,25 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(owner.peer_alive("reader"));
-    let found = reader.lookup(&peer, vec![11, 12, 99], Duration::from_secs(5)).unwrap().expect("held");
+    let owner_addr = owner.side_channel_addr().unwrap();
+    let target = vec![("127.0.0.1".to_string(), owner_addr.port())];
+    let ask = |fingerprints: Vec<u64>| {
+        let fan_out = reader.start_lookup(target.clone(), fingerprints, Duration::from_secs(5));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let [Some(answer)] = fan_out.answers().as_slice() {
+                let (owner_id, found) = answer.outcome.clone().unwrap();
+                assert_eq!(owner_id, peer);
+                return found;
+            }
+            assert!(Instant::now() < deadline, "no answer");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let found = ask(vec![11, 12, 99]).expect("held");
     assert_eq!((found.owner_request_id.as_str(), found.matched_blocks), ("turn-1", 2));
     assert_eq!(found.offer, b"params");
-    assert!(reader.lookup(&peer, vec![99], Duration::from_secs(5)).unwrap().is_none());
+    assert!(ask(vec![99]).is_none());
     // The claim is the reader's: only its release ends it; the hold then ends with a plain release.
     assert!(!owner.release_hold("someone-else", "turn-1", Some(found.claim_id)));
     assert!(!owner.release_hold("reader", "turn-1", None));

@@ -49,6 +49,20 @@ class Transfer:
         """Block (GIL released) until done; raises TransferError on failure or TimeoutError."""
 
 @final
+class Lookup:
+    """A lookup sent to several owners at once (`Engine.start_lookup`)."""
+
+    def answers(
+        self,
+    ) -> list[
+        tuple[str, str | None, tuple[str, int, int, float, bytes] | None, str | None] | None
+    ]:
+        """Per target, None until it answered, then (address asked, owner engine id, match,
+        error): the match is (owner request id, matched blocks, claim id, claim seconds,
+        offer), None when the owner holds none of the blocks; error says why there is no
+        answer (unreachable, timed out, gone)."""
+
+@final
 class Engine:
     def __init__(
         self,
@@ -132,13 +146,15 @@ class Engine:
         were freed or none is left; returns the holds freed."""
     @property
     def held_blocks(self) -> int: ...
-    def lookup(
-        self, peer_engine_id: str, fingerprints: Sequence[str], timeout_s: float = 1.0
-    ) -> tuple[str, int, int, float, bytes] | None:
-        """Ask a connected owner for the longest held turn starting with these blocks:
-        (owner request id, matched blocks, claim id, claim seconds, offer), claimed for us
-        until we release the claim; None when it holds none. Raises HandshakeError when the
-        owner does not answer within `timeout_s` or is gone."""
+    def start_lookup(
+        self,
+        targets: Sequence[tuple[str, int]],
+        fingerprints: Sequence[str],
+        timeout_s: float = 1.0,
+    ) -> Lookup:
+        """Ask every side channel in `targets` at once, on the transfer core's own threads
+        (connecting first where needed; no GIL needed), for the longest held turn starting with
+        these blocks. A match is claimed for us until we release the claim."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (sender engine id, payload) notifications received so far, in order."""
     def close(self) -> None:

@@ -86,18 +86,26 @@ struct Peer {
 
 impl Peer {
     /// Posts `reads` on the peer's endpoint, opening it on first use.
-    fn post_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), String> {
+    fn post_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), PostError> {
         let mut endpoint = lock(&self.endpoint);
         if endpoint.is_none() && self.alive.load(Ordering::Acquire) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
             let rkeys: Vec<Vec<u8>> = self.meta.regions.iter().map(|r| r.rkey.clone()).collect();
             let opened = shared.worker.connect(&self.meta.worker_address, &rkeys, shared.config.peer_error_handling);
-            *endpoint = Some(opened.map_err(|e| format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id))?);
+            let opened = opened.map_err(|e| PostError::NothingPosted(format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id)))?;
+            *endpoint = Some(opened);
         }
         match endpoint.as_ref() {
-            Some(endpoint) => endpoint.post_reads(reads, batch).map_err(|e| e.to_string()),
-            None => Err(format!("peer {} was disconnected", self.meta.engine_id)),
+            Some(endpoint) => endpoint.post_reads(reads, batch).map_err(|e| PostError::MaybePartial(e.to_string())),
+            None => Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id))),
         }
     }
+}
+
+/// Why a batch could not be posted, and whether some of its reads may be in flight anyway.
+enum PostError {
+    NothingPosted(String),
+    /// A post failed after earlier reads of the batch were posted: they may still write.
+    MaybePartial(String),
 }
 
 /// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
@@ -373,9 +381,12 @@ impl Engine {
         let batch = BatchState::new(&self.shared.worker);
         let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: deadline_after(timeout), notify: Mutex::new(notify), abort_reason: Mutex::new(None) });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
-        let posted = peer.post_reads(&self.shared, &reads, &batch);
-        if let Err(e) = posted {
-            batch.finish(Err(e));
+        match peer.post_reads(&self.shared, &reads, &batch) {
+            Ok(()) => {}
+            Err(PostError::NothingPosted(e)) => batch.finish(Err(e)),
+            // Force-closing the endpoint cancels the posted reads before the batch fails, so
+            // no byte lands in blocks the caller then reuses.
+            Err(PostError::MaybePartial(e)) => abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}")),
         }
         drop(local);
         let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len() };
@@ -436,12 +447,29 @@ impl Engine {
         lock(&self.shared.holds).held_blocks()
     }
 
-    /// Asks a connected owner for the longest held turn whose blocks start with
-    /// `fingerprints`; a match is claimed for us until we release it (or its claim ends).
-    pub fn lookup(&self, peer_id: &str, fingerprints: Vec<BlockFingerprint>, timeout: Duration) -> Result<Option<LookupMatch>, EngineError> {
-        let peer = lock(&self.shared.peers).get(peer_id).cloned().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
-        Ok(peer.link.lookup(fingerprints, timeout)?)
+    /// Asks every `(host, port)` in `targets` at once, each on a thread of its own (connecting
+    /// first where needed), for the longest held turn starting with `fingerprints`. Nothing
+    /// here needs the caller: poll the returned [`LookupFanOut`].
+    pub fn start_lookup(&self, targets: Vec<(String, u16)>, fingerprints: Vec<BlockFingerprint>, timeout: Duration) -> LookupFanOut {
+        let deadline = deadline_after(timeout);
+        let fan_out = LookupFanOut { answers: Arc::new(Mutex::new(targets.iter().map(|_| None).collect())) };
+        let fingerprints = Arc::new(fingerprints);
+        for (index, (host, port)) in targets.into_iter().enumerate() {
+            let (shared, answers, fingerprints) = (Arc::downgrade(&self.shared), Arc::clone(&fan_out.answers), Arc::clone(&fingerprints));
+            let ask = move || {
+                let answer = match shared.upgrade() {
+                    Some(shared) => ask_one(&shared, &host, port, &fingerprints, deadline),
+                    None => Err("engine closed".to_owned()),
+                };
+                lock(&answers)[index] = Some(LookupAnswer { address: format!("{host}:{port}"), outcome: answer });
+            };
+            if let Err(e) = std::thread::Builder::new().name("kvduplex-lookup".into()).spawn(ask) {
+                lock(&fan_out.answers)[index] = Some(LookupAnswer { address: String::new(), outcome: Err(format!("cannot start a lookup thread: {e}")) });
+            }
+        }
+        fan_out
     }
+
 
     /// Stops the progress thread, fails what is in flight, closes peers and the side channel,
     /// then unregisters memory. Idempotent.
@@ -654,6 +682,42 @@ impl Transfer {
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600))).unwrap_or(now)
+}
+
+/// One owner's answer to a lookup: `(owner engine id, its match)`, or why there is none.
+#[derive(Clone, Debug)]
+pub struct LookupAnswer {
+    /// The side channel asked ("host:port").
+    pub address: String,
+    pub outcome: Result<(String, Option<LookupMatch>), String>,
+}
+
+/// A lookup sent to several owners at once; answers arrive as the owners reply.
+#[derive(Clone)]
+pub struct LookupFanOut {
+    answers: Arc<Mutex<Vec<Option<LookupAnswer>>>>,
+}
+
+impl LookupFanOut {
+    /// Answers so far, by target; `None` where the owner has not answered yet.
+    pub fn answers(&self) -> Vec<Option<LookupAnswer>> {
+        lock(&self.answers).clone()
+    }
+}
+
+fn ask_one(shared: &Arc<Shared>, host: &str, port: u16, fingerprints: &[BlockFingerprint], deadline: Instant) -> Result<(String, Option<LookupMatch>), String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err("no time left to connect".to_owned());
+    }
+    let peer_id = connect_shared(shared, host, port, left).map_err(|e| e.to_string())?;
+    let peer = lock(&shared.peers).get(&peer_id).cloned().ok_or_else(|| format!("peer {peer_id} went away"))?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err("no time left to ask".to_owned());
+    }
+    let found = peer.link.lookup(fingerprints.to_vec(), left).map_err(|e| e.to_string())?;
+    Ok((peer_id, found))
 }
 
 /// How long connecting back to an announced engine may take before it is left for later.

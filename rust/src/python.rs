@@ -81,6 +81,35 @@ impl Transfer {
     }
 }
 
+/// A lookup sent to several owners at once (see `Engine.start_lookup`).
+#[pyclass(module = "kvduplex._core", frozen)]
+struct Lookup {
+    inner: engine::LookupFanOut,
+}
+
+/// One owner's answer: (address asked, owner engine id or None, match or None, error or None).
+type PyLookupAnswer<'py> = (String, Option<String>, Option<(String, u32, u64, f64, Bound<'py, PyBytes>)>, Option<String>);
+
+#[pymethods]
+impl Lookup {
+    /// One entry per target, `None` while that owner has not answered.
+    fn answers<'py>(&self, py: Python<'py>) -> Vec<Option<PyLookupAnswer<'py>>> {
+        self.inner
+            .answers()
+            .into_iter()
+            .map(|answer| {
+                answer.map(|a| match a.outcome {
+                    Ok((peer, found)) => {
+                        let found = found.map(|m| (m.owner_request_id, m.matched_blocks, m.claim_id, m.claim_ms as f64 / 1000.0, PyBytes::new(py, &m.offer)));
+                        (a.address, Some(peer), found, None)
+                    }
+                    Err(e) => (a.address, None, None, Some(e)),
+                })
+            })
+            .collect()
+    }
+}
+
 #[pyclass(module = "kvduplex._core", frozen)]
 struct Engine {
     /// Calls share the engine (it is thread-safe), so a slow `connect` or `lookup` to one
@@ -248,12 +277,15 @@ impl Engine {
         self.with(py, |e| Ok(e.held_blocks()))
     }
 
-    #[pyo3(signature = (peer_engine_id, fingerprints, timeout_s=1.0))]
-    fn lookup<'py>(&self, py: Python<'py>, peer_engine_id: String, fingerprints: Vec<String>, timeout_s: f64) -> PyResult<Option<(String, u32, u64, f64, Bound<'py, PyBytes>)>> {
+
+    /// Asks every `(host, port)` at once for the longest held turn starting with
+    /// `fingerprints`, on threads of the transfer core (no GIL needed); poll the result.
+    #[pyo3(signature = (targets, fingerprints, timeout_s=1.0))]
+    fn start_lookup(&self, py: Python<'_>, targets: Vec<(String, u16)>, fingerprints: Vec<String>, timeout_s: f64) -> PyResult<Lookup> {
         let timeout = seconds("timeout_s", timeout_s)?;
         let fingerprints = parse_fingerprints(&fingerprints)?;
-        let found = self.with(py, |e| e.lookup(&peer_engine_id, fingerprints, timeout))?;
-        Ok(found.map(|m| (m.owner_request_id, m.matched_blocks, m.claim_id, m.claim_ms as f64 / 1000.0, PyBytes::new(py, &m.offer))))
+        let inner = self.with(py, |e| Ok(e.start_lookup(targets, fingerprints, timeout)))?;
+        Ok(Lookup { inner })
     }
 
     fn take_notifications<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
@@ -314,5 +346,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = PLAN_ERROR.set(py, plan_error.unbind());
     m.add_class::<Engine>()?;
     m.add_class::<Transfer>()?;
+    m.add_class::<Lookup>()?;
     Ok(())
 }

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
+# How long a reported lookup's silent owners are still listened to, to hand late claims back.
+_LATE_ANSWER_WAIT_S = 60.0
 # How often TP rank 0 checks its connections to `decode_peers` (reconnecting lost ones).
 _PEER_SCAN_INTERVAL_S = 1.0
 
@@ -175,10 +177,9 @@ class DuplexWorker:
         self._handshakes = ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="kvduplex-handshake"
         )
-        self._lookup_pool = ThreadPoolExecutor(
-            max_workers=8, thread_name_prefix="kvduplex-lookup"
-        )
         self._lookups: dict[str, _PendingLookup] = {}
+        # Reported lookups whose slowest owners may still answer (their claims go back).
+        self._unanswered: list[_PendingLookup] = []
         self._lookup_results: dict[str, list[md.LookupMatch]] = {}
         self._next_peer_scan = 0.0
         self._connections: dict[tuple[str, int], Future[str]] = {}
@@ -241,7 +242,6 @@ class DuplexWorker:
 
     def shutdown(self) -> None:
         self._handshakes.shutdown(wait=False, cancel_futures=True)
-        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -494,8 +494,10 @@ class DuplexWorker:
         targets: list[tuple[str, int]] = []
         for address in addresses:
             host, _, port = address.rpartition(":")
-            if host and port.isdigit() and (host, int(port)) not in targets:
-                targets.append((host.strip("[]"), int(port)))
+            if host and port.isdigit() and 0 < int(port) < 65536:
+                target = (host.strip("[]"), int(port))
+                if target not in targets:
+                    targets.append(target)
         return targets
 
     def _connect_to_decode_peers(self) -> None:
@@ -518,68 +520,28 @@ class DuplexWorker:
             self._lookup_results[spec.request_id] = []
             self._stats.add("lookups_missed")
             return
-        deadline = time.monotonic() + spec.timeout_s
-        sent_at = time.time()
-        futures = [
-            self._lookup_pool.submit(
-                self._lookup_one, host, port, spec.fingerprints, deadline, sent_at
-            )
-            for host, port in targets
-        ]
-        self._lookups[spec.request_id] = _PendingLookup(spec, futures, deadline, time.perf_counter())
-
-    def _lookup_one(
-        self,
-        host: str,
-        port: int,
-        fingerprints: tuple[str, ...],
-        deadline: float,
-        sent_at: float,
-    ) -> md.LookupMatch | None:
-        """Runs on the lookup pool: connect (cached) and ask one owner."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no time left to connect")
-        peer = self._engine.connect(host, port, left)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no time left to ask")
-        found = self._engine.lookup(peer, list(fingerprints), left)
-        if found is None:
-            return None
-        owner_request_id, matched_blocks, claim_id, claim_s, offer = found
-        # The owner started the claim after we sent: counting from the send is conservative.
-        return md.LookupMatch(
-            owner_engine_id=peer,
-            owner_address=f"{host}:{port}",
-            owner_request_id=owner_request_id,
-            matched_blocks=matched_blocks,
-            claim_id=claim_id,
-            claim_expiry=sent_at + claim_s,
-            offer=offer,
+        # The transfer core asks every target on threads of its own: no GIL, no pool to queue
+        # behind, whatever this process does meanwhile.
+        lookup = self._engine.start_lookup(targets, list(spec.fingerprints), spec.timeout_s)
+        self._lookups[spec.request_id] = _PendingLookup(
+            lookup=lookup,
+            deadline=time.monotonic() + spec.timeout_s,
+            started=time.perf_counter(),
+            sent_at=time.time(),
         )
 
     def _collect_lookups(self) -> None:
-        """Report lookups whose every owner answered or whose deadline passed."""
+        """Report lookups whose every owner answered or whose deadline passed; hand back the
+        claims of answers that come after their lookup was reported."""
         now = time.monotonic()
         for request_id, pending in list(self._lookups.items()):
-            if now < pending.deadline and not all(f.done() for f in pending.futures):
+            answers = pending.lookup.answers()
+            if now < pending.deadline and any(answer is None for answer in answers):
                 continue
             del self._lookups[request_id]
-            matches: list[md.LookupMatch] = []
-            failures: list[str] = []
-            for future in pending.futures:
-                if not future.done():
-                    failures.append("no answer in time")
-                    future.add_done_callback(self._release_late_claim)
-                    continue
-                try:
-                    found = future.result()
-                except Exception as exc:  # any failure of one owner is that owner's miss
-                    failures.append(str(exc) or type(exc).__name__)
-                    continue
-                if found is not None:
-                    matches.append(found)
+            matches, failures = pending.take(answers)
+            if len(pending.taken) < len(answers):
+                self._unanswered.append(pending)
             matches.sort(key=lambda m: m.matched_blocks, reverse=True)
             self._lookup_results[request_id] = matches
             self._stats.record_lookup(time.perf_counter() - pending.started, bool(matches))
@@ -587,21 +549,53 @@ class DuplexWorker:
                 self._stats.add("lookup_failures", len(failures))
                 logger.info(
                     "Request %s: %d of %d owners did not answer its lookup (%s)",
-                    request_id, len(failures), len(pending.futures), "; ".join(failures[:3]),
+                    request_id, len(failures), len(answers), "; ".join(failures[:3]),
                 )
-
-    def _release_late_claim(self, future: Future[md.LookupMatch | None]) -> None:
-        """An answer that came after its lookup was reported: give its claim back."""
-        if future.cancelled() or future.exception() is not None:
-            return
-        found = future.result()
-        if found is not None:
-            self._notify_quietly(found.owner_engine_id, found.owner_request_id, found.claim_id)
+        for pending in list(self._unanswered):
+            answers = pending.lookup.answers()
+            late, _ = pending.take(answers)
+            for match in late:
+                self._notify_quietly(match.owner_engine_id, match.owner_request_id, match.claim_id)
+            if len(pending.taken) == len(answers) or now > pending.deadline + _LATE_ANSWER_WAIT_S:
+                self._unanswered.remove(pending)
 
 
 @dataclass
 class _PendingLookup:
-    spec: md.LookupSpec
-    futures: list[Future[md.LookupMatch | None]]
+    lookup: _core.Lookup
     deadline: float
     started: float
+    sent_at: float
+    """Wall clock when sent: each claim lasts its `claim_s` from (at the latest) here."""
+    taken: set[int] = field(default_factory=set)
+    """Targets whose answer was taken already."""
+
+    def take(self, answers: list) -> tuple[list[md.LookupMatch], list[str]]:
+        """Matches and failures among the answers not taken yet; a target still silent is a
+        failure when the lookup is reported (its late answer is taken later)."""
+        matches: list[md.LookupMatch] = []
+        failures: list[str] = []
+        for index, answer in enumerate(answers):
+            if index in self.taken:
+                continue
+            if answer is None:
+                failures.append("no answer in time")
+                continue
+            self.taken.add(index)
+            address, owner, found, error = answer
+            if error is not None:
+                failures.append(error)
+            elif found is not None:
+                owner_request_id, matched_blocks, claim_id, claim_s, offer = found
+                matches.append(
+                    md.LookupMatch(
+                        owner_engine_id=owner,
+                        owner_address=address,
+                        owner_request_id=owner_request_id,
+                        matched_blocks=matched_blocks,
+                        claim_id=claim_id,
+                        claim_expiry=self.sent_at + claim_s,
+                        offer=offer,
+                    )
+                )
+        return matches, failures

@@ -407,10 +407,6 @@ impl Endpoint {
         }
         let api = self.worker.api;
         let _g = self.worker.guard();
-        for rkey in self.rkeys.drain(..) {
-            // SAFETY: unpacked on this endpoint and destroyed once, before the endpoint closes.
-            unsafe { (api.ucp_rkey_destroy)(rkey) };
-        }
         let param = sys::ucp_request_param_t {
             op_attr_mask: if force { sys::UCP_OP_ATTR_FIELD_FLAGS } else { 0 },
             flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
@@ -435,13 +431,21 @@ impl Endpoint {
                         break;
                     }
                     if Instant::now() >= deadline {
-                        log::warn!("closing a UCX endpoint took over {CLOSE_TIMEOUT:?}; leaving it to worker teardown");
+                        log::warn!("closing a UCX endpoint took over {CLOSE_TIMEOUT:?}; leaving it and its remote keys to worker teardown");
                         // SAFETY: freeing a pending request is allowed; UCX releases it later.
                         unsafe { (api.ucp_request_free)(req) };
-                        break;
+                        // Reads may still use the keys: they go with the worker, not before.
+                        self.rkeys.clear();
+                        return;
                     }
                 }
             }
+        }
+        for rkey in self.rkeys.drain(..) {
+            // SAFETY: unpacked on this endpoint and destroyed once, after the endpoint's close
+            // completed: UCX requires a remote key to outlive every operation that uses it, and
+            // a completed close (flushed or cancelled) leaves none.
+            unsafe { (api.ucp_rkey_destroy)(rkey) };
         }
     }
 }
