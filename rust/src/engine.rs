@@ -327,6 +327,10 @@ fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration
     let weak_peer = Arc::downgrade(&peer);
     peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
     let previous = lock(&shared.peers).insert(id.clone(), Arc::clone(&peer));
+    if let Some(old) = &previous {
+        // Its reads must be cancelled before its keys and endpoint go (not merely dropped).
+        abort_peer(shared, old, &format!("peer {id} was replaced by a new connection"));
+    }
     match previous {
         Some(old) if old.meta.generation != peer.meta.generation => {
             log::info!("peer {id} restarted (generation {:#x} -> {:#x}); dropped its old endpoint and keys", old.meta.generation, peer.meta.generation)
