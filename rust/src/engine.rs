@@ -197,9 +197,6 @@ impl Engine {
             connecting: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
         });
-        if let Some(server) = lock(&shared.server).as_ref() {
-            server.set_announce_handler(connect_back_handler(Arc::downgrade(&shared)));
-        }
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
@@ -271,7 +268,7 @@ impl Engine {
     }
 }
 
-/// [`Engine::connect`]; also run by the side channel for engines that announce themselves.
+/// [`Engine::connect`]; also run by the lookup threads ([`Engine::start_lookup`]).
 fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
     let key = format!("{host}:{port}");
     // One handshake per address at a time: a second caller waits and finds the first's link.
@@ -288,6 +285,9 @@ fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration
     let deadline = deadline_after(timeout);
     let mut delay = CONNECT_BACKOFF_START;
     let (link, meta) = loop {
+        if shared.stop.load(Ordering::Acquire) {
+            return Err(EngineError::Closed);
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         let attempt = PeerLink::connect(
             host,
@@ -301,6 +301,7 @@ fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration
         );
         match attempt {
             Ok(ok) => break ok,
+            Err(_) if shared.stop.load(Ordering::Acquire) => return Err(EngineError::Closed),
             Err(e) if is_retryable(&e) && deadline_after(delay) < deadline => {
                 log::debug!("side channel {key} not ready ({e}); retrying in {delay:?}");
                 std::thread::sleep(delay);
@@ -722,32 +723,6 @@ fn ask_one(shared: &Arc<Shared>, host: &str, port: u16, fingerprints: &[BlockFin
     }
     let found = peer.link.lookup(fingerprints.to_vec(), left).map_err(|e| e.to_string())?;
     Ok((peer_id, found))
-}
-
-/// How long connecting back to an announced engine may take before it is left for later.
-const CONNECT_BACK_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Connects back, on a thread of its own, to every engine that connects to us and announces
-/// its side channel: those are the engines whose held turns our lookups ask about, and a
-/// lookup must not pay for a first handshake within its short deadline.
-fn connect_back_handler(shared: Weak<Shared>) -> crate::side_channel::AnnounceHandler {
-    Arc::new(move |peer| {
-        let shared = shared.clone();
-        let address = peer.side_channel.clone();
-        let Some((host, port)) = address.rsplit_once(':').and_then(|(h, p)| Some((h.trim_start_matches('[').trim_end_matches(']').to_owned(), p.parse::<u16>().ok()?))) else {
-            log::warn!("engine {} announced an unusable side channel {address:?}", peer.engine_id);
-            return;
-        };
-        let spawned = std::thread::Builder::new().name("kvduplex-connect-back".into()).spawn(move || {
-            let Some(shared) = shared.upgrade() else { return };
-            if let Err(e) = connect_shared(&shared, &host, port, CONNECT_BACK_TIMEOUT) {
-                log::info!("could not connect back to {host}:{port}: {e}");
-            }
-        });
-        if let Err(e) = spawned {
-            log::warn!("cannot start a thread to connect back to {address}: {e}");
-        }
-    })
 }
 
 /// Answers side-channel lookups from the hold book, claiming matches for the asking engine.

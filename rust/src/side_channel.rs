@@ -93,10 +93,6 @@ type Waker = Arc<dyn Fn() + Send + Sync>;
 /// Answers a lookup from the named (authenticated) client engine.
 pub type LookupHandler = Arc<dyn Fn(&str, &LookupRequest) -> LookupReply + Send + Sync>;
 
-/// Called (on the connection's thread; it must not block) when an authenticated client
-/// announced its side channel.
-pub type AnnounceHandler = Arc<dyn Fn(&KnownPeer) + Send + Sync>;
-
 /// An authenticated client that announced where its own side channel listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KnownPeer {
@@ -115,7 +111,6 @@ struct ServerState {
     /// A handle on each served socket, so shutdown can unblock its thread.
     connections: Mutex<HashMap<u64, TcpStream>>,
     lookup: Mutex<Option<LookupHandler>>,
-    announce: Mutex<Option<AnnounceHandler>>,
     /// Connected clients that announced their side channel, by connection id.
     directory: Mutex<HashMap<u64, KnownPeer>>,
     /// Connections still in their handshake, oldest first.
@@ -173,7 +168,6 @@ impl SideChannelServer {
             stopping: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
             lookup: Mutex::new(None),
-            announce: Mutex::new(None),
             directory: Mutex::new(HashMap::new()),
             pending: Mutex::new(std::collections::VecDeque::new()),
             dropped_notifications: std::sync::atomic::AtomicU64::new(0),
@@ -213,11 +207,6 @@ impl SideChannelServer {
     /// Serves lookups of authenticated clients; without a handler every lookup finds nothing.
     pub fn set_lookup_handler(&self, handler: LookupHandler) {
         *lock(&self.state.lookup) = Some(handler);
-    }
-
-    /// Told about every authenticated client that announces its side channel.
-    pub fn set_announce_handler(&self, handler: AnnounceHandler) {
-        *lock(&self.state.announce) = Some(handler);
     }
 
     /// Connected, authenticated clients that announced their own side channel: the engines
@@ -363,11 +352,7 @@ fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr
     info!("side channel: {who} connected");
     if let Some(side_channel) = &client.side_channel {
         let peer = KnownPeer { engine_id: client.engine_id.clone(), side_channel: side_channel.clone() };
-        lock(&state.directory).insert(id, peer.clone());
-        let announce = lock(&state.announce).clone();
-        if let Some(announce) = announce {
-            announce(&peer);
-        }
+        lock(&state.directory).insert(id, peer);
     }
     let liveness = Liveness::new(Instant::now(), state.heartbeat, client.heartbeat);
     let end = match reader.stream().try_clone() {

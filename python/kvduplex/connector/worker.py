@@ -40,7 +40,7 @@ logger = init_logger(f"vllm.{__name__}")
 
 # How long a reported lookup's silent owners are still listened to, to hand late claims back.
 _LATE_ANSWER_WAIT_S = 60.0
-# How often TP rank 0 checks its connections to `decode_peers` (reconnecting lost ones).
+# How often TP rank 0 checks its connections to lookup targets (connecting new or lost ones).
 _PEER_SCAN_INTERVAL_S = 1.0
 
 
@@ -268,7 +268,7 @@ class DuplexWorker:
         self._poll_reads()
         self._take_notifications()
         self._expire_holds()
-        self._connect_to_decode_peers()
+        self._connect_to_lookup_targets()
         results = KVConnectorTransferResults(
             finished_sending=self._finished_sending,
             finished_recving=self._finished_recving,
@@ -500,17 +500,16 @@ class DuplexWorker:
                     targets.append(target)
         return targets
 
-    def _connect_to_decode_peers(self) -> None:
-        """Connect ahead of time to the configured `decode_peers`, so a lookup never pays for a
-        first handshake within its short deadline (the transfer core connects back to the
-        engines that announce themselves on its own)."""
+    def _connect_to_lookup_targets(self) -> None:
+        """Connect ahead of time to every engine a lookup would ask (those that announced
+        themselves by reading from us, and `decode_peers`), so a lookup rarely pays for a first
+        handshake within its short deadline. Checked once a second while the engine steps."""
         now = time.monotonic()
         if self._engine is None or self._tp_rank != 0 or now < self._next_peer_scan:
             return
         self._next_peer_scan = now + _PEER_SCAN_INTERVAL_S
-        for address in self._config.decode_peers:
-            host, _, port = address.rpartition(":")
-            self._connect_to((host.strip("[]"), int(port)))
+        for target in self._lookup_targets(None):
+            self._connect_to(target)
 
     def _start_lookup(self, spec: md.LookupSpec) -> None:
         if self._engine is None or self._tp_rank != 0:
