@@ -78,6 +78,7 @@ def make_vllm_config(
     engine_id: str,
     extra_config: dict[str, Any] | None = None,
     num_blocks: int = 64,
+    tp_size: int = 1,
 ) -> VllmConfig:
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -106,6 +107,8 @@ def make_vllm_config(
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # Only the scheduler runs here: it reads the TP size, no process group is made.
+    vllm_config.parallel_config.tensor_parallel_size = tp_size
     return vllm_config
 
 
@@ -172,12 +175,19 @@ class Engine:
     def step(
         self,
         token: int = 7,
-        finished_sending: Iterable[str] = (),
+        freed_holds: Iterable[str] = (),
         finished_recving: Iterable[str] = (),
         invalid_block_ids: Iterable[int] = (),
         worker_stats: DuplexConnectorStats | None = None,
         worker_meta: DuplexWorkerMetadata | None = None,
     ) -> Step:
+        """One engine step; the test plays the workers: `freed_holds` are holds that ended
+        (each as one TP rank reports it), `finished_recving` reads that completed."""
+        if freed_holds:
+            worker_meta = DuplexWorkerMetadata(
+                lookups=worker_meta.lookups if worker_meta is not None else {},
+                freed_holds=list(freed_holds),
+            )
         output = self.scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
@@ -192,7 +202,6 @@ class Engine:
             prompt_logprobs_dict={},
             pooler_output=[],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=set(finished_sending),
                 finished_recving=set(finished_recving),
                 invalid_block_ids=set(invalid_block_ids),
                 kv_connector_stats=worker_stats,
@@ -235,8 +244,9 @@ def make_engine(
     extra_config: dict[str, Any] | None = None,
     num_blocks: int = 64,
     announce: bool = True,
+    tp_size: int = 1,
 ) -> Engine:
-    vllm_config = make_vllm_config(model_dir, name, extra_config, num_blocks)
+    vllm_config = make_vllm_config(model_dir, name, extra_config, num_blocks, tp_size)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -262,7 +272,12 @@ def make_engine(
     engine = Engine(name=name, scheduler=scheduler)
     if announce:
         engine.connector.set_xfer_handshake_metadata(
-            {0: DuplexHandshakeMetadata(tp_rank=0, host="127.0.0.1", port=SIDE_CHANNEL_PORT[name])}
+            {
+                rank: DuplexHandshakeMetadata(
+                    tp_rank=rank, host="127.0.0.1", port=SIDE_CHANNEL_PORT[name] + 100 * rank
+                )
+                for rank in range(tp_size)
+            }
         )
     return engine
 

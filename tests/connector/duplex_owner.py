@@ -3,7 +3,7 @@
 Builds KV caches filled from a seed, registers them, prints its side-channel address as one
 JSON line, then serves: each stdin line {"hold": request_id, "ttl_s": seconds, optionally
 "num_blocks", "fingerprints", "offer"} hands the worker a HoldSpec, as the scheduler would; the worker is stepped every few milliseconds and
-every non-empty result is printed as {"finished_sending": [...], "stats": {...}}. Exits when
+every non-empty result is printed as {"freed_holds": [...], "stats": {...}}. Exits when
 stdin closes. Run: python duplex_owner.py '{"model_dir": ..., "engine_id": ..., ...}'
 """
 
@@ -37,13 +37,15 @@ def main() -> None:
                 offer=command.get("offer", "").encode(),
             )
             worker.start_load_kv(DuplexConnectorMetadata(holds=[hold]))
-        results = worker.get_transfer_results()
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        freed = meta.freed_holds if meta is not None else []
         stats = worker.get_kv_connector_stats()
-        if results.finished_sending or stats is not None:
+        if freed or stats is not None:
             print(
                 json.dumps(
                     {
-                        "finished_sending": sorted(results.finished_sending),
+                        "freed_holds": freed,
                         "stats": stats.data if stats is not None else {},
                     }
                 ),

@@ -40,10 +40,12 @@ def test_multi_turn_lifecycle(engines):
     assert d_params["remote_num_tokens"] == 179  # prompt + 80 outputs, the last not computed
     assert len(d_params["remote_block_ids"]) == 12
 
+    # vLLM freed the request at once: the hold is the blocks' only reference, and P's engine
+    # has no request left that would make it step while the hold lasts.
+    assert "p1" not in p.scheduler.requests and not p.scheduler.has_requests()
     # D's read-done notification reaches P's worker: P frees (its prefix cache keeps them).
-    p.step(finished_sending={"p1"})
+    p.step(freed_holds={"p1"})
     assert all(p.ref_count(b) == 0 for b in held_on_p)
-    assert "p1" not in p.scheduler.requests
 
     # Turn 2 on P: history (turn 1 + D's answer) + a new message. P's prefix cache covers 96
     # tokens; D holds 179, so P pulls 83 tokens (blocks 6..11, the last one partial).
@@ -62,8 +64,10 @@ def test_multi_turn_lifecycle(engines):
     assert p_params2["remote_num_tokens"] == len(turn2)
 
     # P's read released D's hold.
-    d.step(finished_sending={"d1"})
-    assert "d1" not in d.scheduler.requests
+    held_on_d = d_params["remote_block_ids"]
+    assert all(d.ref_count(b) == 1 for b in held_on_d)
+    d.step(freed_holds={"d1"})
+    assert all(d.ref_count(b) == 0 for b in held_on_d)
 
     # Turn 2 on D: its own prefix cache covers 176 tokens; it pulls the remaining 74 from P.
     load, _ = decode(d, "d2", turn2, p_params2, max_tokens=4)
@@ -96,7 +100,7 @@ def test_threshold_boundary_decode_to_prefill(engines, gain, pulls):
     p, d = engines("P", config), engines("D", config)
     turn1 = prompt_tokens(64)
     _, d_params = decode(d, "d1", turn1, prefill(p, "p1", turn1), max_tokens=gain + 1)
-    p.step(finished_sending={"p1"})
+    p.step(freed_holds={"p1"})
     # P's cache holds the 64 prompt tokens; D holds 64 + gain.
     p.add("p2", turn1 + [7] * (gain + 1) + prompt_tokens(5, start=600), params=d_params)
     step = p.pull_step(d_params)
@@ -164,10 +168,31 @@ def test_decode_turn_is_held_after_both_finish_statuses(engines, stop_token_ids,
         finished = d.step(token=7).finished("d1")
         if finished is not None:
             break
-    assert d.scheduler.requests["d1"].status == expected
+    assert finished.finish_reason == RequestStatus.get_finished_reason(expected)
     assert finished.kv_transfer_params["do_remote_decode"] is True
     held = finished.kv_transfer_params["remote_block_ids"]
     assert all(d.ref_count(b) == 1 for b in held)
+
+
+def test_a_hold_ends_when_every_tp_rank_reported_it(engines, connector_log):
+    """A held turn is a reference of the connector's own in vLLM's block pool, not a request
+    that vLLM keeps (which would make the engine step non-stop while the hold lasts); with
+    tensor parallelism its blocks come back once every rank's transfer core ended the hold."""
+    p = engines("P", tp_size=2)
+    params = prefill(p, "p1", prompt_tokens(100))
+    held = params["remote_block_ids"]
+    p.step()  # the hold reaches the workers
+    assert not p.scheduler.has_requests()  # nothing keeps the engine stepping
+    p.step(freed_holds=["p1"])  # rank 0
+    assert all(p.ref_count(b) == 1 for b in held)
+    p.step(freed_holds=["p1", "nobody"])  # rank 1, and a report for no hold
+    assert all(p.ref_count(b) == 0 for b in held)
+    assert connector_log.messages() == [
+        "A worker ended a hold on request nobody, which is not held"
+    ]
+    # Ended holds are forgotten: a late duplicate report changes nothing.
+    p.step(freed_holds=["p1"])
+    assert all(p.ref_count(b) == 0 for b in held)
 
 
 def test_aborted_request_is_not_held_and_frees_its_owner(engines):
@@ -208,7 +233,7 @@ def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
     assert len(held) == 7
 
     def worker_step(**kwargs) -> None:
-        step = p.step(finished_sending=expire(), **kwargs)
+        step = p.step(freed_holds=expire(), **kwargs)
         for hold in step.meta.holds:
             assert hold.ttl_s == 5.0
             book[hold.request_id] = now[0] + hold.ttl_s
@@ -223,8 +248,8 @@ def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
         assert "big" not in running(p)
         assert all(p.ref_count(b) == 1 for b in held)
     now[0] = 5.0
-    worker_step()  # lease ends: finished_sending reaches the scheduler this step
-    assert "p1" not in p.scheduler.requests
+    worker_step()  # lease ends: the workers report it this step
+    assert all(p.ref_count(b) == 0 for b in held)
     worker_step()
     assert "big" in running(p)
     assert set(p.block_ids("big")) & held  # the freed blocks are reused only now
@@ -245,7 +270,7 @@ def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     d.step()
     assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]
     # The worker evicted d1: its blocks come back; a new turn then needs no eviction.
-    d.step(finished_sending={"d1"})
+    d.step(freed_holds={"d1"})
     _, third = decode(d, "d3", prompt_tokens(20, start=900), prefill(p, "p3", prompt_tokens(20, start=900)), max_tokens=2)
     assert third is not None
     assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]

@@ -63,7 +63,7 @@ class OwnerProcess:
         address = json.loads(line)
         self.peer = PeerAddress(engine_id=OWNER_ID, host=address["host"], ports=(address["port"],))
         self.expected = make_kv_caches(NUM_BLOCKS, seed=OWNER_SEED)
-        self.finished_sending: list[str] = []
+        self.freed_holds: list[str] = []
         self.stats: dict[str, int] = {}
 
     def hold(self, request_id: str, ttl_s: float, **offered) -> None:
@@ -80,21 +80,21 @@ class OwnerProcess:
             if not ready:
                 return
             report = json.loads(self.proc.stdout.readline())
-            self.finished_sending.extend(report["finished_sending"])
+            self.freed_holds.extend(report["freed_holds"])
             for key, value in report["stats"].items():
                 if isinstance(value, int):
                     self.stats[key] = self.stats.get(key, 0) + value
 
     def collect(self, until: int, settle_s: float = 0.3) -> None:
-        """Take reports until `until` requests finished sending, then a little longer so a
+        """Take reports until `until` holds ended, then a little longer so a
         duplicate report would show up too."""
         deadline = time.monotonic() + WAIT_S
-        while len(self.finished_sending) < until and time.monotonic() < deadline:
+        while len(self.freed_holds) < until and time.monotonic() < deadline:
             self.poll(0.05)
         self.poll(settle_s)
 
     def reset(self) -> None:
-        self.finished_sending.clear()
+        self.freed_holds.clear()
         self.stats.clear()
 
     def stop(self) -> None:
@@ -167,7 +167,7 @@ def test_pull_copies_every_layer_byte_exact_and_releases_the_owner(owner, reader
     block_bytes = next(iter(kv_caches.values()))[0].nbytes
     assert stats["bytes"] == len(local) * NUM_LAYERS * block_bytes
     owner.collect(until=1)
-    assert owner.finished_sending == ["p-ok"]
+    assert owner.freed_holds == ["p-ok"]
     assert owner.stats.get("leases_released") == 1
 
 
@@ -175,7 +175,7 @@ def test_owner_lease_expires_exactly_once_without_a_reader(owner):
     owner.reset()
     owner.hold("p-expire", ttl_s=0.6)
     owner.collect(until=1, settle_s=1.0)
-    assert owner.finished_sending == ["p-expire"]
+    assert owner.freed_holds == ["p-expire"]
     assert owner.stats.get("lease_expiries") == 1
 
 
@@ -187,7 +187,7 @@ def test_read_too_close_to_the_lease_end_is_declined_and_released(owner, reader)
     assert run_until_received(worker, spec) == {6, 7}
     assert not any(t.any() for t in kv_caches.values())
     owner.collect(until=1)
-    assert owner.finished_sending == ["p-late"] and owner.stats.get("leases_released") == 1
+    assert owner.freed_holds == ["p-late"] and owner.stats.get("leases_released") == 1
     stats = worker.get_kv_connector_stats().data
     assert stats["failed_transfers"] == 1 and stats["tokens_recomputed"] == 32
 
@@ -231,11 +231,11 @@ def test_release_without_read_frees_the_owner(owner, reader):
     owner.hold("p-skip", ttl_s=30)
     worker.start_load_kv(DuplexConnectorMetadata(releases=[ReleaseSpec(owner.peer, "p-skip")]))
     deadline = time.monotonic() + WAIT_S
-    while not owner.finished_sending and time.monotonic() < deadline:
+    while not owner.freed_holds and time.monotonic() < deadline:
         worker.get_transfer_results()
         owner.poll(0.01)
     owner.collect(until=1)
-    assert owner.finished_sending == ["p-skip"]
+    assert owner.freed_holds == ["p-skip"]
     assert owner.stats.get("leases_released") == 1 and not owner.stats.get("lease_expiries")
 
 
@@ -315,7 +315,7 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
                     assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid)
         # The reads released their claims, not the hold: the turn stays offered...
         owner.poll(0.3)
-        assert owner.finished_sending == []
+        assert owner.freed_holds == []
         assert look_up(readers[0][0], "p3", TURN_FINGERPRINTS) is not None
         # ...and is freed exactly once when its hold ends and the last claim is gone.
         readers[0][0].start_load_kv(
@@ -325,7 +325,7 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
         for worker, _ in readers:
             worker.shutdown()
     owner.collect(until=1, settle_s=0.5)
-    assert owner.finished_sending == ["turn"]
+    assert owner.freed_holds == ["turn"]
     # A miss, and an owner nobody listens at: nothing found, nothing hangs.
     caches = make_kv_caches(NUM_BLOCKS)
     with socket.socket() as probe:

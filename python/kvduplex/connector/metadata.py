@@ -136,17 +136,25 @@ class DuplexConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
-    """Lookups the workers finished this step: request id -> every owner's match, longest
-    first (empty: nobody holds any of the prompt). The scheduler picks, since only it can check
-    the partial last block of each turn against the prompt's tokens."""
+    """What the workers tell the scheduler at the end of a step.
+
+    `lookups`: lookups finished this step, request id -> every owner's match, longest first
+    (empty: nobody holds any of the prompt). The scheduler picks, since only it can check the
+    partial last block of each turn against the prompt's tokens. Only TP rank 0 looks up.
+
+    `freed_holds`: requests whose hold ended on a rank this step (released, expired, evicted or
+    never taken), once per rank: the scheduler gives the blocks back when every rank has."""
 
     lookups: dict[str, list[LookupMatch]] = field(default_factory=dict)
+    freed_holds: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DuplexWorkerMetadata:
-        # Only TP rank 0 looks up; other ranks report nothing.
         if not isinstance(other, DuplexWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into DuplexWorkerMetadata")
-        return DuplexWorkerMetadata(lookups={**self.lookups, **other.lookups})
+        return DuplexWorkerMetadata(
+            lookups={**self.lookups, **other.lookups},
+            freed_holds=[*self.freed_holds, *other.freed_holds],
+        )
 
 
 @dataclass

@@ -20,9 +20,15 @@ router. No answer within `lookup_timeout_ms`: the request prefills normally.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
 with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally, keep
-their blocks under a lease and return params describing them. The workers free the blocks when
-the reader's release arrives or the lease expires, whichever is first, and report that through
-`finished_sending` exactly once.
+their blocks under a hold and return params describing them. The hold is a reference of our own
+on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
+the blocks stay allocated until the hold ends. (Had vLLM delayed freeing the request instead,
+as `request_finished` allows, its engine would step non-stop for as long as any hold lasts,
+i.e. for the whole pause between a conversation's turns: measured 1.3 CPU cores per idle
+server holding one turn.) The workers end a hold when the reader's release arrives, it expires
+or it is evicted, and report it in `DuplexWorkerMetadata.freed_holds` once per TP rank; when
+every rank has, the scheduler drops its reference. An idle engine does not step, so a hold that
+ended while it was idle frees its blocks at its next step.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ from kvduplex.connector.token_fingerprint import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -92,10 +100,13 @@ class _LookupState:
 _LOOKUP_REPORT_GRACE_S = 5.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Hold:
-    num_blocks: int
+    blocks: list[KVCacheBlock]
+    """Our references in vLLM's block pool, in the request's order."""
     decode_turn: bool
+    ranks_left: int
+    """TP ranks whose transfer core has not reported the hold's end yet."""
 
 
 class DuplexScheduler:
@@ -137,6 +148,7 @@ class DuplexScheduler:
         self._host: str | None = None
         self._ports: tuple[int, ...] | None = None
         self._missing_address_logged = False
+        self._missing_pool_logged = False
 
         self._pulls: dict[str, _PullState] = {}
         self._lookups: dict[str, _LookupState] = {}
@@ -147,6 +159,7 @@ class DuplexScheduler:
         self._hints: dict[str, str] = {}
         self._lookup_specs: list[md.LookupSpec] = []
         self._evict_blocks = 0
+        self._block_pool: BlockPool | None = None
         self._held: dict[str, _Hold] = {}
         self._held_decode_blocks = 0
         self._loads: list[md.LoadSpec] = []
@@ -494,6 +507,17 @@ class DuplexScheduler:
             return False, None
         if _unsupported_reason(request) is not None:
             return False, None
+        if self._block_pool is None:
+            if not self._missing_pool_logged:
+                self._missing_pool_logged = True
+                logger.warning(
+                    "vLLM bound no block pool to DuplexConnector; finished requests free their "
+                    "KV blocks instead of offering them to peers"
+                )
+            return False, None
+        if request.request_id in self._held:
+            logger.warning("Request %s is held already; not holding it twice", request.request_id)
+            return False, None
         if self._host is None or self._ports is None:
             if not self._missing_address_logged:
                 self._missing_address_logged = True
@@ -530,7 +554,12 @@ class DuplexScheduler:
         fingerprints = block_fingerprints(
             request.all_token_ids[:num_tokens], self._block_size, _salt(request)
         )
-        self._held[request.request_id] = _Hold(num_blocks=num_blocks, decode_turn=decode_turn)
+        blocks = [self._block_pool.blocks[block_id] for block_id in held_ids]
+        # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
+        self._block_pool.touch(blocks)
+        self._held[request.request_id] = _Hold(
+            blocks=blocks, decode_turn=decode_turn, ranks_left=self._tp_size
+        )
         if decode_turn:
             self._held_decode_blocks += num_blocks
         params = {
@@ -559,7 +588,10 @@ class DuplexScheduler:
                 offer=json.dumps(params).encode() if offered else b"",
             )
         )
-        return True, params
+        return False, params
+
+    def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
+        self._block_pool = block_pool
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         by_rank: dict[int, md.DuplexHandshakeMetadata] = {}
@@ -611,10 +643,7 @@ class DuplexScheduler:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, md.DuplexWorkerMetadata):
             self._on_lookup_answers(worker_meta.lookups)
-        for request_id in connector_output.finished_sending or ():
-            hold = self._held.pop(request_id, None)
-            if hold is not None and hold.decode_turn:
-                self._held_decode_blocks -= hold.num_blocks
+            self._on_freed_holds(worker_meta.freed_holds)
         if self._estimator is None:
             return
         if self._step_started is not None:
@@ -629,6 +658,22 @@ class DuplexScheduler:
                 worker_stats.data.get("transfer_tokens", ()),
             ):
                 self._estimator.observe_read(seconds, tokens)
+
+    def _on_freed_holds(self, request_ids: list[str]) -> None:
+        """Each TP rank reports a hold's end once; the last report gives the blocks back."""
+        for request_id in request_ids:
+            hold = self._held.get(request_id)
+            if hold is None:
+                logger.warning("A worker ended a hold on request %s, which is not held", request_id)
+                continue
+            hold.ranks_left -= 1
+            if hold.ranks_left > 0:
+                continue
+            del self._held[request_id]
+            if hold.decode_turn:
+                self._held_decode_blocks -= len(hold.blocks)
+            # Last block first, as vLLM frees a request's blocks: the tail is evicted first.
+            self._block_pool.free_blocks(reversed(hold.blocks))
 
     def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
         return self._stats.take()

@@ -4,8 +4,8 @@ One transfer-core `Engine` per vLLM worker (TP rank r of engine E is `E/tp<r>`);
 reads only from the peer's rank r. Handshakes run on background threads, once per peer
 address; reads are posted from the step hooks and polled every step. The owner side holds
 finished requests' blocks in the transfer core's hold book, frees them when a reader's release
-arrives, the hold expires or it is evicted, and reports each held request in
-`finished_sending` exactly once.
+arrives, the hold expires or it is evicted, and reports each ended hold in
+`DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference).
 
 Lookups (bidirectional mode, prefill side): the scheduler asks "who holds these blocks?"; TP
 rank 0 asks every engine its transfer core knows as a reader (decode nodes that pulled from
@@ -187,7 +187,7 @@ class DuplexWorker:
         self._waiting_releases: list[md.ReleaseSpec] = []
         self._inflight: dict[str, _Inflight] = {}
         self._finished_recving: set[str] = set()
-        self._finished_sending: set[str] = set()
+        self._freed_holds: list[str] = []
         self._load_errors: set[int] = set()
         self._stats = DuplexConnectorStats()
 
@@ -269,19 +269,17 @@ class DuplexWorker:
         self._take_notifications()
         self._expire_holds()
         self._connect_to_lookup_targets()
-        results = KVConnectorTransferResults(
-            finished_sending=self._finished_sending,
-            finished_recving=self._finished_recving,
-        )
-        self._finished_sending, self._finished_recving = set(), set()
+        results = KVConnectorTransferResults(finished_recving=self._finished_recving)
+        self._finished_recving = set()
         return results
 
     def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
         self._collect_lookups()
-        if not self._lookup_results:
+        if not self._lookup_results and not self._freed_holds:
             return None
-        results, self._lookup_results = self._lookup_results, {}
-        return md.DuplexWorkerMetadata(lookups=results)
+        meta = md.DuplexWorkerMetadata(lookups=self._lookup_results, freed_holds=self._freed_holds)
+        self._lookup_results, self._freed_holds = {}, []
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -424,7 +422,7 @@ class DuplexWorker:
 
     def _hold(self, hold: md.HoldSpec) -> None:
         if self._engine is None:
-            self._finished_sending.add(hold.request_id)
+            self._freed_holds.append(hold.request_id)
             return
         try:
             held = self._engine.hold(
@@ -443,14 +441,14 @@ class DuplexWorker:
             except ValueError:
                 held = False
         if not held:
-            self._finished_sending.add(hold.request_id)
+            self._freed_holds.append(hold.request_id)
             self._stats.add("leases_released")
         elif hold.fingerprints:
             self._stats.add("turns_offered")
 
     def _evict(self, num_blocks: int) -> None:
         for request_id in self._engine.evict_holds(num_blocks) if self._engine else ():
-            self._finished_sending.add(request_id)
+            self._freed_holds.append(request_id)
             self._stats.add("evictions")
             logger.debug("Held turn %s evicted to make room", request_id)
 
@@ -470,14 +468,14 @@ class DuplexWorker:
                 logger.warning("Ignoring a release from engine %s: %s", sender, exc)
                 continue
             if freed:
-                self._finished_sending.add(release.owner_request_id)
+                self._freed_holds.append(release.owner_request_id)
                 self._stats.add("leases_released")
 
     def _expire_holds(self) -> None:
         if self._engine is None:
             return
         for request_id in self._engine.expire_holds():
-            self._finished_sending.add(request_id)
+            self._freed_holds.append(request_id)
             self._stats.add("lease_expiries")
             logger.debug("Hold of request %s ended; its blocks are freed", request_id)
 
