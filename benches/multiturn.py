@@ -75,6 +75,7 @@ from kvduplex.servers import (
     Completion,
     ServerError,
     StreamedCompletion,
+    WHOLE_MACHINE_ENV,
     VllmServer,
     complete,
     complete_streamed,
@@ -533,7 +534,8 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     }
 
     logger.info("%s: computing the expected answers", SINGLE_SERVER)
-    with start_many([make(SINGLE_SERVER)]) as (single,):
+    # The single server runs alone, on the whole machine; each server of a P/D pair gets half.
+    with start_many([make(SINGLE_SERVER, env=WHOLE_MACHINE_ENV)]) as (single,):
         warm_up([single])
         stats, expected = run_conversations(
             single.base_url,

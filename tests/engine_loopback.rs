@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig, EngineError};
+use kvduplex::engine::{Engine, EngineConfig, EngineError, PeerStatus};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
 
 const BLOCK: usize = 4096;
@@ -154,4 +154,50 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     assert!(!owner.release_hold("reader", "turn-1", None));
     assert!(owner.release_hold("reader", "turn-1", Some(found.claim_id)));
     assert_eq!(owner.held_blocks(), 0);
+}
+
+fn status_until_settled(reader: &Engine, host: &str, port: u16, expected: Option<&str>) -> PeerStatus {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = reader.peer_status(host, port, expected, Duration::from_secs(2));
+        if status != PeerStatus::Connecting || Instant::now() > deadline {
+            return status;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn peer_status_connects_once_checks_identity_and_backs_off_after_a_failure() {
+    let mut owned = vec![3u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let mut owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    let addr = owner.side_channel_addr().unwrap();
+    let (host, port) = (addr.ip().to_string(), addr.port());
+
+    // The first call starts the one handshake; callers meanwhile see it under way.
+    assert_eq!(reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)), PeerStatus::Connecting);
+    assert_eq!(status_until_settled(&reader, &host, port, Some("owner")), PeerStatus::Ready("owner".into()));
+    // A blocking connect uses the same connection.
+    assert_eq!(reader.connect(&host, port, Duration::from_secs(1)).unwrap(), "owner");
+    // Another engine id than the params named is refused, without touching the connection.
+    match reader.peer_status(&host, port, Some("someone-else"), Duration::from_secs(2)) {
+        PeerStatus::Failed(reason) => assert!(reason.contains("\"owner\", not \"someone-else\""), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(reader.peer_alive("owner"));
+
+    // The owner goes away: its link dies, the next status connects afresh and fails, and
+    // until the backoff passes every caller is told at once, without a new attempt.
+    owner.close();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reader.peer_alive("owner") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!reader.peer_alive("owner"));
+    let failed = status_until_settled(&reader, &host, port, Some("owner"));
+    assert!(matches!(failed, PeerStatus::Failed(_)), "{failed:?}");
+    assert_eq!(reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)), failed);
+    assert!(matches!(reader.connect(&host, port, Duration::from_millis(10)), Err(EngineError::ConnectFailed { .. })));
 }

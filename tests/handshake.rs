@@ -482,7 +482,6 @@ fn policy() -> RetryPolicy {
     RetryPolicy {
         first_backoff: Duration::from_millis(100),
         max_backoff: Duration::from_secs(5),
-        connect_deadline: Duration::from_secs(30),
     }
 }
 
@@ -495,7 +494,7 @@ fn backoff_doubles_up_to_its_cap() {
 }
 
 #[test]
-fn failed_connects_back_off_until_the_deadline() {
+fn failed_connects_back_off_and_are_never_given_up() {
     let mut table = PeerTable::new(policy());
     let t0 = Instant::now();
     let key = "10.0.0.2:5600";
@@ -505,78 +504,77 @@ fn failed_connects_back_off_until_the_deadline() {
         ConnectDecision::Connect { attempt: 1 }
     );
     assert_eq!(table.begin_connect(key, t0), ConnectDecision::InProgress);
-    table.on_failed(key, "connection refused", t0);
+    table.on_failed(key, "connection refused", true, t0);
     let retry_at = t0 + Duration::from_millis(100);
     assert_eq!(
         table.state(key),
         &PeerState::Failed {
             error: "connection refused".into(),
+            retryable: true,
             attempts: 1,
-            retry_at: Some(retry_at)
+            retry_at,
         }
     );
     assert_eq!(
         table.begin_connect(key, t0 + Duration::from_millis(99)),
-        ConnectDecision::RetryAt(retry_at)
+        ConnectDecision::RetryAt {
+            at: retry_at,
+            error: "connection refused".into(),
+            retryable: true,
+        }
     );
 
-    // Each failure doubles the wait, measured from the failure.
+    // Each failure doubles the wait, measured from the failure, up to the cap; a peer down
+    // for minutes is still retried every `max_backoff`.
     let mut now = retry_at;
     let mut expected_wait = Duration::from_millis(200);
-    for attempt in 2..=6 {
+    for attempt in 2..=12 {
         assert_eq!(
             table.begin_connect(key, now),
             ConnectDecision::Connect { attempt }
         );
-        table.on_failed(key, "refused", now);
-        let PeerState::Failed {
-            retry_at: Some(at),
-            attempts,
-            ..
-        } = table.state(key).clone()
-        else {
+        table.on_failed(key, "refused", true, now);
+        let PeerState::Failed { retry_at: at, attempts, .. } = table.state(key).clone() else {
             panic!("{:?}", table.state(key));
         };
         assert_eq!((attempts, at - now), (attempt, expected_wait));
         now = at;
-        expected_wait *= 2;
+        expected_wait = (expected_wait * 2).min(Duration::from_secs(5));
     }
 
-    // A retry that would land past the deadline is not scheduled: the peer is given up on.
-    let late = t0 + Duration::from_secs(29);
+    // A refusal (not retryable) backs off the same way; callers see it is not retryable.
     assert!(matches!(
-        table.begin_connect(key, late),
+        table.begin_connect(key, now),
         ConnectDecision::Connect { .. }
     ));
-    table.on_failed(key, "still refused", late);
+    table.on_failed(key, "incompatible", false, now);
     assert!(matches!(
-        table.state(key),
-        PeerState::Failed { retry_at: None, .. }
+        table.begin_connect(key, now),
+        ConnectDecision::RetryAt { retryable: false, .. }
     ));
+
+    // A success resets the count; a dead link makes the next caller connect afresh.
+    let later = now + Duration::from_secs(60);
+    assert!(matches!(
+        table.begin_connect(key, later),
+        ConnectDecision::Connect { .. }
+    ));
+    table.on_ready(key, &metadata());
     assert_eq!(
-        table.begin_connect(key, late + Duration::from_secs(60)),
-        ConnectDecision::GaveUp {
-            error: "still refused".into(),
-            attempts: 7
+        table.begin_connect(key, later),
+        ConnectDecision::Ready {
+            engine_id: metadata().engine_id
         }
     );
-
-    // Marking it dead starts afresh, with a new deadline.
     table.mark_dead(key);
-    assert_eq!(table.state(key), &PeerState::Unknown);
-    let later = late + Duration::from_secs(120);
     assert_eq!(
         table.begin_connect(key, later),
         ConnectDecision::Connect { attempt: 1 }
     );
-    table.on_failed(key, "refused", later);
+    table.on_failed(key, "refused", true, later);
     assert!(matches!(
         table.state(key),
-        PeerState::Failed {
-            retry_at: Some(_),
-            attempts: 1,
-            ..
-        }
+        PeerState::Failed { attempts: 1, .. }
     ));
 }
 
@@ -601,7 +599,12 @@ fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
             generation: m.generation
         }
     );
-    assert_eq!(table.begin_connect(key, now), ConnectDecision::AlreadyReady);
+    assert_eq!(
+        table.begin_connect(key, now),
+        ConnectDecision::Ready {
+            engine_id: m.engine_id.clone()
+        }
+    );
 
     table.mark_dead(key);
     assert_eq!(table.state(key), &PeerState::Unknown);

@@ -8,7 +8,7 @@ batch is read, the owner receives the batch's notification payload.
 """
 
 from collections.abc import Sequence
-from typing import final
+from typing import Literal, final
 
 class KvDuplexError(Exception):
     """Base class of every error raised by kvduplex's Rust core."""
@@ -105,6 +105,18 @@ class Engine:
     def connect(self, host: str, port: int, timeout_s: float = 10.0) -> str:
         """Handshake with the engine at host:port (blocking, GIL released; cached, retried
         with backoff until the deadline). Returns the peer's engine id."""
+    def peer_status(
+        self,
+        host: str,
+        port: int,
+        *,
+        expected_engine_id: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> tuple[Literal["ready", "connecting", "failed"], str | None]:
+        """Non-blocking: ("ready", engine_id), ("connecting", None) or ("failed", reason).
+        Starts a handshake (at most timeout_s, on a thread of the core) when none is under
+        way and the backoff after the last failure passed; with expected_engine_id, a peer of
+        another id is a failure."""
     def peer_alive(self, peer_engine_id: str) -> bool: ...
     def read_blocks(
         self,

@@ -43,6 +43,7 @@ from typing import Any, TextIO
 import httpx
 
 from .servers import (
+    WHOLE_MACHINE_ENV,
     Completion,
     ServerError,
     VllmServer,
@@ -498,12 +499,18 @@ def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str, An
         bidirectional=True, recompute_threshold=args.recompute_threshold
     )
 
-    def server(name: str, extra: Sequence[str] = ()) -> VllmServer:
-        return VllmServer(model_dir, name=name, extra_args=[*SERVER_ARGS, *extra], log_dir=log_dir)
+    def server(
+        name: str, extra: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> VllmServer:
+        return VllmServer(
+            model_dir, name=name, extra_args=[*SERVER_ARGS, *extra], env=env, log_dir=log_dir
+        )
 
     prefill = server("prefill", ["--kv-transfer-config", json.dumps(kv_config)])
     decode = server("decode", ["--kv-transfer-config", json.dumps(kv_config)])
-    reference = server("reference")
+    # Turns run one system at a time: the reference computes alone, on the whole machine; each
+    # server of the P/D pair on half of it (the servers' default).
+    reference = server("reference", env=WHOLE_MACHINE_ENV)
     servers = [prefill, decode, reference]
     report: dict[str, Any] = {
         "model_dir": str(model_dir),

@@ -13,12 +13,12 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::descriptors::{check_remote_bounds, plan_reads, BlockLayout, PlanError, RegionBounds};
-use crate::handshake::{new_generation, EngineMetadata, Fingerprint, HandshakeError, RegionInfo};
+use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, PeerState, PeerTable, RegionInfo, RetryPolicy};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, Notification, PeerLink, SideChannelConfig, SideChannelServer};
 use crate::ucx::{BatchState, Endpoint, MemRegion, Read, UcxError, Worker};
@@ -34,6 +34,8 @@ pub enum EngineError {
     Plan(#[from] PlanError),
     #[error("no connection to peer engine {0:?} (connect first; it may have died or restarted)")]
     PeerNotConnected(String),
+    #[error("cannot connect to {address}: {error}")]
+    ConnectFailed { address: String, error: String },
     #[error("transfer failed: {0}")]
     Transfer(String),
     #[error("timed out after {0:?} waiting for the transfer")]
@@ -69,8 +71,20 @@ struct LocalMemory {
     layout: Option<BlockLayout>,
 }
 
+/// Where the connection to one peer's side channel stands ([`Engine::peer_status`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerStatus {
+    /// Connected to the engine with this id.
+    Ready(String),
+    Connecting,
+    /// The last attempt failed; the next one starts after the table's backoff.
+    Failed(String),
+}
+
 /// A ready connection to one peer engine.
 struct Peer {
+    /// The side channel ("host:port") it was connected through: its key in the peer table.
+    address: String,
     meta: EngineMetadata,
     /// The peer's registered regions, every remote range is checked against.
     regions: Vec<RegionBounds>,
@@ -125,9 +139,13 @@ struct Shared {
     worker: Arc<Worker>,
     server: Mutex<Option<SideChannelServer>>,
     local: RwLock<LocalMemory>,
+    /// Ready peers by engine id.
     peers: Mutex<HashMap<String, Arc<Peer>>>,
-    /// host:port → engine id, so `connect` to a known address is a lookup.
-    addresses: Mutex<HashMap<String, String>>,
+    /// The one owner of connection state by side-channel address: connect, wait, back off,
+    /// or use the ready peer. Lock order: `table`, then `peers`.
+    table: Mutex<PeerTable>,
+    /// Signalled whenever a connection attempt ends.
+    table_changed: Condvar,
     inflight: Mutex<Vec<Arc<Inflight>>>,
     /// Threads inside `Transfer::wait`, which drive UCX progress themselves.
     waiters: AtomicUsize,
@@ -135,8 +153,8 @@ struct Shared {
     holds: Arc<Mutex<HoldBook>>,
     /// "host:port" of our side channel, announced to the owners we connect to.
     side_channel: String,
-    /// One gate per address, so concurrent connects to one peer make one handshake.
-    connecting: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Handshakes started by [`Engine::peer_status`], joined by `close`.
+    handshakes: Mutex<Vec<JoinHandle<()>>>,
     stop: AtomicBool,
 }
 
@@ -149,9 +167,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Retry delays while a peer's side channel is not up yet (a server still starting).
-const CONNECT_BACKOFF_START: Duration = Duration::from_millis(50);
-const CONNECT_BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 impl Engine {
     pub fn start(config: EngineConfig) -> Result<Engine, EngineError> {
@@ -189,12 +204,13 @@ impl Engine {
             server: Mutex::new(Some(server)),
             local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
             peers: Mutex::new(HashMap::new()),
-            addresses: Mutex::new(HashMap::new()),
+            table: Mutex::new(PeerTable::new(RetryPolicy::default())),
+            table_changed: Condvar::new(),
             inflight: Mutex::new(Vec::new()),
             waiters: AtomicUsize::new(0),
             holds,
             side_channel,
-            connecting: Mutex::new(HashMap::new()),
+            handshakes: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&shared);
@@ -256,11 +272,54 @@ impl Engine {
         Ok(())
     }
 
-    /// Handshakes with the engine whose side channel is `host:port` and returns its engine id.
-    /// Unreachable peers are retried with backoff until `timeout`; refusals (incompatible,
-    /// authentication) fail at once.
+    /// Handshakes with the engine whose side channel is `host:port` (unless a live connection
+    /// exists) and returns its engine id. Waits for an attempt another caller started, and
+    /// retries unreachable peers with the peer table's backoff, until `timeout`; refusals
+    /// (incompatible, authentication) fail at once.
     pub fn connect(&self, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
-        connect_shared(&self.shared, host, port, timeout)
+        connect_blocking(&self.shared, host, port, timeout)
+    }
+
+    /// Non-blocking: where the connection to `host:port` stands, starting a handshake (on a
+    /// thread of its own, limited to `timeout`) when none is under way and the backoff allows.
+    /// With `expected_engine_id`, a ready peer of another id is a failure (a restarted or
+    /// misaddressed engine must not be read from).
+    pub fn peer_status(&self, host: &str, port: u16, expected_engine_id: Option<&str>, timeout: Duration) -> PeerStatus {
+        let key = format!("{host}:{port}");
+        if self.shared.stop.load(Ordering::Acquire) {
+            return PeerStatus::Failed(EngineError::Closed.to_string());
+        }
+        match begin_connect(&self.shared, &key, Instant::now()) {
+            ConnectDecision::Ready { engine_id } => match expected_engine_id {
+                Some(expected) if expected != engine_id => {
+                    PeerStatus::Failed(format!("the engine at {key} is {engine_id:?}, not {expected:?}"))
+                }
+                _ => PeerStatus::Ready(engine_id),
+            },
+            ConnectDecision::InProgress => PeerStatus::Connecting,
+            ConnectDecision::RetryAt { error, .. } => PeerStatus::Failed(error),
+            ConnectDecision::Connect { .. } => {
+                let shared = Arc::clone(&self.shared);
+                let (host, thread_key) = (host.to_owned(), key.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("kvduplex-connect".into())
+                    .spawn(move || drop(attempt_connect(&shared, &thread_key, &host, port, timeout)));
+                match spawned {
+                    Ok(handle) => {
+                        let mut handles = lock(&self.shared.handshakes);
+                        handles.retain(|h| !h.is_finished());
+                        handles.push(handle);
+                        PeerStatus::Connecting
+                    }
+                    Err(e) => {
+                        let error = format!("cannot start a handshake thread: {e}");
+                        lock(&self.shared.table).on_failed(&key, &error, true, Instant::now());
+                        self.shared.table_changed.notify_all();
+                        PeerStatus::Failed(error)
+                    }
+                }
+            }
+        }
     }
 
     pub fn peer_alive(&self, peer_id: &str) -> bool {
@@ -268,48 +327,103 @@ impl Engine {
     }
 }
 
-/// [`Engine::connect`]; also run by the lookup threads ([`Engine::start_lookup`]).
-fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
-    let key = format!("{host}:{port}");
-    // One handshake per address at a time: a second caller waits and finds the first's link.
-    let gate = Arc::clone(lock(&shared.connecting).entry(key.clone()).or_default());
-    let _one_at_a_time = lock(&gate);
-    if shared.stop.load(Ordering::Acquire) {
-        return Err(EngineError::Closed);
-    }
-    if let Some(id) = lock(&shared.addresses).get(&key).cloned() {
-        if lock(&shared.peers).get(&id).is_some_and(|p| p.alive.load(Ordering::Acquire)) {
-            return Ok(id);
+/// The peer table's decision for `key`; a ready entry whose peer died, or was replaced by a
+/// connection through another address, counts as gone and is connected afresh.
+fn begin_connect(shared: &Shared, key: &str, now: Instant) -> ConnectDecision {
+    let mut table = lock(&shared.table);
+    let decision = table.begin_connect(key, now);
+    if let ConnectDecision::Ready { engine_id } = &decision {
+        let live = lock(&shared.peers)
+            .get(engine_id)
+            .is_some_and(|p| p.alive.load(Ordering::Acquire) && p.address == key);
+        if !live {
+            table.mark_dead(key);
+            return table.begin_connect(key, now);
         }
     }
+    decision
+}
+
+/// [`Engine::connect`]; also run by the lookup threads ([`Engine::start_lookup`]).
+fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
+    let key = format!("{host}:{port}");
     let deadline = deadline_after(timeout);
-    let mut delay = CONNECT_BACKOFF_START;
-    let (link, meta) = loop {
+    loop {
         if shared.stop.load(Ordering::Acquire) {
             return Err(EngineError::Closed);
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        let attempt = PeerLink::connect(
-            host,
-            port,
-            &shared.config.engine_id,
-            Some(shared.side_channel.clone()),
-            &shared.config.fingerprint,
-            shared.config.secret.as_deref(),
-            left.max(Duration::from_millis(1)),
-            shared.config.heartbeat,
-        );
-        match attempt {
-            Ok(ok) => break ok,
-            Err(_) if shared.stop.load(Ordering::Acquire) => return Err(EngineError::Closed),
-            Err(e) if is_retryable(&e) && deadline_after(delay) < deadline => {
-                log::debug!("side channel {key} not ready ({e}); retrying in {delay:?}");
-                std::thread::sleep(delay);
-                delay = (delay * 2).min(CONNECT_BACKOFF_MAX);
+        let now = Instant::now();
+        // Wait for another caller's attempt to end, or for the backoff to pass.
+        let (wait_until, for_other_attempt) = match begin_connect(shared, &key, now) {
+            ConnectDecision::Ready { engine_id } => return Ok(engine_id),
+            ConnectDecision::Connect { .. } => {
+                let left = deadline.saturating_duration_since(now).max(Duration::from_millis(1));
+                match attempt_connect(shared, &key, host, port, left) {
+                    Ok(engine_id) => return Ok(engine_id),
+                    // The table spaces the next attempt.
+                    Err(e) if is_retryable_engine_error(&e) && Instant::now() < deadline => continue,
+                    Err(e) => return Err(e),
+                }
             }
-            Err(e) => return Err(e.into()),
+            ConnectDecision::InProgress => (deadline, true),
+            ConnectDecision::RetryAt { at, error, retryable } => {
+                if !retryable || at >= deadline {
+                    return Err(EngineError::ConnectFailed { address: key, error });
+                }
+                (at, false)
+            }
+        };
+        let table = lock(&shared.table);
+        // An attempt that ended before this lock was taken was signalled already: look again.
+        if for_other_attempt && !matches!(table.state(&key), PeerState::Connecting { .. }) {
+            continue;
         }
-    };
+        let left = wait_until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            if for_other_attempt {
+                return Err(HandshakeError::Timeout { waiting_for: "another caller's handshake", after: timeout }.into());
+            }
+            continue;
+        }
+        drop(shared.table_changed.wait_timeout(table, left).unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
+/// One handshake with the side channel at `key`, its outcome recorded in the peer table.
+fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
+    let result = handshake_with(shared, key, host, port, timeout);
+    let mut table = lock(&shared.table);
+    match &result {
+        Ok(peer) => {
+            table.on_ready(key, &peer.meta);
+        }
+        Err(e) => {
+            log::debug!("connecting to {key} failed: {e}");
+            table.on_failed(key, &e.to_string(), is_retryable_engine_error(e), Instant::now());
+        }
+    }
+    drop(table);
+    shared.table_changed.notify_all();
+    result.map(|peer| peer.meta.engine_id.clone())
+}
+
+fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<Arc<Peer>, EngineError> {
+    if shared.stop.load(Ordering::Acquire) {
+        return Err(EngineError::Closed);
+    }
+    let (link, meta) = PeerLink::connect(
+        host,
+        port,
+        &shared.config.engine_id,
+        Some(shared.side_channel.clone()),
+        &shared.config.fingerprint,
+        shared.config.secret.as_deref(),
+        timeout,
+        shared.config.heartbeat,
+    )?;
+    if shared.stop.load(Ordering::Acquire) {
+        return Err(EngineError::Closed);
+    }
     let layout = meta.layout.as_ref().ok_or_else(|| {
         EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
     })?;
@@ -317,6 +431,7 @@ fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration
     layout.validate_within(&regions)?;
     let id = meta.engine_id.clone();
     let peer = Arc::new(Peer {
+        address: key.to_owned(),
         meta,
         regions,
         endpoint: Mutex::new(None),
@@ -324,7 +439,7 @@ fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration
         link,
         alive: AtomicBool::new(true),
     });
-    let weak_shared = Arc::downgrade(&shared);
+    let weak_shared = Arc::downgrade(shared);
     let weak_peer = Arc::downgrade(&peer);
     peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
     let previous = lock(&shared.peers).insert(id.clone(), Arc::clone(&peer));
@@ -338,8 +453,7 @@ fn connect_shared(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration
         }
         _ => log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len()),
     }
-    lock(&shared.addresses).insert(key, id.clone());
-    Ok(id)
+    Ok(peer)
 }
 
 impl Engine {
@@ -492,7 +606,17 @@ impl Engine {
         }
         lock(&self.shared.inflight).clear();
         drop(peers);
-        lock(&self.shared.addresses).clear();
+        lock(&self.shared.table).clear();
+        self.shared.table_changed.notify_all();
+        // Each ends within its own timeout; none may outlive the engine's memory.
+        let handshakes: Vec<JoinHandle<()>> = lock(&self.shared.handshakes).drain(..).collect();
+        for handshake in handshakes {
+            let _ = handshake.join();
+        }
+        // A handshake that finished meanwhile may have added a peer.
+        for peer in lock(&self.shared.peers).drain().map(|(_, p)| p).collect::<Vec<_>>() {
+            abort_peer(&self.shared, &peer, "engine closed");
+        }
         if let Some(mut server) = lock(&self.shared.server).take() {
             server.shutdown();
         }
@@ -521,6 +645,10 @@ fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Opti
 
 fn is_retryable(e: &HandshakeError) -> bool {
     matches!(e, HandshakeError::Io(_) | HandshakeError::Unreachable { .. } | HandshakeError::Timeout { .. })
+}
+
+fn is_retryable_engine_error(e: &EngineError) -> bool {
+    matches!(e, EngineError::Handshake(h) if is_retryable(h))
 }
 
 fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
@@ -715,7 +843,7 @@ fn ask_one(shared: &Arc<Shared>, host: &str, port: u16, fingerprints: &[BlockFin
     if left.is_zero() {
         return Err("no time left to connect".to_owned());
     }
-    let peer_id = connect_shared(shared, host, port, left).map_err(|e| e.to_string())?;
+    let peer_id = connect_blocking(shared, host, port, left).map_err(|e| e.to_string())?;
     let peer = lock(&shared.peers).get(&peer_id).cloned().ok_or_else(|| format!("peer {peer_id} went away"))?;
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {

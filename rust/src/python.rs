@@ -43,6 +43,7 @@ fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
             None => PyValueError::new_err(msg),
         },
         EngineError::PeerNotConnected(_) => PeerNotConnectedError::new_err(msg),
+        EngineError::ConnectFailed { .. } => HandshakeFailed::new_err(msg),
         EngineError::Transfer(_) | EngineError::Closed => TransferError::new_err(msg),
         EngineError::WaitTimeout(_) => PyTimeoutError::new_err(msg),
         EngineError::InvalidArgument(_) | EngineError::Hold(_) => PyValueError::new_err(msg),
@@ -220,6 +221,28 @@ impl Engine {
     fn connect(&self, py: Python<'_>, host: String, port: u16, timeout_s: f64) -> PyResult<String> {
         let timeout = seconds("timeout_s", timeout_s)?;
         self.with(py, |e| e.connect(&host, port, timeout))
+    }
+
+    /// Non-blocking: `("ready", engine_id)`, `("connecting", None)` or `("failed", reason)` for
+    /// the side channel at `host:port`, starting a handshake (at most `timeout_s`) when none
+    /// is under way and the backoff after a failure has passed. With `expected_engine_id`, a
+    /// peer of another id is a failure.
+    #[pyo3(signature = (host, port, *, expected_engine_id=None, timeout_s=10.0))]
+    fn peer_status(
+        &self,
+        py: Python<'_>,
+        host: String,
+        port: u16,
+        expected_engine_id: Option<String>,
+        timeout_s: f64,
+    ) -> PyResult<(&'static str, Option<String>)> {
+        let timeout = seconds("timeout_s", timeout_s)?;
+        let status = self.with(py, |e| Ok(e.peer_status(&host, port, expected_engine_id.as_deref(), timeout)))?;
+        Ok(match status {
+            engine::PeerStatus::Ready(engine_id) => ("ready", Some(engine_id)),
+            engine::PeerStatus::Connecting => ("connecting", None),
+            engine::PeerStatus::Failed(reason) => ("failed", Some(reason)),
+        })
     }
 
     fn peer_alive(&self, py: Python<'_>, peer_engine_id: String) -> PyResult<bool> {

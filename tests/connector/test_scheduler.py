@@ -82,6 +82,8 @@ def test_threshold_boundary_prefill_to_decode(engines, gain, pulls):
     params = prefill(p, "p1", prompt)
     d.add("d1", prompt, max_tokens=2, params=params)
     step = d.step()
+    # A step that posts a read has the workers post it before the forward pass.
+    assert step.output.has_sync_kv_loads is pulls
     if pulls:
         assert [load.num_tokens for load in step.meta.loads] == [64]
         assert step.meta.releases == []

@@ -1,8 +1,9 @@
 """Worker side of DuplexConnector: the KV cache on the transfer core, reads, holds, lookups.
 
 One transfer-core `Engine` per vLLM worker (TP rank r of engine E is `E/tp<r>`); TP rank r
-reads only from the peer's rank r. Handshakes run on background threads, once per peer
-address; reads are posted from the step hooks and polled every step. The owner side holds
+reads only from the peer's rank r. The transfer core owns every connection (`peer_status`:
+handshakes on its own threads, once per peer address, backoff after a failure, the peer's
+identity checked); reads are posted from the step hooks and polled every step. The owner side holds
 finished requests' blocks in the transfer core's hold book, frees them when a reader's release
 arrives, the hold expires or it is evicted, and reports each ended hold in
 `DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference).
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -148,10 +148,6 @@ def compatibility_fingerprint(
     return fingerprint
 
 
-class WrongPeerError(Exception):
-    """The engine at the announced address is not the one kv_transfer_params named."""
-
-
 @dataclass
 class _Inflight:
     spec: md.LoadSpec
@@ -174,15 +170,11 @@ class DuplexWorker:
         self._engine_id = engine_id
         self._tp_rank = tp_rank
         self._engine: _core.Engine | None = None
-        self._handshakes = ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="kvduplex-handshake"
-        )
         self._lookups: dict[str, _PendingLookup] = {}
         # Reported lookups whose slowest owners may still answer (their claims go back).
         self._unanswered: list[_PendingLookup] = []
         self._lookup_results: dict[str, list[md.LookupMatch]] = {}
         self._next_peer_scan = 0.0
-        self._connections: dict[tuple[str, int], Future[str]] = {}
         self._waiting_loads: list[md.LoadSpec] = []
         self._waiting_releases: list[md.ReleaseSpec] = []
         self._inflight: dict[str, _Inflight] = {}
@@ -241,7 +233,6 @@ class DuplexWorker:
         )
 
     def shutdown(self) -> None:
-        self._handshakes.shutdown(wait=False, cancel_futures=True)
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -255,12 +246,8 @@ class DuplexWorker:
             self._evict(meta.evict_blocks)
         for lookup in meta.lookups:
             self._start_lookup(lookup)
-        for spec in meta.loads:
-            self._connect(spec.peer)
-            self._waiting_loads.append(spec)
-        for release in meta.releases:
-            self._connect(release.peer)
-            self._waiting_releases.append(release)
+        self._waiting_loads.extend(meta.loads)
+        self._waiting_releases.extend(meta.releases)
         self._advance()
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
@@ -290,65 +277,44 @@ class DuplexWorker:
 
     # ------------------------------------------------------------ reader side
 
-    def _connect(self, peer: md.PeerAddress) -> None:
-        """Start a handshake with the peer's rank unless one is done or under way."""
-        self._connect_to((peer.host, peer.ports[self._tp_rank]))
-
-    def _connect_to(self, address: tuple[str, int]) -> None:
+    def _peer_status(self, peer: md.PeerAddress) -> tuple[str, str | None]:
+        """("ready", engine id), ("connecting", None) or ("failed", why) for the peer's engine
+        of our TP rank. The transfer core owns the connection: it starts the handshake when
+        none is under way, backs off after a failure, and refuses an engine other than the
+        one the params named (e.g. restarted at the same address)."""
         if self._engine is None:
-            return
-        existing = self._connections.get(address)
-        if existing is not None:
-            if not existing.done():
-                return
-            if existing.exception() is None and self._engine.peer_alive(existing.result()):
-                return
-        self._connections[address] = self._handshakes.submit(
-            self._engine.connect, address[0], address[1], self._config.handshake_timeout_s
+            return "failed", "no KV cache was registered with the transfer core"
+        return self._engine.peer_status(
+            peer.host,
+            peer.ports[self._tp_rank],
+            expected_engine_id=peer.rank_engine_id(self._tp_rank),
+            timeout_s=self._config.handshake_timeout_s,
         )
 
-    def _connected_peer(self, peer: md.PeerAddress) -> str | None:
-        """The peer's engine id once connected; raises if the handshake failed or the peer
-        is not the engine the params named. None while the handshake runs."""
-        if self._engine is None:
-            raise RuntimeError("no KV cache was registered with the transfer core")
-        future = self._connections[(peer.host, peer.ports[self._tp_rank])]
-        if not future.done():
-            return None
-        peer_engine_id = future.result()
-        expected = peer.rank_engine_id(self._tp_rank)
-        if peer_engine_id != expected:
-            raise WrongPeerError(
-                f"the engine at {peer.host}:{peer.ports[self._tp_rank]} is {peer_engine_id!r}, "
-                f"not {expected!r} named in kv_transfer_params"
-            )
-        return peer_engine_id
-
     def _advance(self) -> None:
-        """Post the reads and releases whose handshakes finished."""
+        """Post the reads and releases whose peers are connected."""
         waiting_loads, self._waiting_loads = self._waiting_loads, []
         for spec in waiting_loads:
-            try:
-                peer_engine_id = self._connected_peer(spec.peer)
-            except Exception as exc:  # handshake failed: any error means "no transfer"
-                self._fail_load(spec, f"handshake failed: {exc}")
-                continue
-            if peer_engine_id is None:
+            state, detail = self._peer_status(spec.peer)
+            if state == "connecting":
                 self._waiting_loads.append(spec)
+            elif state == "failed":
+                self._fail_load(spec, f"no connection to the owner: {detail}")
             else:
-                self._post_read(spec, peer_engine_id)
+                self._post_read(spec, detail)
         waiting_releases, self._waiting_releases = self._waiting_releases, []
         for release in waiting_releases:
+            state, detail = self._peer_status(release.peer)
+            if state == "connecting":
+                self._waiting_releases.append(release)
+                continue
             try:
-                peer_engine_id = self._connected_peer(release.peer)
-                if peer_engine_id is None:
-                    self._waiting_releases.append(release)
-                    continue
+                if state == "failed":
+                    raise _core.KvDuplexError(f"no connection: {detail}")
                 self._engine.notify(
-                    peer_engine_id,
-                    md.encode_release(release.remote_request_id, release.claim_id),
+                    detail, md.encode_release(release.remote_request_id, release.claim_id)
                 )
-            except Exception as exc:  # the owner's lease frees the blocks instead
+            except _core.KvDuplexError as exc:  # the owner's lease frees the blocks instead
                 logger.info(
                     "Could not tell engine %s to free request %s's blocks (%s); its lease "
                     "will free them",
@@ -506,8 +472,8 @@ class DuplexWorker:
         if self._engine is None or self._tp_rank != 0 or now < self._next_peer_scan:
             return
         self._next_peer_scan = now + _PEER_SCAN_INTERVAL_S
-        for target in self._lookup_targets(None):
-            self._connect_to(target)
+        for host, port in self._lookup_targets(None):
+            self._engine.peer_status(host, port, timeout_s=self._config.handshake_timeout_s)
 
     def _start_lookup(self, spec: md.LookupSpec) -> None:
         if self._engine is None or self._tp_rank != 0:

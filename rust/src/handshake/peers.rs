@@ -6,14 +6,13 @@ use std::time::{Duration, Instant};
 
 use super::EngineMetadata;
 
-/// How connection attempts to one peer are spaced: the n-th failure waits
-/// `first_backoff * 2^(n-1)`, at most `max_backoff`, and no retry is scheduled past
-/// `connect_deadline` after the first attempt.
+/// How connection attempts to one peer are spaced: the n-th consecutive failure waits
+/// `first_backoff * 2^(n-1)`, at most `max_backoff`. A peer is never given up on (a decode
+/// node may come back after minutes); a success resets the count.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RetryPolicy {
     pub first_backoff: Duration,
     pub max_backoff: Duration,
-    pub connect_deadline: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -21,7 +20,6 @@ impl Default for RetryPolicy {
         Self {
             first_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
-            connect_deadline: Duration::from_secs(30),
         }
     }
 }
@@ -48,42 +46,46 @@ pub enum PeerState {
         engine_id: String,
         generation: u64,
     },
-    /// `retry_at` is `None` once the connect deadline has passed: the peer is given up on
-    /// until it is marked dead.
     Failed {
         error: String,
+        /// Whether trying again may help (unreachable, timed out) or not (refused: another
+        /// protocol version, an incompatible model, a wrong secret).
+        retryable: bool,
         attempts: u32,
-        retry_at: Option<Instant>,
+        retry_at: Instant,
     },
 }
 
 /// What the caller of [`PeerTable::begin_connect`] should do now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ConnectDecision {
-    /// Connect now; the peer is `Connecting`.
+    /// Connect now; the peer is `Connecting` until [`PeerTable::on_ready`] or
+    /// [`PeerTable::on_failed`].
     Connect {
         attempt: u32,
     },
     /// Another caller is connecting.
     InProgress,
-    AlreadyReady,
+    Ready {
+        engine_id: String,
+    },
     /// Backing off after a failure.
-    RetryAt(Instant),
-    GaveUp {
+    RetryAt {
+        at: Instant,
         error: String,
-        attempts: u32,
+        retryable: bool,
     },
 }
 
 #[derive(Debug)]
 struct Peer {
     state: PeerState,
-    first_attempt_at: Option<Instant>,
     /// Survives `mark_dead`, so a reconnect can tell whether the peer restarted meanwhile.
     ready_generation: Option<u64>,
 }
 
-/// Connection state per remote engine, keyed by its side-channel `host:port`.
+/// Connection state per remote engine, keyed by its side-channel `host:port`: the one place
+/// that decides whether to connect, wait, or use a ready link. Time is passed in.
 #[derive(Debug, Default)]
 pub struct PeerTable {
     policy: RetryPolicy,
@@ -109,23 +111,25 @@ impl PeerTable {
         let attempt = match &peer.state {
             PeerState::Unknown => 1,
             PeerState::Connecting { .. } => return ConnectDecision::InProgress,
-            PeerState::Ready { .. } => return ConnectDecision::AlreadyReady,
-            PeerState::Failed {
-                error,
-                attempts,
-                retry_at: None,
-            } => {
-                return ConnectDecision::GaveUp {
-                    error: error.clone(),
-                    attempts: *attempts,
+            PeerState::Ready { engine_id, .. } => {
+                return ConnectDecision::Ready {
+                    engine_id: engine_id.clone(),
                 }
             }
             PeerState::Failed {
-                retry_at: Some(at), ..
-            } if now < *at => return ConnectDecision::RetryAt(*at),
+                retry_at,
+                error,
+                retryable,
+                ..
+            } if now < *retry_at => {
+                return ConnectDecision::RetryAt {
+                    at: *retry_at,
+                    error: error.clone(),
+                    retryable: *retryable,
+                }
+            }
             PeerState::Failed { attempts, .. } => attempts.saturating_add(1),
         };
-        peer.first_attempt_at.get_or_insert(now);
         peer.state = PeerState::Connecting { attempt };
         ConnectDecision::Connect { attempt }
     }
@@ -142,45 +146,45 @@ impl PeerTable {
             .ready_generation
             .is_some_and(|g| g != metadata.generation);
         peer.state = ready;
-        peer.first_attempt_at = None;
         peer.ready_generation = Some(metadata.generation);
         restarted
     }
 
-    /// Records a failed attempt and schedules the next one, unless that would fall past the
-    /// connect deadline.
-    pub fn on_failed(&mut self, key: &str, error: &str, now: Instant) {
+    /// Records a failed attempt and when the next one may start.
+    pub fn on_failed(&mut self, key: &str, error: &str, retryable: bool, now: Instant) {
         let peer = peer_entry(&mut self.peers, key);
         let attempts = match peer.state {
             PeerState::Connecting { attempt } => attempt,
             PeerState::Failed { attempts, .. } => attempts,
             PeerState::Unknown | PeerState::Ready { .. } => 1,
         };
-        let first_attempt_at = *peer.first_attempt_at.get_or_insert(now);
-        let deadline = first_attempt_at.checked_add(self.policy.connect_deadline);
-        let retry_at = now
-            .checked_add(self.policy.backoff(attempts))
-            .filter(|at| deadline.is_none_or(|deadline| *at <= deadline));
+        let backoff = self.policy.backoff(attempts);
         peer.state = PeerState::Failed {
             error: error.to_owned(),
+            retryable,
             attempts,
-            retry_at,
+            retry_at: now.checked_add(backoff).unwrap_or(now),
         };
     }
 
-    /// The link died or the peer was given up on: the next `begin_connect` starts afresh.
+    /// The link to a ready peer died: the next `begin_connect` connects afresh.
     pub fn mark_dead(&mut self, key: &str) {
         if let Some(peer) = self.peers.get_mut(key) {
-            peer.state = PeerState::Unknown;
-            peer.first_attempt_at = None;
+            if matches!(peer.state, PeerState::Ready { .. }) {
+                peer.state = PeerState::Unknown;
+            }
         }
+    }
+
+    /// Forgets every peer (the engine closes).
+    pub fn clear(&mut self) {
+        self.peers.clear();
     }
 }
 
 fn peer_entry<'a>(peers: &'a mut HashMap<String, Peer>, key: &str) -> &'a mut Peer {
     peers.entry(key.to_owned()).or_insert(Peer {
         state: PeerState::Unknown,
-        first_attempt_at: None,
         ready_generation: None,
     })
 }
