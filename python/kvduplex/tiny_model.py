@@ -135,6 +135,30 @@ _CHAT_SPEC = {
 }
 
 
+# --- The realistic-shape variant (benchmarks) ---
+# SmolLM2-360M's transformer: 32 layers, hidden 960, 15 query and 5 KV heads of 64 (GQA 3:1), MLP
+# 2560, RoPE theta 1e5, 8k context; ~0.36 B parameters in the body, so prefill costs per token
+# what a real small model's does (~0.7 GFLOP). Its vocabulary is the chat tokenizer's 1,024 words
+# (not 49,152), so that chat turns round-trip; that only shrinks the LM head, which a prefill
+# runs once per request. Random weights at Llama's initializer range. Why this size: the
+# largest of the 0.3-1 B class whose three servers a history sweep needs (single, P, D) fit in
+# 24 GiB next to their KV caches, and whose 4k-token prefill takes under a minute on one core.
+REALISTIC_MODEL_CONFIG = {
+    **MODEL_CONFIG,
+    "hidden_size": 960,
+    "intermediate_size": 2560,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 15,
+    "num_key_value_heads": 5,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "initializer_range": 0.02,
+}
+_REALISTIC_SPEC = {**_CHAT_SPEC, "variant": "realistic-chat", "model": REALISTIC_MODEL_CONFIG}
+REALISTIC_SERVED_MODEL_NAME = "kvduplex-realistic"
+
+
 def _vocabulary(rng: random.Random) -> list[str]:
     words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(600)]
     return words + ["user", "assistant", "system", "nonce", "turn", "the", "a", "of", "and"]
@@ -275,14 +299,14 @@ def _save_with_bos(tokenizer, out_dir: Path, chat_template: str, **extra: object
     fast.save_pretrained(out_dir)
 
 
-def _build_model(out_dir: Path) -> None:
+def _build_model(out_dir: Path, model_config: dict) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     added_tokens = json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]
     ids = {token["content"]: token["id"] for token in added_tokens}
     config = LlamaConfig(
-        **MODEL_CONFIG,
+        **model_config,
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=ids[EOS_TOKEN],
         pad_token_id=ids[PAD_TOKEN],
@@ -294,12 +318,14 @@ def _build_model(out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def is_complete(model_dir: Path, *, chat: bool = False) -> bool:
+def is_complete(model_dir: Path, *, chat: bool = False, spec: dict | None = None) -> bool:
     """True when `model_dir` holds a finished build of exactly this tiny model (or its chat
-    variant, with `chat`)."""
+    variant, with `chat`; or of the variant `spec` describes)."""
     marker = Path(model_dir) / COMPLETE_MARKER
+    if spec is None:
+        spec = _CHAT_SPEC if chat else _SPEC
     try:
-        return json.loads(marker.read_text()) == (_CHAT_SPEC if chat else _SPEC)
+        return json.loads(marker.read_text()) == spec
     except (OSError, ValueError):
         return False
 
@@ -336,10 +362,20 @@ def build_tiny_chat_model(out_dir: Path) -> Path:
     return _build(out_dir, chat=True)
 
 
-def _build(out_dir: Path, *, chat: bool) -> Path:
+def build_realistic_chat_model(out_dir: Path) -> Path:
+    """Write the realistic-shape variant (`REALISTIC_MODEL_CONFIG`, ~1.5 GB of float32 weights)
+    with the chat variant's round-trip tokenizer to `out_dir` and return it. Serve it with
+    `SERVER_ARGS` but ``--max-model-len`` up to 8192 and ``--served-model-name``
+    `REALISTIC_SERVED_MODEL_NAME`. Reuse and atomic replacement as in `build_tiny_model`."""
+    return _build(out_dir, chat=True, spec=_REALISTIC_SPEC)
+
+
+def _build(out_dir: Path, *, chat: bool, spec: dict | None = None) -> Path:
     out_dir = Path(out_dir).resolve()
-    what = "tiny chat model" if chat else "tiny model"
-    if is_complete(out_dir, chat=chat):
+    if spec is None:
+        spec = _CHAT_SPEC if chat else _SPEC
+    what = f"{spec.get('variant', 'tiny')} model"
+    if is_complete(out_dir, spec=spec):
         logger.debug("reusing %s at %s", what, out_dir)
         return out_dir
     if (out_dir / COMPLETE_MARKER).exists():
@@ -356,10 +392,9 @@ def _build(out_dir: Path, *, chat: bool) -> Path:
             _build_chat_tokenizer(staging)
         else:
             _build_tokenizer(staging)
-        _build_model(staging)
-        spec = _CHAT_SPEC if chat else _SPEC
+        _build_model(staging, spec["model"])
         (staging / COMPLETE_MARKER).write_text(json.dumps(spec, indent=1, sort_keys=True))
-        if is_complete(out_dir, chat=chat):  # another process finished first
+        if is_complete(out_dir, spec=spec):  # another process finished first
             return out_dir
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -1,0 +1,317 @@
+"""Turn-N TTFT as the history grows, on a realistic-shape model.
+
+For each history length L (tokens; default 1024, 2048 and 4096) and each of several
+conversations: turn 1 is a prompt of L tokens (a nonce first), answered in `--answer` tokens;
+turn 2 is turn 1's prompt and answer plus `--new` tokens. What is measured is turn 2's time to
+first token, streamed and seen by the client, for
+- `ideal`: one plain server on the whole machine that has turn 1 in its prefix cache (no
+  transfer at all: what P/D must approach);
+- `kvduplex-bidirectional`: a P and a D (half the cores each) behind the kvduplex proxy, turns
+  streamed with no conversation id. Before turn 2, P's prefix cache is reset — P no longer has
+  the history, as when another prefill node served turn 1 or P evicted it under load, which is
+  when D->P reuse matters: P finds the history on D by the prompt and pulls it;
+- `kvduplex-one-way`: the same with `bidirectional_kv_xfer` off: P recomputes the history.
+vLLM's NixlConnector is left out: on this CPU it stalls for tens of seconds per turn (see
+benches/multiturn.py, which runs it side by side).
+
+Every system replays the ideal server's turn-1 answers, so all see the same prompts, and each
+turn-2 answer is compared with the ideal's (tokens; logprobs within 1e-2, as servers on
+different thread counts round differently). Per point: the median over the conversations, P's
+turn-2 prompt tokens by source, and kvduplex's breakdown from the servers' metrics: P's TTFT
+(lookup + D->P pull + prefill of the new tokens), of which lookup and pull, and D's TTFT (P->D
+pull + first step); the rest of the client's TTFT is HTTP, the proxy and tokenization.
+
+Model: `kvduplex.tiny_model.build_realistic_chat_model` (SmolLM2-360M's shape, random weights;
+built on first use, ~1.5 GB). Usage (repository root):
+    PYTHONPATH=python .venv/bin/python benches/history_sweep.py --out DIR [--lengths 1024 2048]
+writes DIR/history_sweep.json and DIR/history_sweep.png. Exit status 1 if an answer differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvduplex.demo import MetricsSnapshot, ProxyThread, duplex_kv_transfer_config, read_metrics, read_metrics_after
+from kvduplex.servers import (
+    WHOLE_MACHINE_ENV,
+    Completion,
+    ServerError,
+    VllmServer,
+    complete,
+    complete_streamed,
+    start_many,
+)
+from kvduplex.tiny_model import (
+    CHAT_FIRST_WORD_ID,
+    REALISTIC_MODEL_CONFIG,
+    REALISTIC_SERVED_MODEL_NAME,
+    VOCAB_SIZE,
+    build_realistic_chat_model,
+)
+
+logger = logging.getLogger("history_sweep")
+
+IDEAL = "ideal"
+BIDIRECTIONAL = "kvduplex-bidirectional"
+ONE_WAY = "kvduplex-one-way"
+SYSTEMS = (IDEAL, BIDIRECTIONAL, ONE_WAY)
+LOGPROB_ATOL = 1e-2
+RECOMPUTE_THRESHOLD = 64
+MAX_MODEL_LEN = 8192
+# GiB of KV cache per server: a 4k-token history of this model is 320 MiB (80 KiB a token).
+KV_CACHE_GIB = "3"
+
+
+def server_args() -> list[str]:
+    return [
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--seed", "0",
+        "--served-model-name", REALISTIC_SERVED_MODEL_NAME,
+    ]
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    """`length` word ids of the round-trip tokenizer; its start is unique to `seed`."""
+    rng = random.Random(f"history-sweep-{seed}")
+    return [rng.randrange(CHAT_FIRST_WORD_ID, VOCAB_SIZE) for _ in range(length)]
+
+
+Conversation = tuple[int, int]
+"""(history length, index): one conversation of the sweep."""
+
+
+def turn2(turn1: list[int], answer: Completion, key: Conversation, new: int) -> list[int]:
+    return turn1 + answer.token_ids + prompt(new, seed=key[0] * 1000 + key[1] + 7)
+
+
+def histogram_sums(base_url: str) -> dict[str, float]:
+    """Sums and counts of kvduplex's lookup and transfer-time histograms on a server."""
+    text = httpx.get(f"{base_url}/metrics", timeout=60).text
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("vllm:kvduplex_lookup_seconds", "vllm:kvduplex_transfer_seconds"):
+            for suffix in ("_sum", "_count"):
+                if line.startswith(name + suffix):
+                    key = name.rpartition(":")[2] + suffix
+                    sums[key] = sums.get(key, 0.0) + float(line.rpartition(" ")[2])
+    return sums
+
+
+def reset_prefix_cache(server: VllmServer) -> None:
+    """Empty P's prefix cache. Blocks it still holds for a reader that has released them are
+    freed at its next engine step, so a one-token request makes it step first."""
+    for _ in range(20):
+        complete(server.base_url, prompt(4, seed=int(time.time_ns() % 10**9)), 1)
+        answer = httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=60).json()
+        if answer.get("success"):
+            return
+        time.sleep(0.5)
+    raise ServerError(f"{server.name} did not reset its prefix cache")
+
+
+def matches(expected: Completion, answer: Completion) -> bool:
+    return answer.token_ids == expected.token_ids and all(
+        abs(a - b) <= LOGPROB_ATOL for a, b in zip(answer.logprobs, expected.logprobs, strict=True)
+    )
+
+
+def run_ideal(make, turns1: dict[Conversation, list[int]], args) -> tuple[dict, dict]:
+    """Turn 1, then turn 2 streamed, on one server; returns (turn-1 answers, turn-2 results)."""
+    answers: dict[Conversation, Completion] = {}
+    results: dict[Conversation, dict] = {}
+    with start_many([make(IDEAL, None, WHOLE_MACHINE_ENV)]) as (server,):
+        complete(server.base_url, prompt(8, seed=-1), 2)  # first-request costs
+        for key, turn1 in turns1.items():
+            answers[key] = complete(server.base_url, turn1, args.answer, timeout_s=900)
+            ids = turn2(turn1, answers[key], key, args.new)
+            second = complete_streamed(server.base_url, ids, args.answer, timeout_s=900)
+            results[key] = {"ttft_s": second.ttft_s, "answer": second}
+            logger.info("%s: %d-token prompt, turn-2 TTFT %.0f ms", IDEAL, len(ids), second.ttft_s * 1e3)
+    return answers, results
+
+
+def run_pd(system: str, make, turns1, answers, expected, args) -> dict:
+    bidirectional = system == BIDIRECTIONAL
+    config = duplex_kv_transfer_config(bidirectional=bidirectional, recompute_threshold=RECOMPUTE_THRESHOLD)
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    results: dict[Conversation, dict] = {}
+    with start_many([make(f"{system}-prefill", config, dev), make(f"{system}-decode", config)]) as (p, d):
+        with ProxyThread([p.base_url], [d.base_url]) as proxy:
+            complete_streamed(proxy.base_url, prompt(8, seed=-2), 2, timeout_s=900)
+            for key, turn1 in turns1.items():
+                complete_streamed(proxy.base_url, turn1, args.answer, timeout_s=900)
+                reset_prefix_cache(p)
+                ids = turn2(turn1, answers[key], key, args.new)
+                p_before, d_before = read_metrics(p.base_url), read_metrics(d.base_url)
+                hist_before = histogram_sums(p.base_url)
+                second = complete_streamed(proxy.base_url, ids, args.answer, timeout_s=900)
+                on_p = read_metrics_after(p.base_url, p_before, 1).minus(p_before)
+                on_d = read_metrics_after(d.base_url, d_before, 1).minus(d_before)
+                hist = {k: v - hist_before.get(k, 0.0) for k, v in histogram_sums(p.base_url).items()}
+                row = breakdown(second, on_p, on_d, hist)
+                row["matches_ideal"] = matches(expected[key]["answer"], second)
+                results[key] = row
+                logger.info("%s: %d-token prompt: %s", system, len(ids), json.dumps(row))
+    return results
+
+
+def breakdown(answer: Completion, on_p: MetricsSnapshot, on_d: MetricsSnapshot, hist: dict[str, float]) -> dict:
+    def mean(name: str) -> float | None:
+        count = hist.get(f"{name}_count", 0.0)
+        return hist.get(f"{name}_sum", 0.0) / count if count else None
+
+    return {
+        "ttft_s": answer.ttft_s,
+        "p_ttft_s": on_p.mean_ttft_s,
+        "lookup_s": mean("kvduplex_lookup_seconds"),
+        "d_to_p_transfer_s": mean("kvduplex_transfer_seconds"),
+        "d_ttft_s": on_d.mean_ttft_s,
+        "p_computed_tokens": on_p.computed_tokens,
+        "p_cache_hit_tokens": on_p.cache_hit_tokens,
+        "p_pulled_tokens": on_p.transferred_tokens,
+    }
+
+
+def summarize(results: dict[str, dict], lengths: list[int]) -> dict:
+    table: dict[str, dict[int, dict]] = {}
+    for system, by_key in results.items():
+        table[system] = {}
+        for length in lengths:
+            rows = [row for key, row in by_key.items() if key[0] == length]
+            point: dict[str, Any] = {"conversations": len(rows)}
+            for field in ("ttft_s", "p_ttft_s", "lookup_s", "d_to_p_transfer_s", "d_ttft_s",
+                          "p_computed_tokens", "p_pulled_tokens"):
+                values = [r[field] for r in rows if r.get(field) is not None]
+                point[field] = statistics.median(values) if values else None
+            point["all_match"] = all(r.get("matches_ideal", True) for r in rows)
+            table[system][length] = point
+    return table
+
+
+def plot(table: dict, lengths: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, points in table.items():
+        xs = [n for n in lengths if points[n]["ttft_s"] is not None]
+        ax.plot(xs, [points[n]["ttft_s"] * 1e3 for n in xs], marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # recomputation is 10-20x the others: keep their gap visible
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("history before turn 2 (tokens)")
+    ax.set_ylabel("turn-2 TTFT, median (ms)")
+    shape = REALISTIC_MODEL_CONFIG
+    ax.set_title(
+        f"Turn-2 TTFT vs history ({shape['num_hidden_layers']}L x {shape['hidden_size']}, "
+        "random weights, CPU)"
+    )
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def format_table(table: dict, lengths: list[int]) -> str:
+    lines = [f"{'system':<24}{'history':>8}{'TTFT ms':>9}{'P ms':>8}{'lookup':>8}{'pull':>7}"
+             f"{'D ms':>7}{'P comp':>8}{'pulled':>8}  match"]
+    for system, points in table.items():
+        for n in lengths:
+            pt = points[n]
+
+            def ms(key: str) -> str:
+                return f"{pt[key] * 1e3:.0f}" if pt.get(key) is not None else "-"
+
+            def count(key: str) -> str:
+                return f"{pt[key]:.0f}" if pt.get(key) is not None else "-"
+
+            lines.append(
+                f"{system:<24}{n:>8}{ms('ttft_s'):>9}{ms('p_ttft_s'):>8}{ms('lookup_s'):>8}"
+                f"{ms('d_to_p_transfer_s'):>7}{ms('d_ttft_s'):>7}{count('p_computed_tokens'):>8}"
+                f"{count('p_pulled_tokens'):>8}  {'yes' if pt['all_match'] else 'NO'}"
+            )
+    lines.append("")
+    for n in lengths:
+        ideal = table[IDEAL][n]["ttft_s"]
+        bi = table.get(BIDIRECTIONAL, {}).get(n, {}).get("ttft_s")
+        one = table.get(ONE_WAY, {}).get(n, {}).get("ttft_s")
+        parts = [f"history {n}:"]
+        if ideal and bi:
+            parts.append(f"bidirectional / ideal {bi / ideal:.2f}")
+        if one and bi:
+            parts.append(f"one-way / bidirectional {one / bi:.2f}")
+        lines.append(" ".join(parts))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON and PNG")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--conversations", type=int, default=2, help="per history length")
+    parser.add_argument("--answer", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--new", type=int, default=64, help="new tokens on turn 2")
+    parser.add_argument("--skip", action="append", default=[], choices=SYSTEMS[1:])
+    parser.add_argument("--model-dir", type=Path, help="realistic model directory (built if missing)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if max(args.lengths) + args.answer + args.new > MAX_MODEL_LEN:
+        parser.error(f"history + answer + new tokens must fit in {MAX_MODEL_LEN}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="history-sweep-", dir=args.out))
+    model_dir = build_realistic_chat_model(args.model_dir or args.out / "realistic-model")
+
+    def make(name: str, kv_config: dict | None, env: dict | None = None) -> VllmServer:
+        extra = server_args()
+        if kv_config is not None:
+            extra += ["--kv-transfer-config", json.dumps(kv_config)]
+        env = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **(env or {})}
+        return VllmServer(model_dir, name=name, extra_args=extra, env=env, log_dir=log_dir,
+                          startup_timeout_s=600)
+
+    turns1 = {
+        (length, c): prompt(length, seed=length * 100 + c)
+        for length in args.lengths
+        for c in range(args.conversations)
+    }
+    answers, ideal = run_ideal(make, turns1, args)
+    results: dict[str, dict] = {IDEAL: ideal}
+    for system in (BIDIRECTIONAL, ONE_WAY):
+        if system not in args.skip:
+            results[system] = run_pd(system, make, turns1, answers, ideal, args)
+    table = summarize(results, args.lengths)
+    report = {
+        "model": REALISTIC_MODEL_CONFIG,
+        "lengths": args.lengths,
+        "conversations": args.conversations,
+        "answer_tokens": args.answer,
+        "new_tokens": args.new,
+        "logs": str(log_dir),
+        "table": {s: {str(n): pt for n, pt in pts.items()} for s, pts in table.items()},
+    }
+    (args.out / "history_sweep.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(table, args.lengths, args.out / "history_sweep.png")
+    print(format_table(table, args.lengths))
+    print(f"wrote {args.out / 'history_sweep.json'} and {args.out / 'history_sweep.png'}")
+    ok = all(pt["all_match"] for pts in table.values() for pt in pts.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
