@@ -74,7 +74,9 @@ def relay_streamed(pair: ServerPair, prompt: list[int], max_tokens: int) -> tupl
                 token_ids.append(int(token.partition(":")[2]))
                 logprobs.append(float(lp))
                 top.append({int(t.partition(":")[2]): float(v) for t, v in alternatives.items()})
-    assert chunks > 1, "the answer was not streamed"
+    # How many chunks carry the tokens is the server's choice: vLLM merges the deltas a slow
+    # reader has not taken yet, so a short answer on a busy host may come in one chunk.
+    assert len(token_ids) == max_tokens, f"{chunks} chunks carried {len(token_ids)} tokens"
     completion = Completion(
         text="",
         token_ids=token_ids,
