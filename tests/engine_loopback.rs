@@ -66,7 +66,7 @@ fn read_copies_blocks_and_notifies_the_owner_once() {
     std::thread::sleep(Duration::from_millis(50));
     notes.extend(owner.take_notifications());
     assert_eq!(notes.len(), 1);
-    assert_eq!(notes[0].from_engine_id, "reader");
+    assert!(notes[0].sender.starts_with("reader#"), "{}", notes[0].sender);
     assert_eq!(notes[0].payload, b"req-1");
     owned[0] = 0;
 }
@@ -149,10 +149,22 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     assert_eq!((found.owner_request_id.as_str(), found.matched_blocks), ("turn-1", 2));
     assert_eq!(found.offer, b"params");
     assert!(ask(vec![99]).is_none());
-    // The claim is the reader's: only its release ends it; the hold then ends with a plain release.
+    // The claim belongs to the reader's connection: neither another engine nor another
+    // connection announcing the reader's engine id can end it.
     assert!(!owner.release_hold("someone-else", "turn-1", Some(found.claim_id)));
-    assert!(!owner.release_hold("reader", "turn-1", None));
-    assert!(owner.release_hold("reader", "turn-1", Some(found.claim_id)));
+    assert!(!owner.release_hold("reader", "turn-1", Some(found.claim_id)));
+    reader.notify(&peer, b"done").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut notes = owner.take_notifications();
+    while notes.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+        notes = owner.take_notifications();
+    }
+    let sender = notes.first().expect("the reader's notification").sender.clone();
+    assert!(sender.starts_with("reader#"), "{sender}");
+    // The hold ends with a plain release; the claim keeps the blocks until its own release.
+    assert!(!owner.release_hold(&sender, "turn-1", None));
+    assert!(owner.release_hold(&sender, "turn-1", Some(found.claim_id)));
     assert_eq!(owner.held_blocks(), 0);
 }
 

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::handshake::auth::{self, Direction};
+use kvduplex::handshake::auth::{self, Direction, FrameAuth};
 use kvduplex::handshake::peers::{Liveness, LivenessAction};
 use kvduplex::handshake::wire::{
     self, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, FRAME_HEADER_LEN,
@@ -334,6 +334,32 @@ proptest! {
         prop_assert_eq!(decode_metadata(&bytes).unwrap(), m);
         let len = cut.index(bytes.len());
         prop_assert!(decode_metadata(&bytes[..len]).is_err());
+    }
+
+    #[test]
+    fn a_tagged_frame_with_any_byte_flipped_is_refused_and_never_decoded(
+        payload in prop::collection::vec(any::<u8>(), 0..256),
+        at in any::<prop::sample::Index>(),
+        bits in 1u8..=255,
+    ) {
+        let auth = || FrameAuth::new(b"secret", Direction::ClientToServer, &[1; 32], &[2; 32]).unwrap();
+        let frame = Frame::Notify(payload);
+        let mut bytes = wire::encode_frame(&frame).unwrap();
+        let tag = auth().tag(&bytes);
+        bytes.extend_from_slice(&tag);
+        // Intact, it decodes.
+        let mut buffer = FrameBuffer::new();
+        buffer.authenticate(auth());
+        buffer.extend(&bytes);
+        prop_assert_eq!(buffer.next_frame().unwrap(), Some(frame));
+        // Any flipped byte (header, body or tag) is an error, never a frame.
+        let i = at.index(bytes.len());
+        bytes[i] ^= bits;
+        let mut buffer = FrameBuffer::new();
+        buffer.authenticate(auth());
+        buffer.extend(&bytes);
+        let got = buffer.next_frame();
+        prop_assert!(got.is_err() || matches!(got, Ok(None)), "{:?}", got);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::{mpsc, Arc, Mutex, Once};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvduplex::handshake::auth::{self, Direction};
+use kvduplex::handshake::auth::{self, Direction, FrameAuth, TAG_LEN};
 use kvduplex::handshake::wire::{
     self, AuthProof, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, ServerHello,
 };
@@ -152,6 +152,28 @@ impl RawClient {
         }
     }
 
+    /// The whole handshake with `secret`, as a real client; from then on received frames must
+    /// carry their tags. Returns the authenticator to tag our frames with.
+    fn authenticate(&mut self, engine_id: &str, secret: &[u8]) -> FrameAuth {
+        let nonce = [7; 32];
+        let server_hello = self.hello(engine_id, fingerprint("bf16"), true, nonce);
+        let mac = auth::prove(secret, Direction::ClientToServer, &nonce, &server_hello.nonce).unwrap();
+        self.send(&Frame::AuthProof(AuthProof { mac }));
+        assert!(matches!(self.receive(), Some(Ok(Frame::AuthProof(_)))));
+        assert!(matches!(self.receive(), Some(Ok(Frame::Metadata(_)))));
+        let ours = FrameAuth::new(secret, Direction::ClientToServer, &nonce, &server_hello.nonce).unwrap();
+        let theirs = FrameAuth::new(secret, Direction::ServerToClient, &nonce, &server_hello.nonce).unwrap();
+        self.frames.authenticate(theirs);
+        ours
+    }
+
+    /// Sends `frame` followed by `tag` (raw bytes, possibly wrong).
+    fn send_tagged(&mut self, frame: &Frame, tag: &[u8]) {
+        let mut bytes = wire::encode_frame(frame).unwrap();
+        bytes.extend_from_slice(tag);
+        self.stream.write_all(&bytes).unwrap();
+    }
+
     fn hello(
         &mut self,
         engine_id: &str,
@@ -227,7 +249,7 @@ fn notifications_arrive_once_in_order_with_the_senders_id() {
     for name in ["reader-a", "reader-b"] {
         let payloads: Vec<String> = received
             .iter()
-            .filter(|n| n.from_engine_id == name)
+            .filter(|n| n.sender.starts_with(&format!("{name}#")))
             .map(|n| String::from_utf8(n.payload.clone()).unwrap())
             .collect();
         let expected: Vec<String> = (0..EACH).map(|i| format!("{name}:{i}")).collect();
@@ -637,9 +659,51 @@ fn lookups_are_served_only_after_authentication_and_echo_their_id() {
     let found = link.lookup(vec![7, 8], TIMEOUT).unwrap().unwrap();
     assert_eq!((found.owner_request_id.as_str(), found.claim_id), ("turn", 3));
     assert!(link.lookup(vec![9], TIMEOUT).unwrap().is_none());
-    assert_eq!(*asked.lock().unwrap(), vec![("reader".to_owned(), vec![7, 8]), ("reader".to_owned(), vec![9])]);
+    // Both came on one connection, named by the engine id it announced and its number.
+    let asked = asked.lock().unwrap().clone();
+    assert_eq!(asked.iter().map(|(_, f)| f.clone()).collect::<Vec<_>>(), vec![vec![7, 8], vec![9]]);
+    assert!(asked[0].0.starts_with("reader#") && asked[0].0 == asked[1].0, "{asked:?}");
     // The server's directory only lists clients that announced a side channel.
     assert!(server.known_peers().is_empty());
+}
+
+#[test]
+fn after_an_authenticated_handshake_untagged_replayed_or_forged_frames_end_the_connection() {
+    capture_logs();
+    let server = start(Some(b"s3cret"));
+    server.set_lookup_handler(Arc::new(|_: &str, request: &LookupRequest| LookupReply { id: request.id, found: None }));
+    let lookup = |id| Frame::Lookup(LookupRequest { id, fingerprints: vec![1] });
+
+    // A correctly tagged lookup is answered with a tagged reply (the buffer checks its tag).
+    let mut raw = RawClient::connect(&server);
+    let mut ours = raw.authenticate("tagger", b"s3cret");
+    let first = wire::encode_frame(&lookup(1)).unwrap();
+    let tag = ours.tag(&first);
+    raw.send_tagged(&lookup(1), &tag);
+    assert!(matches!(raw.receive(), Some(Ok(Frame::LookupReply(LookupReply { id: 1, .. })))));
+    // The same frame and tag again (a replay): the server drops the connection.
+    raw.send_tagged(&lookup(1), &tag);
+    assert!(raw.receive().is_none());
+    assert!(server_logged(&["tagger", "does not carry this connection's tag"]));
+
+    // Untagged (what an injector without the secret can write), and a wrong tag.
+    for (name, tag) in [("untagged", Vec::new()), ("forger", vec![0u8; TAG_LEN])] {
+        let mut raw = RawClient::connect(&server);
+        raw.authenticate(name, b"s3cret");
+        raw.send_tagged(&lookup(2), &tag);
+        if tag.is_empty() {
+            // The next frame's header is then read where the tag should be.
+            raw.send_tagged(&lookup(3), &[]);
+        }
+        assert!(raw.receive().is_none(), "{name}");
+        assert!(server_logged(&[name, "does not carry this connection's tag"]), "{name}");
+    }
+
+    // A real link keeps working throughout.
+    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
+    assert!(link.lookup(vec![1], TIMEOUT).unwrap().is_none());
+    link.notify(b"after many frames").unwrap();
+    assert!(link.lookup(vec![1], TIMEOUT).unwrap().is_none());
 }
 
 #[test]

@@ -131,7 +131,9 @@ class Engine:
         segment. Ids are bounds-checked before anything is posted. `notify` is delivered to
         the peer after the last byte was read. Fails (never hangs) after `timeout_s`."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:
-        """Send a notification without reading (e.g. 'not pulling; free your blocks')."""
+        """Queue a notification without reading (e.g. 'not pulling; free your blocks'). The
+        engine's notifier thread sends it, in order after the read-done notifications of
+        batches already finished; a send that fails then is logged."""
     def known_peers(self) -> list[tuple[str, str]]:
         """(engine id, "host:port") of connected engines that announced their side channel:
         the engines that read from this one; forgotten when their connection ends."""
@@ -168,6 +170,7 @@ class Engine:
         (connecting first where needed; no GIL needed), for the longest held turn starting with
         these blocks. A match is claimed for us until we release the claim."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
-        """Drain (sender engine id, payload) notifications received so far, in order."""
+        """Drain (sender, payload) notifications received so far, in order. The sender is
+        `engine-id#connection`: pass it to `release_hold` as the reader."""
     def close(self) -> None:
         """Stop the progress thread and side channel, close endpoints, unregister memory."""

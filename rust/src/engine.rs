@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -155,12 +155,21 @@ struct Shared {
     side_channel: String,
     /// Handshakes started by [`Engine::peer_status`], joined by `close`.
     handshakes: Mutex<Vec<JoinHandle<()>>>,
+    /// Read-done notifications for the notifier thread; `None` once the engine closes.
+    outbox: Mutex<Option<mpsc::Sender<Outgoing>>>,
     stop: AtomicBool,
+}
+
+/// A notification to send to the owner a batch was read from.
+struct Outgoing {
+    peer: Arc<Peer>,
+    payload: Vec<u8>,
 }
 
 pub struct Engine {
     shared: Arc<Shared>,
     progress_thread: Option<JoinHandle<()>>,
+    notifier_thread: Option<JoinHandle<()>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -196,6 +205,7 @@ impl Engine {
         let side_channel = format!("{}:{}", config.host, server.local_addr().port());
         log::info!("engine {} (generation {generation:#x}) serving its side channel on {side_channel}", config.engine_id);
         let holds = Arc::new(Mutex::new(HoldBook::new()));
+        let (outbox, queue) = mpsc::channel();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
         let shared = Arc::new(Shared {
             config,
@@ -211,14 +221,19 @@ impl Engine {
             holds,
             side_channel,
             handshakes: Mutex::new(Vec::new()),
+            outbox: Mutex::new(Some(outbox)),
             stop: AtomicBool::new(false),
         });
+        let notifier_thread = std::thread::Builder::new()
+            .name("kvduplex-notify".into())
+            .spawn(move || send_notifications(&queue))
+            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the notifier thread: {e}")))?;
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
             .spawn(move || progress_loop(weak))
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start the progress thread: {e}")))?;
-        Ok(Engine { shared, progress_thread: Some(progress_thread) })
+        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread) })
     }
 
     pub fn engine_id(&self) -> &str {
@@ -513,11 +528,15 @@ impl Engine {
         Ok(transfer)
     }
 
-    /// Sends `payload` to a connected peer without reading anything.
+    /// Queues `payload` for a connected peer without reading anything. Sent by the notifier
+    /// thread, in order with the read-done notifications of batches that finished before
+    /// this call; a send that fails later is logged there.
     pub fn notify(&self, peer_id: &str, payload: &[u8]) -> Result<(), EngineError> {
         let peer = lock(&self.shared.peers).get(peer_id).cloned().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
-        peer.link.notify(payload)?;
-        Ok(())
+        if !peer.link.is_alive() {
+            return Err(EngineError::PeerNotConnected(peer_id.to_string()));
+        }
+        queue_notification(&self.shared, Outgoing { peer, payload: payload.to_vec() })
     }
 
     pub fn take_notifications(&self) -> Vec<Notification> {
@@ -598,6 +617,12 @@ impl Engine {
         }
         self.shared.worker.wake();
         if let Some(t) = self.progress_thread.take() {
+            let _ = t.join();
+        }
+        // Delivers what is queued (each write bounded by the side channel's write timeout)
+        // while the links are still open, then ends.
+        drop(lock(&self.shared.outbox).take());
+        if let Some(t) = self.notifier_thread.take() {
             let _ = t.join();
         }
         let peers: Vec<Arc<Peer>> = lock(&self.shared.peers).drain().map(|(_, p)| p).collect();
@@ -737,16 +762,36 @@ fn settle_all(shared: &Shared) -> bool {
     !lock(&shared.inflight).is_empty()
 }
 
-/// Sends the batch's notification (once, only on success) and stops tracking it.
+/// Queues the batch's notification (once, only on success) and stops tracking it. Called on
+/// the progress thread and in `Transfer::poll`/`wait`, neither of which may block on a socket.
 fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
     if let Some(Ok(())) = inflight.batch.outcome() {
         if let Some(payload) = lock(&inflight.notify).take() {
-            if let Err(e) = inflight.peer.link.notify(&payload) {
-                log::warn!("read done but notifying peer {} failed: {e}", inflight.peer.meta.engine_id);
+            if let Err(e) = queue_notification(shared, Outgoing { peer: Arc::clone(&inflight.peer), payload }) {
+                log::warn!("read done but peer {} was not notified: {e}", inflight.peer.meta.engine_id);
             }
         }
     }
     lock(&shared.inflight).retain(|i| !Arc::ptr_eq(i, inflight));
+}
+
+fn queue_notification(shared: &Shared, outgoing: Outgoing) -> Result<(), EngineError> {
+    let outbox = lock(&shared.outbox);
+    match outbox.as_ref().map(|outbox| outbox.send(outgoing)) {
+        Some(Ok(())) => Ok(()),
+        _ => Err(EngineError::Closed),
+    }
+}
+
+/// The notifier thread: writes queued notifications to their peers' side-channel links, in
+/// order, until the engine closes. A peer whose socket does not take the write within the
+/// side channel's write timeout loses its link (and is reconnected by the next `connect`).
+fn send_notifications(queue: &mpsc::Receiver<Outgoing>) {
+    for Outgoing { peer, payload } in queue {
+        if let Err(e) = peer.link.notify(&payload) {
+            log::warn!("read done but notifying peer {} failed: {e}", peer.meta.engine_id);
+        }
+    }
 }
 
 /// One posted batch.

@@ -313,7 +313,7 @@ impl Engine {
 
     fn take_notifications<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
         let notes = self.with(py, |e| Ok(e.take_notifications()))?;
-        Ok(notes.into_iter().map(|n| (n.from_engine_id, PyBytes::new(py, &n.payload))).collect())
+        Ok(notes.into_iter().map(|n| (n.sender, PyBytes::new(py, &n.payload))).collect())
     }
 
     fn close(&self, py: Python<'_>) {

@@ -12,13 +12,14 @@ use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::cell::RefCell;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use log::{info, warn};
 
-use crate::handshake::auth::{self, Direction};
+use crate::handshake::auth::{self, Direction, FrameAuth, Nonce};
 use crate::handshake::peers::{Liveness, LivenessAction};
 use crate::handshake::wire::{
     self, AuthProof, ClientHello, Frame, FrameBuffer, Refusal, ServerHello,
@@ -84,14 +85,23 @@ impl fmt::Debug for SideChannelConfig {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {
-    pub from_engine_id: String,
+    /// Who sent it: see [`sender_name`].
+    pub sender: String,
     pub payload: Vec<u8>,
 }
 
 type Waker = Arc<dyn Fn() + Send + Sync>;
 
-/// Answers a lookup from the named (authenticated) client engine.
+/// Answers a lookup from the named sender (see [`sender_name`]).
 pub type LookupHandler = Arc<dyn Fn(&str, &LookupRequest) -> LookupReply + Send + Sync>;
+
+/// How the server names the sender of a lookup or notification: the engine id the client
+/// announced and the connection it came on, `engine-id#connection`. A claim made through one
+/// connection is thus released only through it: another client cannot end it by announcing
+/// the same engine id.
+pub fn sender_name(engine_id: &str, connection: u64) -> String {
+    format!("{engine_id}#{connection}")
+}
 
 /// An authenticated client that announced where its own side channel listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -321,6 +331,8 @@ struct Client {
     engine_id: String,
     heartbeat: Duration,
     side_channel: Option<String>,
+    /// With a shared secret: (ours, theirs), which tag and check the frames from now on.
+    frame_auth: Option<(FrameAuth, FrameAuth)>,
 }
 
 fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr: SocketAddr) {
@@ -349,35 +361,44 @@ fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr
         }
     };
     reader.frames.set_limit(None);
-    info!("side channel: {who} connected");
-    if let Some(side_channel) = &client.side_channel {
-        let peer = KnownPeer { engine_id: client.engine_id.clone(), side_channel: side_channel.clone() };
-        lock(&state.directory).insert(id, peer);
-    }
-    let liveness = Liveness::new(Instant::now(), state.heartbeat, client.heartbeat);
-    let end = match reader.stream().try_clone() {
-        Ok(writer) => run_link(
-            &mut reader,
-            liveness,
-            || write_frame(&writer, &Frame::Ping),
-            |frame| match frame {
-                Frame::Notify(payload) => {
-                    queue_notification(state, &client.engine_id, payload);
-                    Ok(())
-                }
-                Frame::Lookup(request) => {
-                    let handler = lock(&state.lookup).clone();
-                    let reply = match handler {
-                        Some(handler) => handler(&client.engine_id, &request),
-                        None => LookupReply { id: request.id, found: None },
-                    };
-                    write_frame(&writer, &Frame::LookupReply(reply))
-                }
-                other => Err(unexpected("Notify or Lookup", &other)),
-            },
-        ),
-        Err(e) => HandshakeError::Io(e),
+    let Client { engine_id, heartbeat, side_channel, frame_auth } = client;
+    let writer = match reader.stream().try_clone() {
+        Ok(stream) => RefCell::new(FrameWriter::new(stream)),
+        Err(e) => {
+            warn!("side channel: dropped {who}: {e}");
+            return;
+        }
     };
+    if let Some((ours, theirs)) = frame_auth {
+        reader.frames.authenticate(theirs);
+        writer.borrow_mut().authenticate(ours);
+    }
+    let sender = sender_name(&engine_id, id);
+    info!("side channel: {who} connected");
+    if let Some(side_channel) = side_channel {
+        lock(&state.directory).insert(id, KnownPeer { engine_id, side_channel });
+    }
+    let liveness = Liveness::new(Instant::now(), state.heartbeat, heartbeat);
+    let end = run_link(
+        &mut reader,
+        liveness,
+        || writer.borrow_mut().send(&Frame::Ping),
+        |frame| match frame {
+            Frame::Notify(payload) => {
+                queue_notification(state, &sender, payload);
+                Ok(())
+            }
+            Frame::Lookup(request) => {
+                let handler = lock(&state.lookup).clone();
+                let reply = match handler {
+                    Some(handler) => handler(&sender, &request),
+                    None => LookupReply { id: request.id, found: None },
+                };
+                writer.borrow_mut().send(&Frame::LookupReply(reply))
+            }
+            other => Err(unexpected("Notify or Lookup", &other)),
+        },
+    );
     if state.stopping.load(Ordering::Acquire) {
         info!("side channel: closed the connection of {who} (shutting down)");
     } else {
@@ -410,7 +431,8 @@ fn answer_client(
         heartbeat_ms: wire::heartbeat_ms(state.heartbeat)?,
     };
     write_frame(reader.stream(), &Frame::ServerHello(server_hello))?;
-    if let Some(secret) = auth::negotiate_auth(state.secret.as_deref(), hello.has_secret)? {
+    let secret = auth::negotiate_auth(state.secret.as_deref(), hello.has_secret)?;
+    if let Some(secret) = secret {
         let proof = match reader.read_frame_by(deadline, "the client's proof")? {
             Frame::AuthProof(proof) => proof,
             other => return Err(unexpected("AuthProof", &other)),
@@ -429,27 +451,43 @@ fn answer_client(
     metadata.fingerprint.check_compatible(&hello.fingerprint)?;
     let frame = wire::encode_metadata_frame(&metadata)?;
     reader.stream().write_all(&frame)?;
+    let frame_auth = secret.map(|secret| frame_auths(secret, Direction::ServerToClient, &hello.nonce, &nonce)).transpose()?;
     Ok(Client {
         engine_id: hello.engine_id,
         heartbeat: Duration::from_millis(hello.heartbeat_ms.into()),
         side_channel: hello.side_channel,
+        frame_auth,
     })
 }
 
-fn queue_notification(state: &ServerState, from_engine_id: &str, payload: Vec<u8>) {
+/// (ours, theirs): the authenticators of the frames we send in `ours` and of the peer's.
+fn frame_auths(
+    secret: &[u8],
+    ours: Direction,
+    client_nonce: &Nonce,
+    server_nonce: &Nonce,
+) -> Result<(FrameAuth, FrameAuth), HandshakeError> {
+    let theirs = match ours {
+        Direction::ClientToServer => Direction::ServerToClient,
+        Direction::ServerToClient => Direction::ClientToServer,
+    };
+    Ok((
+        FrameAuth::new(secret, ours, client_nonce, server_nonce)?,
+        FrameAuth::new(secret, theirs, client_nonce, server_nonce)?,
+    ))
+}
+
+fn queue_notification(state: &ServerState, sender: &str, payload: Vec<u8>) {
     let mut queue = lock(&state.notifications);
     if queue.len() >= MAX_QUEUED_NOTIFICATIONS {
         drop(queue);
         let dropped = state.dropped_notifications.fetch_add(1, Ordering::Relaxed);
         if dropped.is_power_of_two() || dropped == 0 {
-            warn!("side channel: {MAX_QUEUED_NOTIFICATIONS} notifications wait to be taken; dropped one from engine {from_engine_id:?} ({} so far)", dropped + 1);
+            warn!("side channel: {MAX_QUEUED_NOTIFICATIONS} notifications wait to be taken; dropped one from {sender} ({} so far)", dropped + 1);
         }
         return;
     }
-    queue.push(Notification {
-        from_engine_id: from_engine_id.to_owned(),
-        payload,
-    });
+    queue.push(Notification { sender: sender.to_owned(), payload });
     drop(queue);
     let waker = lock(&state.waker).clone();
     if let Some(waker) = waker {
@@ -460,8 +498,8 @@ fn queue_notification(state: &ServerState, from_engine_id: &str, payload: Vec<u8
 /// A reader's kept-open, authenticated connection to an owner's side channel.
 pub struct PeerLink {
     status: Arc<Mutex<LinkStatus>>,
-    /// Serializes whole frames from `notify` and the link thread's pings.
-    writer: Arc<Mutex<TcpStream>>,
+    /// Serializes whole frames from `notify`, `lookup` and the link thread's pings.
+    writer: Arc<Mutex<FrameWriter>>,
     /// For shutting the socket down without waiting on `writer`.
     socket: TcpStream,
     lookups: Arc<PendingLookups>,
@@ -536,7 +574,8 @@ impl PeerLink {
             Frame::ServerHello(hello) => hello,
             other => return Err(unexpected("ServerHello", &other)),
         };
-        if let Some(secret) = auth::negotiate_auth(secret, server_hello.has_secret)? {
+        let secret = auth::negotiate_auth(secret, server_hello.has_secret)?;
+        if let Some(secret) = secret {
             let mac = auth::prove(
                 secret,
                 Direction::ClientToServer,
@@ -564,11 +603,17 @@ impl PeerLink {
         // handing us blocks we cannot interpret.
         our_fingerprint.check_compatible(&metadata.fingerprint)?;
         metadata.validate()?;
+        let mut writer = FrameWriter::new(stream.try_clone()?);
+        if let Some(secret) = secret {
+            let (ours, theirs) = frame_auths(secret, Direction::ClientToServer, &nonce, &server_hello.nonce)?;
+            reader.frames.authenticate(theirs);
+            writer.authenticate(ours);
+        }
 
         let status = Arc::new(Mutex::new(LinkStatus::Alive {
             on_death: Vec::new(),
         }));
-        let writer = Arc::new(Mutex::new(stream.try_clone()?));
+        let writer = Arc::new(Mutex::new(writer));
         let liveness = Liveness::new(
             Instant::now(),
             heartbeat,
@@ -583,7 +628,7 @@ impl PeerLink {
                 let end = run_link(
                     &mut reader,
                     liveness,
-                    || write_frame(&lock(&thread_writer), &Frame::Ping),
+                    || lock(&thread_writer).send(&Frame::Ping),
                     |frame| match frame {
                         Frame::LookupReply(reply) => {
                             thread_lookups.deliver(reply);
@@ -627,8 +672,7 @@ impl PeerLink {
 
     /// Sends `payload` to the owner, which receives it as a [`Notification`] from our engine id.
     pub fn notify(&self, payload: &[u8]) -> Result<(), HandshakeError> {
-        let frame = wire::encode_frame(&Frame::Notify(payload.to_vec()))?;
-        self.send(&frame, "sending a notification")
+        self.send(&Frame::Notify(payload.to_vec()), "sending a notification")
     }
 
     /// Asks the owner for the longest turn it holds whose blocks start with `fingerprints`
@@ -640,7 +684,7 @@ impl PeerLink {
     ) -> Result<Option<LookupMatch>, HandshakeError> {
         let deadline = Deadline::after(timeout);
         let id = self.lookups.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = wire::encode_frame(&Frame::Lookup(LookupRequest { id, fingerprints }))?;
+        let frame = Frame::Lookup(LookupRequest { id, fingerprints });
         lock(&self.lookups.replies).insert(id, None);
         let result = self.send(&frame, "sending a lookup").and_then(|()| {
             let mut replies = lock(&self.lookups.replies);
@@ -665,15 +709,17 @@ impl PeerLink {
     }
 
     /// Writes one whole frame; a failed write leaves the stream unusable, so the link dies.
-    fn send(&self, frame: &[u8], what: &str) -> Result<(), HandshakeError> {
+    fn send(&self, frame: &Frame, what: &str) -> Result<(), HandshakeError> {
         if let LinkStatus::Dead { reason } = &*lock(&self.status) {
             return Err(HandshakeError::PeerGone(reason.clone()));
         }
-        let sent = lock(&self.writer).write_all(frame);
+        let sent = lock(&self.writer).send(frame);
         sent.map_err(|e| {
-            mark_dead(&self.status, format!("{what} failed: {e}"));
-            self.lookups.wake_all();
-            HandshakeError::Io(e)
+            if matches!(e, HandshakeError::Io(_)) {
+                mark_dead(&self.status, format!("{what} failed: {e}"));
+                self.lookups.wake_all();
+            }
+            e
         })
     }
 
@@ -869,6 +915,35 @@ fn far_future() -> Instant {
     now.checked_add(year).unwrap_or(now)
 }
 
+/// Writes whole frames on an established connection, each followed by its tag when the
+/// handshake was authenticated.
+struct FrameWriter {
+    stream: TcpStream,
+    auth: Option<FrameAuth>,
+}
+
+impl FrameWriter {
+    fn new(stream: TcpStream) -> Self {
+        Self { stream, auth: None }
+    }
+
+    fn authenticate(&mut self, auth: FrameAuth) {
+        self.auth = Some(auth);
+    }
+
+    /// One write per frame (and its tag); a failed write leaves the stream unusable.
+    fn send(&mut self, frame: &Frame) -> Result<(), HandshakeError> {
+        let mut bytes = wire::encode_frame(frame)?;
+        if let Some(auth) = &mut self.auth {
+            let tag = auth.tag(&bytes);
+            bytes.extend_from_slice(&tag);
+        }
+        (&self.stream).write_all(&bytes)?;
+        Ok(())
+    }
+}
+
+/// Writes one frame during a handshake (no tags yet).
 fn write_frame(mut stream: &TcpStream, frame: &Frame) -> Result<(), HandshakeError> {
     stream.write_all(&wire::encode_frame(frame)?)?;
     Ok(())

@@ -424,14 +424,14 @@ class DuplexWorker:
         for sender, payload in self._engine.take_notifications():
             release = md.decode_release(payload)
             if release is None:
-                logger.warning("Ignoring a malformed notification from engine %s", sender)
+                logger.warning("Ignoring a malformed notification from %s", sender)
                 continue
             try:
                 freed = self._engine.release_hold(
                     sender, release.owner_request_id, release.claim_id
                 )
             except (ValueError, OverflowError, _core.KvDuplexError) as exc:
-                logger.warning("Ignoring a release from engine %s: %s", sender, exc)
+                logger.warning("Ignoring a release from %s: %s", sender, exc)
                 continue
             if freed:
                 self._freed_holds.append(release.owner_request_id)

@@ -20,7 +20,8 @@ use wire::{Frame, FrameKind};
 /// Version of the side-channel protocol. The frame header's magic and version fields keep
 /// their place in every future version so that a mismatch is always reported as one.
 /// 2: lookups of held turns (Lookup/LookupReply frames, the client's side channel in its hello).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: after a handshake with a shared secret every frame carries its tag (`auth::FrameAuth`).
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Where a registered region lives; the reader needs it to pick a UCX memory type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -175,6 +176,8 @@ pub enum HandshakeError {
     AuthFailed,
     #[error("we have a shared secret but the peer has none, so it cannot prove who it is")]
     PeerNotAuthenticated,
+    #[error("frame {seq} ({direction:?}) does not carry this connection's tag: injected, replayed, reordered or corrupted")]
+    ForgedFrame { direction: auth::Direction, seq: u64 },
     #[error("the peer refused: {0}")]
     Refused(String),
     #[error("the peer is gone: {0}")]

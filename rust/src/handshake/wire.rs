@@ -4,14 +4,15 @@
 //! The header is checked before the body is looked at, so a peer speaking another protocol
 //! version is reported as such rather than as garbage, and a length over the kind's cap is
 //! refused before any of it is buffered. Bodies are msgpack, except `Notify` (the opaque
-//! payload itself) and `Ping` (empty).
+//! payload itself) and `Ping` (empty). After a handshake with a shared secret, each frame is
+//! followed by its [`FrameAuth`] tag ([`TAG_LEN`] bytes).
 
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::auth::{Nonce, Proof};
+use super::auth::{FrameAuth, Nonce, Proof, TAG_LEN};
 use crate::holds::{LookupReply, LookupRequest};
 use super::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
 
@@ -294,6 +295,8 @@ pub struct FrameBuffer {
     bytes: Vec<u8>,
     /// A cap on every frame's body below the kinds' own (before authentication).
     limit: Option<u32>,
+    /// After an authenticated handshake: every frame is followed by its tag, checked here.
+    auth: Option<FrameAuth>,
 }
 
 impl FrameBuffer {
@@ -305,6 +308,11 @@ impl FrameBuffer {
     /// A server keeps unauthenticated clients to hello-sized frames this way.
     pub fn set_limit(&mut self, limit: Option<u32>) {
         self.limit = limit;
+    }
+
+    /// From the next frame on, every frame must be followed by its [`FrameAuth`] tag.
+    pub fn authenticate(&mut self, auth: FrameAuth) {
+        self.auth = Some(auth);
     }
 
     pub fn extend(&mut self, bytes: &[u8]) {
@@ -325,11 +333,15 @@ impl FrameBuffer {
             });
         }
         let frame_len = header.frame_len();
-        if self.bytes.len() < frame_len {
+        let tag_len = if self.auth.is_some() { TAG_LEN } else { 0 };
+        if self.bytes.len() < frame_len + tag_len {
             return Ok(None);
         }
+        if let Some(auth) = &mut self.auth {
+            auth.check(&self.bytes[..frame_len], &self.bytes[frame_len..frame_len + tag_len])?;
+        }
         let frame = decode_body(header.kind, &self.bytes[FRAME_HEADER_LEN..frame_len]);
-        self.bytes.drain(..frame_len);
+        self.bytes.drain(..frame_len + tag_len);
         frame.map(Some)
     }
 }
