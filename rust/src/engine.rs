@@ -517,9 +517,9 @@ impl Engine {
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
         match peer.post_reads(&self.shared, &reads, &batch) {
             Ok(()) => {}
-            Err(PostError::NothingPosted(e)) => batch.finish(Err(e)),
-            // Force-closing the endpoint cancels the posted reads before the batch fails, so
-            // no byte lands in blocks the caller then reuses.
+            Err(PostError::NothingPosted(e)) => batch.fail(e),
+            // Force-closing the endpoint cancels the posted reads; the batch fails when the
+            // last of them has completed, so no byte lands in blocks the caller then reuses.
             Err(PostError::MaybePartial(e)) => abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}")),
         }
         drop(local);
@@ -682,8 +682,10 @@ fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
     abort_peer(&shared, &peer, &format!("peer {} is gone: {reason}", peer.meta.engine_id));
 }
 
-/// Marks the peer unusable, force-closes its endpoint (UCX cancels every outstanding read on
-/// it, so no byte of them can land afterwards) and only then fails its pending batches.
+/// Marks the peer unusable, force-closes its endpoint (UCX completes every outstanding read on
+/// it as cancelled, after which none of them writes) and then fails its batches. A batch
+/// settles only when its last read has completed, so one whose reads UCX has not released
+/// (a close that timed out) stays pending rather than be reported while bytes may land.
 fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
     if !peer.alive.swap(false, Ordering::AcqRel) && lock(&peer.endpoint).is_none() {
         return;
@@ -697,7 +699,11 @@ fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
         endpoint.abort();
     }
     for inflight in &victims {
-        inflight.batch.finish(Err(reason.to_string()));
+        inflight.batch.fail(reason.to_string());
+        let unfinished = inflight.batch.unfinished_reads();
+        if unfinished > 0 {
+            log::error!("{unfinished} reads from peer {} are still outstanding after closing its endpoint; their batch stays pending until UCX completes them", peer.meta.engine_id);
+        }
     }
 }
 

@@ -1,5 +1,5 @@
 //! Safe wrappers over UCP: one context + worker per engine, registered memory, endpoints with
-//! their unpacked remote keys, and batches of one-sided reads completed by one flush.
+//! their unpacked remote keys, and batches of one-sided reads, each read completed on its own.
 //!
 //! All `unsafe` in the crate lives in this module. Every UCP call on a worker (and on its
 //! context) is made while holding [`Worker::lock`]: the worker is created in UCX's
@@ -10,6 +10,7 @@ mod sys;
 use std::ffi::{c_int, c_void, CString};
 use std::path::Path;
 use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -324,72 +325,79 @@ pub struct Read<'a> {
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Endpoint {
-    /// Posts every read, then one flush whose completion completes `batch`.
+    /// Posts every read of `batch`; each completes on its own (a read that completes at once,
+    /// or a pending one through [`read_done`]), and the batch settles when the last one has.
+    /// No flush: a batch never waits behind other batches' reads to the same peer.
     ///
-    /// The caller has bounds-checked every range against the registered regions.
+    /// The caller has bounds-checked every range against the registered regions. On an error,
+    /// the reads posted before it are still in flight (the batch stays pending until they
+    /// complete, or until [`Endpoint::abort`] cancels them).
     pub fn post_reads(&self, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
         let api = self.worker.api;
         let _g = self.worker.guard();
+        // Held while posting, so the batch cannot settle before its last read is posted.
+        batch.start_read();
+        let result = self.post_each(api, reads, batch);
+        if let Err(e) = &result {
+            batch.record_read_error(e.to_string());
+        }
+        batch.read_finished();
+        result
+    }
+
+    fn post_each(&self, api: &'static Api, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
         for read in reads {
             let rkey = *self.rkeys.get(read.remote_region).ok_or_else(|| UcxError::Call {
                 call: "ucp_get_nbx",
                 status: format!("peer region {} has no remote key", read.remote_region),
             })?;
+            batch.start_read();
+            let user_data = Arc::into_raw(Arc::clone(batch)) as *mut c_void;
             let param = sys::ucp_request_param_t {
-                op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMH,
+                op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMH | sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
                 memh: read.local.memh,
+                cb: Some(read_done),
+                user_data,
                 ..Default::default()
             };
             // SAFETY: the local range lies in a registered region that outlives the batch (the
             // engine keeps regions until close), the remote range was bounds-checked against
-            // the peer's advertised regions, and the lock is held.
+            // the peer's advertised regions, and the lock is held. user_data is an owned Arc
+            // reclaimed exactly once: in read_done when the read goes pending (UCX then calls
+            // it exactly once), or right below when it does not.
             let sp = unsafe {
                 (api.ucp_get_nbx)(self.ep, read.local_addr as *mut c_void, read.len as usize, read.remote_addr, rkey, &param)
             };
             match sys::status_ptr(sp) {
-                StatusPtr::Done => {}
-                // Completion is observed through the flush below; the handle is not needed.
-                // SAFETY: a pending request may be freed at once; UCX releases it on completion.
-                StatusPtr::Pending(req) => unsafe { (api.ucp_request_free)(req) },
+                StatusPtr::Pending(_) => {}
+                StatusPtr::Done => {
+                    // SAFETY: the callback will not run; reclaim the Arc given to it.
+                    unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
+                    batch.read_finished();
+                }
                 StatusPtr::Failed(status) => {
-                    return Err(call_error(api, "ucp_get_nbx", status))
+                    // SAFETY: as above.
+                    unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
+                    batch.read_finished();
+                    return Err(call_error(api, "ucp_get_nbx", status));
                 }
             }
         }
-        let user_data = Arc::into_raw(Arc::clone(batch)) as *mut c_void;
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
-            cb: Some(flush_done),
-            user_data,
-            ..Default::default()
-        };
-        // SAFETY: ep is live, lock held; user_data is an owned Arc reclaimed exactly once, in
-        // flush_done or right below when the flush does not go asynchronous.
-        let sp = unsafe { (api.ucp_ep_flush_nbx)(self.ep, &param) };
-        match sys::status_ptr(sp) {
-            StatusPtr::Pending(_) => Ok(()),
-            StatusPtr::Done => {
-                // SAFETY: the callback will not run; reclaim the Arc given to it.
-                unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
-                batch.finish(Ok(()));
-                Ok(())
-            }
-            StatusPtr::Failed(status) => {
-                // SAFETY: as above.
-                unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
-                Err(call_error(api, "ucp_ep_flush_nbx", status))
-            }
-        }
+        Ok(())
     }
 }
 
-unsafe extern "C" fn flush_done(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
-    // SAFETY: user_data is the Arc handed over in post_reads, reclaimed only here.
+/// UCX's completion callback of one pending read: runs exactly once, inside progress (or a
+/// forced close) on the thread holding the worker lock.
+unsafe extern "C" fn read_done(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+    // SAFETY: user_data is the Arc handed over in post_each for this read, reclaimed only here.
     let batch = unsafe { Arc::from_raw(user_data as *const BatchState) };
     let api = batch.api;
-    let outcome = if status == sys::UCS_OK { Ok(()) } else { Err(format!("UCX flush failed: {}", api.status_text(status))) };
-    batch.finish(outcome);
-    // SAFETY: the request belongs to this completed flush and is freed once.
+    if status != sys::UCS_OK {
+        batch.record_read_error(format!("UCX read failed: {}", api.status_text(status)));
+    }
+    batch.read_finished();
+    // SAFETY: the request belongs to this completed read and is freed once.
     unsafe { (api.ucp_request_free)(request) };
 }
 
@@ -456,21 +464,67 @@ impl Drop for Endpoint {
     }
 }
 
-/// Completion state of one batch: pending until its flush completes, fails, or it is failed
-/// from outside (peer died, deadline passed).
+/// Completion state of one batch of reads. It settles when its last read has completed (or
+/// when it is failed with no read outstanding), never earlier: a failed batch is reported
+/// only when UCX will not write any more of it, which is when the caller may reuse its memory.
 pub struct BatchState {
     api: &'static Api,
+    /// Reads posted and not completed, plus one while posting.
+    unfinished: AtomicUsize,
+    /// The first error: a read UCX failed, a post that failed, or [`BatchState::fail`]'s reason.
+    failure: Mutex<Option<String>>,
     outcome: Mutex<Option<Result<(), String>>>,
     changed: Condvar,
 }
 
 impl BatchState {
     pub fn new(worker: &Worker) -> Arc<BatchState> {
-        Arc::new(BatchState { api: worker.api, outcome: Mutex::new(None), changed: Condvar::new() })
+        Arc::new(BatchState {
+            api: worker.api,
+            unfinished: AtomicUsize::new(0),
+            failure: Mutex::new(None),
+            outcome: Mutex::new(None),
+            changed: Condvar::new(),
+        })
     }
 
-    /// Records the first outcome; later ones (a flush finishing after a timeout) are ignored.
-    pub fn finish(&self, outcome: Result<(), String>) {
+    /// Counts a read about to be posted (or the posting itself); each is ended by exactly one
+    /// [`BatchState::read_finished`].
+    fn start_read(&self) {
+        self.unfinished.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn read_finished(&self) {
+        if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.settle();
+        }
+    }
+
+    fn record_read_error(&self, error: String) {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(error);
+    }
+
+    /// Fails the batch for `reason`: at once when no read of it is outstanding, else when the
+    /// last one completes (cancel them first with [`Endpoint::abort`]). A batch that settled
+    /// already keeps its outcome.
+    pub fn fail(&self, reason: String) {
+        self.record_read_error(reason);
+        if self.unfinished.load(Ordering::Acquire) == 0 {
+            self.settle();
+        }
+    }
+
+    /// Reads still outstanding (0 once settled).
+    pub fn unfinished_reads(&self) -> usize {
+        self.unfinished.load(Ordering::Acquire)
+    }
+
+    /// Records the outcome once; called when nothing is outstanding.
+    fn settle(&self) {
+        let outcome = match self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        };
         let mut slot = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(outcome);

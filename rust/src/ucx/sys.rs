@@ -32,7 +32,7 @@ pub const UCS_ERR_BUSY: ucs_status_t = -15;
 const UCS_ERR_LAST: isize = -100;
 
 pub const UCP_API_MAJOR: c_uint = 1;
-/// The oldest API minor we need: `ucp_get_nbx`, `ucp_ep_flush_nbx`, `ucp_mem_query`.
+/// The oldest API minor we need: `ucp_get_nbx`, `ucp_ep_close_nbx`, `ucp_mem_query`.
 pub const UCP_API_MINOR: c_uint = 16;
 
 const fn bit(n: u32) -> u64 {
@@ -190,7 +190,6 @@ ucp_api! {
     ucp_worker_signal: fn(ucp_worker_h) -> ucs_status_t;
     ucp_ep_create: fn(ucp_worker_h, *const ucp_ep_params_t, *mut ucp_ep_h) -> ucs_status_t;
     ucp_ep_close_nbx: fn(ucp_ep_h, *const ucp_request_param_t) -> ucs_status_ptr_t;
-    ucp_ep_flush_nbx: fn(ucp_ep_h, *const ucp_request_param_t) -> ucs_status_ptr_t;
     ucp_mem_map: fn(ucp_context_h, *const ucp_mem_map_params_t, *mut ucp_mem_h) -> ucs_status_t;
     ucp_mem_unmap: fn(ucp_context_h, ucp_mem_h) -> ucs_status_t;
     ucp_mem_query: fn(ucp_mem_h, *mut ucp_mem_attr_t) -> ucs_status_t;
