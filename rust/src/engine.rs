@@ -410,7 +410,9 @@ fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeo
     let mut table = lock(&shared.table);
     match &result {
         Ok(peer) => {
-            table.on_ready(key, &peer.meta);
+            if table.on_ready(key, &peer.meta) {
+                log::info!("peer {} at {key} restarted (now generation {:#x}); its old endpoint and keys are gone", peer.meta.engine_id, peer.meta.generation);
+            }
         }
         Err(e) => {
             log::debug!("connecting to {key} failed: {e}");
@@ -462,12 +464,7 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
         // Its reads must be cancelled before its keys and endpoint go (not merely dropped).
         abort_peer(shared, old, &format!("peer {id} was replaced by a new connection"));
     }
-    match previous {
-        Some(old) if old.meta.generation != peer.meta.generation => {
-            log::info!("peer {id} restarted (generation {:#x} -> {:#x}); dropped its old endpoint and keys", old.meta.generation, peer.meta.generation)
-        }
-        _ => log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len()),
-    }
+    log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len());
     Ok(peer)
 }
 
@@ -629,6 +626,7 @@ impl Engine {
         for peer in &peers {
             abort_peer(&self.shared, peer, "engine closed");
         }
+        drain_reads(&self.shared);
         lock(&self.shared.inflight).clear();
         drop(peers);
         lock(&self.shared.table).clear();
@@ -653,6 +651,27 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// How long `close` progresses UCX for reads its aborts did not cancel, before it unregisters
+/// the memory they target anyway.
+const CLOSE_DRAIN: Duration = Duration::from_secs(2);
+
+/// Progresses until no in-flight batch has a read outstanding, or [`CLOSE_DRAIN`] passes.
+fn drain_reads(shared: &Shared) {
+    let deadline = Instant::now() + CLOSE_DRAIN;
+    loop {
+        shared.worker.progress();
+        let outstanding: usize = lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
+        if outstanding == 0 {
+            return;
+        }
+        if Instant::now() >= deadline {
+            log::error!("closing with {outstanding} reads UCX has not completed after {CLOSE_DRAIN:?}; unregistering their memory anyway");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

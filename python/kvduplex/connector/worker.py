@@ -308,19 +308,21 @@ class DuplexWorker:
             if state == "connecting":
                 self._waiting_releases.append(release)
                 continue
-            try:
-                if state == "failed":
-                    raise _core.KvDuplexError(f"no connection: {detail}")
-                self._engine.notify(
-                    detail, md.encode_release(release.remote_request_id, release.claim_id)
-                )
-            except _core.KvDuplexError as exc:  # the owner's lease frees the blocks instead
+            undelivered = f"no connection: {detail}" if state == "failed" else None
+            if undelivered is None:
+                try:
+                    self._engine.notify(
+                        detail, md.encode_release(release.remote_request_id, release.claim_id)
+                    )
+                except _core.KvDuplexError as exc:
+                    undelivered = str(exc)
+            if undelivered is not None:  # the owner's lease frees the blocks instead
                 logger.info(
                     "Could not tell engine %s to free request %s's blocks (%s); its lease "
                     "will free them",
                     release.peer.engine_id,
                     release.remote_request_id,
-                    exc,
+                    undelivered,
                 )
 
     def _post_read(self, spec: md.LoadSpec, peer_engine_id: str) -> None:
