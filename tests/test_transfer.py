@@ -1,6 +1,8 @@
 """Two real processes reading each other's memory over real UCX (tcp and shared memory)."""
 
+import ctypes
 import json
+import mmap
 import os
 import select
 import socket
@@ -160,6 +162,28 @@ def test_bad_block_ids_are_refused_before_anything_is_read(owner_reader, local, 
         reader.engine.read_blocks(peer, local, remote)
     assert isinstance(info.value, ValueError)
     assert not reader.buf.any()
+
+
+def test_registering_memory_that_is_not_mapped_is_refused():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    rw, private_anonymous = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    addr = libc.mmap(None, 3 * page, rw, private_anonymous, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    reader = Reader("unmapped", TRANSPORTS["tcp"])
+    try:
+        assert libc.munmap(addr + page, page) == 0  # a hole in the middle
+        with pytest.raises(core.UcxError, match="not mapped"):
+            reader.engine.register_region(addr, 3 * page)
+        with pytest.raises(core.UcxError, match="not mapped"):
+            reader.engine.register_region(addr + page, 1)
+        reader.engine.register_region(addr, page)  # the mapped part alone is fine
+    finally:
+        reader.engine.close()
+        libc.munmap(addr, 3 * page)
 
 
 def test_unknown_peer_and_closed_engine_errors():

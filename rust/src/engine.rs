@@ -103,8 +103,8 @@ impl Peer {
     fn post_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), PostError> {
         let mut endpoint = lock(&self.endpoint);
         if endpoint.is_none() && self.alive.load(Ordering::Acquire) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
-            let rkeys: Vec<Vec<u8>> = self.meta.regions.iter().map(|r| r.rkey.clone()).collect();
-            let opened = shared.worker.connect(&self.meta.worker_address, &rkeys, shared.config.peer_error_handling);
+            let regions: Vec<(RegionBounds, Vec<u8>)> = self.regions.iter().copied().zip(self.meta.regions.iter().map(|r| r.rkey.clone())).collect();
+            let opened = shared.worker.connect(&self.meta.worker_address, &regions, shared.config.peer_error_handling);
             let opened = opened.map_err(|e| PostError::NothingPosted(format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id)))?;
             *endpoint = Some(opened);
         }

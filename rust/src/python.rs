@@ -71,8 +71,9 @@ impl Transfer {
         self.inner.num_descriptors
     }
 
+    /// Takes the worker lock (briefly, to progress UCX): never with the GIL held.
     fn done(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner.poll().map_err(|e| to_py(py, e))
+        py.detach(|| self.inner.poll()).map_err(|e| to_py(py, e))
     }
 
     #[pyo3(signature = (timeout_s=None))]

@@ -11,7 +11,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::path::Path;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::descriptors::RegionBounds;
@@ -131,13 +131,16 @@ impl Worker {
         call_result(self.api, call, status)
     }
 
-    /// Drives UCX until it reports no more work; returns how many events were processed.
+    /// Drives UCX until it reports no more work; returns how many events were processed. The
+    /// lock is taken per round, so posting and other threads' progress interleave with a long
+    /// stream of events instead of waiting for the worker to go idle.
     pub fn progress(&self) -> u32 {
-        let _g = self.guard();
         let mut total = 0;
         loop {
+            let guard = self.guard();
             // SAFETY: worker is live and the lock is held.
             let n = unsafe { (self.api.ucp_worker_progress)(self.worker) };
+            drop(guard);
             total += n;
             if n == 0 {
                 return total;
@@ -181,6 +184,9 @@ impl Worker {
     }
 
     /// Registers `[addr, addr+len)` (host or GPU memory; UCX detects which) for remote reads.
+    /// A host range must be mapped in this process, page by page (checked here); a GPU range
+    /// must be one UCX's CUDA support recognizes. The caller keeps the memory mapped until the
+    /// returned region is dropped.
     pub fn register(self: &Arc<Self>, addr: u64, len: u64) -> Result<MemRegion, UcxError> {
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
@@ -203,6 +209,10 @@ impl Worker {
             return Err(e);
         }
         let memory = match attr.mem_type {
+            sys::UCS_MEMORY_TYPE_HOST if !host_range_is_mapped(addr, len) => {
+                unmap(memh);
+                return Err(UcxError::Call { call: "ucp_mem_map", status: format!("{addr:#x}+{len} is not mapped memory of this process") });
+            }
             sys::UCS_MEMORY_TYPE_HOST => MemoryType::Host,
             sys::UCS_MEMORY_TYPE_CUDA | sys::UCS_MEMORY_TYPE_CUDA_MANAGED => MemoryType::Cuda,
             other => {
@@ -231,7 +241,15 @@ impl Worker {
     /// but UCX 1.22 then reads over tcp emulation instead of cma/shared memory (1 vs 8-17
     /// GB/s). Without it a dead peer is detected through the side channel, and a read aborted
     /// while a network transport still carries its data may land late.
-    pub fn connect(self: &Arc<Self>, peer_address: &[u8], rkeys: &[Vec<u8>], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
+    /// `regions` are the peer's registered regions with their packed remote keys: every read
+    /// posted on the endpoint is checked against them.
+    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: &[(RegionBounds, Vec<u8>)], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
+        if peer_address.is_empty() {
+            return Err(UcxError::Call { call: "ucp_ep_create", status: "the peer's worker address is empty".into() });
+        }
+        if let Some(i) = regions.iter().position(|(_, rkey)| rkey.is_empty()) {
+            return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("the peer's region {i} has an empty remote key") });
+        }
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
         let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
@@ -241,8 +259,14 @@ impl Worker {
         let mut ep = ptr::null_mut();
         // SAFETY: the address bytes stay alive for the call; UCX copies what it needs.
         self.check("ucp_ep_create", unsafe { (self.api.ucp_ep_create)(self.worker, &params, &mut ep) })?;
-        let mut endpoint = Endpoint { worker: Arc::clone(self), ep, rkeys: Vec::with_capacity(rkeys.len()) };
-        for packed in rkeys {
+        let mut endpoint = Endpoint {
+            worker: Arc::clone(self),
+            ep,
+            rkeys: Vec::with_capacity(regions.len()),
+            remote: regions.iter().map(|(bounds, _)| *bounds).collect(),
+            outstanding: Arc::new(AtomicUsize::new(0)),
+        };
+        for (_, packed) in regions {
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key bytes are alive for the call.
             let status = unsafe { (self.api.ucp_ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey) };
@@ -255,6 +279,32 @@ impl Worker {
         }
         Ok(endpoint)
     }
+}
+
+/// Whether every page of `[addr, addr+len)` is mapped in this process (`mincore` fails with
+/// ENOMEM on any unmapped page). Checked a GiB at a time to bound the page vector.
+fn host_range_is_mapped(addr: u64, len: u64) -> bool {
+    const CHUNK: u64 = 1 << 30;
+    // SAFETY: sysconf only reads a configuration value.
+    let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        p if p > 0 => p as u64,
+        _ => 4096,
+    };
+    let Some(end) = addr.checked_add(len) else { return false };
+    let mut start = addr & !(page - 1);
+    let mut residency = Vec::new();
+    while start < end {
+        let chunk = (end - start).min(CHUNK);
+        let Ok(chunk_len) = usize::try_from(chunk) else { return false };
+        residency.resize(chunk_len.div_ceil(page as usize), 0u8);
+        // SAFETY: mincore reads only the page tables of the range (start is page-aligned) and
+        // writes one byte per page of it into `residency`, which has exactly that many.
+        if unsafe { libc::mincore(start as *mut c_void, chunk_len, residency.as_mut_ptr()) } != 0 {
+            return false;
+        }
+        start += chunk;
+    }
+    true
 }
 
 impl Drop for Worker {
@@ -305,6 +355,11 @@ pub struct Endpoint {
     worker: Arc<Worker>,
     ep: sys::ucp_ep_h,
     rkeys: Vec<sys::ucp_rkey_h>,
+    /// The peer's regions, by the same index as `rkeys`.
+    remote: Vec<RegionBounds>,
+    /// Reads posted on this endpoint that UCX has not completed: its remote keys are destroyed
+    /// only when there are none.
+    outstanding: Arc<AtomicUsize>,
 }
 
 // SAFETY: ep and rkeys are only used under the worker lock.
@@ -329,11 +384,23 @@ impl Endpoint {
     /// or a pending one through [`read_done`]), and the batch settles when the last one has.
     /// No flush: a batch never waits behind other batches' reads to the same peer.
     ///
-    /// The caller has bounds-checked every range against the registered regions. On an error,
-    /// the reads posted before it are still in flight (the batch stays pending until they
+    /// Every read is checked here, before anything is posted, to lie inside its local region
+    /// and inside the peer region it names. On an error after posting began, the reads posted
+    /// before it are still in flight (the batch stays pending until they
     /// complete, or until [`Endpoint::abort`] cancels them).
     pub fn post_reads(&self, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
+        if let Some(read) = reads.iter().find(|read| !self.in_bounds(read)) {
+            return Err(UcxError::Call {
+                call: "ucp_get_nbx",
+                status: format!(
+                    "read of {} bytes from {:#x} (peer region {}) into {:#x} is outside the registered regions",
+                    read.len, read.remote_addr, read.remote_region, read.local_addr
+                ),
+            });
+        }
         let api = self.worker.api;
+        // A batch is posted on one endpoint, once.
+        let _ = batch.endpoint_reads.set(Arc::clone(&self.outstanding));
         let _g = self.worker.guard();
         // Held while posting, so the batch cannot settle before its last read is posted.
         batch.start_read();
@@ -345,12 +412,15 @@ impl Endpoint {
         result
     }
 
+    fn in_bounds(&self, read: &Read<'_>) -> bool {
+        read.local.contains(read.local_addr, read.len)
+            && self.remote.get(read.remote_region).is_some_and(|r| r.contains(read.remote_addr, read.len))
+            && usize::try_from(read.len).is_ok()
+    }
+
     fn post_each(&self, api: &'static Api, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
         for read in reads {
-            let rkey = *self.rkeys.get(read.remote_region).ok_or_else(|| UcxError::Call {
-                call: "ucp_get_nbx",
-                status: format!("peer region {} has no remote key", read.remote_region),
-            })?;
+            let rkey = self.rkeys[read.remote_region];
             batch.start_read();
             let user_data = Arc::into_raw(Arc::clone(batch)) as *mut c_void;
             let param = sys::ucp_request_param_t {
@@ -360,16 +430,20 @@ impl Endpoint {
                 user_data,
                 ..Default::default()
             };
-            // SAFETY: the local range lies in a registered region that outlives the batch (the
-            // engine keeps regions until close), the remote range was bounds-checked against
-            // the peer's advertised regions, and the lock is held. user_data is an owned Arc
+            // SAFETY: UCX writes the remote range into the local buffer until the read
+            // completes: in_bounds checked that the local range lies in a registered region
+            // (which the caller keeps alive until the batch settles) and the remote range in
+            // the region this rkey was unpacked for; the lock is held. user_data is an owned Arc
             // reclaimed exactly once: in read_done when the read goes pending (UCX then calls
             // it exactly once), or right below when it does not.
             let sp = unsafe {
                 (api.ucp_get_nbx)(self.ep, read.local_addr as *mut c_void, read.len as usize, read.remote_addr, rkey, &param)
             };
             match sys::status_ptr(sp) {
-                StatusPtr::Pending(_) => {}
+                // read_done cannot run before this: it runs under the lock we hold.
+                StatusPtr::Pending(_) => {
+                    self.outstanding.fetch_add(1, Ordering::AcqRel);
+                }
                 StatusPtr::Done => {
                     // SAFETY: the callback will not run; reclaim the Arc given to it.
                     unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
@@ -396,6 +470,9 @@ unsafe extern "C" fn read_done(request: *mut c_void, status: sys::ucs_status_t, 
     if status != sys::UCS_OK {
         batch.record_read_error(format!("UCX read failed: {}", api.status_text(status)));
     }
+    if let Some(endpoint_reads) = batch.endpoint_reads.get() {
+        endpoint_reads.fetch_sub(1, Ordering::AcqRel);
+    }
     batch.read_finished();
     // SAFETY: the request belongs to this completed read and is freed once.
     unsafe { (api.ucp_request_free)(request) };
@@ -414,46 +491,66 @@ impl Endpoint {
             return;
         }
         let api = self.worker.api;
-        let _g = self.worker.guard();
         let param = sys::ucp_request_param_t {
             op_attr_mask: if force { sys::UCP_OP_ATTR_FIELD_FLAGS } else { 0 },
             flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
             ..Default::default()
         };
+        let guard = self.worker.guard();
         // SAFETY: ep is live and closed once (nulled below); a non-forced close flushes
-        // outstanding reads, a forced one cancels them.
+        // outstanding reads, a forced one cancels them; the lock is held.
         let sp = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
+        drop(guard);
         self.ep = ptr::null_mut();
-        match sys::status_ptr(sp) {
-            StatusPtr::Done => {}
-            StatusPtr::Failed(status) => log::debug!("closing a UCX endpoint: {}", api.status_text(status)),
-            StatusPtr::Pending(req) => {
-                let deadline = Instant::now() + CLOSE_TIMEOUT;
-                loop {
-                    // SAFETY: worker live, lock held, req pending until its status changes.
-                    unsafe { (api.ucp_worker_progress)(self.worker.worker) };
-                    let status = unsafe { (api.ucp_request_check_status)(req) };
-                    if status != sys::UCS_INPROGRESS {
-                        // SAFETY: completed request, freed once.
-                        unsafe { (api.ucp_request_free)(req) };
-                        break;
-                    }
-                    if Instant::now() >= deadline {
-                        log::warn!("closing a UCX endpoint took over {CLOSE_TIMEOUT:?}; leaving it and its remote keys to worker teardown");
-                        // SAFETY: freeing a pending request is allowed; UCX releases it later.
-                        unsafe { (api.ucp_request_free)(req) };
-                        // Reads may still use the keys: they go with the worker, not before.
-                        self.rkeys.clear();
-                        return;
-                    }
+        let closed = match sys::status_ptr(sp) {
+            StatusPtr::Done => true,
+            StatusPtr::Failed(status) => {
+                log::debug!("closing a UCX endpoint: {}", api.status_text(status));
+                true
+            }
+            StatusPtr::Pending(req) => self.wait_for_close(req),
+        };
+        let outstanding = self.outstanding.load(Ordering::Acquire);
+        if !closed || outstanding > 0 {
+            // UCX requires a remote key to outlive every operation that uses it: these go
+            // with the worker instead.
+            log::warn!("UCX endpoint closed with {outstanding} reads outstanding (close complete: {closed}); its remote keys are left to worker teardown");
+            self.rkeys.clear();
+            return;
+        }
+        let _g = self.worker.guard();
+        for rkey in self.rkeys.drain(..) {
+            // SAFETY: unpacked on this endpoint and destroyed once, after its close completed
+            // with no read outstanding: UCX requires a remote key to outlive every operation
+            // that uses it, and none is left.
+            unsafe { (api.ucp_rkey_destroy)(rkey) };
+        }
+    }
+
+    /// Progresses until the close request `req` completes (true) or [`CLOSE_TIMEOUT`] passes
+    /// (false); the worker lock is taken per round, not held throughout.
+    fn wait_for_close(&self, req: *mut c_void) -> bool {
+        let api = self.worker.api;
+        let deadline = Instant::now() + CLOSE_TIMEOUT;
+        loop {
+            {
+                let _g = self.worker.guard();
+                // SAFETY: worker live, lock held, req pending until its status changes.
+                unsafe { (api.ucp_worker_progress)(self.worker.worker) };
+                // SAFETY: as above; req is not freed before this check.
+                if unsafe { (api.ucp_request_check_status)(req) } != sys::UCS_INPROGRESS {
+                    // SAFETY: completed request, freed once.
+                    unsafe { (api.ucp_request_free)(req) };
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    log::warn!("closing a UCX endpoint took over {CLOSE_TIMEOUT:?}; leaving it to worker teardown");
+                    // SAFETY: freeing a pending request is allowed; UCX releases it later.
+                    unsafe { (api.ucp_request_free)(req) };
+                    return false;
                 }
             }
-        }
-        for rkey in self.rkeys.drain(..) {
-            // SAFETY: unpacked on this endpoint and destroyed once, after the endpoint's close
-            // completed: UCX requires a remote key to outlive every operation that uses it, and
-            // a completed close (flushed or cancelled) leaves none.
-            unsafe { (api.ucp_rkey_destroy)(rkey) };
+            std::thread::yield_now();
         }
     }
 }
@@ -473,6 +570,8 @@ pub struct BatchState {
     unfinished: AtomicUsize,
     /// The first error: a read UCX failed, a post that failed, or [`BatchState::fail`]'s reason.
     failure: Mutex<Option<String>>,
+    /// The outstanding-read count of the endpoint the batch was posted on.
+    endpoint_reads: OnceLock<Arc<AtomicUsize>>,
     outcome: Mutex<Option<Result<(), String>>>,
     changed: Condvar,
 }
@@ -483,6 +582,7 @@ impl BatchState {
             api: worker.api,
             unfinished: AtomicUsize::new(0),
             failure: Mutex::new(None),
+            endpoint_reads: OnceLock::new(),
             outcome: Mutex::new(None),
             changed: Condvar::new(),
         })
