@@ -790,6 +790,50 @@ fn idle_sockets_keep_threads_bounded_and_never_lock_out_a_real_peer() {
     drop(idle);
 }
 
+fn resident_mib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
+}
+
+#[test]
+fn clients_that_never_finish_a_hello_keep_memory_and_threads_bounded() {
+    let server = start(Some(b"s3cret"));
+    let (threads_before, rss_before) = (threads_of_this_process(), resident_mib());
+    // 1,000 clients each send a hello header announcing the largest body allowed before
+    // authentication, then all of it but the last byte: 63 MiB in all, none of it a frame.
+    let body = wire::MAX_CONTROL_FRAME_LEN as usize;
+    let mut header = Vec::from(wire::MAGIC);
+    header.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+    header.push(FrameKind::ClientHello as u8);
+    header.extend_from_slice(&(body as u32).to_be_bytes());
+    let partial = [header, vec![0xA5; body - 1]].concat();
+    let mut clients = Vec::new();
+    let (mut threads_peak, mut rss_peak) = (0, 0);
+    for i in 0..1000 {
+        let Ok(mut stream) = TcpStream::connect(server.local_addr()) else { continue };
+        stream.set_write_timeout(Some(Duration::from_millis(200))).unwrap();
+        // The server closes the oldest pending handshakes: a write may fail, which is fine.
+        let _ = stream.write_all(&partial);
+        clients.push(stream);
+        if i % 100 == 99 {
+            threads_peak = threads_peak.max(threads_of_this_process());
+            rss_peak = rss_peak.max(resident_mib());
+        }
+    }
+    let threads_growth = threads_peak.saturating_sub(threads_before);
+    let rss_growth = rss_peak.saturating_sub(rss_before);
+    println!("1,000 unfinished hellos: +{threads_growth} threads, +{rss_growth} MiB resident at most");
+    // At most MAX_PENDING_HANDSHAKES connections wait, each with under one frame buffered.
+    assert!(threads_growth <= kvduplex::side_channel::MAX_PENDING_HANDSHAKES + 8, "+{threads_growth} threads");
+    assert!(rss_growth <= 32, "+{rss_growth} MiB resident for clients that never said hello");
+    // A real peer is still served.
+    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
+    link.notify(b"still served").unwrap();
+    assert!(wait_until(TIMEOUT, || server.take_notifications().len() == 1));
+    drop(clients);
+}
+
 #[test]
 fn a_non_loopback_side_channel_needs_a_secret_unless_allowed_explicitly() {
     let open = SideChannelConfig { host: "0.0.0.0".to_owned(), ..SideChannelConfig::default() };
