@@ -11,74 +11,12 @@ use kvduplex::handshake::auth::{self, Direction, FrameAuth, TAG_LEN};
 use kvduplex::handshake::wire::{
     self, AuthProof, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, ServerHello,
 };
-use kvduplex::handshake::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
+use kvduplex::handshake::{Fingerprint, HandshakeError, PROTOCOL_VERSION};
 use kvduplex::holds::{LookupMatch, LookupReply, LookupRequest};
 use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 
-const HEARTBEAT: Duration = Duration::from_millis(100);
-const TIMEOUT: Duration = Duration::from_secs(5);
-
-fn fingerprint(dtype: &str) -> Fingerprint {
-    Fingerprint(
-        [("model", "llama"), ("dtype", dtype), ("block_size", "16")]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect(),
-    )
-}
-
-fn metadata(engine_id: &str) -> EngineMetadata {
-    EngineMetadata {
-        engine_id: engine_id.to_owned(),
-        generation: 42,
-        worker_address: vec![1, 2, 3, 4],
-        regions: vec![],
-        layout: None,
-        fingerprint: fingerprint("bf16"),
-    }
-}
-
-fn start(secret: Option<&[u8]>) -> SideChannelServer {
-    let config = SideChannelConfig {
-        host: "127.0.0.1".to_owned(),
-        port: 0,
-        secret: secret.map(<[u8]>::to_vec),
-        heartbeat: HEARTBEAT,
-        allow_unauthenticated: false,
-    };
-    SideChannelServer::start(config, metadata("owner")).unwrap()
-}
-
-fn connect_as(
-    server: &SideChannelServer,
-    engine_id: &str,
-    fp: &Fingerprint,
-    secret: Option<&[u8]>,
-) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
-    connect_to(server.local_addr().port(), engine_id, fp, secret, TIMEOUT)
-}
-
-/// Connects to whatever listens on `port` of 127.0.0.1: a real server or a hand-made peer.
-fn connect_to(
-    port: u16,
-    engine_id: &str,
-    fp: &Fingerprint,
-    secret: Option<&[u8]>,
-    timeout: Duration,
-) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
-    PeerLink::connect("127.0.0.1", port, engine_id, None, fp, secret, timeout, HEARTBEAT)
-}
-
-fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if done() {
-            return true;
-        }
-        thread::sleep(Duration::from_millis(5));
-    }
-    done()
-}
+mod common;
+use common::*;
 
 /// Captures log lines so tests can check what the server reported on its side.
 struct Capture;
@@ -761,77 +699,6 @@ fn metadata_with_an_empty_worker_address_or_rkey_is_refused_naming_the_field() {
     });
     let err = meta.validate().unwrap_err().to_string();
     assert!(err.contains("regions[0]") && err.contains("rkey"), "{err}");
-}
-
-fn threads_of_this_process() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("Threads:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-#[test]
-fn idle_sockets_keep_threads_bounded_and_never_lock_out_a_real_peer() {
-    let server = start(Some(b"s3cret"));
-    let before = threads_of_this_process();
-    // 2,000 sockets that never say hello (the process allows 20,000 descriptors here).
-    let idle: Vec<TcpStream> = (0..2000)
-        .map(|_| TcpStream::connect(server.local_addr()).unwrap())
-        .collect();
-    thread::sleep(Duration::from_millis(500));
-    let during = threads_of_this_process();
-    assert!(
-        during <= before + kvduplex::side_channel::MAX_PENDING_HANDSHAKES + 8,
-        "{before} threads before, {during} with 2,000 idle sockets"
-    );
-    // A peer with the secret still connects (within the usual timeout) and is served.
-    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
-    link.notify(b"still served").unwrap();
-    assert!(wait_until(TIMEOUT, || server.take_notifications().len() == 1));
-    drop(idle);
-}
-
-fn resident_mib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
-}
-
-#[test]
-fn clients_that_never_finish_a_hello_keep_memory_and_threads_bounded() {
-    let server = start(Some(b"s3cret"));
-    let (threads_before, rss_before) = (threads_of_this_process(), resident_mib());
-    // 1,000 clients each send a hello header announcing the largest body allowed before
-    // authentication, then all of it but the last byte: 63 MiB in all, none of it a frame.
-    let body = wire::MAX_CONTROL_FRAME_LEN as usize;
-    let mut header = Vec::from(wire::MAGIC);
-    header.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
-    header.push(FrameKind::ClientHello as u8);
-    header.extend_from_slice(&(body as u32).to_be_bytes());
-    let partial = [header, vec![0xA5; body - 1]].concat();
-    let mut clients = Vec::new();
-    let (mut threads_peak, mut rss_peak) = (0, 0);
-    for i in 0..1000 {
-        let Ok(mut stream) = TcpStream::connect(server.local_addr()) else { continue };
-        stream.set_write_timeout(Some(Duration::from_millis(200))).unwrap();
-        // The server closes the oldest pending handshakes: a write may fail, which is fine.
-        let _ = stream.write_all(&partial);
-        clients.push(stream);
-        if i % 100 == 99 {
-            threads_peak = threads_peak.max(threads_of_this_process());
-            rss_peak = rss_peak.max(resident_mib());
-        }
-    }
-    let threads_growth = threads_peak.saturating_sub(threads_before);
-    let rss_growth = rss_peak.saturating_sub(rss_before);
-    println!("1,000 unfinished hellos: +{threads_growth} threads, +{rss_growth} MiB resident at most");
-    // At most MAX_PENDING_HANDSHAKES connections wait, each with under one frame buffered.
-    assert!(threads_growth <= kvduplex::side_channel::MAX_PENDING_HANDSHAKES + 8, "+{threads_growth} threads");
-    assert!(rss_growth <= 32, "+{rss_growth} MiB resident for clients that never said hello");
-    // A real peer is still served.
-    let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
-    link.notify(b"still served").unwrap();
-    assert!(wait_until(TIMEOUT, || server.take_notifications().len() == 1));
-    drop(clients);
 }
 
 #[test]

@@ -254,7 +254,7 @@ impl Drop for SideChannelServer {
 }
 
 fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) -> Vec<JoinHandle<()>> {
-    let mut handlers: Vec<JoinHandle<()>> = Vec::new();
+    let mut handlers: Vec<(u64, JoinHandle<()>)> = Vec::new();
     let mut next_id = 0u64;
     while !state.stopping.load(Ordering::Acquire) {
         let (stream, client_addr) = match listener.accept() {
@@ -270,7 +270,7 @@ fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) -> Vec<JoinHand
                 continue;
             }
         };
-        handlers.retain(|handler| !handler.is_finished());
+        handlers.retain(|(_, handler)| !handler.is_finished());
         if lock(&state.connections).len() >= MAX_CONNECTIONS {
             warn!("side channel: refused {client_addr}: already serving {MAX_CONNECTIONS} connections");
             let reason = format!("the server is at its limit of {MAX_CONNECTIONS} connections");
@@ -290,14 +290,19 @@ fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) -> Vec<JoinHand
                 // Its thread's read fails at once and the thread ends.
                 let _ = stream.shutdown(Shutdown::Both);
             }
+            // Waiting for it keeps the threads at MAX_PENDING_HANDSHAKES however fast
+            // clients arrive.
+            if let Some(at) = handlers.iter().position(|(id, _)| *id == oldest) {
+                let _ = handlers.swap_remove(at).1.join();
+            }
             info!("side channel: {MAX_PENDING_HANDSHAKES} handshakes pending; closed the oldest to serve {client_addr}");
         }
         match spawn_connection(state, next_id, stream, client_addr) {
-            Ok(handler) => handlers.push(handler),
+            Ok(handler) => handlers.push((next_id, handler)),
             Err(e) => warn!("side channel: dropped the connection from {client_addr}: {e}"),
         }
     }
-    handlers
+    handlers.into_iter().map(|(_, handler)| handler).collect()
 }
 
 /// Registers the connection (only the accept loop does, so the limit check above holds)
