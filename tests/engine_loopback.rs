@@ -213,3 +213,31 @@ fn peer_status_connects_once_checks_identity_and_backs_off_after_a_failure() {
     assert_eq!(reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)), failed);
     assert!(matches!(reader.connect(&host, port, Duration::from_millis(10)), Err(EngineError::ConnectFailed { .. })));
 }
+
+#[test]
+fn a_connect_to_a_mute_peer_never_delays_reads_from_another() {
+    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect();
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    let peer = connect(&reader, &owner).unwrap();
+    // Accepts connections and never says a word.
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mute_port = mute.local_addr().unwrap().port();
+    std::thread::scope(|scope| {
+        let stuck = scope.spawn(|| reader.connect("127.0.0.1", mute_port, Duration::from_secs(5)));
+        // peer_status answers at once while that handshake waits.
+        while reader.peer_status("127.0.0.1", mute_port, None, Duration::from_secs(5)) != PeerStatus::Connecting {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for round in 0..20u64 {
+            let id = (round % (BLOCKS as u64 - 1)) as i64 + 1;
+            reader.read_blocks(&peer, &[id], &[id], None, Duration::from_secs(5)).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+        }
+        // Twenty reads done while the connect to the mute peer is still waiting.
+        assert!(!stuck.is_finished(), "the mute peer's handshake ended before the reads did");
+        let err = stuck.join().unwrap().unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+    });
+    assert_eq!(local[BLOCK..2 * BLOCK], owned[BLOCK..2 * BLOCK]);
+}
