@@ -97,19 +97,6 @@ def turn2(turn1: list[int], answer: Completion, key: Conversation, new: int) -> 
     return turn1 + answer.token_ids + prompt(new, seed=key[0] * 1000 + key[1] + 7)
 
 
-def histogram_sums(base_url: str) -> dict[str, float]:
-    """Sums and counts of kvduplex's lookup and transfer-time histograms on a server."""
-    text = httpx.get(f"{base_url}/metrics", timeout=60).text
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in ("vllm:kvduplex_lookup_seconds", "vllm:kvduplex_transfer_seconds"):
-            for suffix in ("_sum", "_count"):
-                if line.startswith(name + suffix):
-                    key = name.rpartition(":")[2] + suffix
-                    sums[key] = sums.get(key, 0.0) + float(line.rpartition(" ")[2])
-    return sums
-
-
 def reset_prefix_cache(server: VllmServer) -> None:
     """Empty P's prefix cache. Blocks it still holds for a reader that has released them are
     freed at its next engine step, so a one-token request makes it step first."""
@@ -156,28 +143,22 @@ def run_pd(system: str, make, turns1, answers, expected, args) -> dict:
                 reset_prefix_cache(p)
                 ids = turn2(turn1, answers[key], key, args.new)
                 p_before, d_before = read_metrics(p.base_url), read_metrics(d.base_url)
-                hist_before = histogram_sums(p.base_url)
                 second = complete_streamed(proxy.base_url, ids, args.answer, timeout_s=900)
                 on_p = read_metrics_after(p.base_url, p_before, 1).minus(p_before)
                 on_d = read_metrics_after(d.base_url, d_before, 1).minus(d_before)
-                hist = {k: v - hist_before.get(k, 0.0) for k, v in histogram_sums(p.base_url).items()}
-                row = breakdown(second, on_p, on_d, hist)
+                row = breakdown(second, on_p, on_d)
                 row["matches_ideal"] = matches(expected[key]["answer"], second)
                 results[key] = row
                 logger.info("%s: %d-token prompt: %s", system, len(ids), json.dumps(row))
     return results
 
 
-def breakdown(answer: Completion, on_p: MetricsSnapshot, on_d: MetricsSnapshot, hist: dict[str, float]) -> dict:
-    def mean(name: str) -> float | None:
-        count = hist.get(f"{name}_count", 0.0)
-        return hist.get(f"{name}_sum", 0.0) / count if count else None
-
+def breakdown(answer: Completion, on_p: MetricsSnapshot, on_d: MetricsSnapshot) -> dict:
     return {
         "ttft_s": answer.ttft_s,
         "p_ttft_s": on_p.mean_ttft_s,
-        "lookup_s": mean("kvduplex_lookup_seconds"),
-        "d_to_p_transfer_s": mean("kvduplex_transfer_seconds"),
+        "lookup_s": on_p.mean_of("lookup_seconds"),
+        "d_to_p_transfer_s": on_p.mean_of("transfer_seconds"),
         "d_ttft_s": on_d.mean_ttft_s,
         "p_computed_tokens": on_p.computed_tokens,
         "p_cache_hit_tokens": on_p.cache_hit_tokens,

@@ -164,8 +164,8 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     assert!(sender.starts_with("reader#"), "{sender}");
     // The hold ends with a plain release; the claim keeps the blocks until its own release.
     assert!(!owner.release_hold(&sender, "turn-1", None));
-    assert!(owner.release_hold(&sender, "turn-1", Some(found.claim_id)));
-    assert_eq!(owner.held_blocks(), 0);
+    assert!(owner.release_hold(&sender, "turn-1", Some(found.claim_id)), "the last claim's release frees the hold");
+    assert!(ask(vec![11]).is_none(), "a freed hold is not offered any more");
 }
 
 fn status_until_settled(reader: &Engine, host: &str, port: u16, expected: Option<&str>) -> PeerStatus {

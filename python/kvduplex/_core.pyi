@@ -158,8 +158,6 @@ class Engine:
     def evict_holds(self, num_blocks: int) -> list[str]:
         """Free unclaimed offered holds, least recently used first, until `num_blocks` blocks
         were freed or none is left; returns the holds freed."""
-    @property
-    def held_blocks(self) -> int: ...
     def start_lookup(
         self,
         targets: Sequence[tuple[str, int]],

@@ -105,6 +105,9 @@ class MetricsSnapshot:
     finished_requests: float = 0.0
     # DuplexConnector's counters (`vllm:kvduplex_<name>_total`) by name; empty for other servers.
     connector: dict[str, float] = field(default_factory=dict)
+    # DuplexConnector's histograms' sums and counts (`vllm:kvduplex_<name>_{sum,count}`), by
+    # `<name>_sum` / `<name>_count`.
+    connector_histograms: dict[str, float] = field(default_factory=dict)
 
     def minus(self, before: MetricsSnapshot) -> MetricsSnapshot:
         def diff(after: Mapping[str, float], earlier: Mapping[str, float]) -> dict[str, float]:
@@ -116,7 +119,13 @@ class MetricsSnapshot:
             ttft_count=self.ttft_count - before.ttft_count,
             finished_requests=self.finished_requests - before.finished_requests,
             connector=diff(self.connector, before.connector),
+            connector_histograms=diff(self.connector_histograms, before.connector_histograms),
         )
+
+    def mean_of(self, histogram: str) -> float | None:
+        """Mean of a DuplexConnector histogram (e.g. `lookup_seconds`), None without samples."""
+        count = self.connector_histograms.get(f"{histogram}_count", 0.0)
+        return self.connector_histograms.get(f"{histogram}_sum", 0.0) / count if count else None
 
     @property
     def computed_tokens(self) -> int:
@@ -150,6 +159,7 @@ def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
     response.raise_for_status()
     prompt_tokens: dict[str, float] = {}
     connector: dict[str, float] = {}
+    histograms: dict[str, float] = {}
     values = {"ttft_sum_s": 0.0, "ttft_count": 0.0, "finished_requests": 0.0}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
@@ -166,7 +176,12 @@ def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
             elif name.startswith(_CONNECTOR_PREFIX) and name.endswith("_total"):
                 key = name[len(_CONNECTOR_PREFIX) : -len("_total")]
                 connector[key] = connector.get(key, 0.0) + sample.value
-    return MetricsSnapshot(prompt_tokens=prompt_tokens, connector=connector, **values)
+            elif name.startswith(_CONNECTOR_PREFIX) and name.endswith(("_sum", "_count")):
+                key = name[len(_CONNECTOR_PREFIX) :]
+                histograms[key] = histograms.get(key, 0.0) + sample.value
+    return MetricsSnapshot(
+        prompt_tokens=prompt_tokens, connector=connector, connector_histograms=histograms, **values
+    )
 
 
 def read_metrics_after(

@@ -577,11 +577,6 @@ impl Engine {
         lock(&self.shared.holds).evict(num_blocks)
     }
 
-    /// Blocks currently held for readers.
-    pub fn held_blocks(&self) -> usize {
-        lock(&self.shared.holds).held_blocks()
-    }
-
     /// Asks every `(host, port)` in `targets` at once, each on a thread of its own (connecting
     /// first where needed), for the longest held turn starting with `fingerprints`. Nothing
     /// here needs the caller: poll the returned [`LookupFanOut`].

@@ -118,11 +118,6 @@ impl HoldBook {
         self.held.is_empty()
     }
 
-    /// Blocks kept allocated by holds and claims together.
-    pub fn held_blocks(&self) -> usize {
-        self.held.values().map(|h| h.num_blocks).sum()
-    }
-
     pub fn num_claims(&self) -> usize {
         self.num_claims
     }

@@ -296,11 +296,6 @@ impl Engine {
         self.with(py, |e| Ok(e.evict_holds(num_blocks)))
     }
 
-    #[getter]
-    fn held_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |e| Ok(e.held_blocks()))
-    }
-
 
     /// Asks every `(host, port)` at once for the longest held turn starting with
     /// `fingerprints`, on threads of the transfer core (no GIL needed); poll the result.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
-from kvduplex.connector.token_fingerprint import block_fingerprints, matched_prefix_tokens
+from kvduplex.connector.token_fingerprint import PromptFingerprints, block_fingerprints, matched_prefix_tokens
 
 
 def test_fingerprints_chain_over_blocks_and_cover_a_partial_tail():
@@ -23,6 +25,29 @@ def test_fingerprints_chain_over_blocks_and_cover_a_partial_tail():
     assert block_fingerprints(tokens, 8)[:1] != fps[:1]
 
 
+def _documented_chain(tokens, block_size, salt):
+    """The module docstring's definition, written out independently."""
+    parent = hashlib.blake2b(
+        b"kvduplex.token-fingerprint.v1" + block_size.to_bytes(4, "little") + salt.encode(),
+        digest_size=8,
+    ).digest()
+    out = []
+    for start in range(0, len(tokens), block_size):
+        block = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[start : start + block_size])
+        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
+        out.append(parent.hex())
+    return out
+
+
+def test_prompt_fingerprints_hash_each_block_once_and_equal_the_documented_chain():
+    tokens = [1000 + i for i in range(45)] + [-3]
+    prompt = PromptFingerprints(tokens, 16, "salt")
+    assert prompt.full_blocks == _documented_chain(tokens[:32], 16, "salt")
+    for n in range(len(tokens) + 1):
+        assert prompt.of_prefix(n) == _documented_chain(tokens[:n], 16, "salt"), n
+    assert block_fingerprints(tokens, 16, "salt") == _documented_chain(tokens, 16, "salt")
+
+
 @pytest.mark.parametrize(
     "local,expected",
     [
@@ -34,7 +59,7 @@ def test_fingerprints_chain_over_blocks_and_cover_a_partial_tail():
 )
 def test_matched_prefix(local, expected):
     remote = block_fingerprints(list(range(40)), 16)
-    assert matched_prefix_tokens(local, remote, 40, 16) == expected
+    assert matched_prefix_tokens(PromptFingerprints(local, 16), remote, 40) == expected
 
 
 def test_config_defaults_and_validation(monkeypatch):

@@ -16,30 +16,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-# The wire protocol (kv_transfer_params keys, version, release messages) lives in
-# kvduplex.protocol, which imports no vLLM; re-exported here for the connector's modules.
-from kvduplex.protocol import (  # noqa: E402,F401
-    DECODE_HINT,
-    DO_REMOTE_DECODE,
-    DO_REMOTE_PREFILL,
-    PROTOCOL_KEY,
-    PROTOCOL_VERSION,
-    REMOTE_BLOCK_FINGERPRINTS,
-    REMOTE_BLOCK_IDS,
-    REMOTE_BLOCK_SIZE,
-    REMOTE_ENGINE_ID,
-    REMOTE_HOST,
-    REMOTE_LEASE_EXPIRY,
-    REMOTE_NUM_TOKENS,
-    REMOTE_PORT,
-    REMOTE_PORTS,
-    REMOTE_REQUEST_ID,
-    TP_SIZE,
-    Release,
-    decode_release,
-    encode_release,
-)
-
 
 @dataclass(frozen=True)
 class PeerAddress:

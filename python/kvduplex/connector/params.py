@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
 
@@ -80,15 +81,15 @@ def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejec
     if not isinstance(params, dict):
         return Rejected(f"kv_transfer_params must be an object, got {type(params).__name__}")
     try:
-        prefill = _optional_bool(params, md.DO_REMOTE_PREFILL)
-        decode = _optional_bool(params, md.DO_REMOTE_DECODE)
+        prefill = _optional_bool(params, protocol.DO_REMOTE_PREFILL)
+        decode = _optional_bool(params, protocol.DO_REMOTE_DECODE)
     except _Invalid as exc:
         return Rejected(str(exc))
     if prefill and decode:
-        return Rejected(f"{md.DO_REMOTE_PREFILL} and {md.DO_REMOTE_DECODE} are both true")
+        return Rejected(f"{protocol.DO_REMOTE_PREFILL} and {protocol.DO_REMOTE_DECODE} are both true")
     if prefill:
         from_decode_node = False
-    elif decode and params.get(md.REMOTE_BLOCK_IDS) not in (None, []):
+    elif decode and params.get(protocol.REMOTE_BLOCK_IDS) not in (None, []):
         from_decode_node = True
     else:
         return None
@@ -117,61 +118,61 @@ def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejec
 
 
 def _parse_address(params: dict[str, Any], ctx: ParamsContext) -> tuple[md.PeerAddress, str]:
-    version = _required(params, md.PROTOCOL_KEY)
-    if isinstance(version, bool) or version != md.PROTOCOL_VERSION:
+    version = _required(params, protocol.PROTOCOL_KEY)
+    if isinstance(version, bool) or version != protocol.PROTOCOL_VERSION:
         raise _Invalid(
-            f"{md.PROTOCOL_KEY}={version!r} is not this kvduplex's protocol "
-            f"{md.PROTOCOL_VERSION}"
+            f"{protocol.PROTOCOL_KEY}={version!r} is not this kvduplex's protocol "
+            f"{protocol.PROTOCOL_VERSION}"
         )
-    engine_id = _text(params, md.REMOTE_ENGINE_ID, _MAX_ID_CHARS)
+    engine_id = _text(params, protocol.REMOTE_ENGINE_ID, _MAX_ID_CHARS)
     if engine_id == ctx.engine_id:
-        raise _Invalid(f"{md.REMOTE_ENGINE_ID} names this engine itself")
-    remote_request_id = _text(params, md.REMOTE_REQUEST_ID, _MAX_ID_CHARS)
-    host = _text(params, md.REMOTE_HOST, _MAX_HOST_CHARS)
-    port = _port(_required(params, md.REMOTE_PORT), md.REMOTE_PORT)
-    tp_size = _int(params, md.TP_SIZE)
+        raise _Invalid(f"{protocol.REMOTE_ENGINE_ID} names this engine itself")
+    remote_request_id = _text(params, protocol.REMOTE_REQUEST_ID, _MAX_ID_CHARS)
+    host = _text(params, protocol.REMOTE_HOST, _MAX_HOST_CHARS)
+    port = _port(_required(params, protocol.REMOTE_PORT), protocol.REMOTE_PORT)
+    tp_size = _int(params, protocol.TP_SIZE)
     if tp_size != ctx.tp_size:
         raise _Invalid(
             f"remote tensor-parallel size {tp_size} differs from this engine's {ctx.tp_size}; "
             "kvduplex transfers only between equal TP sizes"
         )
-    ports_raw = _required(params, md.REMOTE_PORTS)
+    ports_raw = _required(params, protocol.REMOTE_PORTS)
     if not isinstance(ports_raw, list) or len(ports_raw) != tp_size:
-        raise _Invalid(f"{md.REMOTE_PORTS} must be a list of {tp_size} port(s)")
-    ports = tuple(_port(p, md.REMOTE_PORTS) for p in ports_raw)
+        raise _Invalid(f"{protocol.REMOTE_PORTS} must be a list of {tp_size} port(s)")
+    ports = tuple(_port(p, protocol.REMOTE_PORTS) for p in ports_raw)
     if ports[0] != port:
-        raise _Invalid(f"{md.REMOTE_PORT} differs from {md.REMOTE_PORTS}[0]")
+        raise _Invalid(f"{protocol.REMOTE_PORT} differs from {protocol.REMOTE_PORTS}[0]")
     return md.PeerAddress(engine_id=engine_id, host=host, ports=ports), remote_request_id
 
 
 def _parse_blocks(
     params: dict[str, Any], ctx: ParamsContext, now: float
 ) -> tuple[tuple[int, ...], int, tuple[str, ...], float]:
-    block_size = _int(params, md.REMOTE_BLOCK_SIZE)
+    block_size = _int(params, protocol.REMOTE_BLOCK_SIZE)
     if block_size != ctx.block_size:
         raise _Invalid(
             f"remote block size {block_size} differs from this engine's {ctx.block_size}"
         )
-    num_tokens = _int(params, md.REMOTE_NUM_TOKENS)
+    num_tokens = _int(params, protocol.REMOTE_NUM_TOKENS)
     if not 1 <= num_tokens <= ctx.max_model_len:
         raise _Invalid(
-            f"{md.REMOTE_NUM_TOKENS}={num_tokens} is outside [1, {ctx.max_model_len}]"
+            f"{protocol.REMOTE_NUM_TOKENS}={num_tokens} is outside [1, {ctx.max_model_len}]"
         )
     expected_blocks = -(-num_tokens // block_size)
     block_ids = _id_list(params, ctx.max_blocks)
     if len(block_ids) != expected_blocks:
         raise _Invalid(
-            f"{md.REMOTE_BLOCK_IDS} has {len(block_ids)} ids but {num_tokens} tokens need "
+            f"{protocol.REMOTE_BLOCK_IDS} has {len(block_ids)} ids but {num_tokens} tokens need "
             f"{expected_blocks} block(s)"
         )
     fingerprints = _fingerprints(params, expected_blocks)
-    lease_expiry = _required(params, md.REMOTE_LEASE_EXPIRY)
+    lease_expiry = _required(params, protocol.REMOTE_LEASE_EXPIRY)
     if (
         isinstance(lease_expiry, bool)
         or not isinstance(lease_expiry, (int, float))
         or not math.isfinite(lease_expiry)
     ):
-        raise _Invalid(f"{md.REMOTE_LEASE_EXPIRY} must be a finite number of seconds")
+        raise _Invalid(f"{protocol.REMOTE_LEASE_EXPIRY} must be a finite number of seconds")
     if lease_expiry - ctx.read_deadline_margin_s <= now:
         raise _Invalid(
             f"the owner's lease ends in {lease_expiry - now:.1f} s, within the "
@@ -218,27 +219,27 @@ def _port(value: Any, key: str) -> int:
 
 
 def _id_list(params: dict[str, Any], max_blocks: int) -> tuple[int, ...]:
-    raw = _required(params, md.REMOTE_BLOCK_IDS)
+    raw = _required(params, protocol.REMOTE_BLOCK_IDS)
     if not isinstance(raw, list):
-        raise _Invalid(f"{md.REMOTE_BLOCK_IDS} must be a list of integers")
+        raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} must be a list of integers")
     if not 1 <= len(raw) <= max_blocks:
         raise _Invalid(
-            f"{md.REMOTE_BLOCK_IDS} must have between 1 and {max_blocks} ids, got {len(raw)}"
+            f"{protocol.REMOTE_BLOCK_IDS} must have between 1 and {max_blocks} ids, got {len(raw)}"
         )
     for value in raw:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _Invalid(f"{md.REMOTE_BLOCK_IDS} must hold integers only")
+            raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} must hold integers only")
         if not 1 <= value <= _MAX_BLOCK_ID:
-            raise _Invalid(f"{md.REMOTE_BLOCK_IDS} holds out-of-range id {value}")
+            raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} holds out-of-range id {value}")
     if len(set(raw)) != len(raw):
-        raise _Invalid(f"{md.REMOTE_BLOCK_IDS} holds duplicate ids")
+        raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} holds duplicate ids")
     return tuple(raw)
 
 
 def _fingerprints(params: dict[str, Any], expected: int) -> tuple[str, ...]:
-    raw = _required(params, md.REMOTE_BLOCK_FINGERPRINTS)
+    raw = _required(params, protocol.REMOTE_BLOCK_FINGERPRINTS)
     if not isinstance(raw, list) or len(raw) != expected:
-        raise _Invalid(f"{md.REMOTE_BLOCK_FINGERPRINTS} must be a list of {expected} strings")
+        raise _Invalid(f"{protocol.REMOTE_BLOCK_FINGERPRINTS} must be a list of {expected} strings")
     for value in raw:
         if (
             not isinstance(value, str)
@@ -246,7 +247,7 @@ def _fingerprints(params: dict[str, Any], expected: int) -> tuple[str, ...]:
             or not _HEX.issuperset(value)
         ):
             raise _Invalid(
-                f"{md.REMOTE_BLOCK_FINGERPRINTS} must hold {FINGERPRINT_HEX_CHARS}-character "
+                f"{protocol.REMOTE_BLOCK_FINGERPRINTS} must hold {FINGERPRINT_HEX_CHARS}-character "
                 "lowercase hex strings"
             )
     return tuple(raw)

@@ -42,12 +42,14 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DEFAULT_LOOKUP_TIMEOUT_MS, DuplexConfig
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
 from kvduplex.connector.token_fingerprint import (
+    PromptFingerprints,
     block_fingerprints,
     matched_prefix_tokens,
     request_salt,
@@ -77,6 +79,8 @@ class _PullState:
     """A request whose params describe a peer's blocks; lives until the request finishes."""
 
     remote: RemoteBlocks | Rejected
+    prompt: PromptFingerprints | None = None
+    """The prompt's fingerprints, when its lookup computed them already."""
     matched_tokens: int = -1
     consumed: bool = False
     """The pull was decided (started, declined or impossible): never pull again."""
@@ -90,6 +94,8 @@ class _LookupState:
     request: Request
     asked_at: float
     timeout_s: float = 0.0
+    prompt: PromptFingerprints | None = None
+    """The prompt's fingerprints, computed once for the lookup and every answer."""
     arrived: bool = False
     chosen: RemoteBlocks | Rejected | None = None
     """The answer picked when it arrived, until the request takes it."""
@@ -280,7 +286,7 @@ class DuplexScheduler:
         chosen, lookup.chosen = lookup.chosen, None
         if chosen is None:
             return self._pulls.get(request.request_id)
-        state = _PullState(remote=chosen)
+        state = _PullState(remote=chosen, prompt=lookup.prompt)
         self._pulls[request.request_id] = state
         return state
 
@@ -307,16 +313,14 @@ class DuplexScheduler:
         return True
 
     def _start_lookup(self, request: Request, hint: str | None, timeout_s: float) -> None:
-        prompt = request.prompt_token_ids or []
-        full = len(prompt) // self._block_size * self._block_size
-        fingerprints = block_fingerprints(prompt[:full], self._block_size, _salt(request))
+        prompt = self._prompt_fingerprints(request)
         self._lookups[request.request_id] = _LookupState(
-            request, time.monotonic(), timeout_s=timeout_s
+            request, time.monotonic(), timeout_s=timeout_s, prompt=prompt
         )
         self._lookup_specs.append(
             md.LookupSpec(
                 request_id=request.request_id,
-                fingerprints=tuple(fingerprints),
+                fingerprints=tuple(prompt.full_blocks),
                 timeout_s=timeout_s,
                 hint=hint,
             )
@@ -331,10 +335,14 @@ class DuplexScheduler:
                     self._releases.append(_owner_release(match))
                 continue
             lookup.arrived = True
-            lookup.chosen = self._choose(lookup.request, matches)
+            prompt = lookup.prompt or self._prompt_fingerprints(lookup.request)
+            lookup.chosen = self._choose(lookup.request, prompt, matches)
+
+    def _prompt_fingerprints(self, request: Request) -> PromptFingerprints:
+        return PromptFingerprints(request.prompt_token_ids or [], self._block_size, _salt(request))
 
     def _choose(
-        self, request: Request, matches: list[md.LookupMatch]
+        self, request: Request, prompt: PromptFingerprints, matches: list[md.LookupMatch]
     ) -> RemoteBlocks | Rejected | None:
         """Owners matched the same full blocks at most; the turn whose partial last block also
         holds the prompt's tokens gives more. Keep the most tokens, hand the other claims back
@@ -344,13 +352,7 @@ class DuplexScheduler:
             remote = self._remote_from_match(request, match)
             tokens = -1
             if isinstance(remote, RemoteBlocks):
-                tokens, _ = matched_prefix_tokens(
-                    request.prompt_token_ids or [],
-                    remote.fingerprints,
-                    remote.num_tokens,
-                    self._block_size,
-                    _salt(request),
-                )
+                tokens, _ = matched_prefix_tokens(prompt, remote.fingerprints, remote.num_tokens)
             if best is None or tokens > best[0]:
                 if best is not None:
                     self._hand_back(best[1])
@@ -369,19 +371,19 @@ class DuplexScheduler:
         if not isinstance(params, dict):
             return self._reject_match(request, match, "malformed params", release)
         params = dict(params)
-        ids, fingerprints = params.get(md.REMOTE_BLOCK_IDS), params.get(md.REMOTE_BLOCK_FINGERPRINTS)
-        num_tokens = params.get(md.REMOTE_NUM_TOKENS)
+        ids, fingerprints = params.get(protocol.REMOTE_BLOCK_IDS), params.get(protocol.REMOTE_BLOCK_FINGERPRINTS)
+        num_tokens = params.get(protocol.REMOTE_NUM_TOKENS)
         if isinstance(ids, list) and isinstance(fingerprints, list) and isinstance(num_tokens, int):
             keep = match.matched_blocks
             if keep + 1 == len(ids) and num_tokens % self._block_size:
                 # The turn's partial last block (the answer's tail) was not compared by the
                 # lookup, which sends full blocks only; its fingerprint is checked below.
                 keep += 1
-            params[md.REMOTE_BLOCK_IDS] = ids[:keep]
-            params[md.REMOTE_BLOCK_FINGERPRINTS] = fingerprints[:keep]
-            params[md.REMOTE_NUM_TOKENS] = min(num_tokens, keep * self._block_size)
+            params[protocol.REMOTE_BLOCK_IDS] = ids[:keep]
+            params[protocol.REMOTE_BLOCK_FINGERPRINTS] = fingerprints[:keep]
+            params[protocol.REMOTE_NUM_TOKENS] = min(num_tokens, keep * self._block_size)
         # The claim, not the hold's own end, is how long the owner keeps the blocks for us.
-        params[md.REMOTE_LEASE_EXPIRY] = match.claim_expiry
+        params[protocol.REMOTE_LEASE_EXPIRY] = match.claim_expiry
         remote = parse_remote_blocks(params, self._params_context)
         if not isinstance(remote, RemoteBlocks):
             reason = remote.reason if isinstance(remote, Rejected) else "it asks for no transfer"
@@ -447,12 +449,9 @@ class DuplexScheduler:
         assert isinstance(remote, RemoteBlocks)
         if state.matched_tokens < 0:
             prompt = request.prompt_token_ids or []
+            fingerprints = state.prompt or self._prompt_fingerprints(request)
             matched, mismatch_block = matched_prefix_tokens(
-                prompt,
-                remote.fingerprints,
-                remote.num_tokens,
-                self._block_size,
-                _salt(request),
+                fingerprints, remote.fingerprints, remote.num_tokens
             )
             state.matched_tokens = matched
             if mismatch_block >= 0:
@@ -490,8 +489,8 @@ class DuplexScheduler:
         params = request.kv_transfer_params
         if not isinstance(params, dict) or request.status not in _HOLDABLE_STATUSES:
             return False, None
-        hands_off = params.get(md.DO_REMOTE_DECODE) is True
-        took_over = params.get(md.DO_REMOTE_PREFILL) is True
+        hands_off = params.get(protocol.DO_REMOTE_DECODE) is True
+        took_over = params.get(protocol.DO_REMOTE_PREFILL) is True
         if hands_off and not took_over:
             decode_turn = False
             ttl_s = self._config.kv_lease_ttl_s
@@ -563,20 +562,20 @@ class DuplexScheduler:
         if decode_turn:
             self._held_decode_blocks += num_blocks
         params = {
-            md.DO_REMOTE_PREFILL: not decode_turn,
-            md.DO_REMOTE_DECODE: decode_turn,
-            md.REMOTE_ENGINE_ID: self._engine_id,
-            md.REMOTE_REQUEST_ID: request.request_id,
-            md.REMOTE_HOST: self._host,
-            md.REMOTE_PORT: self._ports[0],
-            md.REMOTE_PORTS: list(self._ports),
-            md.TP_SIZE: self._tp_size,
-            md.REMOTE_BLOCK_IDS: held_ids,
-            md.REMOTE_NUM_TOKENS: num_tokens,
-            md.REMOTE_BLOCK_SIZE: self._block_size,
-            md.REMOTE_BLOCK_FINGERPRINTS: fingerprints,
-            md.REMOTE_LEASE_EXPIRY: time.time() + ttl_s,
-            md.PROTOCOL_KEY: md.PROTOCOL_VERSION,
+            protocol.DO_REMOTE_PREFILL: not decode_turn,
+            protocol.DO_REMOTE_DECODE: decode_turn,
+            protocol.REMOTE_ENGINE_ID: self._engine_id,
+            protocol.REMOTE_REQUEST_ID: request.request_id,
+            protocol.REMOTE_HOST: self._host,
+            protocol.REMOTE_PORT: self._ports[0],
+            protocol.REMOTE_PORTS: list(self._ports),
+            protocol.TP_SIZE: self._tp_size,
+            protocol.REMOTE_BLOCK_IDS: held_ids,
+            protocol.REMOTE_NUM_TOKENS: num_tokens,
+            protocol.REMOTE_BLOCK_SIZE: self._block_size,
+            protocol.REMOTE_BLOCK_FINGERPRINTS: fingerprints,
+            protocol.REMOTE_LEASE_EXPIRY: time.time() + ttl_s,
+            protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION,
         }
         offered = decode_turn and self._lookups_possible
         self._holds.append(

@@ -31,19 +31,42 @@ def block_fingerprints(
 ) -> list[str]:
     """Fingerprints of the blocks holding `token_ids`: one per full block, plus one for a
     trailing partial block when len(token_ids) is not a multiple of `block_size`."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    data = array("q", token_ids).tobytes()
-    stride = block_size * 8
-    parent = _root(block_size, salt)
-    out: list[str] = []
-    for start in range(0, len(data), stride):
-        digest = hashlib.blake2b(
-            parent + data[start : start + stride], digest_size=FINGERPRINT_BYTES
-        ).digest()
-        out.append(digest.hex())
-        parent = digest
-    return out
+    return PromptFingerprints(token_ids, block_size, salt).of_prefix(len(token_ids))
+
+
+class PromptFingerprints:
+    """One prompt's block fingerprints, each block hashed once: the full blocks' up front, a
+    partial last block's for whichever prefix length asks (it chains from the full blocks)."""
+
+    def __init__(self, token_ids: Sequence[int], block_size: int, salt: str = "") -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.token_ids = token_ids
+        self.block_size = block_size
+        self._data = array("q", token_ids).tobytes()
+        self._digests = [_root(block_size, salt)]
+        stride = block_size * 8
+        for start in range(0, len(token_ids) // block_size * stride, stride):
+            self._digests.append(_digest(self._digests[-1], self._data[start : start + stride]))
+
+    @property
+    def full_blocks(self) -> list[str]:
+        """The fingerprints of the prompt's full blocks."""
+        return [digest.hex() for digest in self._digests[1:]]
+
+    def of_prefix(self, num_tokens: int) -> list[str]:
+        """The fingerprints of the blocks holding the prompt's first `num_tokens` tokens."""
+        num_tokens = max(0, min(num_tokens, len(self.token_ids)))
+        full, tail = divmod(num_tokens, self.block_size)
+        out = [digest.hex() for digest in self._digests[1 : full + 1]]
+        if tail:
+            start = full * self.block_size * 8
+            out.append(_digest(self._digests[full], self._data[start : start + tail * 8]).hex())
+        return out
+
+
+def _digest(parent: bytes, block: bytes) -> bytes:
+    return hashlib.blake2b(parent + block, digest_size=FINGERPRINT_BYTES).digest()
 
 
 def request_salt(cache_salt: str | None, lora_name: str | None) -> str:
@@ -52,22 +75,21 @@ def request_salt(cache_salt: str | None, lora_name: str | None) -> str:
 
 
 def matched_prefix_tokens(
-    local_token_ids: Sequence[int],
+    local: PromptFingerprints,
     remote_fingerprints: Sequence[str],
     remote_num_tokens: int,
-    block_size: int,
-    salt: str = "",
 ) -> tuple[int, int]:
-    """How many leading tokens of `local_token_ids` the remote blocks hold with equal token ids.
+    """How many leading tokens of the `local` prompt the remote blocks hold with equal token ids.
 
-    The remote holds `remote_num_tokens` tokens in `len(remote_fingerprints)` blocks. Returns
-    (matched tokens, index of the first block whose tokens differ, or -1 when no compared block
-    differs). A remote block counts only when the local tokens cover all the tokens it holds.
+    The remote holds `remote_num_tokens` tokens in `len(remote_fingerprints)` blocks (of the
+    local prompt's block size and salt). Returns (matched tokens, index of the first block
+    whose tokens differ, or -1 when no compared block differs). A remote block counts only when
+    the local tokens cover all the tokens it holds.
     """
-    usable = min(remote_num_tokens, len(local_token_ids))
-    local = block_fingerprints(local_token_ids[:usable], block_size, salt)
+    usable = min(remote_num_tokens, len(local.token_ids))
+    block_size = local.block_size
     matched = 0
-    for index, (mine, theirs) in enumerate(zip(local, remote_fingerprints)):
+    for index, (mine, theirs) in enumerate(zip(local.of_prefix(usable), remote_fingerprints)):
         block_end = min((index + 1) * block_size, remote_num_tokens)
         if block_end > usable:
             break

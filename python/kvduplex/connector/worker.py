@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from kvduplex import _core
+from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.stats import DuplexConnectorStats
@@ -121,7 +122,7 @@ def compatibility_fingerprint(
     first = next(iter(kv_caches.values()))
     hf = model.hf_config
     fingerprint = {
-        "kvduplex_protocol": str(md.PROTOCOL_VERSION),
+        "kvduplex_protocol": str(protocol.PROTOCOL_VERSION),
         "vllm_version": vllm.__version__,
         "architectures": ",".join(getattr(hf, "architectures", None) or []),
         "model_type": str(getattr(hf, "model_type", "")),
@@ -312,7 +313,7 @@ class DuplexWorker:
             if undelivered is None:
                 try:
                     self._engine.notify(
-                        detail, md.encode_release(release.remote_request_id, release.claim_id)
+                        detail, protocol.encode_release(release.remote_request_id, release.claim_id)
                     )
                 except _core.KvDuplexError as exc:
                     undelivered = str(exc)
@@ -336,7 +337,7 @@ class DuplexWorker:
                 peer_engine_id,
                 list(spec.local_block_ids),
                 list(spec.remote_block_ids),
-                notify=md.encode_release(spec.remote_request_id, spec.claim_id),
+                notify=protocol.encode_release(spec.remote_request_id, spec.claim_id),
                 timeout_s=time_left,
             )
         except _core.KvDuplexError as exc:
@@ -382,7 +383,7 @@ class DuplexWorker:
         self, peer_engine_id: str, remote_request_id: str, claim_id: int | None = None
     ) -> None:
         try:
-            self._engine.notify(peer_engine_id, md.encode_release(remote_request_id, claim_id))
+            self._engine.notify(peer_engine_id, protocol.encode_release(remote_request_id, claim_id))
         except _core.KvDuplexError as exc:
             logger.debug("Release of %s not delivered: %s", remote_request_id, exc)
 
@@ -424,7 +425,7 @@ class DuplexWorker:
         if self._engine is None:
             return
         for sender, payload in self._engine.take_notifications():
-            release = md.decode_release(payload)
+            release = protocol.decode_release(payload)
             if release is None:
                 logger.warning("Ignoring a malformed notification from %s", sender)
                 continue

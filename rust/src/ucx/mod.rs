@@ -239,8 +239,9 @@ impl Worker {
     /// `peer_error_handling` trades speed for a hard guarantee: with it, aborting the endpoint
     /// tears down its transport connections, so no byte of a cancelled read lands afterwards;
     /// but UCX 1.22 then reads over tcp emulation instead of cma/shared memory (1 vs 8-17
-    /// GB/s). Without it a dead peer is detected through the side channel, and a read aborted
-    /// while a network transport still carries its data may land late.
+    /// GB/s). Without it a dead peer is detected through the side channel, and a forced close
+    /// may leave a read to a frozen peer outstanding: its batch then settles only when UCX
+    /// completes that read, so no byte lands after the batch is reported.
     /// `regions` are the peer's registered regions with their packed remote keys: every read
     /// posted on the endpoint is checked against them.
     pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: &[(RegionBounds, Vec<u8>)], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
