@@ -129,7 +129,8 @@ class Engine:
     ) -> Transfer:
         """Copy the peer's blocks remote_block_ids[i] into local_block_ids[i] for every
         segment. Ids are bounds-checked before anything is posted. `notify` is delivered to
-        the peer after the last byte was read. Fails (never hangs) after `timeout_s`."""
+        the peer after the last byte was read. Fails after `timeout_s`, once none of its reads can
+        still land (without peer error handling a read to a frozen peer may keep it pending)."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:
         """Queue a notification without reading (e.g. 'not pulling; free your blocks'). The
         engine's notifier thread sends it, in order after the read-done notifications of

@@ -621,7 +621,7 @@ impl Engine {
         for peer in &peers {
             abort_peer(&self.shared, peer, "engine closed");
         }
-        drain_reads(&self.shared);
+        let drained = drain_reads(&self.shared);
         lock(&self.shared.inflight).clear();
         drop(peers);
         lock(&self.shared.table).clear();
@@ -638,7 +638,15 @@ impl Engine {
         if let Some(mut server) = lock(&self.shared.server).take() {
             server.shutdown();
         }
-        self.shared.local.write().unwrap_or_else(|p| p.into_inner()).regions.clear();
+        let regions = std::mem::take(&mut self.shared.local.write().unwrap_or_else(|p| p.into_inner()).regions);
+        if drained {
+            drop(regions);
+        } else {
+            // UCX may still write into them: leave them registered (and leaked) rather than
+            // unmap memory under a read.
+            log::error!("leaving {} memory regions registered: reads into them are outstanding", regions.len());
+            std::mem::forget(regions);
+        }
         log::info!("engine {} closed", self.shared.config.engine_id);
     }
 }
@@ -649,22 +657,23 @@ impl Drop for Engine {
     }
 }
 
-/// How long `close` progresses UCX for reads its aborts did not cancel, before it unregisters
-/// the memory they target anyway.
+/// How long `close` progresses UCX for reads its aborts did not cancel; past it the memory
+/// they target stays registered (leaked) instead of being unmapped under them.
 const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 
-/// Progresses until no in-flight batch has a read outstanding, or [`CLOSE_DRAIN`] passes.
-fn drain_reads(shared: &Shared) {
+/// Progresses until no in-flight batch has a read outstanding (true), or [`CLOSE_DRAIN`]
+/// passes (false).
+fn drain_reads(shared: &Shared) -> bool {
     let deadline = Instant::now() + CLOSE_DRAIN;
     loop {
         shared.worker.progress();
         let outstanding: usize = lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
         if outstanding == 0 {
-            return;
+            return true;
         }
         if Instant::now() >= deadline {
-            log::error!("closing with {outstanding} reads UCX has not completed after {CLOSE_DRAIN:?}; unregistering their memory anyway");
-            return;
+            log::error!("closing with {outstanding} reads UCX has not completed after {CLOSE_DRAIN:?}");
+            return false;
         }
         std::thread::sleep(Duration::from_millis(1));
     }

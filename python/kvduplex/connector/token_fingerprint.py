@@ -41,7 +41,7 @@ class PromptFingerprints:
     def __init__(self, token_ids: Sequence[int], block_size: int, salt: str = "") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.token_ids = token_ids
+        self.token_ids = list(token_ids)
         self.block_size = block_size
         self._data = array("q", token_ids).tobytes()
         self._digests = [_root(block_size, salt)]
