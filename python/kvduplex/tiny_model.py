@@ -158,6 +158,18 @@ REALISTIC_MODEL_CONFIG = {
 _REALISTIC_SPEC = {**_CHAT_SPEC, "variant": "realistic-chat", "model": REALISTIC_MODEL_CONFIG}
 REALISTIC_SERVED_MODEL_NAME = "kvduplex-realistic"
 
+# A hybrid model for vLLM's hybrid KV-cache manager: the tiny model's size in Gemma-2's shape,
+# whose layers alternate sliding-window (even) and full attention (odd). vLLM groups them into
+# two KV-cache groups. The window is two CPU blocks (128 tokens each), so a chat's history
+# outgrows it by the second turn.
+HYBRID_MODEL_CONFIG = {
+    "architecture": "gemma2",
+    **{key: value for key, value in MODEL_CONFIG.items() if key != "tie_word_embeddings"},
+    "sliding_window": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+_HYBRID_SPEC = {**_CHAT_SPEC, "variant": "hybrid-chat", "model": HYBRID_MODEL_CONFIG}
+
 
 def _vocabulary(rng: random.Random) -> list[str]:
     words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(600)]
@@ -301,11 +313,17 @@ def _save_with_bos(tokenizer, out_dir: Path, chat_template: str, **extra: object
 
 def _build_model(out_dir: Path, model_config: dict) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     added_tokens = json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]
     ids = {token["content"]: token["id"] for token in added_tokens}
-    config = LlamaConfig(
+    model_config = dict(model_config)
+    architecture = model_config.pop("architecture", "llama")
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    }[architecture]
+    config = config_class(
         **model_config,
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=ids[EOS_TOKEN],
@@ -314,7 +332,7 @@ def _build_model(out_dir: Path, model_config: dict) -> None:
     # Fork the global RNG so building a model inside a test run does not shift its random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
@@ -370,6 +388,14 @@ def build_realistic_chat_model(out_dir: Path) -> Path:
     return _build(out_dir, chat=True, spec=_REALISTIC_SPEC)
 
 
+def build_hybrid_chat_model(out_dir: Path) -> Path:
+    """Write the hybrid variant (`HYBRID_MODEL_CONFIG`: Gemma-2 shape, sliding-window and
+    full-attention layers, the tiny model's size) with the chat variant's round-trip tokenizer
+    to `out_dir` and return it. Serve it with `SERVER_ARGS`. Reuse and atomic replacement as in
+    `build_tiny_model`."""
+    return _build(out_dir, chat=True, spec=_HYBRID_SPEC)
+
+
 def _build(out_dir: Path, *, chat: bool, spec: dict | None = None) -> Path:
     out_dir = Path(out_dir).resolve()
     if spec is None:
@@ -417,9 +443,18 @@ def main(argv: list[str] | None = None) -> None:
         help="the chat variant: same weights, a word-level tokenizer whose ids round-trip "
         "through multi-turn chats (see build_tiny_chat_model)",
     )
+    parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="the hybrid variant: Gemma-2 shape (sliding-window and full-attention layers) "
+        "with the chat tokenizer (see build_hybrid_chat_model)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    build = build_tiny_chat_model if args.chat else build_tiny_model
+    if args.hybrid:
+        build = build_hybrid_chat_model
+    else:
+        build = build_tiny_chat_model if args.chat else build_tiny_model
     print(build(args.out_dir))
 
 

@@ -30,7 +30,12 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -245,23 +250,10 @@ def make_engine(
     num_blocks: int = 64,
     announce: bool = True,
     tp_size: int = 1,
+    sliding_window: int | None = None,
 ) -> Engine:
     vllm_config = make_vllm_config(model_dir, name, extra_config, num_blocks, tp_size)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=NUM_KV_HEADS,
-                    head_size=HEAD_SIZE,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
-    )
+    kv_cache_config = make_kv_cache_config(num_blocks, sliding_window)
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -280,6 +272,26 @@ def make_engine(
             }
         )
     return engine
+
+
+def make_kv_cache_config(num_blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
+    """One full-attention group of every layer; with `sliding_window`, a hybrid model as vLLM's
+    hybrid KV-cache manager groups it (Gemma-2 style): layer 0 full attention, layer 1 a
+    sliding window of that many tokens, one group each, sharing the block pool."""
+    attention = dict(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    if sliding_window is None:
+        groups = [KVCacheGroupSpec(layers, FullAttentionSpec(**attention))]
+    else:
+        groups = [
+            KVCacheGroupSpec(layers[:1], FullAttentionSpec(**attention)),
+            KVCacheGroupSpec(
+                layers[1:], SlidingWindowSpec(**attention, sliding_window=sliding_window)
+            ),
+        ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def prompt_tokens(num_tokens: int, start: int = 100) -> list[int]:
@@ -392,7 +404,7 @@ def make_worker(
     vllm_config = make_vllm_config(model_dir, engine_id, extra_config, num_blocks)
     worker = DuplexWorker(
         vllm_config,
-        KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[]),
+        make_kv_cache_config(num_blocks),
         DuplexConfig.from_extra_config(extra_config),
         engine_id,
         tp_rank=0,

@@ -114,7 +114,7 @@ def test_secret_comes_from_the_named_environment_variable(monkeypatch):
 def test_stats_aggregate_and_reduce():
     worker = DuplexConnectorStats()
     for ms in range(1, 101):
-        worker.record_transfer(ms / 1000, num_blocks=2, nbytes=1_000_000, tokens=32)
+        worker.record_transfer(ms / 1000, blocks_per_group=(2,), nbytes=1_000_000, tokens=32)
     scheduler = DuplexConnectorStats()
     scheduler.add("pulls_declined")
     scheduler.add("tokens_recomputed", 40)

@@ -325,7 +325,7 @@ def test_auto_threshold_learns_from_worker_reads_and_steps(engines):
         d.add(f"warm{i}", prompt_tokens(100, start=2000 + 100 * i))
         reads = DuplexConnectorStats()
         # Reads far slower than this step's compute: pulling never pays off.
-        reads.record_transfer(5.0 * (i + 1), num_blocks=1, nbytes=1, tokens=16 * (i + 1))
+        reads.record_transfer(5.0 * (i + 1), blocks_per_group=(1,), nbytes=1, tokens=16 * (i + 1))
         d.step(worker_stats=reads)
     assert d.duplex.recompute_threshold() == 1025
     prompt = prompt_tokens(300)

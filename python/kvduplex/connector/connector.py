@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -38,7 +39,10 @@ if TYPE_CHECKING:
     from kvduplex.connector.worker import DuplexWorker
 
 
-class DuplexConnector(KVConnectorBase_V1):
+class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV-cache manager: full-attention and sliding-window groups
+    (see `kvduplex.connector.groups`)."""
+
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
@@ -91,6 +95,13 @@ class DuplexConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this only for connectors without hybrid-manager support; kept for the
+        abstract interface (one KV-cache group)."""
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 

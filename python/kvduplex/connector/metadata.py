@@ -48,6 +48,11 @@ class LoadSpec:
     """Wall-clock time (time.time()) at which the owner frees the blocks."""
     claim_id: int | None = None
     """The owner's claim when the blocks were found by a lookup."""
+    blocks_per_group: tuple[int, ...] = ()
+    """How many of the blocks belong to each transfer group (in order), for the stats."""
+    failure: str | None = None
+    """Set when the scheduler found the pull impossible after vLLM allocated for it: the
+    worker reports the blocks as failed (vLLM recomputes) and reads nothing."""
 
 
 @dataclass(frozen=True)

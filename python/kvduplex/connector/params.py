@@ -16,6 +16,7 @@ from typing import Any
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
+from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
 
 _MAX_ID_CHARS = 512
@@ -34,10 +35,7 @@ class ParamsContext:
     max_model_len: int
     bidirectional: bool
     read_deadline_margin_s: float
-
-    @property
-    def max_blocks(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+    groups: TransferGroups
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,9 @@ class RemoteBlocks:
 
     peer: md.PeerAddress
     remote_request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    """The owner's block table per transfer group (`NULL_BLOCK_ID` where a sliding-window
+    group freed the block), each one entry per block of `num_tokens`."""
     num_tokens: int
     fingerprints: tuple[str, ...]
     lease_expiry: float
@@ -147,7 +147,7 @@ def _parse_address(params: dict[str, Any], ctx: ParamsContext) -> tuple[md.PeerA
 
 def _parse_blocks(
     params: dict[str, Any], ctx: ParamsContext, now: float
-) -> tuple[tuple[int, ...], int, tuple[str, ...], float]:
+) -> tuple[tuple[tuple[int, ...], ...], int, tuple[str, ...], float]:
     block_size = _int(params, protocol.REMOTE_BLOCK_SIZE)
     if block_size != ctx.block_size:
         raise _Invalid(
@@ -159,12 +159,7 @@ def _parse_blocks(
             f"{protocol.REMOTE_NUM_TOKENS}={num_tokens} is outside [1, {ctx.max_model_len}]"
         )
     expected_blocks = -(-num_tokens // block_size)
-    block_ids = _id_list(params, ctx.max_blocks)
-    if len(block_ids) != expected_blocks:
-        raise _Invalid(
-            f"{protocol.REMOTE_BLOCK_IDS} has {len(block_ids)} ids but {num_tokens} tokens need "
-            f"{expected_blocks} block(s)"
-        )
+    block_ids = _block_tables(params, ctx.groups, expected_blocks)
     fingerprints = _fingerprints(params, expected_blocks)
     lease_expiry = _required(params, protocol.REMOTE_LEASE_EXPIRY)
     if (
@@ -218,22 +213,49 @@ def _port(value: Any, key: str) -> int:
     return value
 
 
-def _id_list(params: dict[str, Any], max_blocks: int) -> tuple[int, ...]:
-    raw = _required(params, protocol.REMOTE_BLOCK_IDS)
+def _block_tables(
+    params: dict[str, Any], groups: TransferGroups, expected: int
+) -> tuple[tuple[int, ...], ...]:
+    """`remote_block_ids`: a flat list for an engine with one KV-cache group (vLLM's shape),
+    one list per transfer group for a hybrid model. Full-attention tables hold real blocks
+    only; a sliding-window table may start with null blocks (freed outside the window)."""
+    key = protocol.REMOTE_BLOCK_IDS
+    raw = _required(params, key)
     if not isinstance(raw, list):
-        raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} must be a list of integers")
-    if not 1 <= len(raw) <= max_blocks:
-        raise _Invalid(
-            f"{protocol.REMOTE_BLOCK_IDS} must have between 1 and {max_blocks} ids, got {len(raw)}"
-        )
-    for value in raw:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} must hold integers only")
-        if not 1 <= value <= _MAX_BLOCK_ID:
-            raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} holds out-of-range id {value}")
-    if len(set(raw)) != len(raw):
-        raise _Invalid(f"{protocol.REMOTE_BLOCK_IDS} holds duplicate ids")
-    return tuple(raw)
+        raise _Invalid(f"{key} must be a list of integers")
+    if groups.hybrid:
+        if len(raw) != len(groups) or not all(isinstance(table, list) for table in raw):
+            raise _Invalid(f"{key} must hold one list per KV-cache group ({len(groups)})")
+        tables = raw
+    else:
+        tables = [raw]
+    seen: set[int] = set()
+    out: list[tuple[int, ...]] = []
+    for index, (group, table) in enumerate(zip(groups.groups, tables)):
+        where = f"{key}[{index}]" if groups.hybrid else key
+        if len(table) != expected:
+            raise _Invalid(
+                f"{where} has {len(table)} ids but {params[protocol.REMOTE_NUM_TOKENS]} tokens "
+                f"need {expected} block(s)"
+            )
+        for value in table:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _Invalid(f"{where} must hold integers only")
+            if not 0 <= value <= _MAX_BLOCK_ID:
+                raise _Invalid(f"{where} holds out-of-range id {value}")
+        real = [value for value in table if value != NULL_BLOCK_ID]
+        nulls = len(table) - len(real)
+        if nulls and (not group.sliding_window or any(table[:nulls])):
+            raise _Invalid(
+                f"{where} holds out-of-range id {NULL_BLOCK_ID}"
+                if not group.sliding_window
+                else f"{where} may hold null blocks only before its window"
+            )
+        if seen.intersection(real) or len(set(real)) != len(real):
+            raise _Invalid(f"{key} holds duplicate ids")
+        seen.update(real)
+        out.append(tuple(table))
+    return tuple(out)
 
 
 def _fingerprints(params: dict[str, Any], expected: int) -> tuple[str, ...]:

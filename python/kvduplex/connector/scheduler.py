@@ -45,6 +45,7 @@ from vllm.v1.request import RequestStatus
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DEFAULT_LOOKUP_TIMEOUT_MS, DuplexConfig
+from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
@@ -126,6 +127,7 @@ class DuplexScheduler:
         self._config = config
         self._engine_id = engine_id
         self._block_size = vllm_config.cache_config.block_size
+        self._groups = TransferGroups.from_kv_cache_config(kv_cache_config)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._max_held_decode_blocks = int(
             config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks
@@ -138,6 +140,7 @@ class DuplexScheduler:
             max_model_len=max_model_len,
             bidirectional=config.bidirectional_kv_xfer,
             read_deadline_margin_s=config.read_deadline_margin_s,
+            groups=self._groups,
         )
         if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -197,7 +200,7 @@ class DuplexScheduler:
         if state is None or state.consumed or isinstance(state.remote, Rejected):
             return 0, False
         state.last_num_computed = num_computed_tokens
-        gain = self._pullable_tokens(request, state) - num_computed_tokens
+        gain = self._pullable_tokens(request, state, num_computed_tokens) - num_computed_tokens
         if gain <= 0 or gain < self.recompute_threshold():
             return 0, False
         return gain, True
@@ -220,8 +223,25 @@ class DuplexScheduler:
         # The local prefix-cache hit is block-aligned: the load starts at a block boundary.
         first_block = state.last_num_computed // self._block_size
         end_block = -(-(state.last_num_computed + num_external_tokens) // self._block_size)
-        local_ids = blocks.get_block_ids()[0][first_block:end_block]
-        remote_ids = remote.block_ids[first_block:end_block]
+        local_ids: list[int] = []
+        remote_ids: list[int] = []
+        blocks_per_group: list[int] = []
+        missing: list[str] = []
+        local_tables = self._groups.select(blocks.get_block_ids())
+        for index, (local_table, remote_table) in enumerate(zip(local_tables, remote.block_ids)):
+            pairs = [
+                (local_id, remote_id)
+                for local_id, remote_id in zip(
+                    local_table[first_block:end_block], remote_table[first_block:end_block]
+                )
+                # vLLM's null block: outside this group's window, nothing to load.
+                if local_id != NULL_BLOCK_ID
+            ]
+            if any(remote_id == NULL_BLOCK_ID for _, remote_id in pairs):
+                missing.append(f"group {index}")
+            local_ids.extend(local_id for local_id, _ in pairs)
+            remote_ids.extend(remote_id for _, remote_id in pairs)
+            blocks_per_group.append(len(pairs))
         self._loads.append(
             md.LoadSpec(
                 request_id=request.request_id,
@@ -232,13 +252,22 @@ class DuplexScheduler:
                 num_tokens=num_external_tokens,
                 lease_expiry=remote.lease_expiry,
                 claim_id=remote.claim_id,
+                blocks_per_group=tuple(blocks_per_group),
+                # Never happens when vLLM frees sliding-window blocks by the rule
+                # `TransferGroups.pullable_tokens` checked; if it does, recompute, never read
+                # a freed block.
+                failure=(
+                    f"the owner freed blocks this request needs ({', '.join(missing)})"
+                    if missing
+                    else None
+                ),
             )
         )
         logger.debug(
-            "Request %s pulls %d tokens (%d blocks) from engine %s",
+            "Request %s pulls %d tokens (%s blocks per KV-cache group) from engine %s",
             request.request_id,
             num_external_tokens,
-            len(local_ids),
+            blocks_per_group,
             remote.peer.engine_id,
         )
 
@@ -247,7 +276,10 @@ class DuplexScheduler:
         remote = state.remote
         assert isinstance(remote, RemoteBlocks)
         self._releases.append(remote.release())
-        gain = self._pullable_tokens(request, state) - state.last_num_computed
+        gain = (
+            self._pullable_tokens(request, state, state.last_num_computed)
+            - state.last_num_computed
+        )
         if gain > 0:
             self._stats.add("pulls_declined")
             self._stats.add("tokens_recomputed", gain)
@@ -303,8 +335,11 @@ class DuplexScheduler:
     def _lookup_worthwhile(self, request: Request, num_computed_tokens: int) -> bool:
         if _unsupported_reason(request) is not None or request.skip_reading_prefix_cache:
             return False
-        full_blocks = request.num_prompt_tokens // self._block_size
-        gain = full_blocks * self._block_size - num_computed_tokens
+        # The lookup compares full blocks; the owner's turn may also hold the prompt's tokens in
+        # its partial last block (checked on the answer), so the gain counts to the prompt's end.
+        if request.num_prompt_tokens < self._block_size:
+            return False
+        gain = request.num_prompt_tokens - num_computed_tokens
         if gain <= 0:
             return False
         if gain < self.recompute_threshold():
@@ -375,11 +410,15 @@ class DuplexScheduler:
         num_tokens = params.get(protocol.REMOTE_NUM_TOKENS)
         if isinstance(ids, list) and isinstance(fingerprints, list) and isinstance(num_tokens, int):
             keep = match.matched_blocks
-            if keep + 1 == len(ids) and num_tokens % self._block_size:
+            if keep + 1 == len(fingerprints) and num_tokens % self._block_size:
                 # The turn's partial last block (the answer's tail) was not compared by the
                 # lookup, which sends full blocks only; its fingerprint is checked below.
                 keep += 1
-            params[protocol.REMOTE_BLOCK_IDS] = ids[:keep]
+            params[protocol.REMOTE_BLOCK_IDS] = (
+                [table[:keep] if isinstance(table, list) else table for table in ids]
+                if self._groups.hybrid
+                else ids[:keep]
+            )
             params[protocol.REMOTE_BLOCK_FINGERPRINTS] = fingerprints[:keep]
             params[protocol.REMOTE_NUM_TOKENS] = min(num_tokens, keep * self._block_size)
         # The claim, not the hold's own end, is how long the owner keeps the blocks for us.
@@ -443,8 +482,9 @@ class DuplexScheduler:
         self._pulls[request.request_id] = state
         return state
 
-    def _pullable_tokens(self, request: Request, state: _PullState) -> int:
-        """Prompt tokens, from the first, whose KV the peer holds for the same token ids."""
+    def _pullable_tokens(self, request: Request, state: _PullState, num_computed_tokens: int) -> int:
+        """Prompt tokens, from the first, whose KV the peer holds for the same token ids, in
+        every block each KV-cache group needs beyond the local hit (else the local hit)."""
         remote = state.remote
         assert isinstance(remote, RemoteBlocks)
         if state.matched_tokens < 0:
@@ -467,13 +507,18 @@ class DuplexScheduler:
                     matched,
                     usable,
                 )
-        return min(state.matched_tokens, request.num_prompt_tokens)
+        return self._groups.pullable_tokens(
+            remote.block_ids,
+            min(state.matched_tokens, request.num_prompt_tokens),
+            num_computed_tokens,
+        )
 
     # ----------------------------------------------------------------- owner
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: the request's block table of every KV-cache group (vLLM's order)."""
         state = self._pulls.pop(request.request_id, None)
         lookup = self._lookups.pop(request.request_id, None)
         self._hints.pop(request.request_id, None)
@@ -502,8 +547,12 @@ class DuplexScheduler:
 
         num_tokens = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
         num_blocks = -(-num_tokens // self._block_size)
-        if num_blocks == 0 or len(block_ids) < num_blocks:
+        # Per transfer group, one entry per block of the turn; vLLM has put its null block
+        # where a sliding-window group freed blocks outside its window.
+        tables = [table[:num_blocks] for table in self._groups.select(block_ids)]
+        if num_blocks == 0 or any(len(table) < num_blocks for table in tables):
             return False, None
+        held_ids = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]
         if _unsupported_reason(request) is not None:
             return False, None
         if self._block_pool is None:
@@ -525,21 +574,21 @@ class DuplexScheduler:
                     "free their KV blocks instead of offering them to peers"
                 )
             return False, None
-        if decode_turn and num_blocks > self._max_held_decode_blocks:
+        if decode_turn and len(held_ids) > self._max_held_decode_blocks:
             logger.debug(
                 "Request %s: not holding %d blocks, more than held turns may use (%d)",
                 request.request_id,
-                num_blocks,
+                len(held_ids),
                 self._max_held_decode_blocks,
             )
             return False, None
         if decode_turn:
-            overflow = self._held_decode_blocks + num_blocks - self._max_held_decode_blocks
+            overflow = self._held_decode_blocks + len(held_ids) - self._max_held_decode_blocks
             if overflow > 0 and not self._lookups_possible:
                 logger.debug(
                     "Request %s: not holding %d blocks, held finished turns already use %d of %d",
                     request.request_id,
-                    num_blocks,
+                    len(held_ids),
                     self._held_decode_blocks,
                     self._max_held_decode_blocks,
                 )
@@ -549,7 +598,6 @@ class DuplexScheduler:
                 # read of a held turn is claimed, so none is freed under a read).
                 self._evict_blocks = max(self._evict_blocks, overflow)
 
-        held_ids = list(block_ids[:num_blocks])
         fingerprints = block_fingerprints(
             request.all_token_ids[:num_tokens], self._block_size, _salt(request)
         )
@@ -560,7 +608,7 @@ class DuplexScheduler:
             blocks=blocks, decode_turn=decode_turn, ranks_left=self._tp_size
         )
         if decode_turn:
-            self._held_decode_blocks += num_blocks
+            self._held_decode_blocks += len(held_ids)
         params = {
             protocol.DO_REMOTE_PREFILL: not decode_turn,
             protocol.DO_REMOTE_DECODE: decode_turn,
@@ -570,7 +618,8 @@ class DuplexScheduler:
             protocol.REMOTE_PORT: self._ports[0],
             protocol.REMOTE_PORTS: list(self._ports),
             protocol.TP_SIZE: self._tp_size,
-            protocol.REMOTE_BLOCK_IDS: held_ids,
+            # vLLM's flat list for one group, one list per group for a hybrid model.
+            protocol.REMOTE_BLOCK_IDS: tables if self._groups.hybrid else tables[0],
             protocol.REMOTE_NUM_TOKENS: num_tokens,
             protocol.REMOTE_BLOCK_SIZE: self._block_size,
             protocol.REMOTE_BLOCK_FINGERPRINTS: fingerprints,
@@ -582,7 +631,7 @@ class DuplexScheduler:
             md.HoldSpec(
                 request_id=request.request_id,
                 ttl_s=ttl_s,
-                num_blocks=num_blocks,
+                num_blocks=len(held_ids),
                 fingerprints=tuple(fingerprints) if offered else (),
                 offer=json.dumps(params).encode() if offered else b"",
             )

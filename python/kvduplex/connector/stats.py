@@ -39,6 +39,11 @@ COUNTERS: dict[str, str] = {
     "lookups_skipped": "Requests whose possible gain was under kv_recompute_threshold, not looked up",
 }
 SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s")
+# Per KV-cache transfer group (index = group's position among the transfer groups).
+PER_GROUP: dict[str, str] = {
+    "group_blocks": "KV blocks read from peers, per KV-cache group",
+    "group_bytes": "Bytes read from peers, per KV-cache group",
+}
 
 
 @dataclass
@@ -49,21 +54,30 @@ class DuplexConnectorStats(KVConnectorStats):
         else:
             for key in COUNTERS:
                 self.data.setdefault(key, 0)
-            for key in SAMPLES:
+            for key in (*SAMPLES, *PER_GROUP):
                 self.data.setdefault(key, [])
 
     def reset(self) -> None:
         self.data = {key: 0 for key in COUNTERS}
-        for key in SAMPLES:
+        for key in (*SAMPLES, *PER_GROUP):
             self.data[key] = []
 
     def add(self, key: str, amount: int = 1) -> None:
         self.data[key] += amount
 
-    def record_transfer(self, seconds: float, num_blocks: int, nbytes: int, tokens: int) -> None:
+    def record_transfer(
+        self, seconds: float, blocks_per_group: tuple[int, ...], nbytes: int, tokens: int
+    ) -> None:
+        """One finished read: `blocks_per_group` blocks of each transfer group, `nbytes` in
+        all (every block is read across the same tensors, so each is the same size)."""
+        num_blocks = sum(blocks_per_group)
         self.data["transfers"] += 1
         self.data["blocks"] += num_blocks
         self.data["bytes"] += nbytes
+        for index, group_blocks in enumerate(blocks_per_group):
+            group_bytes = nbytes * group_blocks // num_blocks if num_blocks else 0
+            _add_at(self.data["group_blocks"], index, group_blocks)
+            _add_at(self.data["group_bytes"], index, group_bytes)
         self.data["tokens_pulled"] += tokens
         self.data["transfer_s"].append(seconds)
         self.data["transfer_tokens"].append(tokens)
@@ -74,7 +88,7 @@ class DuplexConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data[key] for key in COUNTERS) and not any(
-            self.data[key] for key in SAMPLES
+            self.data[key] for key in (*SAMPLES, *PER_GROUP)
         )
 
     def aggregate(self, other: KVConnectorStats) -> DuplexConnectorStats:
@@ -83,6 +97,9 @@ class DuplexConnectorStats(KVConnectorStats):
                 self.data[key] += other.data.get(key, 0)
             for key in SAMPLES:
                 self.data[key].extend(other.data.get(key, []))
+            for key in PER_GROUP:
+                for index, amount in enumerate(other.data.get(key, [])):
+                    _add_at(self.data[key], index, amount)
         return self
 
     def take(self) -> DuplexConnectorStats | None:
@@ -98,6 +115,12 @@ class DuplexConnectorStats(KVConnectorStats):
         total_s = sum(durations)
         out: dict[str, int | float] = {key: self.data[key] for key in COUNTERS if key != "bytes"}
         out["MB"] = round(self.data["bytes"] / 1e6, 3)
+        if len(self.data["group_blocks"]) > 1:
+            for index, (blocks, nbytes) in enumerate(
+                zip(self.data["group_blocks"], self.data["group_bytes"])
+            ):
+                out[f"group{index}_blocks"] = blocks
+                out[f"group{index}_MB"] = round(nbytes / 1e6, 3)
         if durations:
             p99 = durations[max(0, math.ceil(0.99 * len(durations)) - 1)]
             out["mean_transfer_ms"] = round(1e3 * total_s / len(durations), 3)
@@ -111,11 +134,27 @@ class DuplexConnectorStats(KVConnectorStats):
         return out
 
 
+def _add_at(values: list[int], index: int, amount: int) -> None:
+    values.extend([0] * (index + 1 - len(values)))
+    values[index] += amount
+
+
 class DuplexPromMetrics(KVConnectorPromMetrics):
-    """Counters `vllm:kvduplex_<name>_total` and a transfer-time histogram per engine."""
+    """Counters `vllm:kvduplex_<name>_total` (per KV-cache group: `vllm:kvduplex_group_blocks`
+    and `_group_bytes` with a `kv_cache_group` label) and transfer/lookup-time histograms,
+    per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._engine_labelvalues = per_engine_labelvalues
+        self._per_group = {
+            key: self._counter_cls(
+                name=f"vllm:kvduplex_{key}",
+                documentation=text,
+                labelnames=[*labelnames, "kv_cache_group"],
+            )
+            for key, text in PER_GROUP.items()
+        }
         self._counters = {
             key: create_metric_per_engine(
                 self._counter_cls(
@@ -153,3 +192,7 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
             self._transfer_time[engine_idx].observe(seconds)
         for seconds in transfer_stats_data.get("lookup_s", []):
             self._lookup_time[engine_idx].observe(seconds)
+        for key, metric in self._per_group.items():
+            for index, amount in enumerate(transfer_stats_data.get(key, [])):
+                if amount:
+                    metric.labels(*self._engine_labelvalues[engine_idx], str(index)).inc(amount)

@@ -30,6 +30,7 @@ from kvduplex import _core
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.stats import DuplexConnectorStats
 
 if TYPE_CHECKING:
@@ -114,9 +115,11 @@ def compatibility_fingerprint(
     vllm_config: VllmConfig,
     kv_caches: dict[str, torch.Tensor],
     layout: KVLayout,
+    groups: TransferGroups,
     tp_rank: int,
 ) -> dict[str, str]:
-    """Everything that must be equal on both sides for a block to mean the same KV."""
+    """Everything that must be equal on both sides for a block to mean the same KV; each
+    KV-cache group has its own entry (`kv_cache_group<i>`), so a mismatch names the group."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     first = next(iter(kv_caches.values()))
@@ -142,6 +145,8 @@ def compatibility_fingerprint(
         "device_type": first.device.type,
         "tp_size": str(parallel.tensor_parallel_size),
         "tp_rank": str(tp_rank),
+        "kv_cache_groups": str(len(groups)),
+        **groups.describe(),
     }
     if first.device.type == "cpu":
         # The CPU attention kernels lay out a block's interior per instruction set.
@@ -167,6 +172,7 @@ class DuplexWorker:
     ) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
+        self._groups = TransferGroups.from_kv_cache_config(kv_cache_config)
         self._config = config
         self._engine_id = engine_id
         self._tp_rank = tp_rank
@@ -189,7 +195,7 @@ class DuplexWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = describe_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
         fingerprint = compatibility_fingerprint(
-            self._vllm_config, kv_caches, layout, self._tp_rank
+            self._vllm_config, kv_caches, layout, self._groups, self._tp_rank
         )
         port = self._config.side_channel_port
         engine = _core.Engine(
@@ -247,7 +253,11 @@ class DuplexWorker:
             self._evict(meta.evict_blocks)
         for lookup in meta.lookups:
             self._start_lookup(lookup)
-        self._waiting_loads.extend(meta.loads)
+        for spec in meta.loads:
+            if spec.failure is not None:
+                self._fail_load(spec, spec.failure)
+            else:
+                self._waiting_loads.append(spec)
         self._waiting_releases.extend(meta.releases)
         self._advance()
 
@@ -359,7 +369,7 @@ class DuplexWorker:
             self._finished_recving.add(request_id)
             self._stats.record_transfer(
                 time.perf_counter() - inflight.posted_at,
-                len(inflight.spec.local_block_ids),
+                inflight.spec.blocks_per_group or (len(inflight.spec.local_block_ids),),
                 inflight.transfer.nbytes,
                 inflight.spec.num_tokens,
             )

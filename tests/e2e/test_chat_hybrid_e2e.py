@@ -1,0 +1,230 @@
+"""A hybrid model (sliding-window and full-attention layers) keeps vLLM's hybrid KV-cache manager
+with DuplexConnector, and a streamed chat through `kvduplex proxy` pulls P->D and D->P on every
+turn with answers equal to a single server's.
+
+The model is the tiny model's size in Gemma-2's shape (`build_hybrid_chat_model`): its
+sliding-window layers attend to the last 256 tokens (two 128-token blocks), so every turn's
+history is longer than the window and D holds only the window's blocks of that group; P pulls
+the full-attention group's blocks of the whole history and the sliding-window group's blocks of
+the window. An edited history pulls only what the edit left matching.
+
+Three servers: the reference (no connector), P and D, stopped when the module ends; the file
+name runs it right after test_chat_e2e.py, before the session's shared servers start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import E2E_LOOKUP_TIMEOUT_MS
+
+from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
+from kvduplex.tiny_model import (
+    CHAT_ALLOWED_TOKEN_IDS,
+    CHAT_EOS_TOKEN_ID,
+    SERVED_MODEL_NAME,
+    SERVER_ARGS,
+    build_hybrid_chat_model,
+    sample_chat_text,
+)
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 128
+WINDOW = 256
+TURNS = 4
+MAX_TOKENS = 40
+LOGPROB_ATOL = 1e-3
+HMA_OFF = "Turning off hybrid kv cache manager"
+GROUPS_LINE = "kv cache group sizes"
+
+
+@dataclass
+class Answer:
+    prompt_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Servers:
+    reference: VllmServer
+    prefill: VllmServer
+    decode: VllmServer
+
+
+@pytest.fixture(scope="module")
+def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Servers]:
+    model_dir = build_hybrid_chat_model(pytestconfig.cache.mkdir("kvduplex-hybrid-chat-model"))
+
+    def server(name: str, kv: bool) -> VllmServer:
+        config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=16)
+        config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
+        extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
+        return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)
+
+    group = [server("hybrid-reference", False), server("hybrid-prefill", True)]
+    group.append(server("hybrid-decode", True))
+    with start_many(group) as (reference, prefill, decode):
+        yield Servers(reference, prefill, decode)
+
+
+def stream_chat(base_url: str, messages: list[dict], answer_tokens: int | None = None) -> Answer:
+    """The answer to `messages`: at most MAX_TOKENS tokens, or exactly `answer_tokens`."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
+    extra: dict = {"allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS), "return_token_ids": True}
+    if answer_tokens is not None:
+        extra["min_tokens"] = answer_tokens
+    stream = client.chat.completions.create(
+        model=SERVED_MODEL_NAME,
+        messages=messages,
+        stream=True,
+        max_tokens=answer_tokens or MAX_TOKENS,
+        temperature=0,
+        seed=0,
+        logprobs=True,
+        extra_body=extra,
+    )
+    prompt_ids: list[int] = []
+    text, token_ids, logprobs = "", [], []
+    for chunk in stream:
+        prompt_ids = (chunk.model_extra or {}).get("prompt_token_ids") or prompt_ids
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            token_ids += (choice.model_extra or {}).get("token_ids") or []
+            if choice.logprobs is not None and choice.logprobs.content:
+                logprobs += [entry.logprob for entry in choice.logprobs.content]
+    assert token_ids, "the stream carried no token"
+    if token_ids[-1] == CHAT_EOS_TOKEN_ID:
+        token_ids, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
+    return Answer(prompt_ids, text, token_ids, logprobs[: len(token_ids)])
+
+
+def kv_cache_groups_line(server: VllmServer) -> str:
+    lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if GROUPS_LINE in line]
+    assert lines, f"{server.name} logged no KV-cache groups"
+    return lines[-1].split(GROUPS_LINE, 1)[1].strip()
+
+
+def group_counters(server: VllmServer, name: str) -> dict[str, float]:
+    """`vllm:kvduplex_<name>_total` per KV-cache group, from the server's /metrics."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(f"vllm:kvduplex_{name}_total{{"):
+            labels, value = line.rsplit(" ", 1)
+            group = labels.split('kv_cache_group="', 1)[1].split('"', 1)[0]
+            out[group] = out.get(group, 0.0) + float(value)
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+@pytest.mark.e2e
+def test_the_hybrid_kv_cache_manager_stays_on_with_the_connector(servers):
+    for server in (servers.prefill, servers.decode):
+        log = server.log_path.read_text(errors="replace")
+        assert HMA_OFF not in log, f"{server.name}: vLLM turned the hybrid manager off"
+        # The same KV-cache groups as the server without the connector: two, not one.
+        assert kv_cache_groups_line(server) == kv_cache_groups_line(servers.reference)
+    assert kv_cache_groups_line(servers.reference).count(",") == 1
+
+
+@pytest.mark.e2e
+def test_streamed_hybrid_chat_pulls_both_ways_on_every_turn(servers):
+    # 600 words: D's first pull (no cache of its own) spans five blocks, more than the window.
+    messages = [{"role": "system", "content": sample_chat_text(600, seed=7)}]
+    counters = ("group_blocks", "group_bytes")
+    before = {(s.name, c): group_counters(s, c) for s in (servers.prefill, servers.decode) for c in counters}
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        previous: Answer | None = None
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": sample_chat_text(40, seed=70 + turn)})
+            expected = stream_chat(servers.reference.base_url, messages)
+            if previous is not None:
+                history = previous.prompt_ids + previous.token_ids
+                assert expected.prompt_ids[: len(history)] == history, f"turn {turn}: no round trip"
+            p_before = prompt_tokens_by_source(servers.prefill.base_url)
+            d_before = prompt_tokens_by_source(servers.decode.base_url)
+            answer = stream_chat(proxy.base_url, messages)
+            on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
+            on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
+            logger.info(
+                "turn %d: %d prompt tokens; P %s; D %s",
+                turn + 1, len(expected.prompt_ids), on_p, on_d,
+            )
+            assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
+            assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
+            # P -> D: D pulls what its own cache lacks and computes at most the last token.
+            assert on_d.get("external_kv_transfer", 0) > 0, (turn, on_d)
+            assert on_d.get("local_compute", 0) <= 1, (turn, on_d)
+            if previous is not None:
+                # D -> P: the history beyond the window came back from D; P computed only the
+                # new tokens (and the previous answer's last token, which D never computed).
+                held = len(previous.prompt_ids) + len(previous.token_ids) - 1
+                assert held > WINDOW
+                assert on_p.get("external_kv_transfer", 0) > 0, (turn, on_p)
+                assert on_p.get("local_compute", 0) == len(expected.prompt_ids) - held, (turn, on_p)
+            previous = expected
+            messages.append({"role": "assistant", "content": answer.text})
+    pulled = {
+        key: delta(group_counters(servers_by_name[key[0]], key[1]), value)
+        for key, value in before.items()
+        for servers_by_name in [{s.name: s for s in (servers.prefill, servers.decode)}]
+    }
+    logger.info("pulled per KV-cache group: %s", pulled)
+    for server in (servers.prefill, servers.decode):
+        blocks = pulled[(server.name, "group_blocks")]
+        assert set(blocks) == {"0", "1"} and all(blocks.values()), (server.name, blocks)
+    # D's pulls reach further back than the window: the sliding-window group's are fewer.
+    d_blocks = pulled[(servers.decode.name, "group_blocks")]
+    assert min(d_blocks.values()) < max(d_blocks.values()), d_blocks
+
+
+@pytest.mark.e2e
+def test_an_edited_hybrid_history_pulls_only_the_matching_prefix(servers):
+    messages = [
+        {"role": "system", "content": sample_chat_text(300, seed=8)},
+        {"role": "user", "content": sample_chat_text(40, seed=80)},
+    ]
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        # A long answer: D's turn holds whole blocks that P never computed.
+        first = stream_chat(proxy.base_url, messages, answer_tokens=200)
+        # The next turn edits the answer's last words: the history matches D's turn up to
+        # there, inside the sliding window.
+        words = first.text.split()
+        edited = " ".join(words[:-3] + sample_chat_text(3, seed=81).split())
+        messages += [
+            {"role": "assistant", "content": edited},
+            {"role": "user", "content": sample_chat_text(40, seed=82)},
+        ]
+        expected = stream_chat(servers.reference.base_url, messages)
+        before = prompt_tokens_by_source(servers.prefill.base_url)
+        answer = stream_chat(proxy.base_url, messages)
+        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), before)
+    logger.info("edited turn: %d prompt tokens; P %s", len(expected.prompt_ids), on_p)
+    assert answer.token_ids == expected.token_ids
+    assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
+    matching = next(
+        index
+        for index, (a, b) in enumerate(zip(expected.prompt_ids, first.prompt_ids + first.token_ids))
+        if a != b
+    )
+    reused = on_p.get("external_kv_transfer", 0) + on_p.get("local_cache_hit", 0)
+    # Reused: the matching prefix's whole blocks (a block with an edited token is recomputed),
+    # part of them pulled from D; the edit is inside D's window, so the sliding-window group's
+    # blocks up to it are still held.
+    assert on_p.get("external_kv_transfer", 0) > 0, on_p
+    assert reused == matching // BLOCK * BLOCK, (on_p, matching)
+    assert on_p.get("local_compute", 0) == len(expected.prompt_ids) - reused, on_p
