@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 # Version of kvduplex's kv_transfer_params extensions and notification payloads. Both sides of
 # a transfer must speak the same version; the transfer core's handshake checks its own.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # --- kv_transfer_params: vLLM's keys (what existing P/D proxies forward) ---
 DO_REMOTE_DECODE = "do_remote_decode"

@@ -23,7 +23,7 @@ def tiny_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def engines(tiny_config_dir: Path):
-    """Factory: engines(name, extra_config=..., num_blocks=...) -> Engine."""
+    """Factory: engines(name, extra_config=..., num_blocks=..., sliding_window=...) -> Engine."""
 
     def build(name: str, extra_config: dict[str, Any] | None = None, **kwargs: Any) -> Engine:
         return make_engine(tiny_config_dir, name, extra_config, **kwargs)

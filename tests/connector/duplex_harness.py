@@ -395,8 +395,10 @@ def make_worker(
     engine_id: str,
     kv_caches: dict[str, torch.Tensor],
     extra_config: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
 ):
-    """A real DuplexWorker (transfer core included) with `kv_caches` registered."""
+    """A real DuplexWorker (transfer core included) with `kv_caches` registered; with
+    `sliding_window`, the hybrid model's KV-cache groups (see `make_kv_cache_config`)."""
     from kvduplex.connector.config import DuplexConfig
     from kvduplex.connector.worker import DuplexWorker
 
@@ -404,7 +406,7 @@ def make_worker(
     vllm_config = make_vllm_config(model_dir, engine_id, extra_config, num_blocks)
     worker = DuplexWorker(
         vllm_config,
-        make_kv_cache_config(num_blocks),
+        make_kv_cache_config(num_blocks, sliding_window),
         DuplexConfig.from_extra_config(extra_config),
         engine_id,
         tp_rank=0,

@@ -10,6 +10,7 @@ import pytest
 from duplex_harness import make_kv_cache_config, prefill, prompt_tokens
 
 from kvduplex.connector.groups import TransferGroups
+from kvduplex.protocol import PROTOCOL_VERSION
 from kvduplex.connector.params import ParamsContext, Rejected, parse_remote_blocks
 
 PROMPT = prompt_tokens(100)
@@ -134,7 +135,7 @@ def test_pull_from_decode_refused_when_bidirectional_is_off(engines, connector_l
         "remote_block_size": 16,
         "remote_block_fingerprints": ["00" * 8] * 2,
         "remote_lease_expiry": time.time() + 60,
-        "kvduplex_protocol": 2,
+        "kvduplex_protocol": PROTOCOL_VERSION,
     }
     p.add("p1", PROMPT, max_tokens=1, params=params)
     step = p.step()

@@ -215,14 +215,28 @@ def test_failed_pulls_report_their_blocks_and_write_nothing(owner, reader, case)
     assert worker.get_kv_connector_stats().data["fallbacks"] == 1
 
 
-def test_incompatible_peer_is_refused_at_handshake(owner, tiny_config_dir):
-    # One layer fewer than the owner: the compatibility fingerprint differs.
-    kv_caches = dict(list(make_kv_caches(NUM_BLOCKS).items())[: NUM_LAYERS - 1])
-    worker = make_worker(tiny_config_dir, "odd-reader", kv_caches, {"handshake_timeout_s": 2})
+@pytest.mark.parametrize(
+    "kv_caches,sliding_window,field",
+    [
+        # One layer fewer than the owner.
+        (dict(list(make_kv_caches(NUM_BLOCKS).items())[: NUM_LAYERS - 1]), None, "`layer_names`"),
+        # The same layers grouped as a hybrid model (a sliding-window group).
+        (make_kv_caches(NUM_BLOCKS), 32, "`kv_cache_group0`"),
+    ],
+    ids=["layers", "kv-cache-groups"],
+)
+def test_incompatible_peer_is_refused_at_handshake(
+    owner, tiny_config_dir, connector_log, kv_caches, sliding_window, field
+):
+    worker = make_worker(
+        tiny_config_dir, "odd-reader", kv_caches, {"handshake_timeout_s": 2}, sliding_window
+    )
     try:
         assert run_until_received(worker, load(owner, "p-odd", [1], [1])) == {1}
     finally:
         worker.shutdown()
+    # The refusal names the first field that differs (for a hybrid model: the group).
+    assert any(field in message for message in connector_log.messages()), connector_log.text
 
 
 def test_release_without_read_frees_the_owner(owner, reader):

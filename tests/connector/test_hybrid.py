@@ -1,0 +1,190 @@
+"""Hybrid models under vLLM's real Scheduler and hybrid KV-cache manager: a full-attention
+group and a sliding-window group (32 tokens = two 16-token blocks) sharing one block pool.
+
+What is held, offered and pulled per group: full attention every block of the turn, the
+sliding window only the blocks vLLM keeps inside it (its null block, id 0, elsewhere); a pull
+happens only when the owner still holds every block each of the reader's groups needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from duplex_harness import (
+    BLOCK_SIZE,
+    NUM_KV_HEADS,
+    HEAD_SIZE,
+    decode,
+    make_kv_cache_config,
+    prefill,
+    prompt_tokens,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+from kvduplex import protocol
+from kvduplex.connector.connector import DuplexConnector
+from kvduplex.connector.groups import (
+    FULL_ATTENTION,
+    SLIDING_WINDOW,
+    TransferGroups,
+    UnsupportedKVCacheGroup,
+)
+from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
+
+WINDOW = 32
+HYBRID = {"bidirectional_kv_xfer": True}
+
+
+def hybrid(engines, name):
+    return engines(name, HYBRID, sliding_window=WINDOW)
+
+
+def test_the_connector_declares_hybrid_manager_support():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    assert supports_hma(DuplexConnector)
+
+
+def test_groups_follow_vllms_window_rule():
+    groups = TransferGroups.from_kv_cache_config(make_kv_cache_config(64, sliding_window=WINDOW))
+    full, window = groups.groups
+    assert (full.kind, window.kind) == (FULL_ATTENTION, SLIDING_WINDOW)
+    # The next token after 100 attends to tokens 69..100: blocks from 69 // 16 = 4 on.
+    assert full.first_needed_block(100) == 0
+    assert window.first_needed_block(100) == 4
+    assert window.first_needed_block(31) == 0
+    # A pull of 100 tokens needs window blocks 4..6: held -> 100; block 4 freed -> nothing.
+    held = [list(range(1, 8)), [0, 0, 0, 0, 12, 13, 14]]
+    assert groups.pullable_tokens(held, 100, 0) == 100
+    freed = [list(range(1, 8)), [0, 0, 0, 0, 0, 13, 14]]
+    assert groups.pullable_tokens(freed, 100, 0) == 0
+    # ...unless the reader's own cache already covers the freed block.
+    assert groups.pullable_tokens(freed, 100, 80) == 100
+    assert groups.describe().keys() == {"kv_cache_group0", "kv_cache_group1"}
+
+
+def test_a_hybrid_turn_is_held_pulled_and_pulled_back_per_group(engines):
+    p, d = hybrid(engines, "P"), hybrid(engines, "D")
+    turn1 = prompt_tokens(100)
+
+    # P holds all 7 full-attention blocks and the 3 sliding-window blocks inside the window.
+    p_params = prefill(p, "p1", turn1)
+    full, window = p_params["remote_block_ids"]
+    assert len(full) == len(window) == 7
+    assert 0 not in full and window[:4] == [0, 0, 0, 0] and 0 not in window[4:]
+    held = full + window[4:]
+    assert all(p.ref_count(b) == 1 for b in held)
+
+    # D pulls the full group's 7 blocks and the window's 3 into its own non-null blocks.
+    load, d_params = decode(d, "d1", turn1, p_params, max_tokens=80)
+    assert load.blocks_per_group == (7, 3)
+    assert load.remote_block_ids == tuple(full + window[4:])
+    assert 0 not in load.local_block_ids and load.num_tokens == 100
+
+    # D's finished turn (179 tokens): the window's blocks from (179 - 31) // 16 = 9 on.
+    d_full, d_window = d_params["remote_block_ids"]
+    assert d_params["remote_num_tokens"] == 179
+    assert d_window[:9] == [0] * 9 and 0 not in d_window[9:] and 0 not in d_full
+
+    p.step(freed_holds={"p1"})
+    assert all(p.ref_count(b) == 0 for b in held)
+
+    # Turn 2 on P: its cache covers 96 tokens; it pulls 83, i.e. full blocks 6..11 and the
+    # window's blocks 9..11, no block outside the window.
+    turn2 = turn1 + [7] * 80 + prompt_tokens(70, start=500)
+    p.add("p2", turn2, max_tokens=1, params=d_params)
+    step = p.pull_step(d_params)
+    (load,) = step.meta.loads
+    assert load.num_tokens == 179 - 96
+    assert load.blocks_per_group == (6, 3)
+    assert load.remote_block_ids == tuple(d_full[6:12] + d_window[9:12])
+    step = p.step(finished_recving={"p2"})
+    step = p.step()
+    assert step.output.num_scheduled_tokens == {"p2": len(turn2) - 179}
+
+    # D's hold is released by P's read; every block D held goes back.
+    d_held = d_full + d_window[9:]
+    assert all(d.ref_count(b) == 1 for b in d_held)
+    d.step(freed_holds={"d1"})
+    assert all(d.ref_count(b) == 0 for b in d_held)
+
+
+def test_no_pull_when_the_owner_freed_a_window_block_the_reader_needs(engines, connector_log):
+    p, d = hybrid(engines, "P"), hybrid(engines, "D")
+    turn1 = prompt_tokens(100)
+    p_params = prefill(p, "p1", turn1)
+    # As if P's window had been one block narrower: block 4 is gone on P.
+    params = copy.deepcopy(p_params)
+    params["remote_block_ids"][1][4] = 0
+    d.add("d1", turn1, max_tokens=2, params=params)
+    step = d.step()
+    assert not step.meta.loads
+    assert step.output.num_scheduled_tokens == {"d1": 100}  # computed locally
+    # P is told to free its blocks at once.
+    assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
+
+
+def _context(sliding_window):
+    return ParamsContext(
+        engine_id="D", tp_size=1, block_size=BLOCK_SIZE, max_model_len=1024, bidirectional=True,
+        read_deadline_margin_s=1.0,
+        groups=TransferGroups.from_kv_cache_config(
+            make_kv_cache_config(64, sliding_window=sliding_window)
+        ),
+    )
+
+
+def _params(block_ids, num_tokens=40):
+    return {
+        "do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p1",
+        "remote_host": "127.0.0.1", "remote_port": 41001, "remote_ports": [41001], "tp_size": 1,
+        "remote_block_ids": block_ids, "remote_num_tokens": num_tokens,
+        "remote_block_size": BLOCK_SIZE, "remote_block_fingerprints": ["0" * 16] * 3,
+        "remote_lease_expiry": time.time() + 60,
+        protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION,
+    }
+
+
+@pytest.mark.parametrize(
+    "block_ids,reason",
+    [
+        ([1, 2, 3], "one list per KV-cache group (2)"),
+        ([[1, 2, 3]], "one list per KV-cache group (2)"),
+        ([[1, 2, 3], [4, 5]], "remote_block_ids[1] has 2 ids but 40 tokens need 3 block(s)"),
+        ([[0, 2, 3], [0, 5, 6]], "remote_block_ids[0] holds out-of-range id 0"),
+        ([[1, 2, 3], [4, 0, 6]], "remote_block_ids[1] may hold null blocks only before its window"),
+        ([[1, 2, 3], [0, 3, 6]], "duplicate"),
+        ([[1, 2, 3], [0, "5", 6]], "integers only"),
+    ],
+)
+def test_malformed_per_group_block_ids_are_rejected_with_the_group_named(block_ids, reason):
+    rejected = parse_remote_blocks(_params(block_ids), _context(WINDOW))
+    assert isinstance(rejected, Rejected) and reason in rejected.reason, rejected
+
+
+def test_well_formed_per_group_block_ids_parse():
+    parsed = parse_remote_blocks(_params([[1, 2, 3], [0, 5, 6]]), _context(WINDOW))
+    assert isinstance(parsed, RemoteBlocks)
+    assert parsed.block_ids == ((1, 2, 3), (0, 5, 6))
+    # One group: vLLM's flat list, as before.
+    parsed = parse_remote_blocks(_params([1, 2, 3]), _context(None))
+    assert isinstance(parsed, RemoteBlocks) and parsed.block_ids == ((1, 2, 3),)
+
+
+def test_a_state_space_group_is_refused_at_start_naming_the_group():
+    config = make_kv_cache_config(64, sliding_window=WINDOW)
+    mamba = MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=((NUM_KV_HEADS, HEAD_SIZE),),
+        dtypes=(torch.float32,),
+    )
+    config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[*config.kv_cache_groups, KVCacheGroupSpec(["model.layers.2.mixer"], mamba)],
+    )
+    with pytest.raises(UnsupportedKVCacheGroup, match="KV-cache group 2 is a MambaSpec group"):
+        TransferGroups.from_kv_cache_config(config)
