@@ -188,3 +188,26 @@ def test_a_state_space_group_is_refused_at_start_naming_the_group():
     )
     with pytest.raises(UnsupportedKVCacheGroup, match="KV-cache group 2 is a MambaSpec group"):
         TransferGroups.from_kv_cache_config(config)
+
+
+def test_at_a_window_edge_the_prompt_is_pulled_but_its_last_token(engines):
+    """111 tokens: the window for token 110 starts in block 4 ((110 - 31) // 16), the one for
+    the next token in block 5. After a pull of the whole prompt vLLM would recompute token 110
+    with block 4 nulled; the pull stops one token short instead, and P keeps block 4 (taken
+    back from its prefix cache) so that D finds it."""
+    p, d = hybrid(engines, "P"), hybrid(engines, "D")
+    prompt = prompt_tokens(111)
+    p_params = prefill(p, "p1", prompt)
+    full, window = p_params["remote_block_ids"]
+    assert window[:4] == [0, 0, 0, 0] and 0 not in window[4:]
+    assert all(p.ref_count(b) == 1 for b in full + window[4:])
+
+    d.add("d1", prompt, max_tokens=2, params=p_params)
+    step = d.step()
+    (load,) = step.meta.loads
+    assert load.num_tokens == 110
+    assert load.blocks_per_group == (7, 3)
+    assert load.remote_block_ids == tuple(full + window[4:])
+    d.step(finished_recving={"d1"})
+    step = d.step()
+    assert step.output.num_scheduled_tokens == {"d1": 1}  # D computes the last token

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import pytest
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
-from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
+from kvduplex.servers import VllmServer, complete, prompt_tokens_by_source, start_many
 from kvduplex.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     CHAT_EOS_TOKEN_ID,
@@ -228,3 +229,23 @@ def test_an_edited_hybrid_history_pulls_only_the_matching_prefix(servers):
     assert on_p.get("external_kv_transfer", 0) > 0, on_p
     assert reused == matching // BLOCK * BLOCK, (on_p, matching)
     assert on_p.get("local_compute", 0) == len(expected.prompt_ids) - reused, on_p
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("num_tokens", [383, 384])
+def test_a_prompt_at_the_window_edge_is_pulled_exactly(servers, num_tokens):
+    """383 tokens: the window for the prompt's last token starts one block earlier than the
+    next token's, the block vLLM frees first. Pulled whole, vLLM's recompute of the last
+    token read that (null) block: logprobs moved by up to 7e-4, where every other length
+    gives exactly the single server's. The pull now stops one token short (D computes it)."""
+    rng = random.Random(num_tokens)
+    prompt = [1] + [rng.randrange(7, 1024) for _ in range(num_tokens - 1)]
+    expected = complete(servers.reference.base_url, prompt, max_tokens=4)
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        before = prompt_tokens_by_source(servers.decode.base_url)
+        got = complete(proxy.base_url, prompt, max_tokens=4)
+        on_d = delta(prompt_tokens_by_source(servers.decode.base_url), before)
+    logger.info("%d-token prompt: D %s", num_tokens, on_d)
+    assert got.token_ids == expected.token_ids
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-6)
+    assert on_d.get("external_kv_transfer", 0) >= num_tokens - 1, on_d

@@ -132,6 +132,29 @@ class TransferGroups:
                 return num_local_tokens
         return num_tokens
 
+    def pull_limit(self, num_prompt_tokens: int) -> int:
+        """The most prompt tokens a pull may cover. After a pull of the whole prompt vLLM
+        recomputes its last token, in blocks allocated for the whole prompt: where a sliding
+        window for that token reaches one block further back than for the next one, it would
+        attend to a block vLLM has nulled. Such pulls stop one token short, and the reader
+        computes the last token itself (the owner keeps that block, see `edge_blocks`)."""
+        if any(
+            group.first_needed_block(num_prompt_tokens - 1)
+            < group.first_needed_block(num_prompt_tokens)
+            for group in self.groups
+        ):
+            return num_prompt_tokens - 1
+        return num_prompt_tokens
+
+    def edge_blocks(self, num_tokens: int) -> list[tuple[int, int]]:
+        """(group index, block index) of the blocks a pull of `num_tokens - 1` tokens needs
+        that a turn of `num_tokens` tokens no longer holds (see `pull_limit`)."""
+        return [
+            (index, group.first_needed_block(num_tokens - 1))
+            for index, group in enumerate(self.groups)
+            if group.first_needed_block(num_tokens - 1) < group.first_needed_block(num_tokens)
+        ]
+
     def describe(self) -> dict[str, str]:
         """Compatibility-fingerprint entries, one per group: a mismatch names the group."""
         return {

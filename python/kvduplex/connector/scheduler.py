@@ -509,7 +509,7 @@ class DuplexScheduler:
                 )
         return self._groups.pullable_tokens(
             remote.block_ids,
-            min(state.matched_tokens, request.num_prompt_tokens),
+            min(state.matched_tokens, self._groups.pull_limit(request.num_prompt_tokens)),
             num_computed_tokens,
         )
 
@@ -552,6 +552,7 @@ class DuplexScheduler:
         tables = [table[:num_blocks] for table in self._groups.select(block_ids)]
         if num_blocks == 0 or any(len(table) < num_blocks for table in tables):
             return False, None
+        self._keep_edge_blocks(request, tables, num_tokens)
         held_ids = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]
         if _unsupported_reason(request) is not None:
             return False, None
@@ -637,6 +638,22 @@ class DuplexScheduler:
             )
         )
         return False, params
+
+    def _keep_edge_blocks(self, request: Request, tables: list[list[int]], num_tokens: int) -> None:
+        """Put back into `tables` the sliding-window blocks a reader of the whole turn as its
+        prompt needs (`TransferGroups.pull_limit`) but vLLM has already freed: they are still
+        in vLLM's prefix cache, found by the turn's block hash (held like the others). Not
+        found: the table keeps the null block, and such a reader computes instead."""
+        pool = self._block_pool
+        if pool is None or pool.hash_block_size != self._block_size:
+            return
+        for index, block in self._groups.edge_blocks(num_tokens):
+            if tables[index][block] != NULL_BLOCK_ID or block >= len(request.block_hashes):
+                continue
+            group_id = self._groups.groups[index].group_id
+            cached = pool.get_cached_block(request.block_hashes[block], [group_id])
+            if cached:
+                tables[index][block] = cached[0].block_id
 
     def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
         self._block_pool = block_pool
