@@ -10,6 +10,8 @@ first token, streamed and seen by the client, for
   streamed with no conversation id. Before turn 2, P's prefix cache is reset — P no longer has
   the history, as when another prefill node served turn 1 or P evicted it under load, which is
   when D->P reuse matters: P finds the history on D by the prompt and pulls it;
+- `kvduplex-layerwise`: the same with `layerwise_load`: P's pull runs inside the forward pass
+  of the new tokens, each layer waiting only for its own blocks;
 - `kvduplex-one-way`: the same with `bidirectional_kv_xfer` off: P recomputes the history.
 vLLM's NixlConnector is left out: on this CPU it stalls for tens of seconds per turn (see
 benches/multiturn.py, which runs it side by side).
@@ -64,8 +66,9 @@ logger = logging.getLogger("history_sweep")
 
 IDEAL = "ideal"
 BIDIRECTIONAL = "kvduplex-bidirectional"
+LAYERWISE = "kvduplex-layerwise"
 ONE_WAY = "kvduplex-one-way"
-SYSTEMS = (IDEAL, BIDIRECTIONAL, ONE_WAY)
+SYSTEMS = (IDEAL, BIDIRECTIONAL, LAYERWISE, ONE_WAY)
 LOGPROB_ATOL = 1e-2
 RECOMPUTE_THRESHOLD = 64
 MAX_MODEL_LEN = 8192
@@ -131,8 +134,9 @@ def run_ideal(make, turns1: dict[Conversation, list[int]], args) -> tuple[dict, 
 
 
 def run_pd(system: str, make, turns1, answers, expected, args) -> dict:
-    bidirectional = system == BIDIRECTIONAL
+    bidirectional = system in (BIDIRECTIONAL, LAYERWISE)
     config = duplex_kv_transfer_config(bidirectional=bidirectional, recompute_threshold=RECOMPUTE_THRESHOLD)
+    config["kv_connector_extra_config"]["layerwise_load"] = system == LAYERWISE
     dev = {"VLLM_SERVER_DEV_MODE": "1"}
     results: dict[Conversation, dict] = {}
     with start_many([make(f"{system}-prefill", config, dev), make(f"{system}-decode", config)]) as (p, d):
@@ -230,10 +234,15 @@ def format_table(table: dict, lengths: list[int]) -> str:
     for n in lengths:
         ideal = table[IDEAL][n]["ttft_s"]
         bi = table.get(BIDIRECTIONAL, {}).get(n, {}).get("ttft_s")
+        layerwise = table.get(LAYERWISE, {}).get(n, {}).get("ttft_s")
         one = table.get(ONE_WAY, {}).get(n, {}).get("ttft_s")
         parts = [f"history {n}:"]
         if ideal and bi:
             parts.append(f"bidirectional / ideal {bi / ideal:.2f}")
+        if ideal and layerwise:
+            parts.append(f"layerwise / ideal {layerwise / ideal:.2f}")
+        if bi and layerwise:
+            parts.append(f"layerwise / bidirectional {layerwise / bi:.2f}")
         if one and bi:
             parts.append(f"one-way / bidirectional {one / bi:.2f}")
         lines.append(" ".join(parts))
@@ -273,7 +282,7 @@ def main() -> int:
     }
     answers, ideal = run_ideal(make, turns1, args)
     results: dict[str, dict] = {IDEAL: ideal}
-    for system in (BIDIRECTIONAL, ONE_WAY):
+    for system in SYSTEMS[1:]:
         if system not in args.skip:
             results[system] = run_pd(system, make, turns1, answers, ideal, args)
     table = summarize(results, args.lengths)

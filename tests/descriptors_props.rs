@@ -181,6 +181,30 @@ proptest! {
         check_against_naive(&local, &remote, &lids, &rids)?;
     }
 
+    /// One segment at a time (a layer-wise reader) moves exactly that segment's share of the
+    /// whole plan's bytes, and the segments' plans together move all of them.
+    #[test]
+    fn segment_plans_partition_the_whole_plan((local, remote, lids, rids) in case(1, 2)) {
+        let whole = byte_mapping(&plan_reads(&local, &remote, &lids, &rids).unwrap());
+        let mut joined = Vec::new();
+        for segment in 0..local.segment_bases.len() {
+            let plan = plan_segment_reads(&local, &remote, &lids, &rids, segment..segment + 1).unwrap();
+            let naive = naive_plan(
+                &BlockLayout { segment_bases: vec![local.segment_bases[segment]], ..local.clone() },
+                &BlockLayout { segment_bases: vec![remote.segment_bases[segment]], ..remote.clone() },
+                &lids,
+                &rids,
+            );
+            prop_assert_eq!(byte_mapping(&plan), byte_mapping(&naive));
+            joined.extend(byte_mapping(&plan));
+        }
+        prop_assert_eq!(joined, whole);
+        let n = local.segment_bases.len();
+        for bad in [n..n + 1, 0..0, 1..n + 1] {
+            prop_assert!(plan_segment_reads(&local, &remote, &lids, &rids, bad).is_err());
+        }
+    }
+
     /// Any id outside `0..num_blocks` on either side must fail the whole plan.
     #[test]
     fn any_bad_id_is_rejected(

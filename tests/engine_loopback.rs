@@ -51,7 +51,7 @@ fn read_copies_blocks_and_notifies_the_owner_once() {
     let reader = engine("reader", "f32", &mut local);
     let peer = connect(&reader, &owner).unwrap();
     assert_eq!(peer, "owner");
-    let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10)).unwrap();
+    let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10), None).unwrap();
     transfer.wait(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(transfer.num_descriptors, 2);
     for (l, r) in [(1, 10), (2, 11), (3, 12), (9, 40)] {
@@ -79,7 +79,7 @@ fn out_of_range_ids_are_refused_before_posting() {
     let reader = engine("reader", "f32", &mut local);
     let peer = connect(&reader, &owner).unwrap();
     for (l, r) in [(vec![1], vec![BLOCKS as i64]), (vec![-1], vec![1]), (vec![1, 2], vec![1])] {
-        let err = reader.read_blocks(&peer, &l, &r, None, Duration::from_secs(1)).err().expect("refused");
+        let err = reader.read_blocks(&peer, &l, &r, None, Duration::from_secs(1), None).err().expect("refused");
         assert!(matches!(err, EngineError::Plan(_)), "{err}");
     }
     assert!(local.iter().all(|&b| b == 0));
@@ -232,7 +232,7 @@ fn a_connect_to_a_mute_peer_never_delays_reads_from_another() {
         }
         for round in 0..20u64 {
             let id = (round % (BLOCKS as u64 - 1)) as i64 + 1;
-            reader.read_blocks(&peer, &[id], &[id], None, Duration::from_secs(5)).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+            reader.read_blocks(&peer, &[id], &[id], None, Duration::from_secs(5), None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
         }
         // Twenty reads done while the connect to the mute peer is still waiting.
         assert!(!stuck.is_finished(), "the mute peer's handshake ended before the reads did");

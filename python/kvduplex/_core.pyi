@@ -126,9 +126,11 @@ class Engine:
         *,
         notify: bytes | None = None,
         timeout_s: float = 30.0,
+        segments: tuple[int, int] | None = None,
     ) -> Transfer:
         """Copy the peer's blocks remote_block_ids[i] into local_block_ids[i] for every
-        segment. Ids are bounds-checked before anything is posted. `notify` is delivered to
+        segment, or only for the segments in `range(*segments)` (e.g. one layer's, for a
+        layer-by-layer pull). Ids are bounds-checked before anything is posted. `notify` is delivered to
         the peer after the last byte was read. Fails after `timeout_s`, once none of its reads can
         still land (without peer error handling a read to a frozen peer may keep it pending)."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:

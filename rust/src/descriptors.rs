@@ -124,6 +124,8 @@ pub enum PlanError {
     SideLayout { side: Side, reason: LayoutError },
     #[error("segment count differs: local {local}, remote {remote}")]
     SegmentCountMismatch { local: usize, remote: usize },
+    #[error("segments {start}..{end} are not a non-empty range of the {segments} segments")]
+    SegmentRange { start: usize, end: usize, segments: usize },
     #[error(
         "block sizes are not whole multiples of each other: local block_len {local}, remote block_len {remote}"
     )]
@@ -255,6 +257,18 @@ pub fn plan_reads(
     local_ids: &[i64],
     remote_ids: &[i64],
 ) -> Result<Vec<Descriptor>, PlanError> {
+    plan_segment_reads(local, remote, local_ids, remote_ids, 0..local.segment_bases.len())
+}
+
+/// [`plan_reads`] restricted to the segments `segments` (e.g. one layer's KV cache, for a
+/// reader that starts computing a layer as soon as its blocks arrived).
+pub fn plan_segment_reads(
+    local: &BlockLayout,
+    remote: &BlockLayout,
+    local_ids: &[i64],
+    remote_ids: &[i64],
+    segments: std::ops::Range<usize>,
+) -> Result<Vec<Descriptor>, PlanError> {
     if local.segment_bases.len() != remote.segment_bases.len() {
         return Err(PlanError::SegmentCountMismatch {
             local: local.segment_bases.len(),
@@ -309,8 +323,16 @@ pub fn plan_reads(
         );
     }
 
-    let mut plan = Vec::with_capacity(runs.len() * local.segment_bases.len());
-    for (&local_base, &remote_base) in local.segment_bases.iter().zip(&remote.segment_bases) {
+    if segments.start >= segments.end || segments.end > local.segment_bases.len() {
+        return Err(PlanError::SegmentRange {
+            start: segments.start,
+            end: segments.end,
+            segments: local.segment_bases.len(),
+        });
+    }
+    let mut plan = Vec::with_capacity(runs.len() * segments.len());
+    let bases = local.segment_bases[segments.clone()].iter().zip(&remote.segment_bases[segments]);
+    for (&local_base, &remote_base) in bases {
         let mut segment = runs.iter().map(|run| Descriptor {
             local_addr: local_base + run.local_addr,
             remote_addr: remote_base + run.remote_addr,

@@ -17,7 +17,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::descriptors::{check_remote_bounds, plan_reads, BlockLayout, PlanError, RegionBounds};
+use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, PlanError, RegionBounds};
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, PeerState, PeerTable, RegionInfo, RetryPolicy};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, Notification, PeerLink, SideChannelConfig, SideChannelServer};
@@ -477,6 +477,7 @@ impl Engine {
         remote_ids: &[i64],
         notify: Option<Vec<u8>>,
         timeout: Duration,
+        segments: Option<std::ops::Range<usize>>,
     ) -> Result<Transfer, EngineError> {
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(EngineError::Closed);
@@ -492,7 +493,10 @@ impl Engine {
             .as_ref()
             .ok_or_else(|| EngineError::InvalidArgument("set_layout must be called before read_blocks".into()))?;
         let remote_layout = peer.meta.layout.as_ref().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
-        let plan = plan_reads(local_layout, remote_layout, local_ids, remote_ids)?;
+        let plan = match segments {
+            None => plan_reads(local_layout, remote_layout, local_ids, remote_ids)?,
+            Some(range) => plan_segment_reads(local_layout, remote_layout, local_ids, remote_ids, range)?,
+        };
         check_remote_bounds(&plan, &peer.regions)?;
         let mut reads = Vec::with_capacity(plan.len());
         let mut nbytes = 0u64;

@@ -250,7 +250,8 @@ impl Engine {
         self.with(py, |e| Ok(e.peer_alive(&peer_engine_id)))
     }
 
-    #[pyo3(signature = (peer_engine_id, local_block_ids, remote_block_ids, *, notify=None, timeout_s=30.0))]
+    #[pyo3(signature = (peer_engine_id, local_block_ids, remote_block_ids, *, notify=None, timeout_s=30.0, segments=None))]
+    #[allow(clippy::too_many_arguments)]
     fn read_blocks(
         &self,
         py: Python<'_>,
@@ -259,9 +260,11 @@ impl Engine {
         remote_block_ids: Vec<i64>,
         notify: Option<Vec<u8>>,
         timeout_s: f64,
+        segments: Option<(usize, usize)>,
     ) -> PyResult<Transfer> {
         let timeout = seconds("timeout_s", timeout_s)?;
-        let inner = self.with(py, |e| e.read_blocks(&peer_engine_id, &local_block_ids, &remote_block_ids, notify, timeout))?;
+        let segments = segments.map(|(start, end)| start..end);
+        let inner = self.with(py, |e| e.read_blocks(&peer_engine_id, &local_block_ids, &remote_block_ids, notify, timeout, segments))?;
         Ok(Transfer { inner })
     }
 

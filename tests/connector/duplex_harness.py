@@ -182,6 +182,7 @@ class Engine:
         token: int = 7,
         freed_holds: Iterable[str] = (),
         finished_recving: Iterable[str] = (),
+        failed_recving: Iterable[str] = (),
         invalid_block_ids: Iterable[int] = (),
         worker_stats: DuplexConnectorStats | None = None,
         worker_meta: DuplexWorkerMetadata | None = None,
@@ -208,6 +209,7 @@ class Engine:
             pooler_output=[],
             kv_connector_output=KVConnectorOutput(
                 finished_recving=set(finished_recving),
+                failed_recving=set(failed_recving),
                 invalid_block_ids=set(invalid_block_ids),
                 kv_connector_stats=worker_stats,
                 kv_connector_worker_meta=worker_meta,

@@ -10,22 +10,32 @@ from __future__ import annotations
 
 import copy
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from duplex_harness import (
     BLOCK_SIZE,
-    NUM_KV_HEADS,
     HEAD_SIZE,
+    NUM_KV_HEADS,
     decode,
     make_kv_cache_config,
+    make_kv_caches,
+    make_worker,
     prefill,
     prompt_tokens,
 )
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 from kvduplex import protocol
 from kvduplex.connector.connector import DuplexConnector
+from kvduplex.connector.metadata import DuplexConnectorMetadata, LoadSpec, PeerAddress
 from kvduplex.connector.groups import (
     FULL_ATTENTION,
     SLIDING_WINDOW,
@@ -46,6 +56,23 @@ def test_the_connector_declares_hybrid_manager_support():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
     assert supports_hma(DuplexConnector)
+
+
+@pytest.mark.parametrize("window,retained", [(32, 0), (32, 5), (48, 16), (17, 0)])
+def test_the_first_needed_block_is_vllms_first_block_after_the_skipped_tokens(window, retained):
+    spec = SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+        dtype=torch.float32, sliding_window=window, extra_retained_tokens=retained,
+    )
+    config = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+    )
+    (group,) = TransferGroups.from_kv_cache_config(config).groups
+    # vLLM's own rule, as its SlidingWindowManager applies it (no block pool needed).
+    manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=retained)
+    for num_tokens in range(0, 200):
+        skipped = SlidingWindowManager.get_num_skipped_tokens(manager, num_tokens)
+        assert group.first_needed_block(num_tokens) == skipped // BLOCK_SIZE, num_tokens
 
 
 def test_groups_follow_vllms_window_rule():
@@ -211,3 +238,42 @@ def test_at_a_window_edge_the_prompt_is_pulled_but_its_last_token(engines):
     d.step(finished_recving={"d1"})
     step = d.step()
     assert step.output.num_scheduled_tokens == {"d1": 1}  # D computes the last token
+    # The block taken back from P's prefix cache is freed with the others when the hold ends.
+    p.step(freed_holds={"p1"})
+    assert all(p.ref_count(b) == 0 for b in full + window[4:])
+
+
+def test_a_failed_hybrid_pull_is_reported_per_request_and_recomputed(engines):
+    """vLLM maps block-level load errors back to requests only with one KV-cache group; a
+    hybrid model's failed pull is reported as the request's (`failed_recving`)."""
+    p, d = hybrid(engines, "P"), hybrid(engines, "D")
+    prompt = prompt_tokens(100)
+    p_params = prefill(p, "p1", prompt)
+    d.add("d1", prompt, max_tokens=2, params=p_params)
+    assert d.step().meta.loads
+    d.step(finished_recving={"d1"}, failed_recving={"d1"})
+    step = d.step()
+    assert step.output.num_scheduled_tokens == {"d1": 100}  # recomputed from the start
+
+
+def test_a_hybrid_worker_reports_a_failed_pull_by_request(tiny_config_dir):
+    kv_caches = make_kv_caches(8)
+    worker = make_worker(tiny_config_dir, "hybrid-reader", kv_caches, sliding_window=WINDOW)
+    try:
+        spec = LoadSpec(
+            request_id="r1",
+            peer=PeerAddress("owner", "127.0.0.1", (1,)),
+            remote_request_id="o1",
+            local_block_ids=(1, 2),
+            remote_block_ids=(3, 4),
+            num_tokens=32,
+            lease_expiry=time.time() + 30,
+            blocks_per_group=(1, 1),
+            failure="the owner freed blocks this request needs (KV-cache group 1)",
+        )
+        worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+        results = worker.get_transfer_results()
+        assert results.finished_recving == {"r1"} and results.failed_recving == {"r1"}
+        assert worker.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()

@@ -126,6 +126,20 @@ def test_stats_aggregate_and_reduce():
     assert reduced["MB"] == 100.0
     assert reduced["mean_transfer_ms"] == pytest.approx(50.5)
     assert reduced["p99_transfer_ms"] == pytest.approx(99.0)
+    assert "group0_blocks" not in reduced  # one KV-cache group: no per-group breakdown
+
+
+def test_stats_per_kv_cache_group_add_up_and_aggregate():
+    first = DuplexConnectorStats()
+    first.record_transfer(0.001, blocks_per_group=[7, 3], nbytes=10_000, tokens=100)
+    second = DuplexConnectorStats()
+    second.record_transfer(0.001, blocks_per_group=[0, 2], nbytes=2_000, tokens=16)
+    total = DuplexConnectorStats(data=first.take().data).aggregate(second.take())
+    assert total.data["group_blocks"] == [7, 5]
+    assert total.data["group_bytes"] == [7_000, 5_000]
+    reduced = total.reduce()
+    assert reduced["blocks"] == 12 and reduced["group0_blocks"] == 7
+    assert reduced["group1_MB"] == 0.005
 
 
 def test_auto_threshold_from_measured_speeds():

@@ -456,3 +456,25 @@ def test_of_two_owners_the_one_whose_partial_block_matches_wins(engines):
     (load,) = step.meta.loads
     assert (load.remote_request_id, load.claim_id, load.num_tokens) == ("d1", 2, 179)
     assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("d0", 1)]
+
+
+def test_layerwise_pull_of_a_decode_turn_runs_in_the_same_step(engines):
+    """`layerwise_load`: P's pull of D's turn is synchronous (vLLM counts the tokens as
+    computed and runs the new ones in the same step, each layer waiting for its blocks);
+    D's pull of P's prompt stays asynchronous."""
+    config = {**BIDIRECTIONAL, "layerwise_load": True}
+    p, d = engines("P", config), engines("D", config)
+    turn1 = prompt_tokens(100)
+    p_params = prefill(p, "p1", turn1)
+    load, d_params = decode(d, "d1", turn1, p_params, max_tokens=80)
+    assert load is not None and not load.layerwise  # waited for as before (decode() checks)
+    p.step(freed_holds={"p1"})
+
+    turn2 = turn1 + [7] * 80 + prompt_tokens(70, start=500)
+    p.add("p2", turn2, max_tokens=1, params=d_params)
+    step = p.pull_step(d_params)
+    (load,) = step.meta.loads
+    assert load.layerwise and load.num_tokens == 179 - 96
+    # Scheduled at once: the tokens after D's turn, with the pull inside this forward pass.
+    assert step.output.num_scheduled_tokens == {"p2": len(turn2) - 179}
+    assert step.finished("p2") is not None

@@ -132,11 +132,15 @@ def load(
         remote_block_ids=tuple(remote),
         num_tokens=16 * len(local),
         lease_expiry=kw.get("lease_expiry", time.time() + 30),
+        blocks_per_group=(len(local),),
     )
 
 
-def run_until_received(worker: DuplexWorker, spec: LoadSpec) -> set[int]:
-    """Step the reader like vLLM does until the request is reported; returns failed blocks."""
+def run_until_received(
+    worker: DuplexWorker, spec: LoadSpec, failed_requests: set[str] | None = None
+) -> set[int]:
+    """Step the reader like vLLM does until the request is reported; returns failed blocks
+    (and adds the requests reported as failed, as for a hybrid model, to `failed_requests`)."""
     worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
     failed: set[int] = set()
     deadline = time.monotonic() + WAIT_S
@@ -144,6 +148,8 @@ def run_until_received(worker: DuplexWorker, spec: LoadSpec) -> set[int]:
         results = worker.get_transfer_results()
         failed |= worker.get_block_ids_with_load_errors()
         assert not results.finished_sending
+        if failed_requests is not None:
+            failed_requests |= results.failed_recving
         if results.finished_recving:
             assert results.finished_recving == {spec.request_id}
             return failed
@@ -215,6 +221,43 @@ def test_failed_pulls_report_their_blocks_and_write_nothing(owner, reader, case)
     assert worker.get_kv_connector_stats().data["fallbacks"] == 1
 
 
+def test_a_layerwise_pull_has_each_layer_when_its_wait_returns(owner, reader):
+    """`layerwise_load`: one read per layer posted before the forward pass; a layer's wait
+    returns once its own blocks arrived; the owner is released after the pass."""
+    worker, kv_caches = reader
+    owner.reset()
+    owner.hold("p-layers", ttl_s=30)
+    local, remote = [6, 7, 8], [13, 14, 15]
+    spec = dataclasses.replace(load(owner, "p-layers", local, remote), layerwise=True)
+    worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+    for name, tensor in kv_caches.items():
+        worker.wait_for_layer_load(name)
+        for lid, rid in zip(local, remote):
+            assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid, rid)
+    # A synchronous load: nothing to report per request, no failed block.
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert not worker.get_transfer_results().finished_recving
+    stats = worker.get_kv_connector_stats().data
+    block_bytes = next(iter(kv_caches.values()))[0].nbytes
+    assert stats["transfers"] == 1 and stats["bytes"] == len(local) * NUM_LAYERS * block_bytes
+    owner.collect(until=1)
+    assert owner.freed_holds == ["p-layers"]
+
+
+def test_a_failed_layerwise_pull_reports_its_blocks_after_the_pass(owner, reader):
+    worker, kv_caches = reader
+    spec = dataclasses.replace(
+        load(owner, "p-layers-bad", [8, 9], [4, NUM_BLOCKS + 5]), layerwise=True
+    )
+    worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+    for name in kv_caches:
+        worker.wait_for_layer_load(name)  # returns: the read was refused, not left hanging
+    assert worker.get_block_ids_with_load_errors() == {8, 9}
+    assert not worker.get_transfer_results().finished_recving
+    assert not any(t.any() for t in kv_caches.values())
+    assert worker.get_kv_connector_stats().data["fallbacks"] == 1
+
+
 @pytest.mark.parametrize(
     "kv_caches,sliding_window,field",
     [
@@ -231,10 +274,15 @@ def test_incompatible_peer_is_refused_at_handshake(
     worker = make_worker(
         tiny_config_dir, "odd-reader", kv_caches, {"handshake_timeout_s": 2}, sliding_window
     )
+    failed_requests: set[str] = set()
     try:
-        assert run_until_received(worker, load(owner, "p-odd", [1], [1])) == {1}
+        failed_blocks = run_until_received(worker, load(owner, "p-odd", [1], [1]), failed_requests)
     finally:
         worker.shutdown()
+    if sliding_window is None:
+        assert failed_blocks == {1} and not failed_requests
+    else:  # several KV-cache groups: vLLM is told the request, not its blocks
+        assert failed_requests == {"p-odd"} and not failed_blocks
     # The refusal names the first field that differs (for a hybrid model: the group).
     assert any(field in message for message in connector_log.messages()), connector_log.text
 

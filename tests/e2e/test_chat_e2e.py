@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+from chat_stream import Answer, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
@@ -39,7 +39,6 @@ from kvduplex.servers import (
 )
 from kvduplex.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
-    CHAT_EOS_TOKEN_ID,
     SERVED_MODEL_NAME,
     SERVER_ARGS,
     build_tiny_chat_model,
@@ -55,13 +54,6 @@ LOGPROB_ATOL = 1e-3
 THRESHOLD = 16
 
 
-@dataclass
-class Answer:
-    prompt_ids: list[int]
-    text: str
-    token_ids: list[int]
-    """Generated ids without a final eos."""
-    logprobs: list[float]
 
 
 @dataclass
@@ -91,39 +83,6 @@ def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Serve
         yield Servers(reference, prefill, [d1, d2])
 
 
-def stream_chat(base_url: str, messages: list[dict], kv_transfer_params: dict | None = None) -> Answer:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
-    extra: dict = {"allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS), "return_token_ids": True}
-    if kv_transfer_params is not None:
-        extra["kv_transfer_params"] = kv_transfer_params
-    stream = client.chat.completions.create(
-        model=SERVED_MODEL_NAME,
-        messages=messages,
-        stream=True,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        seed=0,
-        logprobs=True,
-        extra_body=extra,
-    )
-    prompt_ids: list[int] = []
-    text, token_ids, logprobs = "", [], []
-    chunks = 0
-    for chunk in stream:
-        chunks += 1
-        prompt_ids = (chunk.model_extra or {}).get("prompt_token_ids") or prompt_ids
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            token_ids += (choice.model_extra or {}).get("token_ids") or []
-            if choice.logprobs is not None and choice.logprobs.content:
-                logprobs += [entry.logprob for entry in choice.logprobs.content]
-    # How many chunks carry the tokens is the server's choice: vLLM merges the deltas a slow
-    # reader has not taken yet, so on a busy host a whole answer may come in one chunk.
-    assert token_ids, f"{chunks} chunks carried no token"
-    if token_ids and token_ids[-1] == CHAT_EOS_TOKEN_ID:
-        token_ids, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
-    return Answer(prompt_ids, text, token_ids, logprobs[: len(token_ids)])
-
 
 def relay(
     servers: Servers, decode: VllmServer, prefill: VllmServer | None = None
@@ -144,7 +103,7 @@ def relay(
         response.raise_for_status()
         params = response.json().get("kv_transfer_params")
         assert params is not None, "P offered no KV blocks"
-        return stream_chat(decode.base_url, messages, params)
+        return stream_chat(decode.base_url, messages, MAX_TOKENS, params)
 
     return send
 
@@ -159,7 +118,7 @@ def run_chat(
     previous: list[int] | None = None
     for turn in range(TURNS):
         messages.append({"role": "user", "content": sample_chat_text(40, seed=seed * 10 + turn)})
-        expected = stream_chat(servers.reference.base_url, messages)
+        expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
         # The reference's own prompt ids show the history round-trips through text.
         if previous is not None:
             assert expected.prompt_ids[: len(previous)] == previous, f"turn {turn}: no round trip"
@@ -196,7 +155,7 @@ def test_streamed_chat_through_kvduplex_proxy_pulls_every_later_turn(servers):
     with ProxyThread(
         [servers.prefill.base_url], [d.base_url for d in servers.decodes]
     ) as proxy:
-        turns = run_chat(servers, lambda turn: lambda m: stream_chat(proxy.base_url, m), seed=1)
+        turns = run_chat(servers, lambda turn: lambda m: stream_chat(proxy.base_url, m, MAX_TOKENS), seed=1)
     check_reuse(turns)
 
 
@@ -215,10 +174,10 @@ def test_a_conversation_sharing_a_long_first_message_pulls_it_from_the_d_that_ho
     system = {"role": "system", "content": sample_chat_text(300, seed=3)}
     first_a = [system, {"role": "user", "content": sample_chat_text(40, seed=31)}]
     answer_a = relay(servers, servers.decodes[0])(first_a)
-    assert answer_a.token_ids == stream_chat(servers.reference.base_url, first_a).token_ids
+    assert answer_a.token_ids == stream_chat(servers.reference.base_url, first_a, MAX_TOKENS).token_ids
 
     first_b = [system, {"role": "user", "content": sample_chat_text(40, seed=32)}]
-    expected = stream_chat(servers.reference.base_url, first_b)
+    expected = stream_chat(servers.reference.base_url, first_b, MAX_TOKENS)
     second_prefill = servers.decodes[1]
     before = prompt_tokens_by_source(second_prefill.base_url)
     answer_b = relay(servers, servers.decodes[0], prefill=second_prefill)(first_b)

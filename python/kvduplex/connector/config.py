@@ -17,6 +17,7 @@ Every option, its default and why:
 | `allow_unauthenticated_peers` | `false` | Serve the side channel without a shared secret on a non-loopback address. Any host that reaches it can then read the registered KV cache: only for trusted networks; logged as a warning at start. |
 | `lookup_timeout_ms` | `250` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history. A live, connected peer answers in one side-channel round trip (measured here: ~1 ms on loopback, tens of ms when 4 vLLM servers share 2 cores); prefill nodes connect to announced decode nodes ahead of time, so no lookup pays for a handshake. The wait only matters when a peer is hung (a dead one is dropped by its heartbeats within 3 s), and 250 ms stays below the prefill time of a history long enough to be worth pulling. Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off. |
 | `decode_peers` | `[]` | Bidirectional only: side channels (`"host:port"` of TP rank 0) of decode engines to look up held turns on, besides those the prefill node learns by itself (every decode engine that pulls from it announces its side channel). |
+| `layerwise_load` | `false` | Bidirectional only, prefill side: pull a decode node's held turn layer by layer *inside* the forward pass that computes the new tokens (vLLM's `wait_for_layer_load`): each layer starts as soon as its own blocks arrived, instead of the request waiting for the whole pull and one more engine step. Pulls from prefill nodes, hybrid models and failed handshakes keep the asynchronous path. |
 | `ucx_peer_error_handling` | `false` | UCX peer error handling on transfer endpoints. Either way a failed read is reported only when none of its bytes can still land. On, a read to a frozen peer is cancelled at its deadline; but UCX 1.22 then moves host memory over tcp instead of cma/shared memory (several times slower on one host). Off, such a read keeps its request waiting until the peer serves it or dies (a dead peer is detected through the side channel's heartbeats). Turn it on for cross-host deployments where the transport keeps its speed with it. |
 """
 
@@ -48,6 +49,7 @@ class DuplexConfig:
     allow_unauthenticated_peers: bool = False
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_MS / 1000
     decode_peers: tuple[str, ...] = ()
+    layerwise_load: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:
@@ -105,6 +107,7 @@ class DuplexConfig:
             )
             / 1000,
             decode_peers=_addresses(extra, "decode_peers"),
+            layerwise_load=_bool(extra, "layerwise_load", False),
         )
 
     def auth_secret(self) -> bytes | None:
@@ -128,6 +131,7 @@ _KNOWN_KEYS = frozenset(
         "lookup_timeout_ms",
         "decode_peers",
         "allow_unauthenticated_peers",
+        "layerwise_load",
     }
 )
 

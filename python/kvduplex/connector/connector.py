@@ -96,8 +96,8 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM calls this only for connectors without hybrid-manager support; kept for the
-        abstract interface (one KV-cache group)."""
+        """vLLM calls `request_finished_all_groups` on this connector; vLLM's MultiConnector
+        calls this one when a sibling connector lacks hybrid-manager support (one group)."""
         return self._scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
@@ -127,7 +127,9 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are whole-request and asynchronous; nothing waits per layer."""
+        """With `layerwise_load`, a pull of a decode node's turn runs within the forward pass:
+        each layer waits here for its own blocks. Other pulls are asynchronous."""
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,

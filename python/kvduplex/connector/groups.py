@@ -107,14 +107,12 @@ class TransferGroups:
     def hybrid(self) -> bool:
         return len(self.groups) > 1
 
-    def select(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
-        """The transfer groups' block tables out of vLLM's tables for every group."""
-        if len(block_ids) != self.num_kv_cache_groups:
-            raise ValueError(
-                f"expected block ids for {self.num_kv_cache_groups} KV-cache groups, "
-                f"got {len(block_ids)}"
-            )
-        return tuple(list(block_ids[group.group_id]) for group in self.groups)
+    def by_group_id(self, per_transfer_group: Sequence[int]) -> list[int]:
+        """Values per transfer group (in order) placed at vLLM's KV-cache group ids."""
+        out = [0] * self.num_kv_cache_groups
+        for group, value in zip(self.groups, per_transfer_group):
+            out[group.group_id] = value
+        return out
 
     def pullable_tokens(
         self, remote_block_ids: Sequence[Sequence[int]], num_tokens: int, num_local_tokens: int
@@ -157,9 +155,7 @@ class TransferGroups:
 
     def describe(self) -> dict[str, str]:
         """Compatibility-fingerprint entries, one per group: a mismatch names the group."""
-        return {
-            f"kv_cache_group{index}": group.describe() for index, group in enumerate(self.groups)
-        }
+        return {f"kv_cache_group{group.group_id}": group.describe() for group in self.groups}
 
 
 def _transfer_group(group_id: int, spec: KVCacheSpec, layer_names: Sequence[str]) -> TransferGroup:

@@ -46,10 +46,13 @@ class LoadSpec:
     num_tokens: int
     lease_expiry: float
     """Wall-clock time (time.time()) at which the owner frees the blocks."""
+    blocks_per_group: tuple[int, ...]
+    """How many of the blocks belong to each transfer group (in order), for the stats."""
     claim_id: int | None = None
     """The owner's claim when the blocks were found by a lookup."""
-    blocks_per_group: tuple[int, ...] = ()
-    """How many of the blocks belong to each transfer group (in order), for the stats."""
+    layerwise: bool = False
+    """Read layer by layer within this step's forward pass (`layerwise_load`); vLLM counts
+    the tokens computed already, so the read must finish before each layer runs."""
     failure: str | None = None
     """Set when the scheduler found the pull impossible after vLLM allocated for it: the
     worker reports the blocks as failed (vLLM recomputes) and reads nothing."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
+from kvduplex.connector.groups import NULL_BLOCK_ID, SLIDING_WINDOW, TransferGroups
 from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
 
 _MAX_ID_CHARS = 512
@@ -245,10 +245,10 @@ def _block_tables(
                 raise _Invalid(f"{where} holds out-of-range id {value}")
         real = [value for value in table if value != NULL_BLOCK_ID]
         nulls = len(table) - len(real)
-        if nulls and (not group.sliding_window or any(table[:nulls])):
+        if nulls and (group.kind != SLIDING_WINDOW or any(table[:nulls])):
             raise _Invalid(
                 f"{where} holds out-of-range id {NULL_BLOCK_ID}"
-                if not group.sliding_window
+                if group.kind != SLIDING_WINDOW
                 else f"{where} may hold null blocks only before its window"
             )
         if seen.intersection(real) or len(set(real)) != len(real):

@@ -127,6 +127,7 @@ class DuplexScheduler:
         self._config = config
         self._engine_id = engine_id
         self._block_size = vllm_config.cache_config.block_size
+        self._kv_cache_config = kv_cache_config
         self._groups = TransferGroups.from_kv_cache_config(kv_cache_config)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._max_held_decode_blocks = int(
@@ -203,7 +204,15 @@ class DuplexScheduler:
         gain = self._pullable_tokens(request, state, num_computed_tokens) - num_computed_tokens
         if gain <= 0 or gain < self.recompute_threshold():
             return 0, False
-        return gain, True
+        return gain, not self._layerwise(state.remote)
+
+    def _layerwise(self, remote: RemoteBlocks) -> bool:
+        """A decode node's held turn is pulled layer by layer within the forward pass with
+        `layerwise_load` (the prefill node is connected to it ahead of time, and its new
+        tokens' forward pass is what the pull overlaps with). A hybrid model keeps the
+        asynchronous path: vLLM maps a synchronous load's failure back only by block id,
+        which it supports with one KV-cache group only."""
+        return self._config.layerwise_load and remote.from_decode_node and not self._groups.hybrid
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -227,7 +236,7 @@ class DuplexScheduler:
         remote_ids: list[int] = []
         blocks_per_group: list[int] = []
         missing: list[str] = []
-        local_tables = self._groups.select(blocks.get_block_ids())
+        local_tables = self._kv_cache_config.select_transfer_block_ids(blocks.get_block_ids())
         for index, (local_table, remote_table) in enumerate(zip(local_tables, remote.block_ids)):
             pairs = [
                 (local_id, remote_id)
@@ -238,7 +247,7 @@ class DuplexScheduler:
                 if local_id != NULL_BLOCK_ID
             ]
             if any(remote_id == NULL_BLOCK_ID for _, remote_id in pairs):
-                missing.append(f"group {index}")
+                missing.append(f"KV-cache group {self._groups.groups[index].group_id}")
             local_ids.extend(local_id for local_id, _ in pairs)
             remote_ids.extend(remote_id for _, remote_id in pairs)
             blocks_per_group.append(len(pairs))
@@ -253,6 +262,7 @@ class DuplexScheduler:
                 lease_expiry=remote.lease_expiry,
                 claim_id=remote.claim_id,
                 blocks_per_group=tuple(blocks_per_group),
+                layerwise=self._layerwise(remote),
                 # Never happens when vLLM frees sliding-window blocks by the rule
                 # `TransferGroups.pullable_tokens` checked; if it does, recompute, never read
                 # a freed block.
@@ -263,6 +273,8 @@ class DuplexScheduler:
                 ),
             )
         )
+        if missing:
+            self._releases.append(remote.release())
         logger.debug(
             "Request %s pulls %d tokens (%s blocks per KV-cache group) from engine %s",
             request.request_id,
@@ -387,7 +399,9 @@ class DuplexScheduler:
             remote = self._remote_from_match(request, match)
             tokens = -1
             if isinstance(remote, RemoteBlocks):
-                tokens, _ = matched_prefix_tokens(prompt, remote.fingerprints, remote.num_tokens)
+                matched, _ = matched_prefix_tokens(prompt, remote.fingerprints, remote.num_tokens)
+                # What the owner can still give: a sliding-window group's blocks of the match.
+                tokens = self._groups.pullable_tokens(remote.block_ids, matched, 0)
             if best is None or tokens > best[0]:
                 if best is not None:
                     self._hand_back(best[1])
@@ -549,7 +563,10 @@ class DuplexScheduler:
         num_blocks = -(-num_tokens // self._block_size)
         # Per transfer group, one entry per block of the turn; vLLM has put its null block
         # where a sliding-window group freed blocks outside its window.
-        tables = [table[:num_blocks] for table in self._groups.select(block_ids)]
+        tables = [
+            table[:num_blocks]
+            for table in self._kv_cache_config.select_transfer_block_ids(block_ids)
+        ]
         if num_blocks == 0 or any(len(table) < num_blocks for table in tables):
             return False, None
         self._keep_edge_blocks(request, tables, num_tokens)

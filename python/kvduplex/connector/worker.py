@@ -55,6 +55,8 @@ class KVLayout:
     block_len: int
     block_stride: int
     num_blocks: int
+    layer_segments: tuple[tuple[str, int], ...] = ()
+    """(layer name, index of the segment holding its KV cache)."""
 
 
 def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
@@ -66,6 +68,7 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> K
     """
     regions: dict[int, int] = {}
     bases: list[int] = []
+    layer_segments: list[tuple[str, int]] = []
     block_len = block_stride = None
     for name, tensor in kv_caches.items():
         if tensor.dim() < 2 or tensor.shape[0] % num_blocks:
@@ -94,6 +97,7 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> K
         regions[storage.data_ptr()] = storage.nbytes()
         if tensor.data_ptr() not in bases:
             bases.append(tensor.data_ptr())
+        layer_segments.append((name, bases.index(tensor.data_ptr())))
     if block_len is None:
         raise ValueError("DuplexConnector: no KV cache tensors to register")
     return KVLayout(
@@ -102,6 +106,7 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> K
         block_len=block_len,
         block_stride=block_stride,
         num_blocks=num_blocks,
+        layer_segments=tuple(layer_segments),
     )
 
 
@@ -161,6 +166,19 @@ class _Inflight:
     posted_at: float
 
 
+@dataclass
+class _LayerwiseRead:
+    """A pull read one segment (layer) at a time within this step's forward pass."""
+
+    spec: md.LoadSpec
+    peer_engine_id: str
+    transfers: list[_core.Transfer]
+    """One per segment, in segment order."""
+    posted_at: float
+    waited: set[int] = field(default_factory=set)
+    failure: str | None = None
+
+
 class DuplexWorker:
     def __init__(
         self,
@@ -185,7 +203,13 @@ class DuplexWorker:
         self._waiting_loads: list[md.LoadSpec] = []
         self._waiting_releases: list[md.ReleaseSpec] = []
         self._inflight: dict[str, _Inflight] = {}
+        self._layerwise_reads: list[_LayerwiseRead] = []
+        self._layer_segments: dict[str, int] = {}
+        self._num_segments = 0
         self._finished_recving: set[str] = set()
+        # Failed pulls of a hybrid model: vLLM maps block-level errors to requests only with
+        # one KV-cache group, so it is told the request (which then recomputes) instead.
+        self._failed_recving: set[str] = set()
         self._freed_holds: list[str] = []
         self._load_errors: set[int] = set()
         self._stats = DuplexConnectorStats()
@@ -219,6 +243,8 @@ class DuplexWorker:
             engine.close()
             raise
         self._engine = engine
+        self._layer_segments = dict(layout.layer_segments)
+        self._num_segments = len(layout.segment_bases)
         logger.info(
             "DuplexConnector worker %s: %d segments x %d blocks of %d bytes, side channel "
             "%s:%d",
@@ -256,19 +282,38 @@ class DuplexWorker:
         for spec in meta.loads:
             if spec.failure is not None:
                 self._fail_load(spec, spec.failure)
+            elif spec.layerwise:
+                self._start_layerwise_read(spec)
             else:
                 self._waiting_loads.append(spec)
         self._waiting_releases.extend(meta.releases)
         self._advance()
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this step's layer-by-layer pulls have the layer's blocks (or failed:
+        the blocks are then reported as load errors at the end of the step)."""
+        segment = self._layer_segments.get(layer_name)
+        if segment is None:
+            return
+        for read in self._layerwise_reads:
+            if read.failure is None and segment not in read.waited:
+                read.waited.add(segment)
+                try:
+                    read.transfers[segment].wait()
+                except _core.KvDuplexError as exc:
+                    read.failure = f"read failed: {exc}"
+
     def get_transfer_results(self) -> KVConnectorTransferResults:
+        self._finish_layerwise_reads()
         self._advance()
         self._poll_reads()
         self._take_notifications()
         self._expire_holds()
         self._connect_to_lookup_targets()
-        results = KVConnectorTransferResults(finished_recving=self._finished_recving)
-        self._finished_recving = set()
+        results = KVConnectorTransferResults(
+            finished_recving=self._finished_recving, failed_recving=self._failed_recving
+        )
+        self._finished_recving, self._failed_recving = set(), set()
         return results
 
     def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
@@ -280,6 +325,7 @@ class DuplexWorker:
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layerwise_reads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -356,6 +402,63 @@ class DuplexWorker:
             return
         self._inflight[spec.request_id] = _Inflight(spec, transfer, time.perf_counter())
 
+    def _start_layerwise_read(self, spec: md.LoadSpec) -> None:
+        """Post one read per segment before the forward pass; each layer waits for its own
+        (`wait_for_layer_load`). The owner is normally connected already (prefill nodes
+        connect to announced decode nodes ahead of time); otherwise this waits for the
+        handshake, at most `handshake_timeout_s`."""
+        deadline = time.monotonic() + self._config.handshake_timeout_s
+        state, detail = self._peer_status(spec.peer)
+        while state == "connecting" and time.monotonic() < deadline:
+            time.sleep(0.001)
+            state, detail = self._peer_status(spec.peer)
+        if state != "ready":
+            self._fail_load(spec, f"no connection to the owner: {detail or 'handshake not done'}")
+            return
+        time_left = spec.lease_expiry - time.time() - self._config.read_deadline_margin_s
+        if time_left <= 0:
+            self._fail_load(spec, "the owner's hold ends before the read could finish")
+            self._notify_quietly(detail, spec.remote_request_id, spec.claim_id)
+            return
+        read = _LayerwiseRead(spec, detail, [], time.perf_counter())
+        self._layerwise_reads.append(read)
+        for segment in range(self._num_segments):
+            try:
+                read.transfers.append(
+                    self._engine.read_blocks(
+                        detail,
+                        list(spec.local_block_ids),
+                        list(spec.remote_block_ids),
+                        timeout_s=time_left,
+                        segments=(segment, segment + 1),
+                    )
+                )
+            except _core.KvDuplexError as exc:
+                read.failure = f"read not posted: {exc}"
+                break
+
+    def _finish_layerwise_reads(self) -> None:
+        """After the forward pass: every segment's read has settled (waiting out any that no
+        layer waited for, so that no byte lands later); report failures as load errors
+        (vLLM recomputes those tokens) and release the owner's hold."""
+        reads, self._layerwise_reads = self._layerwise_reads, []
+        for read in reads:
+            for transfer in read.transfers:
+                try:
+                    transfer.wait()
+                except _core.KvDuplexError as exc:
+                    read.failure = read.failure or f"read failed: {exc}"
+            self._notify_quietly(read.peer_engine_id, read.spec.remote_request_id, read.spec.claim_id)
+            if read.failure is not None:
+                self._fail_load(read.spec, read.failure)
+                continue
+            self._stats.record_transfer(
+                time.perf_counter() - read.posted_at,
+                self._groups.by_group_id(read.spec.blocks_per_group),
+                sum(transfer.nbytes for transfer in read.transfers),
+                read.spec.num_tokens,
+            )
+
     def _poll_reads(self) -> None:
         for request_id, inflight in list(self._inflight.items()):
             try:
@@ -369,7 +472,7 @@ class DuplexWorker:
             self._finished_recving.add(request_id)
             self._stats.record_transfer(
                 time.perf_counter() - inflight.posted_at,
-                inflight.spec.blocks_per_group or (len(inflight.spec.local_block_ids),),
+                self._groups.by_group_id(inflight.spec.blocks_per_group),
                 inflight.transfer.nbytes,
                 inflight.spec.num_tokens,
             )
@@ -383,8 +486,15 @@ class DuplexWorker:
             spec.peer.engine_id,
             reason,
         )
-        self._finished_recving.add(spec.request_id)
-        self._load_errors.update(spec.local_block_ids)
+        if spec.layerwise:
+            # A synchronous load (one KV-cache group): vLLM finds the request by its blocks.
+            self._load_errors.update(spec.local_block_ids)
+        else:
+            self._finished_recving.add(spec.request_id)
+            if self._groups.num_kv_cache_groups > 1:
+                self._failed_recving.add(spec.request_id)
+            else:
+                self._load_errors.update(spec.local_block_ids)
         self._stats.add("failed_transfers")
         self._stats.add("fallbacks")
         self._stats.add("tokens_recomputed", spec.num_tokens)
