@@ -230,10 +230,13 @@ def test_a_layerwise_pull_has_each_layer_when_its_wait_returns(owner, reader):
     local, remote = [6, 7, 8], [13, 14, 15]
     spec = dataclasses.replace(load(owner, "p-layers", local, remote), layerwise=True)
     worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+    # As vLLM's forward pass calls it: each layer's blocks have landed when the layer starts
+    # (its KV-cache update writes into the pulled turn's last block), so before its wait.
     for name, tensor in kv_caches.items():
-        worker.wait_for_layer_load(name)
         for lid, rid in zip(local, remote):
             assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid, rid)
+        worker.wait_for_layer_load(name)
+        worker.layer_done(name)
     # A synchronous load: nothing to report per request, no failed block.
     assert worker.get_block_ids_with_load_errors() == set()
     assert not worker.get_transfer_results().finished_recving
@@ -252,6 +255,7 @@ def test_a_failed_layerwise_pull_reports_its_blocks_after_the_pass(owner, reader
     worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
     for name in kv_caches:
         worker.wait_for_layer_load(name)  # returns: the read was refused, not left hanging
+        worker.layer_done(name)
     assert worker.get_block_ids_with_load_errors() == {8, 9}
     assert not worker.get_transfer_results().finished_recving
     assert not any(t.any() for t in kv_caches.values())

@@ -75,7 +75,9 @@ def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Serve
         extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
         return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)
 
-    group = [server("chat-reference", False), server("chat-prefill", True)]
+    # P pulls D's turns layer by layer within its forward pass (`layerwise_load`); D2, when it
+    # serves as a second prefill node, pulls asynchronously: both paths run here.
+    group = [server("chat-reference", False), server("chat-prefill", True, layerwise_load=True)]
     group.append(server("chat-decode-1", True, side_channel_port=d1_side_channel))
     # D2 also serves as a second prefill node (below); it knows D1 from its config.
     group.append(server("chat-decode-2", True, decode_peers=[f"127.0.0.1:{d1_side_channel}"]))

@@ -127,8 +127,8 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """With `layerwise_load`, a pull of a decode node's turn runs within the forward pass:
-        each layer waits here for its own blocks. Other pulls are asynchronous."""
+        """With `layerwise_load`, a pull of a decode node's turn runs within the forward pass;
+        its blocks of this layer have arrived already (see `save_kv_layer`)."""
         self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
@@ -138,7 +138,10 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """Peers read blocks in place; nothing is saved."""
+        """Nothing is saved (peers read blocks in place). With `layerwise_load`, the next
+        layer's pulled blocks are waited for here, before that layer writes its new tokens'
+        KV into the same blocks."""
+        self._worker.layer_done(layer_name)
 
     def wait_for_save(self) -> None:
         """Peers read blocks in place; nothing is saved."""

@@ -205,6 +205,9 @@ class DuplexWorker:
         self._inflight: dict[str, _Inflight] = {}
         self._layerwise_reads: list[_LayerwiseRead] = []
         self._layer_segments: dict[str, int] = {}
+        # Layer (in the forward pass's order) -> the segment of the layer after it.
+        self._next_layer_segment: dict[str, int] = {}
+        self._first_layer_segment: int | None = None
         self._num_segments = 0
         self._finished_recving: set[str] = set()
         # Failed pulls of a hybrid model: vLLM maps block-level errors to requests only with
@@ -244,6 +247,15 @@ class DuplexWorker:
             raise
         self._engine = engine
         self._layer_segments = dict(layout.layer_segments)
+        # Forward order: by the layer numbers in the names ("model.layers.10..." after "2").
+        in_order = sorted(
+            layout.layer_segments,
+            key=lambda item: [int(part) for part in item[0].split(".") if part.isdigit()],
+        )
+        self._first_layer_segment = in_order[0][1] if in_order else None
+        self._next_layer_segment = {
+            layer: segment for (layer, _), (_, segment) in zip(in_order, in_order[1:])
+        }
         self._num_segments = len(layout.segment_bases)
         logger.info(
             "DuplexConnector worker %s: %d segments x %d blocks of %d bytes, side channel "
@@ -293,8 +305,19 @@ class DuplexWorker:
         """Return once this step's layer-by-layer pulls have the layer's blocks (or failed:
         the blocks are then reported as load errors at the end of the step)."""
         segment = self._layer_segments.get(layer_name)
-        if segment is None:
-            return
+        if segment is not None:
+            self._wait_for_segment(segment)
+
+    def layer_done(self, layer_name: str) -> None:
+        """The forward pass left `layer_name`: wait for the next layer's blocks now. A layer
+        writes its new tokens' KV (vLLM's KV-cache update, before attention) into the pulled
+        turn's last, partial block, so that block's read must have landed before the layer
+        starts, not merely before its attention."""
+        following = self._next_layer_segment.get(layer_name)
+        if following is not None:
+            self._wait_for_segment(following)
+
+    def _wait_for_segment(self, segment: int) -> None:
         for read in self._layerwise_reads:
             if read.failure is None and segment not in read.waited:
                 read.waited.add(segment)
@@ -436,6 +459,9 @@ class DuplexWorker:
             except _core.KvDuplexError as exc:
                 read.failure = f"read not posted: {exc}"
                 break
+        # The first layer's blocks before the forward pass starts (see `layer_done`).
+        if self._first_layer_segment is not None:
+            self._wait_for_segment(self._first_layer_segment)
 
     def _finish_layerwise_reads(self) -> None:
         """After the forward pass: every segment's read has settled (waiting out any that no
