@@ -36,9 +36,10 @@ BLOCK = 128
 WINDOW = 256
 TURNS = 4
 MAX_TOKENS = 40
-# P/D runs the same kernels on the same tokens as the single server: logprobs agree exactly
-# here (a wrong window block moved them by 2e-4..7e-4, which 1e-3 would have let through).
-LOGPROB_ATOL = 1e-6
+# P/D runs the same kernels on the same tokens as the single server; computing a different
+# number of tokens per step moves logprobs by up to ~3e-6 here. A wrong window block moved
+# them by 2e-4..7e-4, which 1e-3 would have let through.
+LOGPROB_ATOL = 5e-5
 HMA_OFF = "Turning off hybrid kv cache manager"
 GROUPS_LINE = "kv cache group sizes"
 
