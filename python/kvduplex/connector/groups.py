@@ -48,12 +48,15 @@ class TransferGroup:
 
     group_id: int
     """Index in vLLM's `kv_cache_config.kv_cache_groups`."""
-    kind: str
     block_size: int
     sliding_window: int = 0
     """Tokens a sliding-window layer attends to (0: full attention)."""
     extra_retained_tokens: int = 0
     layer_names: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return SLIDING_WINDOW if self.sliding_window else FULL_ATTENTION
 
     def first_needed_block(self, num_computed_tokens: int) -> int:
         """Index of the first block whose KV the next token after `num_computed_tokens`
@@ -136,13 +139,7 @@ class TransferGroups:
         window for that token reaches one block further back than for the next one, it would
         attend to a block vLLM has nulled. Such pulls stop one token short, and the reader
         computes the last token itself (the owner keeps that block, see `edge_blocks`)."""
-        if any(
-            group.first_needed_block(num_prompt_tokens - 1)
-            < group.first_needed_block(num_prompt_tokens)
-            for group in self.groups
-        ):
-            return num_prompt_tokens - 1
-        return num_prompt_tokens
+        return num_prompt_tokens - 1 if self.edge_blocks(num_prompt_tokens) else num_prompt_tokens
 
     def edge_blocks(self, num_tokens: int) -> list[tuple[int, int]]:
         """(group index, block index) of the blocks a pull of `num_tokens - 1` tokens needs
@@ -159,22 +156,23 @@ class TransferGroups:
 
 
 def _transfer_group(group_id: int, spec: KVCacheSpec, layer_names: Sequence[str]) -> TransferGroup:
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        kinds = {type(inner) for inner in spec.kv_cache_specs.values()}
-        if not kinds.issubset(_FULL_SPECS):
-            raise _unsupported(group_id, f"{spec.__class__.__name__} of {sorted(k.__name__ for k in kinds)}")
-        return TransferGroup(group_id, FULL_ATTENTION, spec.block_size, layer_names=tuple(layer_names))
-    if type(spec) in _FULL_SPECS:
-        return TransferGroup(group_id, FULL_ATTENTION, spec.block_size, layer_names=tuple(layer_names))
-    if type(spec) in _SLIDING_SPECS:
+    kinds = (
+        {type(inner) for inner in spec.kv_cache_specs.values()}
+        if isinstance(spec, UniformTypeKVCacheSpecs)
+        else {type(spec)}
+    )
+    if kinds.issubset(_FULL_SPECS):
+        return TransferGroup(group_id, spec.block_size, layer_names=tuple(layer_names))
+    if kinds.issubset(_SLIDING_SPECS) and not isinstance(spec, UniformTypeKVCacheSpecs):
         return TransferGroup(
             group_id,
-            SLIDING_WINDOW,
             spec.block_size,
             sliding_window=spec.sliding_window,
             extra_retained_tokens=spec.extra_retained_tokens,
             layer_names=tuple(layer_names),
         )
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        raise _unsupported(group_id, f"{spec.__class__.__name__} of {sorted(k.__name__ for k in kinds)}")
     raise _unsupported(group_id, spec.__class__.__name__)
 
 

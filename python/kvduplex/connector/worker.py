@@ -405,11 +405,19 @@ class DuplexWorker:
                     undelivered,
                 )
 
-    def _post_read(self, spec: md.LoadSpec, peer_engine_id: str) -> None:
+    def _read_time_left(self, spec: md.LoadSpec, peer_engine_id: str) -> float | None:
+        """Seconds a read may take before the owner's hold ends (less the margin); None, with
+        the load failed and the owner released, when there is no time left."""
         time_left = spec.lease_expiry - time.time() - self._config.read_deadline_margin_s
-        if time_left <= 0:
-            self._fail_load(spec, "the owner's hold ends before the read could finish")
-            self._notify_quietly(peer_engine_id, spec.remote_request_id, spec.claim_id)
+        if time_left > 0:
+            return time_left
+        self._fail_load(spec, "the owner's hold ends before the read could finish")
+        self._notify_quietly(peer_engine_id, spec.remote_request_id, spec.claim_id)
+        return None
+
+    def _post_read(self, spec: md.LoadSpec, peer_engine_id: str) -> None:
+        time_left = self._read_time_left(spec, peer_engine_id)
+        if time_left is None:
             return
         try:
             transfer = self._engine.read_blocks(
@@ -438,10 +446,8 @@ class DuplexWorker:
         if state != "ready":
             self._fail_load(spec, f"no connection to the owner: {detail or 'handshake not done'}")
             return
-        time_left = spec.lease_expiry - time.time() - self._config.read_deadline_margin_s
-        if time_left <= 0:
-            self._fail_load(spec, "the owner's hold ends before the read could finish")
-            self._notify_quietly(detail, spec.remote_request_id, spec.claim_id)
+        time_left = self._read_time_left(spec, detail)
+        if time_left is None:
             return
         read = _LayerwiseRead(spec, detail, [], time.perf_counter())
         self._layerwise_reads.append(read)
