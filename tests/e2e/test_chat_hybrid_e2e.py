@@ -14,21 +14,26 @@ name runs it right after test_chat_e2e.py, before the session's shared servers s
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
-from chat_stream import Answer, stream_chat
-from conftest import E2E_LOOKUP_TIMEOUT_MS
+from chat_stream import (
+    HMA_OFF,
+    Answer,
+    Servers,
+    delta,
+    group_counters,
+    kv_cache_groups_line,
+    reference_and_pair,
+    stream_chat,
+)
 
-from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
-from kvduplex.servers import VllmServer, complete, prompt_tokens_by_source, start_many
-from kvduplex.tiny_model import SERVER_ARGS, build_hybrid_chat_model, sample_chat_text
+from kvduplex.demo import ProxyThread
+from kvduplex.servers import complete, prompt_tokens_by_source
+from kvduplex.tiny_model import build_hybrid_chat_model, sample_chat_text
 
 logger = logging.getLogger(__name__)
 
@@ -40,54 +45,13 @@ MAX_TOKENS = 40
 # number of tokens per step moves logprobs by up to ~3e-6 here. A wrong window block moved
 # them by 2e-4..7e-4, which 1e-3 would have let through.
 LOGPROB_ATOL = 5e-5
-HMA_OFF = "Turning off hybrid kv cache manager"
-GROUPS_LINE = "kv cache group sizes"
-
-
-@dataclass
-class Servers:
-    reference: VllmServer
-    prefill: VllmServer
-    decode: VllmServer
 
 
 @pytest.fixture(scope="module")
 def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Servers]:
     model_dir = build_hybrid_chat_model(pytestconfig.cache.mkdir("kvduplex-hybrid-chat-model"))
-
-    def server(name: str, kv: bool) -> VllmServer:
-        config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=16)
-        config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
-        extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
-        return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)
-
-    group = [server("hybrid-reference", False), server("hybrid-prefill", True)]
-    group.append(server("hybrid-decode", True))
-    with start_many(group) as (reference, prefill, decode):
-        yield Servers(reference, prefill, decode)
-
-
-
-def kv_cache_groups_line(server: VllmServer) -> str:
-    lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if GROUPS_LINE in line]
-    assert lines, f"{server.name} logged no KV-cache groups"
-    return lines[-1].split(GROUPS_LINE, 1)[1].strip()
-
-
-def group_counters(server: VllmServer, name: str) -> dict[str, float]:
-    """`vllm:kvduplex_<name>_total` per KV-cache group, from the server's /metrics."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(f"vllm:kvduplex_{name}_total{{"):
-            labels, value = line.rsplit(" ", 1)
-            group = labels.split('kv_cache_group="', 1)[1].split('"', 1)[0]
-            out[group] = out.get(group, 0.0) + float(value)
-    return out
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {key: after[key] - before.get(key, 0.0) for key in after}
+    with reference_and_pair(model_dir, "hybrid", server_log_dir) as servers:
+        yield servers
 
 
 @pytest.mark.e2e

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector.groups import NULL_BLOCK_ID, SLIDING_WINDOW, TransferGroups
+from kvduplex.connector.groups import NULL_BLOCK_ID, SLIDING_WINDOW, STATE_SPACE, TransferGroups
 from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
 
 _MAX_ID_CHARS = 512
@@ -218,7 +218,9 @@ def _block_tables(
 ) -> tuple[tuple[int, ...], ...]:
     """`remote_block_ids`: a flat list for an engine with one KV-cache group (vLLM's shape),
     one list per transfer group for a hybrid model. Full-attention tables hold real blocks
-    only; a sliding-window table may start with null blocks (freed outside the window)."""
+    only; a sliding-window table may start with null blocks (freed outside the window); a
+    state-space table is null but for its last entry (the state), or all null when a lookup
+    cut the turn short of it."""
     key = protocol.REMOTE_BLOCK_IDS
     raw = _required(params, key)
     if not isinstance(raw, list):
@@ -245,7 +247,10 @@ def _block_tables(
                 raise _Invalid(f"{where} holds out-of-range id {value}")
         real = [value for value in table if value != NULL_BLOCK_ID]
         nulls = len(table) - len(real)
-        if nulls and (group.kind != SLIDING_WINDOW or any(table[:nulls])):
+        if group.kind == STATE_SPACE:
+            if len(real) > 1 or (real and table[-1] == NULL_BLOCK_ID):
+                raise _Invalid(f"{where} must hold one state, in its last block, or none")
+        elif nulls and (group.kind != SLIDING_WINDOW or any(table[:nulls])):
             raise _Invalid(
                 f"{where} holds out-of-range id {NULL_BLOCK_ID}"
                 if group.kind != SLIDING_WINDOW

@@ -187,7 +187,31 @@ class DuplexScheduler:
         return self._config.recompute_threshold
 
     def on_new_request(self, request: Request) -> None:
+        self._stop_prefill_short(request)
         self._pull_state(request)
+
+    def _stop_prefill_short(self, request: Request) -> None:
+        """A prefill for another engine (`do_remote_decode`) of a model with a state-space
+        group computes all but the prompt's last token: the reader pulls the state after
+        those and computes the last token itself, as it would after a pull of the whole
+        prompt (`TransferGroups.pull_limit`). Its one sampled token is the router's to drop."""
+        params = request.kv_transfer_params
+        if (
+            not self._groups.has_state
+            or not isinstance(params, dict)
+            or params.get(protocol.DO_REMOTE_DECODE) is not True
+            or request.num_prompt_tokens < 2
+            or request.prompt_token_ids is None
+            or request.skip_reading_prefix_cache
+        ):
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        if self._block_pool is not None and isinstance(request.block_hashes, list):
+            # A full block's hash that covered the dropped token names no block now.
+            del request.block_hashes[request.num_prompt_tokens // self._block_pool.hash_block_size :]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -212,7 +236,12 @@ class DuplexScheduler:
         tokens' forward pass is what the pull overlaps with). A hybrid model keeps the
         asynchronous path: vLLM maps a synchronous load's failure back only by block id,
         which it supports with one KV-cache group only."""
-        return self._config.layerwise_load and remote.from_decode_node and not self._groups.hybrid
+        return (
+            self._config.layerwise_load
+            and remote.from_decode_node
+            and not self._groups.hybrid
+            and not self._groups.has_state
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -236,18 +265,29 @@ class DuplexScheduler:
         remote_ids: list[int] = []
         blocks_per_group: list[int] = []
         missing: list[str] = []
+        num_tokens = state.last_num_computed + num_external_tokens
         local_tables = self._kv_cache_config.select_transfer_block_ids(blocks.get_block_ids())
         for index, (local_table, remote_table) in enumerate(zip(local_tables, remote.block_ids)):
+            needed = self._groups.needed_blocks(index, local_table, num_tokens)
+            if needed[first_block:end_block] != local_table[first_block:end_block]:
+                # vLLM would take a state-space block other than the running state's as
+                # computed (a checkpoint at a block boundary); kvduplex pulls no such state.
+                missing.append(
+                    f"KV-cache group {self._groups.groups[index].group_id}: a state checkpoint"
+                )
             pairs = [
                 (local_id, remote_id)
                 for local_id, remote_id in zip(
-                    local_table[first_block:end_block], remote_table[first_block:end_block]
+                    needed[first_block:end_block], remote_table[first_block:end_block]
                 )
-                # vLLM's null block: outside this group's window, nothing to load.
+                # vLLM's null block: outside this group's window (or not the running state
+                # of a state-space group), nothing to load.
                 if local_id != NULL_BLOCK_ID
             ]
             if any(remote_id == NULL_BLOCK_ID for _, remote_id in pairs):
-                missing.append(f"KV-cache group {self._groups.groups[index].group_id}")
+                missing.append(
+                    f"KV-cache group {self._groups.groups[index].group_id}: freed by the owner"
+                )
             local_ids.extend(local_id for local_id, _ in pairs)
             remote_ids.extend(remote_id for _, remote_id in pairs)
             blocks_per_group.append(len(pairs))
@@ -267,7 +307,7 @@ class DuplexScheduler:
                 # `TransferGroups.pullable_tokens` checked; if it does, recompute, never read
                 # a freed block.
                 failure=(
-                    f"the owner freed blocks this request needs ({', '.join(missing)})"
+                    f"blocks this request needs cannot be pulled ({'; '.join(missing)})"
                     if missing
                     else None
                 ),
@@ -401,7 +441,12 @@ class DuplexScheduler:
             if isinstance(remote, RemoteBlocks):
                 matched, _ = matched_prefix_tokens(prompt, remote.fingerprints, remote.num_tokens)
                 # What the owner can still give: a sliding-window group's blocks of the match.
-                tokens = self._groups.pullable_tokens(remote.block_ids, matched, 0)
+                tokens = self._groups.pullable_tokens(
+                    remote.block_ids,
+                    min(matched, self._groups.pull_limit(request.num_prompt_tokens)),
+                    0,
+                    remote.num_tokens,
+                )
             if best is None or tokens > best[0]:
                 if best is not None:
                     self._hand_back(best[1])
@@ -525,6 +570,7 @@ class DuplexScheduler:
             remote.block_ids,
             min(state.matched_tokens, self._groups.pull_limit(request.num_prompt_tokens)),
             num_computed_tokens,
+            remote.num_tokens,
         )
 
     # ----------------------------------------------------------------- owner
@@ -562,12 +608,21 @@ class DuplexScheduler:
         num_tokens = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
         num_blocks = -(-num_tokens // self._block_size)
         # Per transfer group, one entry per block of the turn; vLLM has put its null block
-        # where a sliding-window group freed blocks outside its window.
+        # where a sliding-window group freed blocks outside its window; of a state-space
+        # group's, only the running state is offered.
         tables = [
-            table[:num_blocks]
-            for table in self._kv_cache_config.select_transfer_block_ids(block_ids)
+            self._groups.needed_blocks(index, table[:num_blocks], num_tokens)
+            for index, table in enumerate(
+                self._kv_cache_config.select_transfer_block_ids(block_ids)
+            )
         ]
         if num_blocks == 0 or any(len(table) < num_blocks for table in tables):
+            return False, None
+        if any(
+            group.state_space and tables[index][-1] == NULL_BLOCK_ID
+            for index, group in enumerate(self._groups.groups)
+        ):
+            logger.debug("Request %s: no state after its %d tokens to offer", request.request_id, num_tokens)
             return False, None
         self._keep_edge_blocks(request, tables, num_tokens)
         held_ids = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]

@@ -63,18 +63,21 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> K
     """Treat each layer's KV block as one opaque page of bytes.
 
     vLLM views every layer as [blocks, ...] (kernel blocks may split a cache block into
-    several consecutive pages). A block must be one dense byte range, at the same length and
-    stride in every layer; each distinct storage is registered once.
+    several consecutive pages). A block must be one dense byte range at the same stride in
+    every layer. Pages may be shorter than others (a state-space layer's state, padded by vLLM
+    to the attention page): a block is read at the longest page's length, which must stay
+    inside each layer's tensor storage. Each distinct storage is registered once.
     """
     regions: dict[int, int] = {}
     bases: list[int] = []
     layer_segments: list[tuple[str, int]] = []
-    block_len = block_stride = None
+    block_stride = None
+    lengths: dict[str, int] = {}
     for name, tensor in kv_caches.items():
         if tensor.dim() < 2 or tensor.shape[0] % num_blocks:
             raise ValueError(
                 f"DuplexConnector: KV cache of layer {name} has shape {tuple(tensor.shape)}, "
-                f"not [{num_blocks} blocks, ...]; only attention KV caches are supported"
+                f"not [{num_blocks} blocks, ...]"
             )
         pages_per_block = tensor.shape[0] // num_blocks
         page = tensor[0]
@@ -86,20 +89,30 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> K
                 f"range (shape {tuple(tensor.shape)}, strides {tensor.stride()})"
             )
         layer_len, layer_stride = pages_per_block * page_bytes, pages_per_block * page_stride
-        if block_len is None:
-            block_len, block_stride = layer_len, layer_stride
-        elif (layer_len, layer_stride) != (block_len, block_stride):
+        if block_stride is None:
+            block_stride = layer_stride
+        elif layer_stride != block_stride:
             raise ValueError(
-                f"DuplexConnector: layer {name} has block length/stride "
-                f"{layer_len}/{layer_stride}, other layers {block_len}/{block_stride}"
+                f"DuplexConnector: layer {name} has block stride {layer_stride}, other layers "
+                f"{block_stride}"
             )
+        lengths[name] = layer_len
         storage = tensor.untyped_storage()
         regions[storage.data_ptr()] = storage.nbytes()
         if tensor.data_ptr() not in bases:
             bases.append(tensor.data_ptr())
         layer_segments.append((name, bases.index(tensor.data_ptr())))
-    if block_len is None:
+    if block_stride is None:
         raise ValueError("DuplexConnector: no KV cache tensors to register")
+    block_len = max(lengths.values())
+    for name, tensor in kv_caches.items():
+        storage = tensor.untyped_storage()
+        end = tensor.data_ptr() + (num_blocks - 1) * block_stride + block_len
+        if block_len > block_stride or end > storage.data_ptr() + storage.nbytes():
+            raise ValueError(
+                f"DuplexConnector: layer {name}'s last block, read at the longest layer's "
+                f"{block_len} bytes (its own: {lengths[name]}), would end outside its storage"
+            )
     return KVLayout(
         regions=tuple(regions.items()),
         segment_bases=tuple(bases),

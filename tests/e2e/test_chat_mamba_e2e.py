@@ -1,0 +1,167 @@
+"""A state-space hybrid model (Mamba-2 and full-attention layers) keeps vLLM's hybrid KV-cache
+manager with DuplexConnector, and a streamed chat through `kvduplex proxy` pulls P->D and D->P
+on every turn with answers equal to a single server's.
+
+The model is the tiny model's size in Granite-4.0-H's shape (`build_mamba_hybrid_chat_model`);
+vLLM runs it with 256-token blocks in both KV-cache groups and its Mamba group in "align" mode.
+A Mamba state is the state after exactly its turn's tokens: P stops its prefill one token short
+(D computes the prompt's last token from the state before it), P pulls a decode turn's state
+only when the new prompt continues the whole turn, and an edited history pulls nothing.
+
+Three servers: the reference (no connector), P and D, stopped when the module ends; the file
+name runs it right after test_chat_hybrid_e2e.py, before the session's shared servers start.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from chat_stream import (
+    HMA_OFF,
+    Answer,
+    Servers,
+    delta,
+    group_counters,
+    kv_cache_groups_line,
+    reference_and_pair,
+    stream_chat,
+)
+
+from kvduplex.demo import ProxyThread
+from kvduplex.servers import complete, prompt_tokens_by_source
+from kvduplex.tiny_model import (
+    MAMBA_HYBRID_SERVER_ARGS,
+    build_mamba_hybrid_chat_model,
+    sample_chat_text,
+)
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 256
+TURNS = 4
+MAX_TOKENS = 40
+# As in the sliding-window hybrid test: a different number of tokens per step moves logprobs by
+# a few 1e-6; a state one token off moves them by far more.
+LOGPROB_ATOL = 5e-5
+MAMBA_GROUP = "0"
+ATTENTION_GROUP = "1"
+
+
+@pytest.fixture(scope="module")
+def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Servers]:
+    model_dir = build_mamba_hybrid_chat_model(pytestconfig.cache.mkdir("kvduplex-mamba-chat-model"))
+    with reference_and_pair(
+        model_dir, "mamba", server_log_dir, MAMBA_HYBRID_SERVER_ARGS
+    ) as servers:
+        yield servers
+
+
+@pytest.mark.e2e
+def test_the_hybrid_kv_cache_manager_stays_on_with_a_mamba_model(servers):
+    for server in (servers.prefill, servers.decode):
+        log = server.log_path.read_text(errors="replace")
+        assert HMA_OFF not in log, f"{server.name}: vLLM turned the hybrid manager off"
+        assert kv_cache_groups_line(server) == kv_cache_groups_line(servers.reference)
+    assert kv_cache_groups_line(servers.reference) == f"({BLOCK}, {BLOCK})"
+
+
+@pytest.mark.e2e
+def test_streamed_mamba_chat_pulls_both_ways_on_every_turn(servers):
+    messages = [{"role": "system", "content": sample_chat_text(600, seed=9)}]
+    counters = ("group_blocks", "group_bytes")
+    both = (servers.prefill, servers.decode)
+    before = {(s.name, c): group_counters(s, c) for s in both for c in counters}
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        previous: Answer | None = None
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": sample_chat_text(40, seed=90 + turn)})
+            expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
+            if previous is not None:
+                history = previous.prompt_ids + previous.token_ids
+                assert expected.prompt_ids[: len(history)] == history, f"turn {turn}: no round trip"
+            p_before = prompt_tokens_by_source(servers.prefill.base_url)
+            d_before = prompt_tokens_by_source(servers.decode.base_url)
+            answer = stream_chat(proxy.base_url, messages, MAX_TOKENS)
+            on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
+            on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
+            logger.info(
+                "turn %d: %d prompt tokens; P %s; D %s",
+                turn + 1, len(expected.prompt_ids), on_p, on_d,
+            )
+            assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
+            assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
+            # P -> D: P computed all but the last token; D pulled them and computes that one.
+            assert on_d.get("external_kv_transfer", 0) > 0, (turn, on_d)
+            assert on_d.get("local_compute", 0) == 1, (turn, on_d)
+            if previous is not None:
+                # D -> P: D's whole turn (its state is after exactly those tokens) came back;
+                # P computed only the rest.
+                held = len(previous.prompt_ids) + len(previous.token_ids) - 1
+                assert on_p.get("external_kv_transfer", 0) > 0, (turn, on_p)
+                assert on_p.get("local_compute", 0) == len(expected.prompt_ids) - 1 - held, (
+                    turn,
+                    on_p,
+                )
+            previous = expected
+            messages.append({"role": "assistant", "content": answer.text})
+    by_name = {s.name: s for s in both}
+    pulled = {key: delta(group_counters(by_name[key[0]], key[1]), value) for key, value in before.items()}
+    logger.info("pulled per KV-cache group: %s", pulled)
+    for server in both:
+        blocks = pulled[(server.name, "group_blocks")]
+        # One state per pull in the Mamba group; every block of the pulled tokens in the other.
+        pulls = TURNS if server is servers.decode else TURNS - 1
+        assert blocks[MAMBA_GROUP] == pulls, (server.name, blocks)
+        assert blocks[ATTENTION_GROUP] >= pulls, (server.name, blocks)
+
+
+@pytest.mark.e2e
+def test_an_edited_mamba_history_pulls_no_state(servers):
+    """A state after the edited tokens is not a state after the matching prefix: P computes
+    from what its own cache has and pulls nothing back from D."""
+    messages = [
+        {"role": "system", "content": sample_chat_text(300, seed=10)},
+        {"role": "user", "content": sample_chat_text(40, seed=100)},
+    ]
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        first = stream_chat(proxy.base_url, messages, 200, min_tokens=200)
+        words = first.text.split()
+        edited = " ".join(words[:-3] + sample_chat_text(3, seed=101).split())
+        messages += [
+            {"role": "assistant", "content": edited},
+            {"role": "user", "content": sample_chat_text(40, seed=102)},
+        ]
+        expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
+        before = prompt_tokens_by_source(servers.prefill.base_url)
+        answer = stream_chat(proxy.base_url, messages, MAX_TOKENS)
+        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), before)
+    logger.info("edited turn: %d prompt tokens; P %s", len(expected.prompt_ids), on_p)
+    assert answer.token_ids == expected.token_ids
+    assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
+    assert on_p.get("external_kv_transfer", 0) == 0, on_p
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("num_tokens", [256, 257, 300])
+def test_a_prompt_is_pulled_one_token_short(servers, num_tokens):
+    """P computes num_tokens - 1 tokens (257: exactly one block, whose state vLLM also caches);
+    D pulls them and the state after them, and computes the last token."""
+    rng = random.Random(num_tokens)
+    prompt = [1] + [rng.randrange(7, 1024) for _ in range(num_tokens - 1)]
+    expected = complete(servers.reference.base_url, prompt, max_tokens=4)
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        p_before = prompt_tokens_by_source(servers.prefill.base_url)
+        d_before = prompt_tokens_by_source(servers.decode.base_url)
+        got = complete(proxy.base_url, prompt, max_tokens=4)
+        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
+        on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
+    logger.info("%d-token prompt: P %s; D %s", num_tokens, on_p, on_d)
+    assert got.token_ids == expected.token_ids
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
+    assert sum(on_p.values()) == num_tokens - 1, on_p
+    assert on_d.get("external_kv_transfer", 0) == num_tokens - 1, on_d
+    assert on_d.get("local_compute", 0) == 1, on_d
