@@ -12,9 +12,12 @@ first token, streamed and seen by the client, for
   when D->P reuse matters: P finds the history on D by the prompt and pulls it;
 - `kvduplex-layerwise`: the same with `layerwise_load`: P's pull runs inside the forward pass
   of the new tokens, each layer waiting only for its own blocks;
-- `kvduplex-one-way`: the same with `bidirectional_kv_xfer` off: P recomputes the history.
-vLLM's NixlConnector is left out: on this CPU it stalls for tens of seconds per turn (see
-benches/multiturn.py, which runs it side by side).
+- `kvduplex-one-way`: the same with `bidirectional_kv_xfer` off: P recomputes the history;
+- `nixl-bidirectional`: vLLM's NixlConnector with `bidirectional_kv_xfer` (its settings of
+  benches/multiturn.py) behind the same proxy. Its D->P path needs D's `kv_transfer_params`
+  on P's request: turn 1 is sent non-streaming with a conversation id (vLLM returns the params
+  only there) and the proxy gives them to P on turn 2, streamed; P's prefix cache is reset in
+  between as for kvduplex.
 
 Every system replays the ideal server's turn-1 answers, so all see the same prompts, and each
 turn-2 answer is compared with the ideal's (tokens; logprobs within 1e-2, as servers on
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -44,7 +48,14 @@ from typing import Any
 
 import httpx
 
-from kvduplex.demo import MetricsSnapshot, ProxyThread, duplex_kv_transfer_config, read_metrics, read_metrics_after
+from kvduplex.demo import (
+    CONVERSATION_HEADER,
+    MetricsSnapshot,
+    ProxyThread,
+    duplex_kv_transfer_config,
+    read_metrics,
+    read_metrics_after,
+)
 from kvduplex.servers import (
     WHOLE_MACHINE_ENV,
     Completion,
@@ -52,6 +63,7 @@ from kvduplex.servers import (
     VllmServer,
     complete,
     complete_streamed,
+    ports_outside_ephemeral_range,
     start_many,
 )
 from kvduplex.tiny_model import (
@@ -62,13 +74,16 @@ from kvduplex.tiny_model import (
     build_realistic_chat_model,
 )
 
+from multiturn import NIXL, nixl_config
+from nixl_pd_baseline import NIXL_ENV, nixl_pythonpath
+
 logger = logging.getLogger("history_sweep")
 
 IDEAL = "ideal"
 BIDIRECTIONAL = "kvduplex-bidirectional"
 LAYERWISE = "kvduplex-layerwise"
 ONE_WAY = "kvduplex-one-way"
-SYSTEMS = (IDEAL, BIDIRECTIONAL, LAYERWISE, ONE_WAY)
+SYSTEMS = (IDEAL, BIDIRECTIONAL, LAYERWISE, ONE_WAY, NIXL)
 LOGPROB_ATOL = 1e-2
 RECOMPUTE_THRESHOLD = 64
 MAX_MODEL_LEN = 8192
@@ -133,21 +148,47 @@ def run_ideal(make, turns1: dict[Conversation, list[int]], args) -> tuple[dict, 
     return answers, results
 
 
-def run_pd(system: str, make, turns1, answers, expected, args) -> dict:
+def pd_servers(system: str, make) -> list[VllmServer]:
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache on P
+    if system == NIXL:
+        inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        alias_dir = Path(tempfile.mkdtemp(prefix="history-sweep-nixl-"))
+        pythonpath = os.pathsep.join([*nixl_pythonpath(alias_dir), *inherited])
+        ports = ports_outside_ephemeral_range(2)
+        env = [
+            {**NIXL_ENV, "PYTHONPATH": pythonpath, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+            for port in ports
+        ]
+        return [
+            make(f"{system}-prefill", nixl_config(None), {**env[0], **dev}),
+            make(f"{system}-decode", nixl_config(None), env[1]),
+        ]
     bidirectional = system in (BIDIRECTIONAL, LAYERWISE)
     config = duplex_kv_transfer_config(bidirectional=bidirectional, recompute_threshold=RECOMPUTE_THRESHOLD)
     config["kv_connector_extra_config"]["layerwise_load"] = system == LAYERWISE
-    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    return [make(f"{system}-prefill", config, dev), make(f"{system}-decode", config)]
+
+
+def run_pd(system: str, make, turns1, answers, expected, args) -> dict:
     results: dict[Conversation, dict] = {}
-    with start_many([make(f"{system}-prefill", config, dev), make(f"{system}-decode", config)]) as (p, d):
+    with start_many(pd_servers(system, make)) as (p, d):
         with ProxyThread([p.base_url], [d.base_url]) as proxy:
             complete_streamed(proxy.base_url, prompt(8, seed=-2), 2, timeout_s=900)
             for key, turn1 in turns1.items():
-                complete_streamed(proxy.base_url, turn1, args.answer, timeout_s=900)
+                if system == NIXL:
+                    # NIXL's D->P needs D's params on P's request: the proxy keeps them for
+                    # the conversation id, from a non-streaming answer.
+                    headers = {CONVERSATION_HEADER: f"sweep-{key[0]}-{key[1]}"}
+                    complete(proxy.base_url, turn1, args.answer, timeout_s=900, headers=headers)
+                else:
+                    headers = None
+                    complete_streamed(proxy.base_url, turn1, args.answer, timeout_s=900)
                 reset_prefix_cache(p)
                 ids = turn2(turn1, answers[key], key, args.new)
                 p_before, d_before = read_metrics(p.base_url), read_metrics(d.base_url)
-                second = complete_streamed(proxy.base_url, ids, args.answer, timeout_s=900)
+                second = complete_streamed(
+                    proxy.base_url, ids, args.answer, timeout_s=900, headers=headers
+                )
                 on_p = read_metrics_after(p.base_url, p_before, 1).minus(p_before)
                 on_d = read_metrics_after(d.base_url, d_before, 1).minus(d_before)
                 row = breakdown(second, on_p, on_d)
@@ -236,6 +277,7 @@ def format_table(table: dict, lengths: list[int]) -> str:
         bi = table.get(BIDIRECTIONAL, {}).get(n, {}).get("ttft_s")
         layerwise = table.get(LAYERWISE, {}).get(n, {}).get("ttft_s")
         one = table.get(ONE_WAY, {}).get(n, {}).get("ttft_s")
+        nixl = table.get(NIXL, {}).get(n, {}).get("ttft_s")
         parts = [f"history {n}:"]
         if ideal and bi:
             parts.append(f"bidirectional / ideal {bi / ideal:.2f}")
@@ -245,6 +287,8 @@ def format_table(table: dict, lengths: list[int]) -> str:
             parts.append(f"layerwise / bidirectional {layerwise / bi:.2f}")
         if one and bi:
             parts.append(f"one-way / bidirectional {one / bi:.2f}")
+        if nixl and bi:
+            parts.append(f"bidirectional / nixl {bi / nixl:.2f}")
         lines.append(" ".join(parts))
     return "\n".join(lines)
 

@@ -210,18 +210,19 @@ def _transfer_group(group_id: int, spec: KVCacheSpec, layer_names: Sequence[str]
         return TransferGroup(group_id, spec.block_size, layer_names=tuple(layer_names))
     if kinds == {MambaSpec} and not isinstance(spec, UniformTypeKVCacheSpecs):
         if spec.mamba_cache_mode != "align" or spec.num_speculative_blocks:
-            raise _unsupported(
-                group_id,
-                f"Mamba group in mamba_cache_mode {spec.mamba_cache_mode!r} with "
-                f"{spec.num_speculative_blocks} speculative blocks (kvduplex needs 'align', "
-                "i.e. prefix caching on, and no speculative decoding)",
+            raise UnsupportedKVCacheGroup(
+                f"DuplexConnector: KV-cache group {group_id} is a Mamba group in "
+                f"mamba_cache_mode {spec.mamba_cache_mode!r} with {spec.num_speculative_blocks} "
+                "speculative blocks; kvduplex transfers Mamba state in 'align' mode (prefix "
+                "caching on) without speculative decoding only"
             )
+        kind = getattr(spec.mamba_type, "name", spec.mamba_type)
         dtypes = ",".join(str(dtype).removeprefix("torch.") for dtype in spec.dtypes)
         return TransferGroup(
             group_id,
             spec.block_size,
             state_space=True,
-            state_layout=f"{getattr(spec.mamba_type, 'name', spec.mamba_type)} shapes={spec.shapes} dtypes={dtypes} page={spec.page_size_bytes}",
+            state_layout=f"{kind} shapes={spec.shapes} dtypes={dtypes} page={spec.page_size_bytes}",
             layer_names=tuple(layer_names),
         )
     if kinds.issubset(_SLIDING_SPECS) and not isinstance(spec, UniformTypeKVCacheSpecs):
