@@ -18,13 +18,14 @@ import httpx
 import openai
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 
-from kvduplex.demo import duplex_kv_transfer_config
-from kvduplex.servers import VllmServer, start_many
+from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
 from kvduplex.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     CHAT_EOS_TOKEN_ID,
     SERVED_MODEL_NAME,
     SERVER_ARGS,
+    sample_chat_text,
 )
 
 
@@ -133,3 +134,42 @@ def reference_and_pair(
     group = [server("reference", False), server("prefill", True), server("decode", True)]
     with start_many(group) as (reference, prefill, decode):
         yield Servers(reference, prefill, decode)
+
+
+@dataclass
+class ChatTurn:
+    """One turn of `chat_through_proxy`: the single server's answer and the P/D pair's, with
+    P's and D's prompt tokens by source (vLLM's counters) during the pair's turn."""
+
+    number: int
+    expected: Answer
+    answer: Answer
+    on_p: dict[str, float]
+    on_d: dict[str, float]
+    previous: Answer | None
+    """The turn before's expected answer (None on the first turn)."""
+
+
+def chat_through_proxy(
+    servers: Servers, messages: list[dict], turns: int, max_tokens: int, seed: int
+) -> Iterator[ChatTurn]:
+    """A streamed chat through `kvduplex proxy` over the pair, the same messages also sent to
+    the reference: each turn adds a 40-word user message (from `seed`), and the pair's answer
+    as the assistant's. Checks that the history round-trips (the next prompt starts with the
+    turn before's prompt and answer ids)."""
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        previous: Answer | None = None
+        for number in range(1, turns + 1):
+            messages.append({"role": "user", "content": sample_chat_text(40, seed=seed + number)})
+            expected = stream_chat(servers.reference.base_url, messages, max_tokens)
+            if previous is not None:
+                history = previous.prompt_ids + previous.token_ids
+                assert expected.prompt_ids[: len(history)] == history, f"turn {number}: no round trip"
+            p_before = prompt_tokens_by_source(servers.prefill.base_url)
+            d_before = prompt_tokens_by_source(servers.decode.base_url)
+            answer = stream_chat(proxy.base_url, messages, max_tokens)
+            on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
+            on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
+            yield ChatTurn(number, expected, answer, on_p, on_d, previous)
+            previous = expected
+            messages.append({"role": "assistant", "content": answer.text})

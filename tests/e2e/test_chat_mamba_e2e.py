@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from chat_stream import (
     HMA_OFF,
-    Answer,
     Servers,
+    chat_through_proxy,
     delta,
     group_counters,
     kv_cache_groups_line,
@@ -77,39 +77,20 @@ def test_streamed_mamba_chat_pulls_both_ways_on_every_turn(servers):
     counters = ("group_blocks", "group_bytes")
     both = (servers.prefill, servers.decode)
     before = {(s.name, c): group_counters(s, c) for s in both for c in counters}
-    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
-        previous: Answer | None = None
-        for turn in range(TURNS):
-            messages.append({"role": "user", "content": sample_chat_text(40, seed=90 + turn)})
-            expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
-            if previous is not None:
-                history = previous.prompt_ids + previous.token_ids
-                assert expected.prompt_ids[: len(history)] == history, f"turn {turn}: no round trip"
-            p_before = prompt_tokens_by_source(servers.prefill.base_url)
-            d_before = prompt_tokens_by_source(servers.decode.base_url)
-            answer = stream_chat(proxy.base_url, messages, MAX_TOKENS)
-            on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
-            on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
-            logger.info(
-                "turn %d: %d prompt tokens; P %s; D %s",
-                turn + 1, len(expected.prompt_ids), on_p, on_d,
-            )
-            assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
-            assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
-            # P -> D: P computed all but the last token; D pulled them and computes that one.
-            assert on_d.get("external_kv_transfer", 0) > 0, (turn, on_d)
-            assert on_d.get("local_compute", 0) == 1, (turn, on_d)
-            if previous is not None:
-                # D -> P: D's whole turn (its state is after exactly those tokens) came back;
-                # P computed only the rest.
-                held = len(previous.prompt_ids) + len(previous.token_ids) - 1
-                assert on_p.get("external_kv_transfer", 0) > 0, (turn, on_p)
-                assert on_p.get("local_compute", 0) == len(expected.prompt_ids) - 1 - held, (
-                    turn,
-                    on_p,
-                )
-            previous = expected
-            messages.append({"role": "assistant", "content": answer.text})
+    for turn in chat_through_proxy(servers, messages, TURNS, MAX_TOKENS, seed=89):
+        on_p, on_d, prompt = turn.on_p, turn.on_d, len(turn.expected.prompt_ids)
+        logger.info("turn %d: %d prompt tokens; P %s; D %s", turn.number, prompt, on_p, on_d)
+        assert turn.answer.token_ids == turn.expected.token_ids, f"turn {turn.number}: tokens differ"
+        assert turn.answer.logprobs == pytest.approx(turn.expected.logprobs, abs=LOGPROB_ATOL)
+        # P -> D: P computed all but the last token; D pulled them and computes that one.
+        assert on_d.get("external_kv_transfer", 0) > 0, (turn.number, on_d)
+        assert on_d.get("local_compute", 0) == 1, (turn.number, on_d)
+        if turn.previous is not None:
+            # D -> P: D's whole turn (its state is after exactly those tokens) came back; P
+            # computed only the rest, but its prompt's last token.
+            held = len(turn.previous.prompt_ids) + len(turn.previous.token_ids) - 1
+            assert on_p.get("external_kv_transfer", 0) > 0, (turn.number, on_p)
+            assert on_p.get("local_compute", 0) == prompt - 1 - held, (turn.number, on_p)
     by_name = {s.name: s for s in both}
     pulled = {key: delta(group_counters(by_name[key[0]], key[1]), value) for key, value in before.items()}
     logger.info("pulled per KV-cache group: %s", pulled)

@@ -622,7 +622,9 @@ class DuplexScheduler:
             group.state_space and tables[index][-1] == NULL_BLOCK_ID
             for index, group in enumerate(self._groups.groups)
         ):
-            logger.debug("Request %s: no state after its %d tokens to offer", request.request_id, num_tokens)
+            logger.debug(
+                "Request %s: no state after its %d tokens to offer", request.request_id, num_tokens
+            )
             return False, None
         self._keep_edge_blocks(request, tables, num_tokens)
         held_ids = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]
