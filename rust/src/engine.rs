@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -147,8 +147,6 @@ struct Shared {
     /// Signalled whenever a connection attempt ends.
     table_changed: Condvar,
     inflight: Mutex<Vec<Arc<Inflight>>>,
-    /// Threads inside `Transfer::wait`, which drive UCX progress themselves.
-    waiters: AtomicUsize,
     /// This engine's held blocks; the side channel's lookups read it too.
     holds: Arc<Mutex<HoldBook>>,
     /// "host:port" of our side channel, announced to the owners we connect to.
@@ -217,7 +215,6 @@ impl Engine {
             table: Mutex::new(PeerTable::new(RetryPolicy::default())),
             table_changed: Condvar::new(),
             inflight: Mutex::new(Vec::new()),
-            waiters: AtomicUsize::new(0),
             holds,
             side_channel,
             handshakes: Mutex::new(Vec::new()),
@@ -755,7 +752,7 @@ fn progress_loop(shared: Weak<Shared>) {
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
-        if shared.worker.progress() > 0 {
+        if shared.worker.progress_in_background() > 0 {
             last_activity = Instant::now();
         }
         // Pending batches need their deadlines checked even when UCX stays silent.
@@ -763,7 +760,7 @@ fn progress_loop(shared: Weak<Shared>) {
         // While a peer is actively reading over a transport this worker must serve (tcp),
         // keep progressing instead of paying a poll() round trip per message; a thread
         // blocked in `Transfer::wait` already drives progress, so leave the core to it.
-        let waited_on = shared.waiters.load(Ordering::Acquire) > 0;
+        let waited_on = shared.worker.driven_in_foreground();
         let spin = last_activity.elapsed() < SPIN_AFTER_ACTIVITY && !waited_on;
         let worker = Arc::clone(&shared.worker);
         drop(shared);
@@ -860,10 +857,8 @@ impl Transfer {
 
     /// Blocks until the batch completes, fails, or `timeout` passes.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
-        self.shared.waiters.fetch_add(1, Ordering::AcqRel);
-        let result = self.drive(timeout);
-        self.shared.waiters.fetch_sub(1, Ordering::AcqRel);
-        result
+        let _driving = self.shared.worker.foreground();
+        self.drive(timeout)
     }
 
     fn drive(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
@@ -882,7 +877,7 @@ impl Transfer {
                 // this core.
                 std::thread::yield_now();
             } else {
-                self.inflight.batch.wait_for_change(Duration::from_micros(50));
+                std::thread::sleep(Duration::from_micros(50));
             }
         }
     }

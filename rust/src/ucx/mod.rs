@@ -11,7 +11,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::path::Path;
 use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::descriptors::RegionBounds;
@@ -46,6 +46,8 @@ pub struct Worker {
     address: Vec<u8>,
     /// Owned by UCX (closed with the worker); readable when the worker has events.
     event_fd: Option<c_int>,
+    /// Threads inside a [`Foreground`] section, driving progress themselves.
+    foreground: AtomicUsize,
 }
 
 // SAFETY: the raw handles are only used while `lock` is held (or in Drop, which has exclusive
@@ -115,7 +117,7 @@ impl Worker {
                 None
             }
         };
-        Ok(Arc::new(Worker { api, context, worker, lock: Mutex::new(()), address, event_fd }))
+        Ok(Arc::new(Worker { api, context, worker, lock: Mutex::new(()), address, event_fd, foreground: AtomicUsize::new(0) }))
     }
 
     /// This worker's address, which peers need to create an endpoint to it.
@@ -135,8 +137,35 @@ impl Worker {
     /// lock is taken per round, so posting and other threads' progress interleave with a long
     /// stream of events instead of waiting for the worker to go idle.
     pub fn progress(&self) -> u32 {
+        self.progress_rounds(false)
+    }
+
+    /// [`Worker::progress`] for a background thread: it stops after the round during which a
+    /// thread entered a [`Foreground`] section, and does nothing while one is inside.
+    pub fn progress_in_background(&self) -> u32 {
+        self.progress_rounds(true)
+    }
+
+    /// Marks the calling thread as driving progress itself until the returned guard drops
+    /// (e.g. while it blocks on a batch): background progress stands aside meanwhile, since
+    /// two threads taking turns on the worker lock only slow each other down (and a read
+    /// copied by another core's thread pulls the destination's cache lines across).
+    pub fn foreground(&self) -> Foreground<'_> {
+        self.foreground.fetch_add(1, Ordering::AcqRel);
+        Foreground { worker: self }
+    }
+
+    /// Whether a thread is inside a [`Foreground`] section.
+    pub fn driven_in_foreground(&self) -> bool {
+        self.foreground.load(Ordering::Acquire) > 0
+    }
+
+    fn progress_rounds(&self, background: bool) -> u32 {
         let mut total = 0;
         loop {
+            if background && self.driven_in_foreground() {
+                return total;
+            }
             let guard = self.guard();
             // SAFETY: worker is live and the lock is held.
             let n = unsafe { (self.api.ucp_worker_progress)(self.worker) };
@@ -149,6 +178,7 @@ impl Worker {
     }
 
     /// Progresses, then sleeps until UCX has events or `timeout` passes (or `wake` is called).
+    /// Background progress: it returns at once when a thread is in a [`Foreground`] section.
     pub fn wait_for_events(&self, timeout: Duration) {
         let Some(fd) = self.event_fd else {
             std::thread::sleep(timeout.min(Duration::from_millis(1)));
@@ -156,8 +186,15 @@ impl Worker {
         };
         {
             let _g = self.guard();
-            // SAFETY: worker is live and the lock is held.
-            while unsafe { (self.api.ucp_worker_progress)(self.worker) } > 0 {}
+            loop {
+                if self.driven_in_foreground() {
+                    return;
+                }
+                // SAFETY: worker is live and the lock is held.
+                if unsafe { (self.api.ucp_worker_progress)(self.worker) } == 0 {
+                    break;
+                }
+            }
             // SAFETY: as above; arm reports BUSY when events arrived since the last progress.
             let status = unsafe { (self.api.ucp_worker_arm)(self.worker) };
             if status == sys::UCS_ERR_BUSY {
@@ -316,6 +353,17 @@ impl Drop for Worker {
             (self.api.ucp_worker_destroy)(self.worker);
             (self.api.ucp_cleanup)(self.context);
         }
+    }
+}
+
+/// A thread driving progress itself; see [`Worker::foreground`].
+pub struct Foreground<'a> {
+    worker: &'a Worker,
+}
+
+impl Drop for Foreground<'_> {
+    fn drop(&mut self) {
+        self.worker.foreground.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -574,7 +622,6 @@ pub struct BatchState {
     /// The outstanding-read count of the endpoint the batch was posted on.
     endpoint_reads: OnceLock<Arc<AtomicUsize>>,
     outcome: Mutex<Option<Result<(), String>>>,
-    changed: Condvar,
 }
 
 impl BatchState {
@@ -585,7 +632,6 @@ impl BatchState {
             failure: Mutex::new(None),
             endpoint_reads: OnceLock::new(),
             outcome: Mutex::new(None),
-            changed: Condvar::new(),
         })
     }
 
@@ -629,7 +675,6 @@ impl BatchState {
         let mut slot = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(outcome);
-            self.changed.notify_all();
         }
     }
 
@@ -637,10 +682,4 @@ impl BatchState {
         self.outcome.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Waits up to `timeout` for an outcome without progressing UCX (someone else does).
-    pub fn wait_for_change(&self, timeout: Duration) -> Option<Result<(), String>> {
-        let slot = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        let (slot, _) = self.changed.wait_timeout_while(slot, timeout, |s| s.is_none()).unwrap_or_else(|p| p.into_inner());
-        slot.clone()
-    }
 }
