@@ -522,7 +522,11 @@ impl Engine {
         }
         drop(local);
         let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len() };
-        transfer.settle();
+        // A batch that settled while posting (nothing posted, all done at once) is finished
+        // here; a pending one cannot have passed its deadline yet.
+        if transfer.inflight.batch.outcome().is_some() {
+            transfer.settle();
+        }
         Ok(transfer)
     }
 
@@ -842,8 +846,7 @@ impl Transfer {
         expire(&self.shared, &self.inflight);
         let outcome = self.inflight.batch.outcome()?;
         finish_inflight(&self.shared, &self.inflight);
-        let reason = lock(&self.inflight.abort_reason).clone();
-        Some(outcome.map_err(|ucx_error| EngineError::Transfer(reason.unwrap_or(ucx_error))))
+        Some(outcome.map_err(|ucx_error| EngineError::Transfer(lock(&self.inflight.abort_reason).clone().unwrap_or(ucx_error))))
     }
 
     /// Non-blocking: `Ok(true)` when every byte arrived, `Ok(false)` while pending.
@@ -862,13 +865,14 @@ impl Transfer {
     }
 
     fn drive(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
-        let start = Instant::now();
+        // The clock is read only once the first round did not finish the batch.
+        let mut start = None;
         loop {
             self.shared.worker.progress();
             if let Some(r) = self.settle() {
                 return r;
             }
-            let waited = start.elapsed();
+            let waited = start.get_or_insert_with(Instant::now).elapsed();
             if timeout.is_some_and(|t| waited >= t) {
                 return Err(EngineError::WaitTimeout(waited));
             }

@@ -621,7 +621,8 @@ pub struct BatchState {
     failure: Mutex<Option<String>>,
     /// The outstanding-read count of the endpoint the batch was posted on.
     endpoint_reads: OnceLock<Arc<AtomicUsize>>,
-    outcome: Mutex<Option<Result<(), String>>>,
+    /// Set once, when the batch settles; read without a lock by every poll.
+    outcome: OnceLock<Result<(), String>>,
 }
 
 impl BatchState {
@@ -631,7 +632,7 @@ impl BatchState {
             unfinished: AtomicUsize::new(0),
             failure: Mutex::new(None),
             endpoint_reads: OnceLock::new(),
-            outcome: Mutex::new(None),
+            outcome: OnceLock::new(),
         })
     }
 
@@ -672,14 +673,12 @@ impl BatchState {
             Some(error) => Err(error),
             None => Ok(()),
         };
-        let mut slot = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(outcome);
-        }
+        // A batch that settled already keeps its outcome.
+        let _ = self.outcome.set(outcome);
     }
 
     pub fn outcome(&self) -> Option<Result<(), String>> {
-        self.outcome.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.outcome.get().cloned()
     }
 
 }
