@@ -836,9 +836,10 @@ pub struct Transfer {
     pub num_descriptors: usize,
 }
 
-/// How long `wait` drives UCX progress itself, back to back, before it also yields the CPU
-/// between rounds: a batch usually completes within this, and spinning is what makes small
-/// batches fast.
+/// How long `wait` keeps driving UCX progress back to back after UCX last reported an event,
+/// before it naps between rounds: spinning is what makes small batches fast, and over shared
+/// memory the rounds are this thread copying the bytes (a long batch reports an event per
+/// completed read), so only a batch waiting on a silent peer (tcp) naps.
 const WAIT_SPIN: Duration = Duration::from_millis(2);
 
 impl Transfer {
@@ -867,16 +868,21 @@ impl Transfer {
     fn drive(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
         // The clock is read only once the first round did not finish the batch.
         let mut start = None;
+        let mut last_event = None;
         loop {
-            self.shared.worker.progress();
+            let events = self.shared.worker.progress();
             if let Some(r) = self.settle() {
                 return r;
             }
-            let waited = start.get_or_insert_with(Instant::now).elapsed();
+            let now = Instant::now();
+            let waited = now - *start.get_or_insert(now);
             if timeout.is_some_and(|t| waited >= t) {
                 return Err(EngineError::WaitTimeout(waited));
             }
-            if waited < WAIT_SPIN {
+            if events > 0 || last_event.is_none() {
+                last_event = Some(now);
+            }
+            if last_event.is_some_and(|at| now - at < WAIT_SPIN) {
                 // Over tcp the owner must run to serve the reads; on a busy host it may need
                 // this core.
                 std::thread::yield_now();
