@@ -451,13 +451,14 @@ impl Endpoint {
         // A batch is posted on one endpoint, once.
         let _ = batch.endpoint_reads.set(Arc::clone(&self.outstanding));
         let _g = self.worker.guard();
-        // Held while posting, so the batch cannot settle before its last read is posted.
-        batch.start_read();
+        // The posting itself counts as one unfinished read, so the batch cannot settle before
+        // its last read is posted; every read is counted up front (one atomic add per batch).
+        batch.start_reads(reads.len() + 1);
         let result = self.post_each(api, reads, batch);
         if let Err(e) = &result {
             batch.record_read_error(e.to_string());
         }
-        batch.read_finished();
+        batch.reads_finished(1);
         result
     }
 
@@ -467,10 +468,16 @@ impl Endpoint {
             && usize::try_from(read.len).is_ok()
     }
 
+    /// Posts `reads`, all counted in `batch` already: each one is ended here (done at once,
+    /// failed, or never posted after a failure) or, when it goes pending, by [`read_done`].
     fn post_each(&self, api: &'static Api, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
-        for read in reads {
+        // Counted as outstanding on the endpoint before posting, so that no completion can
+        // find the count short; the reads that did not go pending are taken off below.
+        self.outstanding.fetch_add(reads.len(), Ordering::AcqRel);
+        let mut pending = 0;
+        let mut result = Ok(());
+        for (i, read) in reads.iter().enumerate() {
             let rkey = self.rkeys[read.remote_region];
-            batch.start_read();
             let user_data = Arc::into_raw(Arc::clone(batch)) as *mut c_void;
             let param = sys::ucp_request_param_t {
                 op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMH | sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
@@ -489,24 +496,24 @@ impl Endpoint {
                 (api.ucp_get_nbx)(self.ep, read.local_addr as *mut c_void, read.len as usize, read.remote_addr, rkey, &param)
             };
             match sys::status_ptr(sp) {
-                // read_done cannot run before this: it runs under the lock we hold.
-                StatusPtr::Pending(_) => {
-                    self.outstanding.fetch_add(1, Ordering::AcqRel);
-                }
+                StatusPtr::Pending(_) => pending += 1,
                 StatusPtr::Done => {
                     // SAFETY: the callback will not run; reclaim the Arc given to it.
                     unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
-                    batch.read_finished();
+                    batch.reads_finished(1);
                 }
                 StatusPtr::Failed(status) => {
                     // SAFETY: as above.
                     unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
-                    batch.read_finished();
-                    return Err(call_error(api, "ucp_get_nbx", status));
+                    // This read and the ones never posted.
+                    batch.reads_finished(reads.len() - i);
+                    result = Err(call_error(api, "ucp_get_nbx", status));
+                    break;
                 }
             }
         }
-        Ok(())
+        self.outstanding.fetch_sub(reads.len() - pending, Ordering::AcqRel);
+        result
     }
 }
 
@@ -522,7 +529,7 @@ unsafe extern "C" fn read_done(request: *mut c_void, status: sys::ucs_status_t, 
     if let Some(endpoint_reads) = batch.endpoint_reads.get() {
         endpoint_reads.fetch_sub(1, Ordering::AcqRel);
     }
-    batch.read_finished();
+    batch.reads_finished(1);
     // SAFETY: the request belongs to this completed read and is freed once.
     unsafe { (api.ucp_request_free)(request) };
 }
@@ -636,14 +643,14 @@ impl BatchState {
         })
     }
 
-    /// Counts a read about to be posted (or the posting itself); each is ended by exactly one
-    /// [`BatchState::read_finished`].
-    fn start_read(&self) {
-        self.unfinished.fetch_add(1, Ordering::AcqRel);
+    /// Counts `n` reads about to be posted (and the posting itself); each is ended by
+    /// exactly one count of [`BatchState::reads_finished`].
+    fn start_reads(&self, n: usize) {
+        self.unfinished.fetch_add(n, Ordering::AcqRel);
     }
 
-    fn read_finished(&self) {
-        if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
+    fn reads_finished(&self, n: usize) {
+        if self.unfinished.fetch_sub(n, Ordering::AcqRel) == n {
             self.settle();
         }
     }
