@@ -21,7 +21,8 @@ first token, streamed and seen by the client, for
 
 Every system replays the ideal server's turn-1 answers, so all see the same prompts, and each
 turn-2 answer is compared with the ideal's (tokens; logprobs within 1e-2, as servers on
-different thread counts round differently). Per point: the median over the conversations, P's
+different thread counts round differently). A system whose servers fail is reported with the
+conversations it finished (`errors` in the JSON); the others still run. Per point: the median over the conversations, P's
 turn-2 prompt tokens by source, and kvduplex's breakdown from the servers' metrics: P's TTFT
 (lookup + D->P pull + prefill of the new tokens), of which lookup and pull, and D's TTFT (P->D
 pull + first step); the rest of the client's TTFT is HTTP, the proxy and tokenization.
@@ -29,7 +30,8 @@ pull + first step); the rest of the client's TTFT is HTTP, the proxy and tokeniz
 Model: `kvduplex.tiny_model.build_realistic_chat_model` (SmolLM2-360M's shape, random weights;
 built on first use, ~1.5 GB). Usage (repository root):
     PYTHONPATH=python .venv/bin/python benches/history_sweep.py --out DIR [--lengths 1024 2048]
-writes DIR/history_sweep.json and DIR/history_sweep.png. Exit status 1 if an answer differs.
+writes DIR/history_sweep.json and DIR/history_sweep.png. Exit status 1 if an answer differs or a
+kvduplex system fails.
 """
 
 from __future__ import annotations
@@ -169,8 +171,8 @@ def pd_servers(system: str, make) -> list[VllmServer]:
     return [make(f"{system}-prefill", config, dev), make(f"{system}-decode", config)]
 
 
-def run_pd(system: str, make, turns1, answers, expected, args) -> dict:
-    results: dict[Conversation, dict] = {}
+def run_pd(system: str, make, turns1, answers, expected, args, results: dict) -> None:
+    """Fills `results` conversation by conversation (what was measured survives a failure)."""
     with start_many(pd_servers(system, make)) as (p, d):
         with ProxyThread([p.base_url], [d.base_url]) as proxy:
             complete_streamed(proxy.base_url, prompt(8, seed=-2), 2, timeout_s=900)
@@ -195,7 +197,6 @@ def run_pd(system: str, make, turns1, answers, expected, args) -> dict:
                 row["matches_ideal"] = matches(expected[key]["answer"], second)
                 results[key] = row
                 logger.info("%s: %d-token prompt: %s", system, len(ids), json.dumps(row))
-    return results
 
 
 def breakdown(answer: Completion, on_p: MetricsSnapshot, on_d: MetricsSnapshot) -> dict:
@@ -269,7 +270,8 @@ def format_table(table: dict, lengths: list[int]) -> str:
             lines.append(
                 f"{system:<24}{n:>8}{ms('ttft_s'):>9}{ms('p_ttft_s'):>8}{ms('lookup_s'):>8}"
                 f"{ms('d_to_p_transfer_s'):>7}{ms('d_ttft_s'):>7}{count('p_computed_tokens'):>8}"
-                f"{count('p_pulled_tokens'):>8}  {'yes' if pt['all_match'] else 'NO'}"
+                f"{count('p_pulled_tokens'):>8}  "
+                f"{'-' if not pt['conversations'] else 'yes' if pt['all_match'] else 'NO'}"
             )
     lines.append("")
     for n in lengths:
@@ -326,9 +328,17 @@ def main() -> int:
     }
     answers, ideal = run_ideal(make, turns1, args)
     results: dict[str, dict] = {IDEAL: ideal}
+    errors: dict[str, str] = {}
     for system in SYSTEMS[1:]:
-        if system not in args.skip:
-            results[system] = run_pd(system, make, turns1, answers, ideal, args)
+        if system in args.skip:
+            continue
+        results[system] = {}
+        try:
+            run_pd(system, make, turns1, answers, ideal, args, results[system])
+        except (ServerError, httpx.HTTPError) as exc:
+            # Recorded with what it measured before; the other systems still run.
+            errors[system] = f"{type(exc).__name__}: {exc}"
+            logger.error("%s failed after %d conversations: %s", system, len(results[system]), exc)
     table = summarize(results, args.lengths)
     report = {
         "model": REALISTIC_MODEL_CONFIG,
@@ -337,14 +347,18 @@ def main() -> int:
         "answer_tokens": args.answer,
         "new_tokens": args.new,
         "logs": str(log_dir),
+        "errors": errors,
         "table": {s: {str(n): pt for n, pt in pts.items()} for s, pts in table.items()},
     }
     (args.out / "history_sweep.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(table, args.lengths, args.out / "history_sweep.png")
     print(format_table(table, args.lengths))
+    for system, error in errors.items():
+        print(f"{system} failed: {error}")
     print(f"wrote {args.out / 'history_sweep.json'} and {args.out / 'history_sweep.png'}")
     ok = all(pt["all_match"] for pts in table.values() for pt in pts.values())
-    return 0 if ok else 1
+    # A baseline that fails (NixlConnector stalls or dies on this CPU) is reported, not fatal.
+    return 0 if ok and errors.keys() <= {NIXL} else 1
 
 
 if __name__ == "__main__":
