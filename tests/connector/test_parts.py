@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
+from kvduplex.connector import config as config_module
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
@@ -60,6 +62,26 @@ def test_prompt_fingerprints_hash_each_block_once_and_equal_the_documented_chain
 def test_matched_prefix(local, expected):
     remote = block_fingerprints(list(range(40)), 16)
     assert matched_prefix_tokens(PromptFingerprints(local, 16), remote, 40) == expected
+
+
+def _option_rows(text: str) -> list[str]:
+    """The rows of the `kv_connector_extra_config` table (the one headed `| key | default |`)."""
+    lines = text.splitlines()
+    start = lines.index("| key | default | meaning |")
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("| `"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_the_readme_lists_the_options_as_config_py_documents_them():
+    """config.py's docstring owns the option table; the README shows the same rows."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    documented = _option_rows(config_module.__doc__)
+    assert len(documented) >= 15
+    assert _option_rows(readme) == documented
 
 
 def test_config_defaults_and_validation(monkeypatch):
