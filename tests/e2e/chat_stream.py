@@ -173,3 +173,37 @@ def chat_through_proxy(
             yield ChatTurn(number, expected, answer, on_p, on_d, previous)
             previous = expected
             messages.append({"role": "assistant", "content": answer.text})
+
+
+@dataclass
+class EditedTurn:
+    first: Answer
+    """The pair's 200-token answer to the first question."""
+    expected: Answer
+    answer: Answer
+    on_p: dict[str, float]
+    """P's prompt tokens by source on the edited turn."""
+
+
+def edited_history_turn(servers: Servers, seed: int, max_tokens: int) -> EditedTurn:
+    """Through the proxy: a 300-word system message and a 40-word question answered in 200
+    tokens; then the next turn, whose history has that answer's last 3 words edited, sent to
+    the reference and to the pair. Seeds `seed` and `10 * seed + 0..2`."""
+    messages = [
+        {"role": "system", "content": sample_chat_text(300, seed=seed)},
+        {"role": "user", "content": sample_chat_text(40, seed=10 * seed)},
+    ]
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        # A long answer: D's turn holds whole blocks that P never computed.
+        first = stream_chat(proxy.base_url, messages, 200, min_tokens=200)
+        words = first.text.split()
+        edited = " ".join(words[:-3] + sample_chat_text(3, seed=10 * seed + 1).split())
+        messages += [
+            {"role": "assistant", "content": edited},
+            {"role": "user", "content": sample_chat_text(40, seed=10 * seed + 2)},
+        ]
+        expected = stream_chat(servers.reference.base_url, messages, max_tokens)
+        before = prompt_tokens_by_source(servers.prefill.base_url)
+        answer = stream_chat(proxy.base_url, messages, max_tokens)
+        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), before)
+    return EditedTurn(first, expected, answer, on_p)

@@ -25,10 +25,10 @@ from chat_stream import (
     Servers,
     chat_through_proxy,
     delta,
+    edited_history_turn,
     group_counters,
     kv_cache_groups_line,
     reference_and_pair,
-    stream_chat,
 )
 
 from kvduplex.demo import ProxyThread
@@ -101,25 +101,9 @@ def test_streamed_hybrid_chat_pulls_both_ways_on_every_turn(servers):
 
 @pytest.mark.e2e
 def test_an_edited_hybrid_history_pulls_only_the_matching_prefix(servers):
-    messages = [
-        {"role": "system", "content": sample_chat_text(300, seed=8)},
-        {"role": "user", "content": sample_chat_text(40, seed=80)},
-    ]
-    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
-        # A long answer: D's turn holds whole blocks that P never computed.
-        first = stream_chat(proxy.base_url, messages, 200, min_tokens=200)
-        # The next turn edits the answer's last words: the history matches D's turn up to
-        # there, inside the sliding window.
-        words = first.text.split()
-        edited = " ".join(words[:-3] + sample_chat_text(3, seed=81).split())
-        messages += [
-            {"role": "assistant", "content": edited},
-            {"role": "user", "content": sample_chat_text(40, seed=82)},
-        ]
-        expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
-        before = prompt_tokens_by_source(servers.prefill.base_url)
-        answer = stream_chat(proxy.base_url, messages, MAX_TOKENS)
-        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), before)
+    # The edit is inside D's window: the history matches D's turn up to there.
+    edited = edited_history_turn(servers, seed=8, max_tokens=MAX_TOKENS)
+    first, expected, answer, on_p = edited.first, edited.expected, edited.answer, edited.on_p
     logger.info("edited turn: %d prompt tokens; P %s", len(expected.prompt_ids), on_p)
     assert answer.token_ids == expected.token_ids
     assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)

@@ -25,10 +25,10 @@ from chat_stream import (
     Servers,
     chat_through_proxy,
     delta,
+    edited_history_turn,
     group_counters,
     kv_cache_groups_line,
     reference_and_pair,
-    stream_chat,
 )
 
 from kvduplex.demo import ProxyThread
@@ -110,22 +110,8 @@ def test_streamed_mamba_chat_pulls_both_ways_on_every_turn(servers):
 def test_an_edited_mamba_history_pulls_no_state(servers):
     """A state after the edited tokens is not a state after the matching prefix: P computes
     from what its own cache has and pulls nothing back from D."""
-    messages = [
-        {"role": "system", "content": sample_chat_text(300, seed=10)},
-        {"role": "user", "content": sample_chat_text(40, seed=100)},
-    ]
-    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
-        first = stream_chat(proxy.base_url, messages, 200, min_tokens=200)
-        words = first.text.split()
-        edited = " ".join(words[:-3] + sample_chat_text(3, seed=101).split())
-        messages += [
-            {"role": "assistant", "content": edited},
-            {"role": "user", "content": sample_chat_text(40, seed=102)},
-        ]
-        expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
-        before = prompt_tokens_by_source(servers.prefill.base_url)
-        answer = stream_chat(proxy.base_url, messages, MAX_TOKENS)
-        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), before)
+    edited = edited_history_turn(servers, seed=10, max_tokens=MAX_TOKENS)
+    expected, answer, on_p = edited.expected, edited.answer, edited.on_p
     logger.info("edited turn: %d prompt tokens; P %s", len(expected.prompt_ids), on_p)
     assert answer.token_ids == expected.token_ids
     assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
