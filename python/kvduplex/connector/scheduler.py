@@ -441,12 +441,7 @@ class DuplexScheduler:
             if isinstance(remote, RemoteBlocks):
                 matched, _ = matched_prefix_tokens(prompt, remote.fingerprints, remote.num_tokens)
                 # What the owner can still give: a sliding-window group's blocks of the match.
-                tokens = self._groups.pullable_tokens(
-                    remote.block_ids,
-                    min(matched, self._groups.pull_limit(request.num_prompt_tokens)),
-                    0,
-                    remote.num_tokens,
-                )
+                tokens = self._pullable(request, remote, matched, 0)
             if best is None or tokens > best[0]:
                 if best is not None:
                     self._hand_back(best[1])
@@ -566,10 +561,17 @@ class DuplexScheduler:
                     matched,
                     usable,
                 )
+        return self._pullable(request, remote, state.matched_tokens, num_computed_tokens)
+
+    def _pullable(
+        self, request: Request, remote: RemoteBlocks, matched_tokens: int, num_local_tokens: int
+    ) -> int:
+        """What a pull of the owner's `matched_tokens` matching tokens can cover for this
+        request, within the prompt's pull limit (`TransferGroups`)."""
         return self._groups.pullable_tokens(
             remote.block_ids,
-            min(state.matched_tokens, self._groups.pull_limit(request.num_prompt_tokens)),
-            num_computed_tokens,
+            min(matched_tokens, self._groups.pull_limit(request.num_prompt_tokens)),
+            num_local_tokens,
             remote.num_tokens,
         )
 
