@@ -4,7 +4,10 @@
 For every transport (tcp, shared memory) and every system, two processes on loopback: an owner
 that fills a region with a known pattern and a reader that READs blocks of it into its own
 region. Same patterns, same region size and the same memory (anonymous mmap, 2 MiB aligned,
-MADV_HUGEPAGE unless --no-thp) for all systems. Every byte of every batch is checked.
+MADV_HUGEPAGE unless --no-thp) for all systems. kvduplex and NIXL check every byte of their
+untimed warm-up and closing batches, and the timed ones as the raw-UCX reference checks its
+own: a sentinel word at each end of every block (checking every byte between timed batches
+would evict the blocks from the cache and slow the next batch by ~20%; see timed_batches).
 
     python benches/compare_transfer.py --json OUT [--quick] [--systems kvduplex,nixl]
 
