@@ -3,7 +3,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvduplex::descriptors::{check_remote_bounds, plan_reads, BlockLayout, RegionBounds};
+use kvduplex::descriptors::{check_remote_bounds, plan_reads, BlockLayout, RegionBounds, RegionIndex};
 
 const SEGMENTS: u64 = 64;
 const BLOCKS: u64 = 4096;
@@ -100,7 +100,8 @@ fn bench_plan(c: &mut Criterion) {
     let plan = plan_reads(&local, &remote, local_ids, remote_ids).unwrap();
     let remote_regions = regions(&remote);
     c.bench_function("check_remote_bounds_scattered_64x4096", |b| {
-        b.iter(|| check_remote_bounds(black_box(&plan), black_box(&remote_regions)).unwrap())
+        let index = RegionIndex::new(&remote_regions);
+        b.iter(|| check_remote_bounds(black_box(&plan), black_box(&index)).unwrap())
     });
 }
 

@@ -4,6 +4,18 @@
 use kvduplex::descriptors::*;
 use proptest::prelude::*;
 
+/// [`check_remote_bounds`] over an index of `regions`; checks that every region it names
+/// really holds its range.
+fn holding_regions(plan: &[Descriptor], regions: &[RegionBounds]) -> Result<Vec<usize>, PlanError> {
+    let found = check_remote_bounds(plan, &RegionIndex::new(regions))?;
+    assert_eq!(found.len(), plan.len());
+    for (d, &i) in plan.iter().zip(&found) {
+        let r = regions[i];
+        assert!(r.addr <= d.remote_addr && u128::from(d.remote_addr) + u128::from(d.len) <= u128::from(r.addr) + u128::from(r.len), "{d:?} is not in region {i} {r:?}");
+    }
+    Ok(found)
+}
+
 /// One read per block (per sub-block when block sizes differ) per segment, written straight
 /// from the definition of the id pairing so it shares no logic with the planner.
 fn naive_plan(
@@ -149,7 +161,7 @@ fn check_against_naive(
     }
     let regions = segment_regions(remote);
     prop_assert_eq!(remote.validate_within(&regions), Ok(()));
-    prop_assert_eq!(check_remote_bounds(&plan, &regions), Ok(()));
+    prop_assert!(holding_regions(&plan, &regions).is_ok());
     Ok(())
 }
 
@@ -429,16 +441,16 @@ fn reads_merged_across_touching_segments_need_one_region_for_both() {
         },
     ];
     assert_eq!(r.validate_within(&separate), Ok(()));
-    assert!(check_remote_bounds(&plan, &separate).is_err());
+    assert!(holding_regions(&plan, &separate).is_err());
     assert_eq!(
-        check_remote_bounds(
+        holding_regions(
             &plan,
             &[RegionBounds {
                 addr: 1 << 30,
                 len: 128
             }]
         ),
-        Ok(())
+        Ok(vec![0])
     );
 }
 
@@ -624,8 +636,8 @@ fn check_remote_bounds_accepts_exact_fit() {
             len: 0x800,
         },
     ];
-    assert_eq!(check_remote_bounds(&plan, &regions), Ok(()));
-    assert_eq!(check_remote_bounds(&[], &[]), Ok(()));
+    assert_eq!(holding_regions(&plan, &regions), Ok(vec![1, 0, 1]));
+    assert_eq!(holding_regions(&[], &[]), Ok(vec![]));
 }
 
 #[test]
@@ -653,7 +665,7 @@ fn check_remote_bounds_rejects_range_straddling_two_regions() {
         },
     ];
     assert_eq!(
-        check_remote_bounds(&plan, &regions)
+        holding_regions(&plan, &regions)
             .unwrap_err()
             .to_string(),
         "range 0x1f00+512 is outside the peer's registered regions"
@@ -672,7 +684,7 @@ fn check_remote_bounds_rejects_range_just_past_the_end() {
         len: 0x101,
     }];
     assert_eq!(
-        check_remote_bounds(&plan, &regions),
+        holding_regions(&plan, &regions),
         Err(PlanError::RemoteRangeOutsideRegions {
             addr: 0x1f00,
             len: 0x101
@@ -683,7 +695,7 @@ fn check_remote_bounds_rejects_range_just_past_the_end() {
         remote_addr: 0xfff,
         len: 1,
     }];
-    assert!(check_remote_bounds(&before, &regions).is_err());
+    assert!(holding_regions(&before, &regions).is_err());
 }
 
 #[test]
@@ -715,11 +727,12 @@ fn check_remote_bounds_handles_overlapping_regions_and_the_top_of_memory() {
             len: 0x100,
         },
     ];
-    assert_eq!(check_remote_bounds(&plan, &regions), Ok(()));
+    // The big region holds the range past the nested one's end.
+    assert_eq!(holding_regions(&plan, &regions), Ok(vec![0, 2]));
     let wrap = [Descriptor {
         local_addr: 0,
         remote_addr: u64::MAX - 0xff,
         len: 0x101,
     }];
-    assert!(check_remote_bounds(&wrap, &regions).is_err());
+    assert!(holding_regions(&wrap, &regions).is_err());
 }

@@ -348,63 +348,73 @@ pub fn plan_segment_reads(
     Ok(plan)
 }
 
-/// Fails unless every remote range of `plan` lies entirely inside one of `remote_regions`.
+/// The region of `remote` that holds each remote range of `plan`, by the regions' order in
+/// [`RegionIndex::new`]; fails unless every range lies entirely inside one region.
 ///
 /// This is the last line of defence before posting reads with a peer's keys, so it checks the
 /// plan actually built rather than trusting the layout it was built from.
 pub fn check_remote_bounds(
     plan: &[Descriptor],
-    remote_regions: &[RegionBounds],
-) -> Result<(), PlanError> {
-    let index = RegionIndex::new(remote_regions);
+    remote: &RegionIndex,
+) -> Result<Vec<usize>, PlanError> {
     // Plans are segment-major, so consecutive ranges nearly always hit the same region;
     // trying the previous hit first skips most binary searches.
     let mut hint = None;
-    for d in plan {
-        let len = u128::from(d.len);
-        if hint.is_some_and(|i| index.covers(i, d.remote_addr, len)) {
-            continue;
-        }
-        hint = Some(index.find(d.remote_addr, len).ok_or(
-            PlanError::RemoteRangeOutsideRegions {
-                addr: d.remote_addr,
-                len: d.len,
-            },
-        )?);
-    }
-    Ok(())
+    plan.iter()
+        .map(|d| {
+            let len = u128::from(d.len);
+            let i = match hint {
+                Some(i) if remote.covers(i, d.remote_addr, len) => i,
+                _ => remote.find(d.remote_addr, len).ok_or(
+                    PlanError::RemoteRangeOutsideRegions {
+                        addr: d.remote_addr,
+                        len: d.len,
+                    },
+                )?,
+            };
+            hint = Some(i);
+            Ok(remote.reacher[i])
+        })
+        .collect()
 }
 
-/// Answers "is `[addr, addr+len)` inside a single region?" in `O(log regions)`, for regions
-/// that may overlap and arrive unsorted.
+/// Answers "which region holds `[addr, addr+len)` whole?" in `O(log regions)`, for regions
+/// that may overlap and arrive unsorted. Built once per peer.
 ///
 /// Regions are sorted by start, and `reach[i]` is the furthest end among the first `i+1` of
-/// them: a range starting at `addr` fits in some region iff, among the regions starting at or
-/// before `addr`, the furthest-reaching one ends at or after the range does. Ends are `u128`
-/// so that regions and ranges reaching the top of the address space need no special cases.
-struct RegionIndex {
+/// them, reached by region `reacher[i]`: a range starting at `addr` fits in some region iff,
+/// among the regions starting at or before `addr`, the furthest-reaching one ends at or after
+/// the range does, and then that region holds it. Ends are `u128` so that regions and ranges
+/// reaching the top of the address space need no special cases.
+pub struct RegionIndex {
     starts: Vec<u64>,
     reach: Vec<u128>,
+    /// Position in the regions given to [`RegionIndex::new`].
+    reacher: Vec<usize>,
 }
 
 impl RegionIndex {
-    fn new(regions: &[RegionBounds]) -> Self {
-        let mut sorted: Vec<(u64, u128)> = regions
+    pub fn new(regions: &[RegionBounds]) -> Self {
+        let mut sorted: Vec<(u64, u128, usize)> = regions
             .iter()
-            .map(|r| (r.addr, u128::from(r.addr) + u128::from(r.len)))
+            .enumerate()
+            .map(|(i, r)| (r.addr, u128::from(r.addr) + u128::from(r.len), i))
             .collect();
         sorted.sort_unstable();
-        let mut furthest = 0;
-        let reach = sorted
-            .iter()
-            .map(|&(_, end)| {
-                furthest = furthest.max(end);
-                furthest
-            })
-            .collect();
+        let (mut reach, mut reacher) = (Vec::with_capacity(sorted.len()), Vec::with_capacity(sorted.len()));
+        for (k, &(_, end, i)) in sorted.iter().enumerate() {
+            if k == 0 || end > reach[k - 1] {
+                reach.push(end);
+                reacher.push(i);
+            } else {
+                reach.push(reach[k - 1]);
+                reacher.push(reacher[k - 1]);
+            }
+        }
         RegionIndex {
-            starts: sorted.into_iter().map(|(start, _)| start).collect(),
+            starts: sorted.into_iter().map(|(start, _, _)| start).collect(),
             reach,
+            reacher,
         }
     }
 

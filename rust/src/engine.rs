@@ -17,7 +17,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, PlanError, RegionBounds};
+use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, PlanError, RegionBounds, RegionIndex};
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, PeerState, PeerTable, RegionInfo, RetryPolicy};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, Notification, PeerLink, SideChannelConfig, SideChannelServer};
@@ -88,6 +88,8 @@ struct Peer {
     meta: EngineMetadata,
     /// The peer's registered regions, every remote range is checked against.
     regions: Vec<RegionBounds>,
+    /// `regions`, indexed for those checks.
+    region_index: RegionIndex,
     /// Opened by the first read (an engine connected only to look up, or connected back to,
     /// holds no UCX endpoint); taken (and aborted) when the peer dies or a batch to it passes
     /// its deadline.
@@ -447,6 +449,7 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
     let peer = Arc::new(Peer {
         address: key.to_owned(),
         meta,
+        region_index: RegionIndex::new(&regions),
         regions,
         endpoint: Mutex::new(None),
         endpoint_opened: AtomicBool::new(false),
@@ -494,20 +497,17 @@ impl Engine {
             None => plan_reads(local_layout, remote_layout, local_ids, remote_ids)?,
             Some(range) => plan_segment_reads(local_layout, remote_layout, local_ids, remote_ids, range)?,
         };
-        check_remote_bounds(&plan, &peer.regions)?;
+        let remote_regions = check_remote_bounds(&plan, &peer.region_index)?;
         let mut reads = Vec::with_capacity(plan.len());
         let mut nbytes = 0u64;
         // Plans are segment-major, so consecutive reads nearly always fall in the region the
         // previous one did: try that first.
-        let (mut local_hint, mut remote_hint) = (0usize, 0usize);
-        for d in &plan {
+        let mut local_hint = 0usize;
+        for (d, &remote_region) in plan.iter().zip(&remote_regions) {
             local_hint = find_region(&local.regions, local_hint, |r| r.contains(d.local_addr, d.len)).ok_or_else(|| {
                 EngineError::InvalidArgument(format!("local range {:#x}+{} is outside the registered regions", d.local_addr, d.len))
             })?;
-            remote_hint = find_region(&peer.regions, remote_hint, |r| r.contains(d.remote_addr, d.len)).ok_or_else(|| {
-                EngineError::InvalidArgument(format!("remote range {:#x}+{} is outside the peer's regions", d.remote_addr, d.len))
-            })?;
-            reads.push(Read { local_addr: d.local_addr, local: &local.regions[local_hint], remote_addr: d.remote_addr, remote_region: remote_hint, len: d.len });
+            reads.push(Read { local_addr: d.local_addr, local: &local.regions[local_hint], remote_addr: d.remote_addr, remote_region, len: d.len });
             nbytes += d.len;
         }
         let batch = BatchState::new(&self.shared.worker);

@@ -134,8 +134,9 @@ impl Worker {
     }
 
     /// Drives UCX until it reports no more work; returns how many events were processed. The
-    /// lock is taken per round, so posting and other threads' progress interleave with a long
-    /// stream of events instead of waiting for the worker to go idle.
+    /// lock is taken for at most [`ROUNDS_PER_LOCK`] rounds, so posting and other threads'
+    /// progress interleave with a long stream of events instead of waiting for the worker to
+    /// go idle.
     pub fn progress(&self) -> u32 {
         self.progress_rounds(false)
     }
@@ -161,18 +162,23 @@ impl Worker {
     }
 
     fn progress_rounds(&self, background: bool) -> u32 {
+        let stand_aside = || background && self.driven_in_foreground();
         let mut total = 0;
         loop {
-            if background && self.driven_in_foreground() {
+            if stand_aside() {
                 return total;
             }
-            let guard = self.guard();
-            // SAFETY: worker is live and the lock is held.
-            let n = unsafe { (self.api.ucp_worker_progress)(self.worker) };
-            drop(guard);
-            total += n;
-            if n == 0 {
-                return total;
+            let _g = self.guard();
+            for _ in 0..ROUNDS_PER_LOCK {
+                // SAFETY: worker is live and the lock is held.
+                let n = unsafe { (self.api.ucp_worker_progress)(self.worker) };
+                total += n;
+                if n == 0 {
+                    return total;
+                }
+                if stand_aside() {
+                    return total;
+                }
             }
         }
     }
@@ -406,8 +412,8 @@ pub struct Endpoint {
     rkeys: Vec<sys::ucp_rkey_h>,
     /// The peer's regions, by the same index as `rkeys`.
     remote: Vec<RegionBounds>,
-    /// Reads posted on this endpoint that UCX has not completed: its remote keys are destroyed
-    /// only when there are none.
+    /// Batches posted on this endpoint with reads UCX has not completed: its remote keys are
+    /// destroyed only when there are none.
     outstanding: Arc<AtomicUsize>,
 }
 
@@ -424,6 +430,11 @@ pub struct Read<'a> {
     pub remote_region: usize,
     pub len: u64,
 }
+
+/// Progress rounds per taking of the worker lock: a small batch's reads (one per round over
+/// shared memory) complete under one lock, and a large one's still leave the lock to posting
+/// threads every few tens of microseconds.
+const ROUNDS_PER_LOCK: usize = 32;
 
 /// How long closing an endpoint may take before it is abandoned to worker teardown.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -448,17 +459,26 @@ impl Endpoint {
             });
         }
         let api = self.worker.api;
-        // A batch is posted on one endpoint, once.
-        let _ = batch.endpoint_reads.set(Arc::clone(&self.outstanding));
+        // A batch is posted on one endpoint, once; it counts there until its last read ends.
+        if batch.endpoint_batches.set(Arc::clone(&self.outstanding)).is_ok() {
+            self.outstanding.fetch_add(1, Ordering::AcqRel);
+        }
         let _g = self.worker.guard();
         // The posting itself counts as one unfinished read, so the batch cannot settle before
         // its last read is posted; every read is counted up front (one atomic add per batch).
         batch.start_reads(reads.len() + 1);
-        let result = self.post_each(api, reads, batch);
+        // One reference to the batch for all its pending reads' callbacks, so that a read
+        // costs no reference count of its own: released by whoever ends the batch's last read.
+        let in_flight = Arc::into_raw(Arc::clone(batch));
+        let result = self.post_each(api, reads, batch, in_flight);
         if let Err(e) = &result {
             batch.record_read_error(e.to_string());
         }
-        batch.reads_finished(1);
+        if batch.reads_finished(1) {
+            // SAFETY: the posting ended the batch's last read, so no callback will use the
+            // in-flight reference: it is released here, once.
+            unsafe { drop(Arc::from_raw(in_flight)) };
+        }
         result
     }
 
@@ -470,15 +490,12 @@ impl Endpoint {
 
     /// Posts `reads`, all counted in `batch` already: each one is ended here (done at once,
     /// failed, or never posted after a failure) or, when it goes pending, by [`read_done`].
-    fn post_each(&self, api: &'static Api, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
-        // Counted as outstanding on the endpoint before posting, so that no completion can
-        // find the count short; the reads that did not go pending are taken off below.
-        self.outstanding.fetch_add(reads.len(), Ordering::AcqRel);
-        let mut pending = 0;
+    /// `in_flight` is the batch's reference that [`read_done`] is handed.
+    fn post_each(&self, api: &'static Api, reads: &[Read<'_>], batch: &BatchState, in_flight: *const BatchState) -> Result<(), UcxError> {
         let mut result = Ok(());
         for (i, read) in reads.iter().enumerate() {
             let rkey = self.rkeys[read.remote_region];
-            let user_data = Arc::into_raw(Arc::clone(batch)) as *mut c_void;
+            let user_data = in_flight as *mut c_void;
             let param = sys::ucp_request_param_t {
                 op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMH | sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
                 memh: read.local.memh,
@@ -489,30 +506,26 @@ impl Endpoint {
             // SAFETY: UCX writes the remote range into the local buffer until the read
             // completes: in_bounds checked that the local range lies in a registered region
             // (which the caller keeps alive until the batch settles) and the remote range in
-            // the region this rkey was unpacked for; the lock is held. user_data is an owned Arc
-            // reclaimed exactly once: in read_done when the read goes pending (UCX then calls
-            // it exactly once), or right below when it does not.
+            // the region this rkey was unpacked for; the lock is held. user_data stays valid
+            // until the read ends: the in-flight reference is released only after the batch's
+            // last read, and UCX calls read_done (once) only for a read that went pending.
             let sp = unsafe {
                 (api.ucp_get_nbx)(self.ep, read.local_addr as *mut c_void, read.len as usize, read.remote_addr, rkey, &param)
             };
+            // Never the batch's last read here: the posting itself is still counted.
             match sys::status_ptr(sp) {
-                StatusPtr::Pending(_) => pending += 1,
+                StatusPtr::Pending(_) => {}
                 StatusPtr::Done => {
-                    // SAFETY: the callback will not run; reclaim the Arc given to it.
-                    unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
-                    batch.reads_finished(1);
+                    let _ = batch.reads_finished(1);
                 }
                 StatusPtr::Failed(status) => {
-                    // SAFETY: as above.
-                    unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
                     // This read and the ones never posted.
-                    batch.reads_finished(reads.len() - i);
+                    let _ = batch.reads_finished(reads.len() - i);
                     result = Err(call_error(api, "ucp_get_nbx", status));
                     break;
                 }
             }
         }
-        self.outstanding.fetch_sub(reads.len() - pending, Ordering::AcqRel);
         result
     }
 }
@@ -520,18 +533,20 @@ impl Endpoint {
 /// UCX's completion callback of one pending read: runs exactly once, inside progress (or a
 /// forced close) on the thread holding the worker lock.
 unsafe extern "C" fn read_done(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
-    // SAFETY: user_data is the Arc handed over in post_each for this read, reclaimed only here.
-    let batch = unsafe { Arc::from_raw(user_data as *const BatchState) };
+    // SAFETY: user_data is the batch's in-flight reference (post_reads), released only once
+    // the batch's last read has ended; this read has not, so the batch is alive.
+    let batch = unsafe { &*(user_data as *const BatchState) };
     let api = batch.api;
     if status != sys::UCS_OK {
         batch.record_read_error(format!("UCX read failed: {}", api.status_text(status)));
     }
-    if let Some(endpoint_reads) = batch.endpoint_reads.get() {
-        endpoint_reads.fetch_sub(1, Ordering::AcqRel);
-    }
-    batch.reads_finished(1);
     // SAFETY: the request belongs to this completed read and is freed once.
     unsafe { (api.ucp_request_free)(request) };
+    if batch.reads_finished(1) {
+        // SAFETY: this was the batch's last read, so the in-flight reference is this
+        // callback's to release, once; `batch` is not used after.
+        unsafe { drop(Arc::from_raw(user_data as *const BatchState)) };
+    }
 }
 
 impl Endpoint {
@@ -570,7 +585,7 @@ impl Endpoint {
         if !closed || outstanding > 0 {
             // UCX requires a remote key to outlive every operation that uses it: these go
             // with the worker instead.
-            log::warn!("UCX endpoint closed with {outstanding} reads outstanding (close complete: {closed}); its remote keys are left to worker teardown");
+            log::warn!("UCX endpoint closed with {outstanding} batches of reads outstanding (close complete: {closed}); its remote keys are left to worker teardown");
             self.rkeys.clear();
             return;
         }
@@ -626,8 +641,8 @@ pub struct BatchState {
     unfinished: AtomicUsize,
     /// The first error: a read UCX failed, a post that failed, or [`BatchState::fail`]'s reason.
     failure: Mutex<Option<String>>,
-    /// The outstanding-read count of the endpoint the batch was posted on.
-    endpoint_reads: OnceLock<Arc<AtomicUsize>>,
+    /// The outstanding-batch count of the endpoint the batch was posted on.
+    endpoint_batches: OnceLock<Arc<AtomicUsize>>,
     /// Set once, when the batch settles; read without a lock by every poll.
     outcome: OnceLock<Result<(), String>>,
 }
@@ -638,7 +653,7 @@ impl BatchState {
             api: worker.api,
             unfinished: AtomicUsize::new(0),
             failure: Mutex::new(None),
-            endpoint_reads: OnceLock::new(),
+            endpoint_batches: OnceLock::new(),
             outcome: OnceLock::new(),
         })
     }
@@ -649,10 +664,18 @@ impl BatchState {
         self.unfinished.fetch_add(n, Ordering::AcqRel);
     }
 
-    fn reads_finished(&self, n: usize) {
-        if self.unfinished.fetch_sub(n, Ordering::AcqRel) == n {
-            self.settle();
+    /// Ends `n` reads; returns whether they were the batch's last, which settles it (and
+    /// makes the caller the one to release the batch's in-flight reference).
+    #[must_use]
+    fn reads_finished(&self, n: usize) -> bool {
+        if self.unfinished.fetch_sub(n, Ordering::AcqRel) != n {
+            return false;
         }
+        self.settle();
+        if let Some(endpoint_batches) = self.endpoint_batches.get() {
+            endpoint_batches.fetch_sub(1, Ordering::AcqRel);
+        }
+        true
     }
 
     fn record_read_error(&self, error: String) {
