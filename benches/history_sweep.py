@@ -6,6 +6,10 @@ turn 2 is turn 1's prompt and answer plus `--new` tokens. What is measured is tu
 first token, streamed and seen by the client, for
 - `ideal`: one plain server on the whole machine that has turn 1 in its prefix cache (no
   transfer at all: what P/D must approach);
+- `ideal-half`: the same server on half the cores, the share of the machine P computes on
+  (as a P/D pair of accelerators sets a P against one single-accelerator server, not two):
+  the difference to it is what disaggregation and the transfer cost, not the core split. It
+  sees the same prompts as the others (turn 2 carries `ideal`'s turn-1 answer);
 - `kvduplex-bidirectional`: a P and a D (half the cores each) behind the kvduplex proxy, turns
   streamed with no conversation id. Before turn 2, P's prefix cache is reset — P no longer has
   the history, as when another prefill node served turn 1 or P evicted it under load, which is
@@ -82,10 +86,11 @@ from nixl_pd_baseline import NIXL_ENV, nixl_pythonpath
 logger = logging.getLogger("history_sweep")
 
 IDEAL = "ideal"
+IDEAL_HALF = "ideal-half"
 BIDIRECTIONAL = "kvduplex-bidirectional"
 LAYERWISE = "kvduplex-layerwise"
 ONE_WAY = "kvduplex-one-way"
-SYSTEMS = (IDEAL, BIDIRECTIONAL, LAYERWISE, ONE_WAY, NIXL)
+SYSTEMS = (IDEAL, IDEAL_HALF, BIDIRECTIONAL, LAYERWISE, ONE_WAY, NIXL)
 LOGPROB_ATOL = 1e-2
 RECOMPUTE_THRESHOLD = 64
 MAX_MODEL_LEN = 8192
@@ -135,19 +140,25 @@ def matches(expected: Completion, answer: Completion) -> bool:
     )
 
 
-def run_ideal(make, turns1: dict[Conversation, list[int]], args) -> tuple[dict, dict]:
-    """Turn 1, then turn 2 streamed, on one server; returns (turn-1 answers, turn-2 results)."""
-    answers: dict[Conversation, Completion] = {}
-    results: dict[Conversation, dict] = {}
-    with start_many([make(IDEAL, None, WHOLE_MACHINE_ENV)]) as (server,):
+def run_single(system: str, make, turns1: dict[Conversation, list[int]], args,
+               answers: dict[Conversation, Completion], results: dict,
+               expected: dict | None = None) -> None:
+    """Turn 1, then turn 2 streamed, on one plain server. Without `expected` (the ideal), its
+    turn-1 answers go into `answers`; with it, turn 2 carries those answers and is compared
+    with `expected`'s."""
+    env = WHOLE_MACHINE_ENV if system == IDEAL else None  # else half the cores, as P
+    with start_many([make(system, None, env)]) as (server,):
         complete(server.base_url, prompt(8, seed=-1), 2)  # first-request costs
         for key, turn1 in turns1.items():
-            answers[key] = complete(server.base_url, turn1, args.answer, timeout_s=900)
+            first = complete(server.base_url, turn1, args.answer, timeout_s=900)
+            if expected is None:
+                answers[key] = first
             ids = turn2(turn1, answers[key], key, args.new)
             second = complete_streamed(server.base_url, ids, args.answer, timeout_s=900)
             results[key] = {"ttft_s": second.ttft_s, "answer": second}
-            logger.info("%s: %d-token prompt, turn-2 TTFT %.0f ms", IDEAL, len(ids), second.ttft_s * 1e3)
-    return answers, results
+            if expected is not None:
+                results[key]["matches_ideal"] = matches(expected[key]["answer"], second)
+            logger.info("%s: %d-token prompt, turn-2 TTFT %.0f ms", system, len(ids), second.ttft_s * 1e3)
 
 
 def pd_servers(system: str, make) -> list[VllmServer]:
@@ -276,6 +287,7 @@ def format_table(table: dict, lengths: list[int]) -> str:
     lines.append("")
     for n in lengths:
         ideal = table[IDEAL][n]["ttft_s"]
+        half = table.get(IDEAL_HALF, {}).get(n, {}).get("ttft_s")
         bi = table.get(BIDIRECTIONAL, {}).get(n, {}).get("ttft_s")
         layerwise = table.get(LAYERWISE, {}).get(n, {}).get("ttft_s")
         one = table.get(ONE_WAY, {}).get(n, {}).get("ttft_s")
@@ -283,6 +295,8 @@ def format_table(table: dict, lengths: list[int]) -> str:
         parts = [f"history {n}:"]
         if ideal and bi:
             parts.append(f"bidirectional / ideal {bi / ideal:.2f}")
+        if half and bi:
+            parts.append(f"bidirectional / ideal-half {bi / half:.2f}")
         if ideal and layerwise:
             parts.append(f"layerwise / ideal {layerwise / ideal:.2f}")
         if bi and layerwise:
@@ -326,7 +340,9 @@ def main() -> int:
         for length in args.lengths
         for c in range(args.conversations)
     }
-    answers, ideal = run_ideal(make, turns1, args)
+    answers: dict[Conversation, Completion] = {}
+    ideal: dict[Conversation, dict] = {}
+    run_single(IDEAL, make, turns1, args, answers, ideal)
     results: dict[str, dict] = {IDEAL: ideal}
     errors: dict[str, str] = {}
     for system in SYSTEMS[1:]:
@@ -334,7 +350,10 @@ def main() -> int:
             continue
         results[system] = {}
         try:
-            run_pd(system, make, turns1, answers, ideal, args, results[system])
+            if system == IDEAL_HALF:
+                run_single(system, make, turns1, args, answers, results[system], ideal)
+            else:
+                run_pd(system, make, turns1, answers, ideal, args, results[system])
         except (ServerError, httpx.HTTPError) as exc:
             # Recorded with what it measured before; the other systems still run.
             errors[system] = f"{type(exc).__name__}: {exc}"
