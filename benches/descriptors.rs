@@ -3,7 +3,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvduplex::descriptors::{check_remote_bounds, plan_reads, BlockLayout, RegionBounds, RegionIndex};
+use kvduplex::descriptors::{
+    check_remote_bounds, plan_reads, BlockLayout, RegionBounds, RegionIndex,
+};
 
 const SEGMENTS: u64 = 64;
 const BLOCKS: u64 = 4096;

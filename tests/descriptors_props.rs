@@ -11,7 +11,12 @@ fn holding_regions(plan: &[Descriptor], regions: &[RegionBounds]) -> Result<Vec<
     assert_eq!(found.len(), plan.len());
     for (d, &i) in plan.iter().zip(&found) {
         let r = regions[i];
-        assert!(r.addr <= d.remote_addr && u128::from(d.remote_addr) + u128::from(d.len) <= u128::from(r.addr) + u128::from(r.len), "{d:?} is not in region {i} {r:?}");
+        assert!(
+            r.addr <= d.remote_addr
+                && u128::from(d.remote_addr) + u128::from(d.len)
+                    <= u128::from(r.addr) + u128::from(r.len),
+            "{d:?} is not in region {i} {r:?}"
+        );
     }
     Ok(found)
 }
@@ -665,9 +670,7 @@ fn check_remote_bounds_rejects_range_straddling_two_regions() {
         },
     ];
     assert_eq!(
-        holding_regions(&plan, &regions)
-            .unwrap_err()
-            .to_string(),
+        holding_regions(&plan, &regions).unwrap_err().to_string(),
         "range 0x1f00+512 is outside the peer's registered regions"
     );
 }

@@ -363,14 +363,13 @@ pub fn check_remote_bounds(
     plan.iter()
         .map(|d| {
             let len = u128::from(d.len);
-            let i = match hint {
-                Some(i) if remote.covers(i, d.remote_addr, len) => i,
-                _ => remote.find(d.remote_addr, len).ok_or(
-                    PlanError::RemoteRangeOutsideRegions {
-                        addr: d.remote_addr,
-                        len: d.len,
-                    },
-                )?,
+            let outside = PlanError::RemoteRangeOutsideRegions {
+                addr: d.remote_addr,
+                len: d.len,
+            };
+            let i = match hint.filter(|&i| remote.covers(i, d.remote_addr, len)) {
+                Some(i) => i,
+                None => remote.find(d.remote_addr, len).ok_or(outside)?,
             };
             hint = Some(i);
             Ok(remote.reacher[i])
@@ -401,7 +400,8 @@ impl RegionIndex {
             .map(|(i, r)| (r.addr, u128::from(r.addr) + u128::from(r.len), i))
             .collect();
         sorted.sort_unstable();
-        let (mut reach, mut reacher) = (Vec::with_capacity(sorted.len()), Vec::with_capacity(sorted.len()));
+        let mut reach = Vec::with_capacity(sorted.len());
+        let mut reacher = Vec::with_capacity(sorted.len());
         for (k, &(_, end, i)) in sorted.iter().enumerate() {
             if k == 0 || end > reach[k - 1] {
                 reach.push(end);
