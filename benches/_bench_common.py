@@ -5,7 +5,8 @@ Every system reads the same patterns between the same kind of memory: an anonymo
 The owner fills its region with 64-bit words w[i] = i, so every block's expected content
 follows from its block id alone. The reader checks batches in two ways (see timed_batches):
 every byte of the untimed warm-up and closing batches, and a sentinel word at each end of
-every block of the timed ones, as the raw-UCX reference checks its own.
+every block of the timed ones (the raw-UCX reference checks its timed batches by a sentinel
+too, in each block's first word).
 """
 
 import json
@@ -212,9 +213,9 @@ def timed_batches(pattern, dest, local_ids, remote_ids, run_batch, warmup, reps,
     summary. `run_batch()` posts the batch and returns once it completed (it raises on failure).
 
     Every byte of the warm-up and closing batches is checked: the destination blocks are
-    poisoned whole before, and compared whole after. A timed batch is checked as the raw-UCX
-    reference (ucp_rma_bench) checks its own: a sentinel at both ends of every block before,
-    compared after. Poisoning and comparing 16 MiB between timed batches would evict the
+    poisoned whole before, and compared whole after. A timed batch is checked by sentinels, as
+    the raw-UCX reference (ucp_rma_bench) checks its own (it uses each block's first word): a
+    sentinel at both ends of every block before, compared after. Poisoning and comparing 16 MiB between timed batches would evict the
     pattern's blocks from the cache and slow the next batch by about 20% (measured), so the
     timed batches of every system would be measured under other conditions than raw UCX's.
     """

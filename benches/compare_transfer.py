@@ -5,9 +5,10 @@ For every transport (tcp, shared memory) and every system, two processes on loop
 that fills a region with a known pattern and a reader that READs blocks of it into its own
 region. Same patterns, same region size and the same memory (anonymous mmap, 2 MiB aligned,
 MADV_HUGEPAGE unless --no-thp) for all systems. kvduplex and NIXL check every byte of their
-untimed warm-up and closing batches, and the timed ones as the raw-UCX reference checks its
-own: a sentinel word at each end of every block (checking every byte between timed batches
-would evict the blocks from the cache and slow the next batch by ~20%; see timed_batches).
+untimed warm-up and closing batches, and the timed ones by sentinels as the raw-UCX reference
+checks its own: a word at each end of every block (raw-ucx: the first word; checking every
+byte between timed batches would evict the blocks from the cache and slow the next batch by
+~20%; see timed_batches).
 
     python benches/compare_transfer.py --json OUT [--quick] [--systems kvduplex,nixl]
 
