@@ -215,9 +215,10 @@ def timed_batches(pattern, dest, local_ids, remote_ids, run_batch, warmup, reps,
     Every byte of the warm-up and closing batches is checked: the destination blocks are
     poisoned whole before, and compared whole after. A timed batch is checked by sentinels, as
     the raw-UCX reference (ucp_rma_bench) checks its own (it uses each block's first word): a
-    sentinel at both ends of every block before, compared after. Poisoning and comparing 16 MiB between timed batches would evict the
-    pattern's blocks from the cache and slow the next batch by about 20% (measured), so the
-    timed batches of every system would be measured under other conditions than raw UCX's.
+    sentinel at both ends of every block before, compared after. Poisoning and comparing 16 MiB
+    between timed batches would evict the pattern's blocks from the cache and slow the next
+    batch by about 20% (measured), so the timed batches of every system would be measured
+    under other conditions than raw UCX's.
     """
     seconds = []
     bad = {"every byte": 0, "sentinels": 0}

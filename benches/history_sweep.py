@@ -26,8 +26,8 @@ first token, streamed and seen by the client, for
 Every system replays the ideal server's turn-1 answers, so all see the same prompts, and each
 turn-2 answer is compared with the ideal's (tokens; logprobs within 1e-2, as servers on
 different thread counts round differently). A system whose servers fail is reported with the
-conversations it finished (`errors` in the JSON); the others still run. Per point: the median over the conversations, P's
-turn-2 prompt tokens by source, and kvduplex's breakdown from the servers' metrics: P's TTFT
+conversations it finished (`errors` in the JSON); the others still run. Per point: the median
+over the conversations, P's turn-2 prompt tokens by source, and kvduplex's breakdown from the servers' metrics: P's TTFT
 (lookup + D->P pull + prefill of the new tokens), of which lookup and pull, and D's TTFT (P->D
 pull + first step); the rest of the client's TTFT is HTTP, the proxy and tokenization.
 
@@ -140,13 +140,12 @@ def matches(expected: Completion, answer: Completion) -> bool:
     )
 
 
-def run_single(system: str, make, turns1: dict[Conversation, list[int]], args,
+def run_single(system: str, env: dict | None, make, turns1: dict[Conversation, list[int]], args,
                answers: dict[Conversation, Completion], results: dict,
                expected: dict | None = None) -> None:
-    """Turn 1, then turn 2 streamed, on one plain server. Without `expected` (the ideal), its
-    turn-1 answers go into `answers`; with it, turn 2 carries those answers and is compared
-    with `expected`'s."""
-    env = WHOLE_MACHINE_ENV if system == IDEAL else None  # else half the cores, as P
+    """Turn 1, then turn 2 streamed, on one plain server (`env`: None for half the cores, as
+    P). Without `expected` (the ideal), its turn-1 answers go into `answers`; with it, turn 2
+    carries those answers and is compared with `expected`'s."""
     with start_many([make(system, None, env)]) as (server,):
         complete(server.base_url, prompt(8, seed=-1), 2)  # first-request costs
         for key, turn1 in turns1.items():
@@ -342,7 +341,7 @@ def main() -> int:
     }
     answers: dict[Conversation, Completion] = {}
     ideal: dict[Conversation, dict] = {}
-    run_single(IDEAL, make, turns1, args, answers, ideal)
+    run_single(IDEAL, WHOLE_MACHINE_ENV, make, turns1, args, answers, ideal)
     results: dict[str, dict] = {IDEAL: ideal}
     errors: dict[str, str] = {}
     for system in SYSTEMS[1:]:
@@ -351,7 +350,7 @@ def main() -> int:
         results[system] = {}
         try:
             if system == IDEAL_HALF:
-                run_single(system, make, turns1, args, answers, results[system], ideal)
+                run_single(system, None, make, turns1, args, answers, results[system], ideal)
             else:
                 run_pd(system, make, turns1, answers, ideal, args, results[system])
         except (ServerError, httpx.HTTPError) as exc:

@@ -363,13 +363,13 @@ pub fn check_remote_bounds(
     plan.iter()
         .map(|d| {
             let len = u128::from(d.len);
-            let outside = PlanError::RemoteRangeOutsideRegions {
+            let outside = || PlanError::RemoteRangeOutsideRegions {
                 addr: d.remote_addr,
                 len: d.len,
             };
             let i = match hint.filter(|&i| remote.covers(i, d.remote_addr, len)) {
                 Some(i) => i,
-                None => remote.find(d.remote_addr, len).ok_or(outside)?,
+                None => remote.find(d.remote_addr, len).ok_or_else(outside)?,
             };
             hint = Some(i);
             Ok(remote.reacher[i])
