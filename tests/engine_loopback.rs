@@ -168,6 +168,33 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     assert!(ask(vec![11]).is_none(), "a freed hold is not offered any more");
 }
 
+#[test]
+fn a_lookup_connects_to_an_owner_it_does_not_know_yet_and_reports_one_it_cannot_reach() {
+    let mut owned = vec![3u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    assert!(owner.hold("turn-1", 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap());
+    let owner_port = owner.side_channel_addr().unwrap().port();
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let targets = vec![("127.0.0.1".to_string(), owner_port), ("127.0.0.1".to_string(), nobody)];
+    let fan_out = reader.start_lookup(targets, vec![11, 12], Duration::from_secs(1));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let answers = loop {
+        let answers = fan_out.answers();
+        if answers.iter().all(Option::is_some) {
+            break answers;
+        }
+        assert!(Instant::now() < deadline, "not every target answered: {answers:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let (owner_id, found) = answers[0].as_ref().unwrap().outcome.clone().unwrap();
+    assert_eq!((owner_id.as_str(), found.map(|m| m.matched_blocks)), ("owner", Some(2)));
+    let unreachable = answers[1].as_ref().unwrap();
+    assert_eq!(unreachable.address, format!("127.0.0.1:{nobody}"));
+    assert!(unreachable.outcome.is_err(), "{unreachable:?}");
+}
+
 fn status_until_settled(reader: &Engine, host: &str, port: u16, expected: Option<&str>) -> PeerStatus {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -13,7 +13,7 @@ use kvduplex::handshake::wire::{
 };
 use kvduplex::handshake::{Fingerprint, HandshakeError, PROTOCOL_VERSION};
 use kvduplex::holds::{LookupMatch, LookupReply, LookupRequest};
-use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
+use kvduplex::side_channel::{LookupOutcome, PeerLink, SideChannelConfig, SideChannelServer};
 
 mod common;
 use common::*;
@@ -594,9 +594,9 @@ fn lookups_are_served_only_after_authentication_and_echo_their_id() {
     assert!(raw.receive().is_none());
     // An authenticated link: each lookup gets its own reply, misses included.
     let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
-    let found = link.lookup(vec![7, 8], TIMEOUT).unwrap().unwrap();
+    let found = ask(&link, vec![7, 8], TIMEOUT).unwrap().unwrap();
     assert_eq!((found.owner_request_id.as_str(), found.claim_id), ("turn", 3));
-    assert!(link.lookup(vec![9], TIMEOUT).unwrap().is_none());
+    assert!(ask(&link, vec![9], TIMEOUT).unwrap().is_none());
     // Both came on one connection, named by the engine id it announced and its number.
     let asked = asked.lock().unwrap().clone();
     assert_eq!(asked.iter().map(|(_, f)| f.clone()).collect::<Vec<_>>(), vec![vec![7, 8], vec![9]]);
@@ -639,9 +639,9 @@ fn after_an_authenticated_handshake_untagged_replayed_or_forged_frames_end_the_c
 
     // A real link keeps working throughout.
     let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
-    assert!(link.lookup(vec![1], TIMEOUT).unwrap().is_none());
+    assert!(ask(&link, vec![1], TIMEOUT).unwrap().is_none());
     link.notify(b"after many frames").unwrap();
-    assert!(link.lookup(vec![1], TIMEOUT).unwrap().is_none());
+    assert!(ask(&link, vec![1], TIMEOUT).unwrap().is_none());
 }
 
 #[test]
@@ -653,15 +653,36 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
         LookupReply { id: request.id, found: None }
     }));
     let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), None).unwrap();
-    let started = Instant::now();
-    let err = link.lookup(vec![1], Duration::from_millis(50)).unwrap_err();
+    // A reply later than the lookup's timeout counts as none.
+    let err = ask(&link, vec![1], Duration::from_millis(50)).unwrap_err();
     assert!(matches!(err, HandshakeError::Timeout { .. }), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(2));
-    // A late reply is dropped; the link keeps working.
-    assert!(link.lookup(vec![1], TIMEOUT).unwrap().is_none());
+    // A lookup still waiting past its timeout ends when the next one is sent, whatever the
+    // owner does meanwhile.
+    let (tx, outcomes) = mpsc::channel();
+    let first = tx.clone();
+    link.send_lookup(vec![1], Duration::from_millis(50), Box::new(move |outcome| drop(first.send(("first", outcome)))));
+    thread::sleep(Duration::from_millis(60));
+    link.send_lookup(vec![1], TIMEOUT, Box::new(move |outcome| drop(tx.send(("second", outcome)))));
+    let (which, outcome) = outcomes.try_recv().expect("the first lookup ended when the second was sent");
+    assert!(which == "first" && matches!(outcome, Err(HandshakeError::Timeout { .. })), "{which}: {outcome:?}");
+    // The link keeps working: the second lookup gets its reply.
+    let (which, outcome) = outcomes.recv_timeout(TIMEOUT).unwrap();
+    assert!(which == "second" && matches!(outcome, Ok(None)), "{which}: {outcome:?}");
+    // A lookup waiting when the owner goes fails with it, and so does one sent afterwards.
+    let (tx, outcome) = mpsc::channel();
+    link.send_lookup(vec![1], Duration::from_secs(60), Box::new(move |o| drop(tx.send(o))));
     drop(server);
+    let outcome = outcome.recv_timeout(TIMEOUT).unwrap();
+    assert!(matches!(outcome, Err(HandshakeError::PeerGone(_)) | Ok(None)), "{outcome:?}");
     assert!(wait_until(TIMEOUT, || !link.is_alive()));
-    assert!(link.lookup(vec![1], TIMEOUT).is_err());
+    assert!(matches!(ask(&link, vec![1], TIMEOUT), Err(HandshakeError::PeerGone(_))));
+}
+
+/// A lookup's outcome, waited for (the link hands it over on its own thread).
+fn ask(link: &PeerLink, fingerprints: Vec<u64>, timeout: Duration) -> LookupOutcome {
+    let (tx, outcome) = mpsc::channel();
+    link.send_lookup(fingerprints, timeout, Box::new(move |o| drop(tx.send(o))));
+    outcome.recv_timeout(timeout + TIMEOUT).expect("the lookup's outcome was never handed over")
 }
 
 #[test]

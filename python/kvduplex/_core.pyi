@@ -60,7 +60,8 @@ class Lookup:
         """Per target, None until it answered, then (address asked, owner engine id, match,
         error): the match is (owner request id, matched blocks, claim id, claim seconds,
         offer), None when the owner holds none of the blocks; error says why there is no
-        answer (unreachable, timed out, gone)."""
+        answer (unreachable, gone, or silent until 60 s past the lookup's timeout: replies
+        are taken that long, so that the claim of a late one can be handed back)."""
 
 @final
 class Engine:
@@ -167,9 +168,10 @@ class Engine:
         fingerprints: Sequence[str],
         timeout_s: float = 1.0,
     ) -> Lookup:
-        """Ask every side channel in `targets` at once, on the transfer core's own threads
-        (connecting first where needed; no GIL needed), for the longest held turn starting with
-        these blocks. A match is claimed for us until we release the claim."""
+        """Ask every side channel in `targets` at once for the longest held turn starting with
+        these blocks, without waiting: a connected owner is asked right away, others are
+        connected to first (within `timeout_s`) on the transfer core's own threads. Poll the
+        returned lookup. A match is claimed for us until we release the claim."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (sender, payload) notifications received so far, in order. The sender is
         `engine-id#connection`: pass it to `release_hold` as the reader."""

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, PlanError, RegionBounds, RegionIndex};
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, PeerState, PeerTable, RegionInfo, RetryPolicy};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
-use crate::side_channel::{KnownPeer, Notification, PeerLink, SideChannelConfig, SideChannelServer};
+use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
 use crate::ucx::{BatchState, Endpoint, MemRegion, Read, UcxError, Worker};
 
 
@@ -582,29 +582,38 @@ impl Engine {
         lock(&self.shared.holds).evict(num_blocks)
     }
 
-    /// Asks every `(host, port)` in `targets` at once, each on a thread of its own (connecting
-    /// first where needed), for the longest held turn starting with `fingerprints`. Nothing
-    /// here needs the caller: poll the returned [`LookupFanOut`].
+    /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
+    /// with `fingerprints`. A connected owner is asked from this thread right away: a new
+    /// thread may wait long for a core on a busy host. Others are connected to first, each on
+    /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
+    /// returned [`LookupFanOut`]; an owner's reply is taken until [`LATE_REPLY_WINDOW`] after
+    /// `timeout`, so that a late claim can still be handed back.
     pub fn start_lookup(&self, targets: Vec<(String, u16)>, fingerprints: Vec<BlockFingerprint>, timeout: Duration) -> LookupFanOut {
-        let deadline = deadline_after(timeout);
-        let fan_out = LookupFanOut { answers: Arc::new(Mutex::new(targets.iter().map(|_| None).collect())) };
+        let connect_deadline = deadline_after(timeout);
+        let fan_out = LookupFanOut::new(targets.iter().map(|(host, port)| format!("{host}:{port}")).collect(), deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)));
         let fingerprints = Arc::new(fingerprints);
         for (index, (host, port)) in targets.into_iter().enumerate() {
-            let (shared, answers, fingerprints) = (Arc::downgrade(&self.shared), Arc::clone(&fan_out.answers), Arc::clone(&fingerprints));
-            let ask = move || {
-                let answer = match shared.upgrade() {
-                    Some(shared) => ask_one(&shared, &host, port, &fingerprints, deadline),
+            if let Some(peer) = ready_peer(&self.shared, &fan_out.addresses[index]) {
+                fan_out.ask(index, &peer, &fingerprints);
+                continue;
+            }
+            let (shared, asking, fingerprints) = (Arc::downgrade(&self.shared), fan_out.clone(), Arc::clone(&fingerprints));
+            let connect_and_ask = move || {
+                let connected = match shared.upgrade() {
+                    Some(shared) => connect_for_lookup(&shared, &host, port, connect_deadline),
                     None => Err("engine closed".to_owned()),
                 };
-                lock(&answers)[index] = Some(LookupAnswer { address: format!("{host}:{port}"), outcome: answer });
+                match connected {
+                    Ok(peer) => asking.ask(index, &peer, &fingerprints),
+                    Err(e) => asking.answer(index, Err(e)),
+                }
             };
-            if let Err(e) = std::thread::Builder::new().name("kvduplex-lookup".into()).spawn(ask) {
-                lock(&fan_out.answers)[index] = Some(LookupAnswer { address: String::new(), outcome: Err(format!("cannot start a lookup thread: {e}")) });
+            if let Err(e) = std::thread::Builder::new().name("kvduplex-lookup".into()).spawn(connect_and_ask) {
+                fan_out.answer(index, Err(format!("cannot start a lookup thread: {e}")));
             }
         }
         fan_out
     }
-
 
     /// Stops the progress thread, fails what is in flight, closes peers and the side channel,
     /// then unregisters memory. Idempotent.
@@ -908,32 +917,70 @@ pub struct LookupAnswer {
     pub outcome: Result<(String, Option<LookupMatch>), String>,
 }
 
+/// How long after its deadline a lookup still takes an owner's reply: the caller reports the
+/// lookup at its deadline and keeps polling, to hand back the claim of a reply that came late.
+pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
+
 /// A lookup sent to several owners at once; answers arrive as the owners reply.
 #[derive(Clone)]
 pub struct LookupFanOut {
+    /// The side channels asked ("host:port"), by target.
+    addresses: Arc<Vec<String>>,
     answers: Arc<Mutex<Vec<Option<LookupAnswer>>>>,
+    /// Replies are taken until then; an owner silent past it never answers.
+    gives_up_at: Instant,
 }
 
 impl LookupFanOut {
-    /// Answers so far, by target; `None` where the owner has not answered yet.
+    fn new(addresses: Vec<String>, gives_up_at: Instant) -> Self {
+        let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
+        Self { addresses: Arc::new(addresses), answers, gives_up_at }
+    }
+
+    /// Answers so far, by target; `None` where the owner may still answer.
     pub fn answers(&self) -> Vec<Option<LookupAnswer>> {
-        lock(&self.answers).clone()
+        self.answers_at(Instant::now())
+    }
+
+    fn answers_at(&self, now: Instant) -> Vec<Option<LookupAnswer>> {
+        let mut answers = lock(&self.answers);
+        if now >= self.gives_up_at {
+            for (address, answer) in self.addresses.iter().zip(answers.iter_mut()) {
+                answer.get_or_insert_with(|| LookupAnswer { address: address.clone(), outcome: Err("the owner did not reply".to_owned()) });
+            }
+        }
+        answers.clone()
+    }
+
+    /// Target `index`'s answer, unless it has one already.
+    fn answer(&self, index: usize, outcome: Result<(String, Option<LookupMatch>), String>) {
+        lock(&self.answers)[index].get_or_insert_with(|| LookupAnswer { address: self.addresses[index].clone(), outcome });
+    }
+
+    /// Sends the lookup to `peer`, target `index`, without waiting for its reply.
+    fn ask(&self, index: usize, peer: &Peer, fingerprints: &[BlockFingerprint]) {
+        let (fan_out, owner) = (self.clone(), peer.meta.engine_id.clone());
+        let on_reply = Box::new(move |outcome: LookupOutcome| {
+            fan_out.answer(index, outcome.map(|found| (owner, found)).map_err(|e| e.to_string()));
+        });
+        peer.link.send_lookup(fingerprints.to_vec(), self.gives_up_at.saturating_duration_since(Instant::now()), on_reply);
     }
 }
 
-fn ask_one(shared: &Arc<Shared>, host: &str, port: u16, fingerprints: &[BlockFingerprint], deadline: Instant) -> Result<(String, Option<LookupMatch>), String> {
+/// The live peer connected through `key`, if the peer table has one ready.
+fn ready_peer(shared: &Shared, key: &str) -> Option<Arc<Peer>> {
+    let table = lock(&shared.table);
+    let PeerState::Ready { engine_id, .. } = table.state(key) else { return None };
+    lock(&shared.peers).get(engine_id).filter(|peer| peer.alive.load(Ordering::Acquire) && peer.address == key).cloned()
+}
+
+fn connect_for_lookup(shared: &Arc<Shared>, host: &str, port: u16, deadline: Instant) -> Result<Arc<Peer>, String> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err("no time left to connect".to_owned());
     }
     let peer_id = connect_blocking(shared, host, port, left).map_err(|e| e.to_string())?;
-    let peer = lock(&shared.peers).get(&peer_id).cloned().ok_or_else(|| format!("peer {peer_id} went away"))?;
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err("no time left to ask".to_owned());
-    }
-    let found = peer.link.lookup(fingerprints.to_vec(), left).map_err(|e| e.to_string())?;
-    Ok((peer_id, found))
+    lock(&shared.peers).get(&peer_id).cloned().ok_or_else(|| format!("peer {peer_id} went away"))
 }
 
 /// Answers side-channel lookups from the hold book, claiming matches for the asking engine.
@@ -946,4 +993,28 @@ fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_
         }
         LookupReply { id: request.id, found }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fan_out_takes_each_targets_first_answer_and_gives_up_on_the_silent_at_its_time() {
+        let t0 = Instant::now();
+        let gives_up_at = t0 + Duration::from_secs(10);
+        let fan_out = LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], gives_up_at);
+        assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
+        fan_out.answer(0, Ok(("A".to_owned(), None)));
+        // A later outcome for the same target (e.g. the link dying afterwards) changes nothing.
+        fan_out.answer(0, Err("gone".to_owned()));
+        let answers = fan_out.answers_at(gives_up_at - Duration::from_millis(1));
+        let first = answers[0].as_ref().unwrap();
+        assert_eq!((first.address.as_str(), first.outcome.as_ref().unwrap().0.as_str()), ("a:1", "A"));
+        assert!(answers[1].is_none());
+        let answers = fan_out.answers_at(gives_up_at);
+        assert!(answers[0].as_ref().unwrap().outcome.is_ok());
+        let silent = answers[1].as_ref().unwrap();
+        assert_eq!((silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()), ("b:2", "the owner did not reply"));
+    }
 }

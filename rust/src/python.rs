@@ -301,7 +301,7 @@ impl Engine {
 
 
     /// Asks every `(host, port)` at once for the longest held turn starting with
-    /// `fingerprints`, on threads of the transfer core (no GIL needed); poll the result.
+    /// `fingerprints`, without waiting (see `engine::Engine::start_lookup`); poll the result.
     #[pyo3(signature = (targets, fingerprints, timeout_s=1.0))]
     fn start_lookup(&self, py: Python<'_>, targets: Vec<(String, u16)>, fingerprints: Vec<String>, timeout_s: f64) -> PyResult<Lookup> {
         let timeout = seconds("timeout_s", timeout_s)?;

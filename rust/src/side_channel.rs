@@ -13,7 +13,7 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::cell::RefCell;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -510,28 +510,68 @@ pub struct PeerLink {
     lookups: Arc<PendingLookups>,
 }
 
+/// What becomes of a lookup sent on a link: the owner's reply, or why none will come.
+pub type LookupOutcome = Result<Option<LookupMatch>, HandshakeError>;
+
+/// Takes a lookup's outcome; runs exactly once (see [`PeerLink::send_lookup`]).
+pub type LookupReplyHandler = Box<dyn FnOnce(LookupOutcome) + Send>;
+
 /// Lookups sent on a link, waiting for their replies (which the link thread delivers).
 #[derive(Default)]
 struct PendingLookups {
     next_id: AtomicU64,
-    replies: Mutex<HashMap<u64, Option<LookupReply>>>,
-    arrived: Condvar,
+    /// By lookup id: when the lookup gives up, its timeout, and who takes the outcome.
+    waiting: Mutex<HashMap<u64, (Instant, Duration, LookupReplyHandler)>>,
 }
 
 impl PendingLookups {
-    /// Hands a reply to its waiter; a reply nobody waits for any more is dropped (the
-    /// owner's claim then ends at its deadline).
-    fn deliver(&self, reply: LookupReply) {
-        let mut replies = lock(&self.replies);
-        if let Some(slot) = replies.get_mut(&reply.id) {
-            *slot = Some(reply);
-            self.arrived.notify_all();
+    fn add(&self, id: u64, timeout: Duration, handler: LookupReplyHandler) {
+        let now = Instant::now();
+        let deadline = now.checked_add(timeout).unwrap_or_else(far_future);
+        // Sweeping here bounds the map by the lookups sent within one timeout, however
+        // silent the owner.
+        self.expire(now);
+        lock(&self.waiting).insert(id, (deadline, timeout, handler));
+    }
+
+    /// Hands a reply to its handler. A reply past its lookup's deadline counts as none (the
+    /// lookup ends with a timeout), and one nobody waits for any more is dropped: the owner's
+    /// claim then ends at its own deadline.
+    fn deliver(&self, reply: LookupReply, now: Instant) {
+        let waiting = lock(&self.waiting).remove(&reply.id);
+        match waiting {
+            Some((deadline, _, handler)) if now < deadline => handler(Ok(reply.found)),
+            Some((_, after, handler)) => handler(Err(HandshakeError::Timeout { waiting_for: "the owner's lookup reply", after })),
+            None => {}
         }
     }
 
-    fn wake_all(&self) {
-        let _guard = lock(&self.replies);
-        self.arrived.notify_all();
+    /// The lookup `id` ends with `error` unless its outcome was handed over already.
+    fn fail(&self, id: u64, error: HandshakeError) {
+        let waiting = lock(&self.waiting).remove(&id);
+        if let Some((_, _, handler)) = waiting {
+            handler(Err(error));
+        }
+    }
+
+    /// Ends every lookup whose deadline has passed with a timeout.
+    fn expire(&self, now: Instant) {
+        let expired: Vec<_> = {
+            let mut waiting = lock(&self.waiting);
+            let ids: Vec<u64> = waiting.iter().filter(|(_, (at, _, _))| *at <= now).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| waiting.remove(&id)).collect()
+        };
+        for (_, after, handler) in expired {
+            handler(Err(HandshakeError::Timeout { waiting_for: "the owner's lookup reply", after }));
+        }
+    }
+
+    /// Ends every lookup still waiting: the link is gone.
+    fn fail_all(&self, reason: &str) {
+        let waiting: Vec<_> = lock(&self.waiting).drain().map(|(_, entry)| entry).collect();
+        for (_, _, handler) in waiting {
+            handler(Err(HandshakeError::PeerGone(reason.to_owned())));
+        }
     }
 }
 
@@ -636,14 +676,15 @@ impl PeerLink {
                     || lock(&thread_writer).send(&Frame::Ping),
                     |frame| match frame {
                         Frame::LookupReply(reply) => {
-                            thread_lookups.deliver(reply);
+                            thread_lookups.deliver(reply, Instant::now());
                             Ok(())
                         }
                         other => Err(unexpected("Ping or LookupReply", &other)),
                     },
                 );
-                mark_dead(&thread_status, end.to_string());
-                thread_lookups.wake_all();
+                let reason = end.to_string();
+                mark_dead(&thread_status, reason.clone());
+                thread_lookups.fail_all(&reason);
             })?;
         Ok((
             PeerLink {
@@ -681,36 +722,20 @@ impl PeerLink {
     }
 
     /// Asks the owner for the longest turn it holds whose blocks start with `fingerprints`
-    /// (claimed for us when found). Fails when the link dies or no reply comes by `timeout`.
-    pub fn lookup(
-        &self,
-        fingerprints: Vec<u64>,
-        timeout: Duration,
-    ) -> Result<Option<LookupMatch>, HandshakeError> {
-        let deadline = Deadline::after(timeout);
+    /// (claimed for us when found), without waiting: `on_reply` takes the outcome, exactly
+    /// once: on the link's thread when the reply arrives or the link dies, or on this thread
+    /// when the frame cannot be sent. A reply later than `timeout` counts as none: the lookup
+    /// then ends with `Timeout`, when that reply arrives, on a later `send_lookup`, or when
+    /// the link ends, whichever is first. Callers that must know sooner keep their own
+    /// deadline.
+    pub fn send_lookup(&self, fingerprints: Vec<u64>, timeout: Duration, on_reply: LookupReplyHandler) {
         let id = self.lookups.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = Frame::Lookup(LookupRequest { id, fingerprints });
-        lock(&self.lookups.replies).insert(id, None);
-        let result = self.send(&frame, "sending a lookup").and_then(|()| {
-            let mut replies = lock(&self.lookups.replies);
-            loop {
-                if let Some(Some(reply)) = replies.get_mut(&id).map(Option::take) {
-                    return Ok(reply.found);
-                }
-                if let LinkStatus::Dead { reason } = &*lock(&self.status) {
-                    return Err(HandshakeError::PeerGone(reason.clone()));
-                }
-                let left = deadline.left("the owner's lookup reply")?;
-                replies = self
-                    .lookups
-                    .arrived
-                    .wait_timeout(replies, left)
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .0;
-            }
-        });
-        lock(&self.lookups.replies).remove(&id);
-        result
+        self.lookups.add(id, timeout, on_reply);
+        // Registered before sending, so a fast reply finds it.
+        // A link that dies after this fails every waiting lookup, this one included.
+        if let Err(e) = self.send(&Frame::Lookup(LookupRequest { id, fingerprints }), "sending a lookup") {
+            self.lookups.fail(id, e);
+        }
     }
 
     /// Writes one whole frame; a failed write leaves the stream unusable, so the link dies.
@@ -721,8 +746,9 @@ impl PeerLink {
         let sent = lock(&self.writer).send(frame);
         sent.map_err(|e| {
             if matches!(e, HandshakeError::Io(_)) {
-                mark_dead(&self.status, format!("{what} failed: {e}"));
-                self.lookups.wake_all();
+                let reason = format!("{what} failed: {e}");
+                mark_dead(&self.status, reason.clone());
+                self.lookups.fail_all(&reason);
             }
             e
         })

@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-# How long a reported lookup's silent owners are still listened to, to hand late claims back.
-_LATE_ANSWER_WAIT_S = 60.0
 # How often TP rank 0 checks its connections to lookup targets (connecting new or lost ones).
 _PEER_SCAN_INTERVAL_S = 1.0
 
@@ -651,8 +649,8 @@ class DuplexWorker:
             self._lookup_results[spec.request_id] = []
             self._stats.add("lookups_missed")
             return
-        # The transfer core asks every target on threads of its own: no GIL, no pool to queue
-        # behind, whatever this process does meanwhile.
+        # The transfer core sends the lookup to connected targets right here and takes their
+        # replies on its own threads: no GIL, no pool to queue behind.
         lookup = self._engine.start_lookup(targets, list(spec.fingerprints), spec.timeout_s)
         self._lookups[spec.request_id] = _PendingLookup(
             lookup=lookup,
@@ -687,7 +685,9 @@ class DuplexWorker:
             late, _ = pending.take(answers)
             for match in late:
                 self._notify_quietly(match.owner_engine_id, match.owner_request_id, match.claim_id)
-            if len(pending.taken) == len(answers) or now > pending.deadline + _LATE_ANSWER_WAIT_S:
+            # The transfer core reports an owner still silent a while past the deadline as
+            # failed, so every target is taken in the end.
+            if len(pending.taken) == len(answers):
                 self._unanswered.remove(pending)
 
 
