@@ -3,7 +3,11 @@ gone recomputes."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
+
+import pytest
 
 from kvduplex.protocol import prefill_request_params
 from kvduplex.proxy.balancer import UpstreamPool
@@ -178,3 +182,65 @@ def test_periodic_probes_take_out_and_bring_back_a_sick_server(cluster):
     d.healthy = True
     wait_for_health_status(200)
     assert post(proxy).status_code == 200
+
+
+class OneRequestPerConnection:
+    """An HTTP upstream that answers the first request on each connection (keeping it open) and
+    closes a connection as soon as a second request arrives on it: what a client sees when it
+    reuses a connection that the server's keep-alive timeout is closing just then (uvicorn's
+    "Server disconnected without sending a response"), made deterministic."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.answered = 0
+        self._connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._connections.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            for request in range(2):
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        return
+                    data += chunk
+                if request == 1:
+                    return
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                self.answered += 1
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._connections:
+            conn.close()
+
+
+@pytest.mark.parametrize("keepalive_expiry_s, stays_healthy", [(0.2, True), (30.0, False)])
+def test_an_idle_upstream_connection_is_dropped_before_the_upstream_can_close_it_under_a_request(
+    cluster, keepalive_expiry_s, stays_healthy
+):
+    upstream = OneRequestPerConnection()
+    try:
+        proxy = cluster.proxy(
+            [upstream], [cluster.engine("d")], keepalive_expiry_s=keepalive_expiry_s
+        )
+        proxy.check_health()
+        time.sleep(0.4)
+        proxy.check_health()
+        # Dropped after 0.2 s idle, the second probe opens a new connection and is answered;
+        # kept for 30 s, it reuses the first connection and fails like the real race does.
+        assert healthy(proxy, "prefill", upstream) == (1 if stays_healthy else 0)
+        assert upstream.answered == (2 if stays_healthy else 1)
+    finally:
+        upstream.close()

@@ -196,6 +196,7 @@ class DuplexProxy:
             limits=httpx.Limits(
                 max_connections=config.max_upstream_connections,
                 max_keepalive_connections=config.max_keepalive_connections,
+                keepalive_expiry=config.keepalive_expiry_s,
             ),
             timeout=httpx.Timeout(
                 connect=config.connect_timeout_s,

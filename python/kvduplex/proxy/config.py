@@ -97,6 +97,11 @@ class ProxyConfig:
     pool_timeout_s: float = 30.0
     max_upstream_connections: int = 512
     max_keepalive_connections: int = 64
+    # An idle upstream connection is closed after this, before the upstream's own keep-alive
+    # timeout (vLLM's uvicorn: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE) can close it just as a request
+    # is sent on it: that request would fail ("Server disconnected without sending a
+    # response") and take a healthy server out of rotation.
+    keepalive_expiry_s: float = 2.0
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
     backoff_initial_s: float = 1.0
@@ -136,6 +141,8 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
         if self.max_keepalive_connections < 0:
             raise ConfigError("max_keepalive_connections must be >= 0")
+        if not self.keepalive_expiry_s > 0:
+            raise ConfigError("keepalive_expiry_s must be > 0")
         if self.health_interval_s < 0:
             raise ConfigError("health_interval_s must be >= 0 (0 turns periodic probes off)")
         if self.backoff_max_s < self.backoff_initial_s:
