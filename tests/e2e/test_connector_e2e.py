@@ -13,6 +13,7 @@ One P/D pair serves every test here (pd_pair reuses a running pair for the same 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import httpx
@@ -138,6 +139,9 @@ def test_turn2_pulls_the_answer_back_from_decode_and_matches_a_single_server(
     assert second.prefill_computed == len(turn2) - d_held
     # D's own cache had 3 full blocks of the history and pulled the rest from P.
     assert second.decode_pulled == len(turn2) - 3 * BLOCK
+    # The transfer core's own log lines reach vLLM's log, at vLLM's level and in its format.
+    d_log = pair.decode.log_path.read_text(errors="replace")
+    assert re.search(r"INFO .*\[engine\.rs:\d+\] connected to peer", d_log), "no core log line"
 
 
 @pytest.mark.e2e

@@ -6,6 +6,7 @@ vLLM builds one instance per role: in the EngineCore process (SCHEDULER) it forw
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -39,6 +40,21 @@ if TYPE_CHECKING:
     from kvduplex.connector.worker import DuplexWorker
 
 
+def _log_core_under_vllm() -> None:
+    """The transfer core logs through pyo3-log to Python loggers named `kvduplex.*`, outside
+    vLLM's logger tree: with no handler of their own only warnings would show, unformatted.
+    Give them vLLM's handlers and level, unless the user configured them (e.g. through
+    VLLM_LOGGING_CONFIG_PATH)."""
+    core = logging.getLogger("kvduplex")
+    if core.handlers or core.level != logging.NOTSET:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:
+        core.addHandler(handler)
+    core.setLevel(vllm_logger.getEffectiveLevel())
+    core.propagate = not vllm_logger.handlers
+
+
 class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
     """Supports vLLM's hybrid KV-cache manager: full-attention and sliding-window groups
     (see `kvduplex.connector.groups`)."""
@@ -52,6 +68,7 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_core_under_vllm()
         transfer_config = vllm_config.kv_transfer_config
         config = DuplexConfig.from_extra_config(transfer_config.kv_connector_extra_config)
         engine_id = transfer_config.engine_id
