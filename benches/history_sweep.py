@@ -27,9 +27,10 @@ Every system replays the ideal server's turn-1 answers, so all see the same prom
 turn-2 answer is compared with the ideal's (tokens; logprobs within 1e-2, as servers on
 different thread counts round differently). A system whose servers fail is reported with the
 conversations it finished (`errors` in the JSON); the others still run. Per point: the median
-over the conversations, P's turn-2 prompt tokens by source, and kvduplex's breakdown from the servers' metrics: P's TTFT
-(lookup + D->P pull + prefill of the new tokens), of which lookup and pull, and D's TTFT (P->D
-pull + first step); the rest of the client's TTFT is HTTP, the proxy and tokenization.
+over the conversations, P's turn-2 prompt tokens by source, and kvduplex's breakdown from the
+servers' metrics: P's TTFT (lookup + D->P pull + prefill of the new tokens), of which lookup
+and pull, and D's TTFT (P->D pull + first step); the rest of the client's TTFT is HTTP, the
+proxy and tokenization.
 
 Model: `kvduplex.tiny_model.build_realistic_chat_model` (SmolLM2-360M's shape, random weights;
 built on first use, ~1.5 GB). Usage (repository root):

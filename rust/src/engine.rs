@@ -347,10 +347,7 @@ fn begin_connect(shared: &Shared, key: &str, now: Instant) -> ConnectDecision {
     let mut table = lock(&shared.table);
     let decision = table.begin_connect(key, now);
     if let ConnectDecision::Ready { engine_id } = &decision {
-        let live = lock(&shared.peers)
-            .get(engine_id)
-            .is_some_and(|p| p.alive.load(Ordering::Acquire) && p.address == key);
-        if !live {
+        if live_peer(shared, engine_id, key).is_none() {
             table.mark_dead(key);
             return table.begin_connect(key, now);
         }
@@ -971,6 +968,11 @@ impl LookupFanOut {
 fn ready_peer(shared: &Shared, key: &str) -> Option<Arc<Peer>> {
     let table = lock(&shared.table);
     let PeerState::Ready { engine_id, .. } = table.state(key) else { return None };
+    live_peer(shared, engine_id, key)
+}
+
+/// Peer `engine_id`, unless it died or is now connected through another address than `key`.
+fn live_peer(shared: &Shared, engine_id: &str, key: &str) -> Option<Arc<Peer>> {
     lock(&shared.peers).get(engine_id).filter(|peer| peer.alive.load(Ordering::Acquire) && peer.address == key).cloned()
 }
 
