@@ -5,7 +5,9 @@ on stdin/stdout.
 A layout has one block size, so each pattern gets fresh engines on both sides: the owner's
 region as one segment of blocks of the pattern's size (stride = block size), and the same over
 the reader's destination region. Engine start, registration and the handshake are untimed; a
-timed batch is read_blocks (plan, bounds checks, posting) plus Transfer.wait.
+timed batch is read_blocks (plan, bounds checks, posting; for a same-host owner, the reads
+themselves) plus Transfer.wait. `same_host_reads` in the config turns same-host reads off
+(kvduplex-ucx).
 """
 
 from _bench_common import (
@@ -25,10 +27,10 @@ def fingerprint(block_bytes: int) -> dict[str, str]:
     return {"model": "compare_transfer", "dtype": "uint8", "block_bytes": str(block_bytes)}
 
 
-def start_engine(name: str, region: Region, block_bytes: int):
+def start_engine(name: str, region: Region, block_bytes: int, same_host_reads: bool = True):
     from kvduplex._core import Engine
 
-    engine = Engine(name, fingerprint(block_bytes), host=HOST)
+    engine = Engine(name, fingerprint(block_bytes), host=HOST, same_host_reads=same_host_reads)
     engine.register_region(region.addr, region.nbytes)
     engine.set_layout([region.addr], block_bytes, block_bytes, region.nbytes // block_bytes)
     return engine
@@ -66,19 +68,20 @@ def reader(chan: Channel, config: dict) -> None:
         chan.send(event="connect", info={})
 
     def run(cmd: dict) -> None:
-        chan.send(event="result", **run_pattern(region, cmd))
+        chan.send(event="result", **run_pattern(region, cmd, config["same_host_reads"]))
 
     serve_commands(chan, "kvduplex-reader", {"connect": connect, "run": run})
 
 
-def run_pattern(region: Region, cmd: dict) -> dict:
+def run_pattern(region: Region, cmd: dict, same_host_reads: bool) -> dict:
     pattern = pattern_from_dict(cmd["pattern"])
     num_slots = region.nbytes // pattern.block_bytes
     local_ids = block_ids(pattern, num_slots, "local")
     remote_ids = block_ids(pattern, num_slots, "remote")
     local_list, remote_list = local_ids.tolist(), remote_ids.tolist()
     timeout_s = cmd["batch_timeout_s"]
-    engine = start_engine(f"kvd-reader-{pattern.name}", region, pattern.block_bytes)
+    engine = start_engine(f"kvd-reader-{pattern.name}", region, pattern.block_bytes,
+                          same_host_reads)
     try:
         peer = engine.connect(cmd["owner"]["host"], cmd["owner"]["port"], timeout_s=timeout_s)
         last = []
@@ -93,6 +96,7 @@ def run_pattern(region: Region, cmd: dict) -> dict:
             cmd["warmup"], cmd["reps"],
         )
         result["num_descriptors"] = last[0].num_descriptors
+        result["same_host"] = last[0].same_host
         return result
     finally:
         engine.close()

@@ -13,7 +13,10 @@ byte between timed batches would evict the blocks from the cache and slow the ne
     python benches/compare_transfer.py --json OUT [--quick] [--systems kvduplex,nixl]
 
 - kvduplex: kvduplex._core.Engine, one segment whose block is the pattern's block; the reader
-  calls read_blocks + wait per batch (timed: both).
+  calls read_blocks + wait per batch (timed: both). Over shm it reads the owner directly (same-host
+  reads: one process_vm_readv per batch of up to 1024 blocks, done inside read_blocks).
+- kvduplex-ucx: the same with same_host_reads=False, so every block is one UCX cma read: the
+  path between hosts, and what kvduplex did on one host before same-host reads.
 - nixl: nixl_cu12 with the UCX backend, progress thread off, per-block descriptors prepared once
   per pattern; per batch make_prepped_xfer + transfer + polling (timed: all three). NIXL
   1.5.1 merges descriptors contiguous on both sides itself (runs of 50: 20 reads).
@@ -56,12 +59,13 @@ from _bench_common import (  # noqa: E402
     repetitions,
 )
 
-SYSTEMS = ("kvduplex", "nixl", "raw-ucx")
+SYSTEMS = ("kvduplex", "kvduplex-ucx", "nixl", "raw-ucx")
 TRANSPORTS = ("tcp", "shm")
 # UCX_TLS per transport, the same for every system. cma does the shared-memory READs; NIXL
 # also needs tcp there for its active messages (with cma alone or sm,self its UCX backend fails).
 UCX_TLS = {"tcp": "tcp,self", "shm": "cma,tcp"}
-SIDE_SCRIPTS = {"kvduplex": HERE / "_kvduplex_side.py", "nixl": HERE / "_nixl_side.py"}
+SIDE_SCRIPTS = {"kvduplex": HERE / "_kvduplex_side.py", "kvduplex-ucx": HERE / "_kvduplex_side.py",
+                "nixl": HERE / "_nixl_side.py"}
 # ucp_rma_bench's pattern names for ours; it has no runs-of-50 pattern.
 RAW_UCX_PATTERNS = {"16x4K": "lat_16x4K", "1000x16K": "1000x16K", "1000x32K": "1000x32K",
                     "100x1M": "100x1M"}
@@ -176,7 +180,8 @@ def run_side_system(system, transport, patterns, args, log_dir) -> list[dict]:
     tls = args.ucx_tls[transport]
     env = dict(os.environ, UCX_TLS=tls, UCX_NET_DEVICES="lo")
     config = {"region_bytes": args.region_mib * MiB, "hugepages": not args.no_thp,
-              "owner_poll": args.owner_poll[transport]}
+              "owner_poll": args.owner_poll[transport],
+              "same_host_reads": system != "kvduplex-ucx"}
     owner_poll = args.owner_poll[transport] if system == "nixl" else "engine progress thread"
     common = {"ucx_tls": tls, "owner_poll": owner_poll}
     rows = []
@@ -351,9 +356,10 @@ def format_table(rows: list[dict], systems, patterns, transports) -> str:
         return f"{ra['gbps'] / rb['gbps']:.2f}x"
 
     header = ["pattern", "transport", *systems]
-    ratios = [(a, b) for a, b in (("kvduplex", "raw-ucx"), ("kvduplex", "nixl"))
+    ratios = [(a, b) for a, b in (("kvduplex", "raw-ucx"), ("kvduplex-ucx", "raw-ucx"),
+                                  ("kvduplex", "nixl"))
               if a in systems and b in systems]
-    header += [f"{'kvd' if a == 'kvduplex' else a}/{b}" for a, b in ratios]
+    header += [f"{a.replace('kvduplex', 'kvd')}/{b}" for a, b in ratios]
     lines = [header]
     for transport in transports:
         for pattern in patterns:

@@ -16,7 +16,13 @@ fn fingerprint(dtype: &str) -> Fingerprint {
     Fingerprint(BTreeMap::from([("model".to_string(), "tiny".to_string()), ("dtype".to_string(), dtype.to_string())]))
 }
 
+/// An engine over `buf` that reads its peers through UCX (every engine here shares one
+/// process, which same-host reads would read directly).
 fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
+    engine_reading(id, dtype, buf, false)
+}
+
+fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) -> Engine {
     let engine = Engine::start(EngineConfig {
         engine_id: id.into(),
         fingerprint: fingerprint(dtype),
@@ -28,6 +34,7 @@ fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
         peer_error_handling: false,
         lookup_claim: Duration::from_secs(30),
         allow_unauthenticated: false,
+        same_host_reads,
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;
@@ -45,13 +52,26 @@ fn connect(reader: &Engine, owner: &Engine) -> Result<String, EngineError> {
 
 #[test]
 fn read_copies_blocks_and_notifies_the_owner_once() {
+    read_and_notify(false);
+}
+
+#[test]
+fn a_same_host_read_copies_blocks_before_returning_and_notifies_the_owner_once() {
+    read_and_notify(true);
+}
+
+fn read_and_notify(same_host_reads: bool) {
     let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect();
     let mut local = vec![0u8; BLOCK * BLOCKS];
     let owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+    let reader = engine_reading("reader", "f32", &mut local, same_host_reads);
     let peer = connect(&reader, &owner).unwrap();
     assert_eq!(peer, "owner");
     let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10), None).unwrap();
+    assert_eq!(transfer.same_host, same_host_reads);
+    if same_host_reads {
+        assert!(transfer.poll().unwrap(), "a same-host batch is complete when read_blocks returns");
+    }
     transfer.wait(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(transfer.num_descriptors, 2);
     for (l, r) in [(1, 10), (2, 11), (3, 12), (9, 40)] {

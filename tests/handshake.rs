@@ -11,7 +11,7 @@ use kvduplex::handshake::wire::{
 };
 use kvduplex::handshake::{
     decode_metadata, encode_metadata, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError,
-    MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, PROTOCOL_VERSION,
+    MemoryType, SameHostIdentity, PeerState, PeerTable, RegionInfo, RetryPolicy, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
 
@@ -54,6 +54,12 @@ fn metadata() -> EngineMetadata {
             ("dtype", "bf16"),
             ("block_size", "16"),
         ]),
+        same_host: Some(SameHostIdentity {
+            boot_id: "0d5c8f4e-1b2a-4c3d-9e8f-7a6b5c4d3e2f".to_owned(),
+            pid: 4242,
+            probe_addr: 0x5555_0000_1000,
+            probe: [9; 16],
+        }),
     }
 }
 
@@ -74,6 +80,7 @@ fn metadata_round_trips() {
     let no_layout = EngineMetadata {
         layout: None,
         regions: vec![],
+        same_host: None,
         ..m
     };
     assert_eq!(
@@ -306,6 +313,7 @@ fn arb_metadata() -> impl Strategy<Value = EngineMetadata> {
                     }
                 }),
                 fingerprint: Fingerprint(fields),
+                same_host: None,
             },
         )
 }

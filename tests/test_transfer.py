@@ -5,6 +5,7 @@ import json
 import mmap
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,9 @@ HERE = Path(__file__).parent
 BLOCK = 16 * 1024
 NUM_BLOCKS = 512
 TRANSPORTS = {"tcp": "tcp,self", "shm": "sm,self"}
+# How the reader reads, by fixture id: UCX over tcp; same-host reads (process_vm_readv, a
+# batch per call), which UCX_TLS=sm allows; UCX's own shared memory with them turned off.
+READ_PATHS = {"tcp": ("tcp", True), "same-host": ("shm", True), "ucx-shm": ("shm", False)}
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:
@@ -93,22 +97,28 @@ def read_block_and_check(reader: Reader, peer: str, owner: Owner, local_id: int,
     np.testing.assert_array_equal(reader.block(local_id), owner.expected_block(remote_id))
 
 
-@pytest.fixture(params=sorted(TRANSPORTS))
-def transport(request):
-    return TRANSPORTS[request.param]
+@pytest.fixture(params=sorted(READ_PATHS))
+def read_path(request):
+    return request.param
+
+
+def start_pair(read_path: str, **kwargs) -> tuple[Owner, Reader]:
+    transport, same_host_reads = READ_PATHS[read_path]
+    owner = Owner("owner", TRANSPORTS[transport], **kwargs)
+    reader = Reader("reader", TRANSPORTS[transport], same_host_reads=same_host_reads, **kwargs)
+    return owner, reader
 
 
 @pytest.fixture
-def owner_reader(transport):
-    owner = Owner("owner", transport)
-    reader = Reader("reader", transport)
+def owner_reader(read_path):
+    owner, reader = start_pair(read_path)
     yield owner, reader
     reader.engine.close()
     if owner.proc.poll() is None:
         owner.kill()
 
 
-def test_scattered_and_contiguous_reads_verify_every_byte(owner_reader):
+def test_scattered_and_contiguous_reads_verify_every_byte(owner_reader, read_path):
     owner, reader = owner_reader
     peer = reader.engine.connect("127.0.0.1", owner.port)
     assert peer == "owner"
@@ -116,6 +126,9 @@ def test_scattered_and_contiguous_reads_verify_every_byte(owner_reader):
     remote = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()
     local = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()
     scattered = reader.engine.read_blocks(peer, local, remote, notify=b"scattered")
+    assert scattered.same_host == (read_path == "same-host")
+    if scattered.same_host:
+        assert scattered.done(), "a same-host batch is read before read_blocks returns"
     scattered.wait(timeout_s=30)
     assert scattered.nbytes == 200 * BLOCK
     for lid, rid in zip(local, remote):
@@ -260,9 +273,8 @@ def test_unreachable_peer_fails_within_the_connect_deadline():
         reader.engine.close()
 
 
-def test_reader_whose_owner_is_killed_gets_a_failure_not_a_hang(transport):
-    owner = Owner("owner", transport, heartbeat_s=0.2)
-    reader = Reader("reader", transport, heartbeat_s=0.2)
+def test_reader_whose_owner_is_killed_gets_a_failure_not_a_hang(read_path):
+    owner, reader = start_pair(read_path, heartbeat_s=0.2)
     try:
         peer = reader.engine.connect("127.0.0.1", owner.port)
         reader.engine.read_blocks(peer, [1], [1]).wait(timeout_s=30)
@@ -275,6 +287,28 @@ def test_reader_whose_owner_is_killed_gets_a_failure_not_a_hang(transport):
             reader.engine.read_blocks(peer, [2], [2])
     finally:
         reader.engine.close()
+
+
+def test_a_same_host_read_of_a_frozen_owner_completes_and_a_dead_one_fails_cleanly():
+    # Same-host reads need nothing from the owner: a stopped one is read at once, every byte.
+    owner, reader = start_pair("same-host", heartbeat_s=30.0)
+    try:
+        peer = reader.engine.connect("127.0.0.1", owner.port)
+        owner.proc.send_signal(signal.SIGSTOP)
+        ids = list(range(1, 65))
+        transfer = reader.engine.read_blocks(peer, ids, ids, timeout_s=5)
+        assert transfer.same_host and transfer.done()
+        for bid in ids:
+            np.testing.assert_array_equal(reader.block(bid), owner.expected_block(bid))
+        owner.kill()
+        # Dead: refused (the side channel noticed) or failed by the read itself, never a hang
+        # or another process's bytes.
+        with pytest.raises((core.TransferError, core.PeerNotConnectedError)):
+            reader.engine.read_blocks(peer, ids, ids, timeout_s=5).wait(timeout_s=5)
+    finally:
+        reader.engine.close()
+        if owner.proc.poll() is None:
+            owner.kill()
 
 
 @pytest.mark.parametrize("peer_error_handling", [True, False], ids=["peer-error-handling", "default"])

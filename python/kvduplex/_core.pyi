@@ -43,6 +43,10 @@ class Transfer:
     @property
     def num_descriptors(self) -> int:
         """Number of coalesced (local, remote, length) reads posted for the batch."""
+    @property
+    def same_host(self) -> bool:
+        """Read directly from a process on this host before `read_blocks` returned (done
+        already, or failed), not through UCX."""
     def done(self) -> bool:
         """True when every byte arrived; False while pending. Raises TransferError if failed."""
     def wait(self, timeout_s: float | None = None) -> None:
@@ -78,6 +82,7 @@ class Engine:
         peer_error_handling: bool = False,
         lookup_claim_s: float = 30.0,
         allow_unauthenticated: bool = False,
+        same_host_reads: bool = True,
     ) -> None:
         """Start UCX and the side channel. `port=0` picks a free port. `ucx_lib_dir`
         defaults to $KVDUPLEX_UCX_LIB_DIR, else the `libucx` wheel's lib directory.
@@ -86,7 +91,10 @@ class Engine:
         byte, but UCX 1.22 reads over tcp instead of shared memory/cma (much slower). A
         lookup's match stays claimed for its reader `lookup_claim_s`. Without a `secret` the side
         channel must listen on a loopback `host` unless `allow_unauthenticated` (trusted
-        networks only). Raises HandshakeError when it cannot listen."""
+        networks only). With `same_host_reads`, a peer on this host that proves which process
+        it is has its host memory read with `process_vm_readv` (a batch per call) instead of
+        UCX; off by itself when `UCX_TLS` rules out UCX's cma. Raises HandshakeError when it
+        cannot listen."""
     @property
     def engine_id(self) -> str: ...
     @property
@@ -133,7 +141,8 @@ class Engine:
         segment, or only for the segments in `range(*segments)` (e.g. one layer's, for a
         layer-by-layer pull). Ids are bounds-checked before anything is posted. `notify` is delivered to
         the peer after the last byte was read. Fails after `timeout_s`, once none of its reads can
-        still land (without peer error handling a read to a frozen peer may keep it pending)."""
+        still land (without peer error handling a read to a frozen peer may keep it pending).
+        A same-host peer (`same_host_reads`) is read before this returns (GIL released)."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:
         """Queue a notification without reading (e.g. 'not pulling; free your blocks'). The
         engine's notifier thread sends it, in order after the read-done notifications of

@@ -18,10 +18,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, PlanError, RegionBounds, RegionIndex};
-use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, PeerState, PeerTable, RegionInfo, RetryPolicy};
+use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
-use crate::ucx::{BatchState, Endpoint, MemRegion, Read, UcxError, Worker};
+use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostPeer, UcxError, Worker};
 
 
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +64,9 @@ pub struct EngineConfig {
     pub lookup_claim: Duration,
     /// Serve peers without a shared secret on a non-loopback address (trusted networks).
     pub allow_unauthenticated: bool,
+    /// Read peers on this host with `process_vm_readv`, a batch per call, instead of UCX (host
+    /// memory only; off by itself when `UCX_TLS` rules out UCX's own cma).
+    pub same_host_reads: bool,
 }
 
 struct LocalMemory {
@@ -98,6 +101,9 @@ struct Peer {
     endpoint_opened: AtomicBool,
     link: PeerLink,
     alive: AtomicBool,
+    /// Set when the peer runs on this host and proved which process it is: its host memory is
+    /// then read directly, not through the endpoint.
+    same_host: Option<SameHostPeer>,
 }
 
 impl Peer {
@@ -138,6 +144,13 @@ struct Inflight {
 struct Shared {
     config: EngineConfig,
     generation: u64,
+    /// Proves this process to same-host readers; its address is in our metadata.
+    probe: Probe,
+    /// This host's boot id (`None` where it cannot be read: no same-host reads either way).
+    boot_id: Option<String>,
+    /// Whether we read same-host peers directly: the config allows it and `UCX_TLS` does not
+    /// rule out UCX's cma, which these reads replace.
+    same_host_reads: bool,
     worker: Arc<Worker>,
     server: Mutex<Option<SideChannelServer>>,
     local: RwLock<LocalMemory>,
@@ -184,14 +197,10 @@ impl Engine {
         }
         let worker = Worker::new(&config.engine_id, config.ucx_lib_dir.as_deref())?;
         let generation = new_generation()?;
-        let meta = EngineMetadata {
-            engine_id: config.engine_id.clone(),
-            generation,
-            worker_address: worker.address().to_vec(),
-            regions: Vec::new(),
-            layout: None,
-            fingerprint: config.fingerprint.clone(),
-        };
+        let probe = Probe::new().map_err(EngineError::InvalidArgument)?;
+        let boot_id = boot_id();
+        let same_host_reads = config.same_host_reads && boot_id.is_some() && ucx_tls_allows_cma(std::env::var("UCX_TLS").ok().as_deref());
+        let meta = metadata(&config, generation, &worker, same_host_identity(boot_id.as_deref(), &probe), &LocalMemory { regions: Vec::new(), layout: None });
         let server = SideChannelServer::start(
             SideChannelConfig {
                 host: config.host.clone(),
@@ -210,6 +219,9 @@ impl Engine {
         let shared = Arc::new(Shared {
             config,
             generation,
+            probe,
+            boot_id,
+            same_host_reads,
             worker,
             server: Mutex::new(Some(server)),
             local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
@@ -270,18 +282,8 @@ impl Engine {
     }
 
     fn publish(&self, local: &LocalMemory) -> Result<(), EngineError> {
-        let meta = EngineMetadata {
-            engine_id: self.shared.config.engine_id.clone(),
-            generation: self.shared.generation,
-            worker_address: self.shared.worker.address().to_vec(),
-            regions: local
-                .regions
-                .iter()
-                .map(|r| RegionInfo { addr: r.addr, len: r.len, rkey: r.rkey.clone(), memory: r.memory })
-                .collect(),
-            layout: local.layout.clone(),
-            fingerprint: self.shared.config.fingerprint.clone(),
-        };
+        let shared = &self.shared;
+        let meta = metadata(&shared.config, shared.generation, &shared.worker, same_host_identity(shared.boot_id.as_deref(), &shared.probe), local);
         lock(&self.shared.server).as_ref().ok_or(EngineError::Closed)?.set_metadata(meta);
         Ok(())
     }
@@ -400,6 +402,44 @@ fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, timeout: Durati
     }
 }
 
+/// What this engine publishes to readers.
+fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, identity: Option<SameHostIdentity>, local: &LocalMemory) -> EngineMetadata {
+    EngineMetadata {
+        engine_id: config.engine_id.clone(),
+        generation,
+        worker_address: worker.address().to_vec(),
+        regions: local.regions.iter().map(|r| RegionInfo { addr: r.addr, len: r.len, rkey: r.rkey.clone(), memory: r.memory }).collect(),
+        layout: local.layout.clone(),
+        fingerprint: config.fingerprint.clone(),
+        same_host: identity,
+    }
+}
+
+/// This process as same-host readers find it.
+fn same_host_identity(boot_id: Option<&str>, probe: &Probe) -> Option<SameHostIdentity> {
+    Some(SameHostIdentity { boot_id: boot_id?.to_owned(), pid: std::process::id(), probe_addr: probe.addr(), probe: probe.bytes() })
+}
+
+/// Opens a peer that runs on this host for direct reads; `None` (UCX reads it) when it is
+/// elsewhere, has memory other than host memory, or cannot be proven to be the process it
+/// names.
+fn open_same_host(shared: &Shared, meta: &EngineMetadata, regions: &[RegionBounds]) -> Option<SameHostPeer> {
+    let (ours, theirs) = (shared.boot_id.as_deref()?, meta.same_host.as_ref()?);
+    if !shared.same_host_reads || ours != theirs.boot_id || meta.regions.iter().any(|r| r.memory != MemoryType::Host) {
+        return None;
+    }
+    match SameHostPeer::open(theirs.pid, theirs.probe_addr, theirs.probe, regions.to_vec()) {
+        Ok(peer) => {
+            log::info!("peer {} is process {} on this host: its blocks are read directly, not through UCX", meta.engine_id, peer.pid());
+            Some(peer)
+        }
+        Err(e) => {
+            log::info!("peer {} claims to run on this host but is read through UCX: {e}", meta.engine_id);
+            None
+        }
+    }
+}
+
 /// One handshake with the side channel at `key`, its outcome recorded in the peer table.
 fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
     let result = handshake_with(shared, key, host, port, timeout);
@@ -443,8 +483,10 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
     let regions: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
     layout.validate_within(&regions)?;
     let id = meta.engine_id.clone();
+    let same_host = open_same_host(shared, &meta, &regions);
     let peer = Arc::new(Peer {
         address: key.to_owned(),
+        same_host,
         meta,
         region_index: RegionIndex::new(&regions),
         regions,
@@ -466,7 +508,8 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
 }
 
 impl Engine {
-    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`.
+    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`; a peer on
+    /// this host is read before this returns (see [`Transfer::same_host`]).
     pub fn read_blocks(
         &self,
         peer_id: &str,
@@ -510,7 +553,15 @@ impl Engine {
         let batch = BatchState::new(&self.shared.worker);
         let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: deadline_after(timeout), notify: Mutex::new(notify), abort_reason: Mutex::new(None) });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
-        match peer.post_reads(&self.shared, &reads, &batch) {
+        let same_host = peer.same_host.as_ref().filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
+        let posted = match same_host {
+            Some(direct) => {
+                direct.read_batch(&reads, &batch);
+                Ok(())
+            }
+            None => peer.post_reads(&self.shared, &reads, &batch),
+        };
+        match posted {
             Ok(()) => {}
             Err(PostError::NothingPosted(e)) => batch.fail(e),
             // Force-closing the endpoint cancels the posted reads; the batch fails when the
@@ -518,7 +569,7 @@ impl Engine {
             Err(PostError::MaybePartial(e)) => abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}")),
         }
         drop(local);
-        let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len() };
+        let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len(), same_host: same_host.is_some() };
         // A batch that settled while posting (nothing posted, all done at once) is finished
         // here; a pending one cannot have passed its deadline yet.
         if transfer.inflight.batch.outcome().is_some() {
@@ -840,6 +891,9 @@ pub struct Transfer {
     inflight: Arc<Inflight>,
     pub nbytes: u64,
     pub num_descriptors: usize,
+    /// Read directly from a process on this host (done before `read_blocks` returned), not
+    /// through UCX.
+    pub same_host: bool,
 }
 
 /// How long `wait` keeps driving UCX progress back to back after UCX last reported an event,

@@ -71,6 +71,13 @@ impl Transfer {
         self.inner.num_descriptors
     }
 
+    /// Read directly from a process on this host before `read_blocks` returned, not through
+    /// UCX.
+    #[getter]
+    fn same_host(&self) -> bool {
+        self.inner.same_host
+    }
+
     /// Takes the worker lock (briefly, to progress UCX): never with the GIL held.
     fn done(&self, py: Python<'_>) -> PyResult<bool> {
         py.detach(|| self.inner.poll()).map_err(|e| to_py(py, e))
@@ -163,7 +170,7 @@ impl Drop for Engine {
 impl Engine {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the Python keyword arguments one to one
-    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=false, lookup_claim_s=30.0, allow_unauthenticated=false))]
+    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=false, lookup_claim_s=30.0, allow_unauthenticated=false, same_host_reads=true))]
     fn new(
         py: Python<'_>,
         engine_id: String,
@@ -176,13 +183,14 @@ impl Engine {
         peer_error_handling: bool,
         lookup_claim_s: f64,
         allow_unauthenticated: bool,
+        same_host_reads: bool,
     ) -> PyResult<Self> {
         let lookup_claim = seconds("lookup_claim_s", lookup_claim_s)?;
         let heartbeat = seconds("heartbeat_s", heartbeat_s)?;
         if heartbeat.is_zero() {
             return Err(PyValueError::new_err("heartbeat_s must be positive"));
         }
-        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat, peer_error_handling, lookup_claim, allow_unauthenticated };
+        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat, peer_error_handling, lookup_claim, allow_unauthenticated, same_host_reads };
         let engine = py.detach(|| engine::Engine::start(config)).map_err(|e| to_py(py, e))?;
         let addr = engine.side_channel_addr().map_err(|e| to_py(py, e))?;
         let generation = engine.generation();

@@ -27,6 +27,7 @@ pub fn metadata(engine_id: &str) -> EngineMetadata {
         regions: vec![],
         layout: None,
         fingerprint: fingerprint("bf16"),
+        same_host: None,
     }
 }
 

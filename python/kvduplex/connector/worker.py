@@ -245,6 +245,7 @@ class DuplexWorker:
             peer_error_handling=self._config.ucx_peer_error_handling,
             lookup_claim_s=self._config.kv_lease_ttl_s,
             allow_unauthenticated=self._config.allow_unauthenticated_peers,
+            same_host_reads=self._config.same_host_reads,
         )
         try:
             for addr, length in layout.regions:

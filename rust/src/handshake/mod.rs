@@ -84,6 +84,19 @@ pub struct EngineMetadata {
     pub regions: Vec<RegionInfo>,
     pub layout: Option<crate::descriptors::BlockLayout>,
     pub fingerprint: Fingerprint,
+    /// Who the engine is on its host, for readers on the same host (absent where unknown).
+    #[serde(default)]
+    pub same_host: Option<SameHostIdentity>,
+}
+
+/// An engine's process as a reader on the same host reads it without UCX: the host's boot id,
+/// the pid, and where the process keeps 16 random bytes that prove it is that process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SameHostIdentity {
+    pub boot_id: String,
+    pub pid: u32,
+    pub probe_addr: u64,
+    pub probe: [u8; 16],
 }
 
 impl EngineMetadata {

@@ -1,10 +1,13 @@
 //! Safe wrappers over UCP: one context + worker per engine, registered memory, endpoints with
 //! their unpacked remote keys, and batches of one-sided reads, each read completed on its own.
 //!
+//! Same-host peers are read without UCX, a batch per system call ([`same_host`]).
+//!
 //! All `unsafe` in the crate lives in this module. Every UCP call on a worker (and on its
 //! context) is made while holding [`Worker::lock`]: the worker is created in UCX's
 //! `SERIALIZED` thread mode, which allows any thread as long as calls never overlap.
 
+mod same_host;
 mod sys;
 
 use std::ffi::{c_int, c_void, CString};
@@ -16,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
+pub use same_host::{boot_id, ucx_tls_allows_cma, Probe, SameHostPeer};
 use sys::{Api, StatusPtr};
 
 #[derive(Debug, thiserror::Error)]
