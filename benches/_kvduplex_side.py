@@ -5,8 +5,8 @@ on stdin/stdout.
 A layout has one block size, so each pattern gets fresh engines on both sides: the owner's
 region as one segment of blocks of the pattern's size (stride = block size), and the same over
 the reader's destination region. Engine start, registration and the handshake are untimed; a
-timed batch is read_blocks (plan, bounds checks, posting; for a same-host owner, the reads
-themselves) plus Transfer.wait. `same_host_reads` in the config turns same-host reads off
+timed batch is read_blocks (plan, bounds checks, posting; for a same-host owner and a batch up
+to 1 MiB, the reads themselves) plus Transfer.wait. `same_host_reads` in the config turns same-host reads off
 (kvduplex-ucx).
 """
 

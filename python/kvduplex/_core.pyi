@@ -45,8 +45,8 @@ class Transfer:
         """Number of coalesced (local, remote, length) reads posted for the batch."""
     @property
     def same_host(self) -> bool:
-        """Read directly from a process on this host before `read_blocks` returned (done
-        already, or failed), not through UCX."""
+        """Read directly from a process on this host (`same_host_reads`), not through
+        UCX."""
     def done(self) -> bool:
         """True when every byte arrived; False while pending. Raises TransferError if failed."""
     def wait(self, timeout_s: float | None = None) -> None:
@@ -142,7 +142,8 @@ class Engine:
         layer-by-layer pull). Ids are bounds-checked before anything is posted. `notify` is delivered to
         the peer after the last byte was read. Fails after `timeout_s`, once none of its reads can
         still land (without peer error handling a read to a frozen peer may keep it pending).
-        A same-host peer (`same_host_reads`) is read before this returns (GIL released)."""
+        A same-host peer (`same_host_reads`) is read directly: a batch up to 1 MiB before this
+        returns (GIL released), a larger one by the engine's copy thread."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:
         """Queue a notification without reading (e.g. 'not pulling; free your blocks'). The
         engine's notifier thread sends it, in order after the read-done notifications of

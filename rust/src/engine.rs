@@ -21,7 +21,7 @@ use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, Bl
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostPeer, UcxError, Worker};
+use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostCopy, SameHostPeer, UcxError, Worker};
 
 
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +103,7 @@ struct Peer {
     alive: AtomicBool,
     /// Set when the peer runs on this host and proved which process it is: its host memory is
     /// then read directly, not through the endpoint.
-    same_host: Option<SameHostPeer>,
+    same_host: Option<Arc<SameHostPeer>>,
 }
 
 impl Peer {
@@ -151,6 +151,9 @@ struct Shared {
     /// Whether we read same-host peers directly: the config allows it and `UCX_TLS` does not
     /// rule out UCX's cma, which these reads replace.
     same_host_reads: bool,
+    /// Same-host batches too large to copy on the caller's thread, for the copy thread;
+    /// `None` once the engine closes.
+    copies: Mutex<Option<mpsc::Sender<SameHostCopy>>>,
     worker: Arc<Worker>,
     server: Mutex<Option<SideChannelServer>>,
     local: RwLock<LocalMemory>,
@@ -183,6 +186,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     progress_thread: Option<JoinHandle<()>>,
     notifier_thread: Option<JoinHandle<()>>,
+    copy_thread: Option<JoinHandle<()>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -200,7 +204,7 @@ impl Engine {
         let probe = Probe::new().map_err(EngineError::InvalidArgument)?;
         let boot_id = boot_id();
         let same_host_reads = config.same_host_reads && boot_id.is_some() && ucx_tls_allows_cma(std::env::var("UCX_TLS").ok().as_deref());
-        let meta = metadata(&config, generation, &worker, same_host_identity(boot_id.as_deref(), &probe), &LocalMemory { regions: Vec::new(), layout: None });
+        let meta = metadata(&config, generation, &worker, boot_id.as_deref(), &probe, &LocalMemory { regions: Vec::new(), layout: None });
         let server = SideChannelServer::start(
             SideChannelConfig {
                 host: config.host.clone(),
@@ -215,6 +219,7 @@ impl Engine {
         log::info!("engine {} (generation {generation:#x}) serving its side channel on {side_channel}", config.engine_id);
         let holds = Arc::new(Mutex::new(HoldBook::new()));
         let (outbox, queue) = mpsc::channel();
+        let (copies, copy_queue) = mpsc::channel::<SameHostCopy>();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
         let shared = Arc::new(Shared {
             config,
@@ -222,6 +227,7 @@ impl Engine {
             probe,
             boot_id,
             same_host_reads,
+            copies: Mutex::new(Some(copies)),
             worker,
             server: Mutex::new(Some(server)),
             local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
@@ -239,12 +245,16 @@ impl Engine {
             .name("kvduplex-notify".into())
             .spawn(move || send_notifications(&queue))
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start the notifier thread: {e}")))?;
+        let copy_thread = std::thread::Builder::new()
+            .name("kvduplex-copy".into())
+            .spawn(move || copy_queue.into_iter().for_each(SameHostCopy::run))
+            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the copy thread: {e}")))?;
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
             .spawn(move || progress_loop(weak))
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start the progress thread: {e}")))?;
-        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread) })
+        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread), copy_thread: Some(copy_thread) })
     }
 
     pub fn engine_id(&self) -> &str {
@@ -283,7 +293,7 @@ impl Engine {
 
     fn publish(&self, local: &LocalMemory) -> Result<(), EngineError> {
         let shared = &self.shared;
-        let meta = metadata(&shared.config, shared.generation, &shared.worker, same_host_identity(shared.boot_id.as_deref(), &shared.probe), local);
+        let meta = metadata(&shared.config, shared.generation, &shared.worker, shared.boot_id.as_deref(), &shared.probe, local);
         lock(&self.shared.server).as_ref().ok_or(EngineError::Closed)?.set_metadata(meta);
         Ok(())
     }
@@ -402,9 +412,10 @@ fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, timeout: Durati
     }
 }
 
-/// What this engine publishes to readers.
-fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, identity: Option<SameHostIdentity>, local: &LocalMemory) -> EngineMetadata {
-    EngineMetadata {
+/// What this engine publishes to readers; the probe vouches for it from here on.
+fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Option<&str>, probe: &Probe, local: &LocalMemory) -> EngineMetadata {
+    let identity = boot_id.map(|boot_id| SameHostIdentity { boot_id: boot_id.to_owned(), pid: std::process::id(), probe_addr: probe.addr(), probe: probe.nonce() });
+    let meta = EngineMetadata {
         engine_id: config.engine_id.clone(),
         generation,
         worker_address: worker.address().to_vec(),
@@ -412,26 +423,28 @@ fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, identity: O
         layout: local.layout.clone(),
         fingerprint: config.fingerprint.clone(),
         same_host: identity,
-    }
+    };
+    probe.publish(meta.digest());
+    meta
 }
 
-/// This process as same-host readers find it.
-fn same_host_identity(boot_id: Option<&str>, probe: &Probe) -> Option<SameHostIdentity> {
-    Some(SameHostIdentity { boot_id: boot_id?.to_owned(), pid: std::process::id(), probe_addr: probe.addr(), probe: probe.bytes() })
+/// The identity of a peer to read directly, if any: same-host reads on, the peer on this host
+/// (same boot id) and all its memory host memory.
+fn same_host_candidate<'a>(our_boot_id: Option<&str>, enabled: bool, meta: &'a EngineMetadata) -> Option<&'a SameHostIdentity> {
+    let theirs = meta.same_host.as_ref()?;
+    let on_this_host = our_boot_id == Some(theirs.boot_id.as_str());
+    (enabled && on_this_host && meta.regions.iter().all(|r| r.memory == MemoryType::Host)).then_some(theirs)
 }
 
 /// Opens a peer that runs on this host for direct reads; `None` (UCX reads it) when it is
 /// elsewhere, has memory other than host memory, or cannot be proven to be the process it
 /// names.
-fn open_same_host(shared: &Shared, meta: &EngineMetadata, regions: &[RegionBounds]) -> Option<SameHostPeer> {
-    let (ours, theirs) = (shared.boot_id.as_deref()?, meta.same_host.as_ref()?);
-    if !shared.same_host_reads || ours != theirs.boot_id || meta.regions.iter().any(|r| r.memory != MemoryType::Host) {
-        return None;
-    }
-    match SameHostPeer::open(theirs.pid, theirs.probe_addr, theirs.probe, regions.to_vec()) {
+fn open_same_host(shared: &Shared, meta: &EngineMetadata, regions: &[RegionBounds]) -> Option<Arc<SameHostPeer>> {
+    let theirs = same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta)?;
+    match SameHostPeer::open(theirs.pid, theirs.probe_addr, theirs.probe, meta.digest(), regions.to_vec()) {
         Ok(peer) => {
             log::info!("peer {} is process {} on this host: its blocks are read directly, not through UCX", meta.engine_id, peer.pid());
-            Some(peer)
+            Some(Arc::new(peer))
         }
         Err(e) => {
             log::info!("peer {} claims to run on this host but is read through UCX: {e}", meta.engine_id);
@@ -508,8 +521,9 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
 }
 
 impl Engine {
-    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`; a peer on
-    /// this host is read before this returns (see [`Transfer::same_host`]).
+    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`. A peer on
+    /// this host is read directly ([`Transfer::same_host`]): a small batch before this
+    /// returns, a larger one by the engine's copy thread.
     pub fn read_blocks(
         &self,
         peer_id: &str,
@@ -555,10 +569,13 @@ impl Engine {
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
         let same_host = peer.same_host.as_ref().filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
         let posted = match same_host {
-            Some(direct) => {
-                direct.read_batch(&reads, &batch);
-                Ok(())
-            }
+            Some(direct) => match direct.prepare(&reads, &batch) {
+                Ok(copy) => {
+                    start_copy(&self.shared, copy);
+                    Ok(())
+                }
+                Err(e) => Err(PostError::NothingPosted(e)),
+            },
             None => peer.post_reads(&self.shared, &reads, &batch),
         };
         match posted {
@@ -683,6 +700,12 @@ impl Engine {
         for peer in &peers {
             abort_peer(&self.shared, peer, "engine closed");
         }
+        // Its batches were just failed, so each stops at its next call; none may outlive the
+        // engine's memory.
+        drop(lock(&self.shared.copies).take());
+        if let Some(t) = self.copy_thread.take() {
+            let _ = t.join();
+        }
         let drained = drain_reads(&self.shared);
         lock(&self.shared.inflight).clear();
         drop(peers);
@@ -787,7 +810,7 @@ fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
         inflight.batch.fail(reason.to_string());
         let unfinished = inflight.batch.unfinished_reads();
         if unfinished > 0 {
-            log::error!("{unfinished} reads from peer {} are still outstanding after closing its endpoint; their batch stays pending until UCX completes them", peer.meta.engine_id);
+            log::error!("{unfinished} reads from peer {} are still outstanding after closing its endpoint; their batch stays pending until they complete", peer.meta.engine_id);
         }
     }
 }
@@ -853,6 +876,27 @@ fn settle_all(shared: &Shared) -> bool {
     !lock(&shared.inflight).is_empty()
 }
 
+/// Batches up to this size are copied on the caller's thread: less than a thread hand-off
+/// costs on a busy host (a woken thread waited tens of milliseconds for a core here). Larger
+/// ones go to the copy thread, so `read_blocks` stays a post.
+const INLINE_COPY_BYTES: usize = 1 << 20;
+
+/// Runs a same-host batch now (small) or on the copy thread.
+fn start_copy(shared: &Shared, copy: SameHostCopy) {
+    if copy.nbytes() <= INLINE_COPY_BYTES {
+        return copy.run();
+    }
+    let rejected = match lock(&shared.copies).as_ref() {
+        Some(queue) => queue.send(copy).err().map(|e| e.0),
+        None => Some(copy),
+    };
+    // The engine is closing: copy on the caller's thread, which holds the local regions
+    // meanwhile (a batch that close failed already stops at once).
+    if let Some(copy) = rejected {
+        copy.run();
+    }
+}
+
 /// Queues the batch's notification (once, only on success) and stops tracking it. Called on
 /// the progress thread and in `Transfer::poll`/`wait`, neither of which may block on a socket.
 fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
@@ -891,8 +935,7 @@ pub struct Transfer {
     inflight: Arc<Inflight>,
     pub nbytes: u64,
     pub num_descriptors: usize,
-    /// Read directly from a process on this host (done before `read_blocks` returned), not
-    /// through UCX.
+    /// Read directly from a process on this host, not through UCX.
     pub same_host: bool,
 }
 
@@ -1072,5 +1115,33 @@ mod tests {
         assert!(answers[0].as_ref().unwrap().outcome.is_ok());
         let silent = answers[1].as_ref().unwrap();
         assert_eq!((silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()), ("b:2", "the owner did not reply"));
+    }
+
+    #[test]
+    fn only_a_host_memory_peer_on_this_host_is_read_directly() {
+        let region = |memory| RegionInfo { addr: 0x1000, len: 4096, rkey: vec![1; 8], memory };
+        let identity = SameHostIdentity { boot_id: "boot-a".to_owned(), pid: 42, probe_addr: 0x10, probe: [3; 16] };
+        let meta = EngineMetadata {
+            engine_id: "d".to_owned(),
+            generation: 1,
+            worker_address: vec![1; 64],
+            regions: vec![region(MemoryType::Host)],
+            layout: None,
+            fingerprint: Fingerprint::default(),
+            same_host: Some(identity.clone()),
+        };
+        assert_eq!(same_host_candidate(Some("boot-a"), true, &meta), Some(&identity));
+        assert_eq!(same_host_candidate(Some("boot-a"), false, &meta), None, "turned off");
+        assert_eq!(same_host_candidate(Some("boot-b"), true, &meta), None, "another host");
+        assert_eq!(same_host_candidate(None, true, &meta), None, "our boot id unknown");
+        let cuda = EngineMetadata { regions: vec![region(MemoryType::Host), region(MemoryType::Cuda)], ..meta.clone() };
+        assert_eq!(same_host_candidate(Some("boot-a"), true, &cuda), None, "device memory goes through UCX");
+        let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
+        assert_eq!(same_host_candidate(Some("boot-a"), true, &elsewhere), None, "no identity published");
+        // The digest a process vouches for covers its id, generation and regions.
+        let moved = EngineMetadata { regions: vec![RegionInfo { addr: 0x2000, ..region(MemoryType::Host) }], ..meta.clone() };
+        assert_ne!(meta.digest(), moved.digest());
+        assert_ne!(meta.digest(), EngineMetadata { generation: 2, ..meta.clone() }.digest());
+        assert_eq!(meta.digest(), EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest());
     }
 }

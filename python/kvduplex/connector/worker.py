@@ -431,6 +431,7 @@ class DuplexWorker:
         time_left = self._read_time_left(spec, peer_engine_id)
         if time_left is None:
             return
+        posted_at = time.perf_counter()  # a small same-host read is done inside read_blocks
         try:
             transfer = self._engine.read_blocks(
                 peer_engine_id,
@@ -443,7 +444,7 @@ class DuplexWorker:
             self._fail_load(spec, f"read not posted: {exc}")
             self._notify_quietly(peer_engine_id, spec.remote_request_id, spec.claim_id)
             return
-        self._inflight[spec.request_id] = _Inflight(spec, transfer, time.perf_counter())
+        self._inflight[spec.request_id] = _Inflight(spec, transfer, posted_at)
 
     def _start_layerwise_read(self, spec: md.LoadSpec) -> None:
         """Post one read per segment before the forward pass; each layer waits for its own

@@ -96,10 +96,28 @@ pub struct SameHostIdentity {
     pub boot_id: String,
     pub pid: u32,
     pub probe_addr: u64,
+    /// The probe's first 16 bytes; the 32 after them are [`EngineMetadata::digest`].
     pub probe: [u8; 16],
 }
 
 impl EngineMetadata {
+    /// What the engine's process vouches for to same-host readers: its id, generation and
+    /// regions (SHA-256), so a peer cannot replay another process's identity with regions of
+    /// its choosing.
+    pub fn digest(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update((self.engine_id.len() as u64).to_le_bytes());
+        h.update(self.engine_id.as_bytes());
+        h.update(self.generation.to_le_bytes());
+        for r in &self.regions {
+            h.update(r.addr.to_le_bytes());
+            h.update(r.len.to_le_bytes());
+            h.update([r.memory as u8]);
+        }
+        h.finalize().into()
+    }
+
     /// Refuses metadata that UCX would read past: UCX takes a worker address and packed rkeys
     /// without their lengths, so an empty (or absurdly short) one is a malformed peer, not a
     /// call to make.

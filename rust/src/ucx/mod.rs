@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
-pub use same_host::{boot_id, ucx_tls_allows_cma, Probe, SameHostPeer};
+pub use same_host::{boot_id, ucx_tls_allows_cma, Probe, SameHostCopy, SameHostPeer};
 use sys::{Api, StatusPtr};
 
 #[derive(Debug, thiserror::Error)]
@@ -694,6 +694,11 @@ impl BatchState {
         if self.unfinished.load(Ordering::Acquire) == 0 {
             self.settle();
         }
+    }
+
+    /// Whether the batch has an error recorded (it may still have reads outstanding).
+    pub fn has_failed(&self) -> bool {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
 
     /// Reads still outstanding (0 once settled).

@@ -1,17 +1,19 @@
-//! Same-host reads: an engine on this host is read with `process_vm_readv`, a whole batch per
-//! system call (up to `IOV_MAX` ranges), where UCX's cma transport makes one call per range.
-//! On a scattered batch of small blocks the per-call cost (finding the process, the ptrace
-//! access check, pinning) is most of the time, so this is what makes such batches faster
-//! than UCX itself.
+//! Same-host reads: an engine on this host is read with `process_vm_readv`, many ranges per
+//! system call, where UCX's cma transport makes one call per range. On a scattered batch of
+//! small blocks the per-call cost (finding the process, the ptrace access check) is most of
+//! the time, so this is what makes such batches faster than UCX itself.
 //!
-//! Host memory only, and only for a peer proven to be the process it says it is: at connect
-//! the reader reads the owner's [`Probe`] (random bytes whose address and value the owner put
-//! in its metadata) out of the process it names, and keeps a pidfd to that process. A read is
-//! reported good only if the process was still alive after it, so a pid that was reused by
+//! Host memory only, and only for a peer whose process vouches for what the peer published:
+//! each engine keeps a [`Probe`] at a fixed address (16 random bytes, then a digest of its
+//! published engine id, generation and regions), and a reader reads it out of the process the
+//! metadata names before reading anything else from it. A peer can therefore only point a
+//! reader at regions that process itself published. The reader keeps a pidfd to the process
+//! and reports a read good only if the process was still alive after it, so a pid reused by
 //! another process after the owner exited can never go unnoticed.
 
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
 
 use crate::descriptors::RegionBounds;
 
@@ -20,25 +22,45 @@ use super::{BatchState, Read};
 /// Most ranges one `process_vm_readv` call takes on each side (Linux's `UIO_MAXIOV`).
 const MAX_RANGES_PER_CALL: usize = 1024;
 
-/// Random bytes an engine keeps at a fixed address for its whole life, so that a same-host
-/// reader can prove which process it is reading.
+/// Most bytes one call copies: far below the kernel's cap of one call (`MAX_RW_COUNT`, just
+/// under 2 GiB, past which it silently stops short), and small enough that a batch failed
+/// meanwhile (deadline, dead peer) stops within a few tens of milliseconds.
+const MAX_BYTES_PER_CALL: usize = 64 << 20;
+
+const NONCE_LEN: usize = 16;
+const DIGEST_LEN: usize = 32;
+const PROBE_LEN: usize = NONCE_LEN + DIGEST_LEN;
+
+/// What an engine keeps at a fixed address for same-host readers: random bytes that name this
+/// process, then the digest of the metadata it publishes now.
 pub struct Probe {
-    bytes: Box<[u8; 16]>,
+    bytes: Mutex<Box<[u8; PROBE_LEN]>>,
+    addr: u64,
+    nonce: [u8; NONCE_LEN],
 }
 
 impl Probe {
     pub fn new() -> Result<Probe, String> {
-        let mut bytes = Box::new([0u8; 16]);
-        getrandom::fill(&mut bytes[..]).map_err(|e| format!("no random bytes for the same-host probe: {e}"))?;
-        Ok(Probe { bytes })
+        let mut nonce = [0u8; NONCE_LEN];
+        getrandom::fill(&mut nonce).map_err(|e| format!("no random bytes for the same-host probe: {e}"))?;
+        let mut bytes = Box::new([0u8; PROBE_LEN]);
+        bytes[..NONCE_LEN].copy_from_slice(&nonce);
+        let addr = bytes.as_ptr() as u64;
+        Ok(Probe { bytes: Mutex::new(bytes), addr, nonce })
     }
 
     pub fn addr(&self) -> u64 {
-        self.bytes.as_ptr() as u64
+        self.addr
     }
 
-    pub fn bytes(&self) -> [u8; 16] {
-        *self.bytes
+    pub fn nonce(&self) -> [u8; NONCE_LEN] {
+        self.nonce
+    }
+
+    /// Vouches for newly published metadata (a reader reading meanwhile sees a mismatch and
+    /// falls back to UCX).
+    pub fn publish(&self, digest: [u8; DIGEST_LEN]) {
+        self.bytes.lock().unwrap_or_else(|p| p.into_inner())[NONCE_LEN..].copy_from_slice(&digest);
     }
 }
 
@@ -52,14 +74,15 @@ pub fn boot_id() -> Option<String> {
 
 /// Whether UCX, configured by `UCX_TLS` (`None`: unset), would read a same-host peer over cma.
 /// Same-host reads replace exactly that transport, so a user who chose another one (tcp, say)
-/// keeps it.
+/// keeps it. Names are taken as UCX takes them: split at commas, untrimmed, case-sensitive, a
+/// leading `^` excluding the list and a leading `\` on a name marking it strict.
 pub fn ucx_tls_allows_cma(ucx_tls: Option<&str>) -> bool {
-    let Some(value) = ucx_tls.map(str::trim).filter(|v| !v.is_empty()) else { return true };
+    let Some(value) = ucx_tls.filter(|v| !v.is_empty()) else { return true };
     let (excluding, list) = match value.strip_prefix('^') {
         Some(rest) => (true, rest),
         None => (false, value),
     };
-    let names_cma = list.split(',').map(str::trim).any(|t| matches!(t, "cma" | "sm" | "shm" | "all"));
+    let names_cma = list.split(',').map(|t| t.strip_prefix('\\').unwrap_or(t)).any(|t| matches!(t, "cma" | "sm" | "shm" | "all"));
     names_cma != excluding
 }
 
@@ -72,9 +95,18 @@ pub struct SameHostPeer {
     remote: Vec<RegionBounds>,
 }
 
+/// One range of a same-host read: `len` bytes from the peer's `remote` into our `local`.
+#[derive(Clone, Copy)]
+struct Range {
+    local: u64,
+    remote: u64,
+    len: usize,
+}
+
 impl SameHostPeer {
-    /// Opens `pid` and checks that it holds `probe` at `probe_addr`; `remote` are its regions.
-    pub fn open(pid: u32, probe_addr: u64, probe: [u8; 16], remote: Vec<RegionBounds>) -> Result<SameHostPeer, String> {
+    /// Opens `pid` and checks that it holds `nonce` followed by `digest` at `probe_addr`: the
+    /// process vouches for the metadata that named it, whose regions are `remote`.
+    pub fn open(pid: u32, probe_addr: u64, nonce: [u8; NONCE_LEN], digest: [u8; DIGEST_LEN], remote: Vec<RegionBounds>) -> Result<SameHostPeer, String> {
         let pid = libc::pid_t::try_from(pid).map_err(|_| format!("pid {pid} is out of range"))?;
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -84,11 +116,15 @@ impl SameHostPeer {
         // SAFETY: fd is a descriptor pidfd_open just returned, owned by nobody else.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         let peer = SameHostPeer { pid, pidfd, remote };
-        let mut seen = [0u8; 16];
-        let len = seen.len();
-        peer.read_ranges(&[(seen.as_mut_ptr() as u64, probe_addr, len)])?;
-        if seen != probe {
+        let mut seen = [0u8; PROBE_LEN];
+        let range = Range { local: seen.as_mut_ptr() as u64, remote: probe_addr, len: PROBE_LEN };
+        // SAFETY: the only local range is `seen`, a buffer of this frame, PROBE_LEN bytes long.
+        unsafe { peer.read_ranges(&[range]) }?;
+        if seen[..NONCE_LEN] != nonce {
             return Err(format!("process {pid} does not hold the peer's probe: it is another process"));
+        }
+        if seen[NONCE_LEN..] != digest {
+            return Err(format!("process {pid} does not vouch for the regions the peer published"));
         }
         Ok(peer)
     }
@@ -97,29 +133,19 @@ impl SameHostPeer {
         self.pid as u32
     }
 
-    /// Reads the whole batch now and records the outcome in `batch`, which settles before this
-    /// returns. Every read is checked first to lie inside its local region and inside the peer
-    /// region it names; host memory only (the caller routes other memory to UCX).
-    pub fn read_batch(&self, reads: &[Read<'_>], batch: &BatchState) {
-        batch.start_reads(1);
-        if let Err(e) = self.read(reads) {
-            batch.record_read_error(e);
-        }
-        let _ = batch.reads_finished(1);
-    }
-
-    fn read(&self, reads: &[Read<'_>]) -> Result<(), String> {
+    /// Checks every read to lie inside its local region and inside the peer region it names,
+    /// and counts the batch as one unfinished read in `batch` until [`SameHostCopy::run`]
+    /// ends it. Host memory only (the caller routes other memory to UCX).
+    pub fn prepare(self: &Arc<Self>, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<SameHostCopy, String> {
         if let Some(read) = reads.iter().find(|read| !self.in_bounds(read)) {
             return Err(format!(
                 "read of {} bytes from {:#x} (peer region {}) into {:#x} is outside the registered regions",
                 read.len, read.remote_addr, read.remote_region, read.local_addr
             ));
         }
-        let ranges: Vec<(u64, u64, usize)> = reads.iter().map(|r| (r.local_addr, r.remote_addr, r.len as usize)).collect();
-        for chunk in ranges.chunks(MAX_RANGES_PER_CALL) {
-            self.read_ranges(chunk)?;
-        }
-        Ok(())
+        let ranges = reads.iter().map(|r| Range { local: r.local_addr, remote: r.remote_addr, len: r.len as usize }).collect();
+        batch.start_reads(1);
+        Ok(SameHostCopy { peer: Arc::clone(self), ranges, batch: Arc::clone(batch) })
     }
 
     fn in_bounds(&self, read: &Read<'_>) -> bool {
@@ -128,18 +154,60 @@ impl SameHostPeer {
             && usize::try_from(read.len).is_ok()
     }
 
-    /// One `process_vm_readv` of `(local, remote, len)` ranges (at most
-    /// [`MAX_RANGES_PER_CALL`]); every local range is memory this process may write: either a
-    /// registered region (checked by [`SameHostPeer::read`]) or the probe's stack buffer.
-    fn read_ranges(&self, ranges: &[(u64, u64, usize)]) -> Result<(), String> {
-        let local: Vec<libc::iovec> = ranges.iter().map(|&(l, _, len)| libc::iovec { iov_base: l as *mut c_void, iov_len: len }).collect();
-        let remote: Vec<libc::iovec> = ranges.iter().map(|&(_, r, len)| libc::iovec { iov_base: r as *mut c_void, iov_len: len }).collect();
-        let expected: usize = ranges.iter().map(|r| r.2).sum();
-        // SAFETY: process_vm_readv writes only into the local iovecs, each of which lies in
-        // memory this process owns and keeps mapped for the call (a registered region, which
-        // the engine unmaps only after close, or a local buffer); the remote ranges are read
-        // in the other process and a bad one fails the call (EFAULT) instead of touching ours.
-        // Both arrays hold `ranges.len()` iovecs, at most UIO_MAXIOV.
+    /// Copies `ranges` in calls of at most [`MAX_RANGES_PER_CALL`] ranges and
+    /// [`MAX_BYTES_PER_CALL`] bytes (a longer range is split), stopping early when `stop`
+    /// says so between calls.
+    ///
+    /// # Safety
+    /// Every local range must be memory of this process that stays mapped and writable for the
+    /// whole call and that no one else reads or writes meanwhile.
+    unsafe fn copy(&self, ranges: &[Range], stop: impl Fn() -> bool) -> Result<(), String> {
+        let mut call: Vec<Range> = Vec::with_capacity(ranges.len().min(MAX_RANGES_PER_CALL));
+        let mut call_bytes = 0usize;
+        for range in ranges {
+            let mut done = 0usize;
+            while done < range.len {
+                let piece = (range.len - done).min(MAX_BYTES_PER_CALL - call_bytes);
+                call.push(Range { local: range.local + done as u64, remote: range.remote + done as u64, len: piece });
+                call_bytes += piece;
+                done += piece;
+                if call.len() == MAX_RANGES_PER_CALL || call_bytes == MAX_BYTES_PER_CALL {
+                    if stop() {
+                        return Err("stopped".to_owned());
+                    }
+                    // SAFETY: the pieces lie inside the caller's ranges, which the caller
+                    // vouches for.
+                    unsafe { self.read_ranges(&call) }?;
+                    call.clear();
+                    call_bytes = 0;
+                }
+            }
+        }
+        if !call.is_empty() {
+            if stop() {
+                return Err("stopped".to_owned());
+            }
+            // SAFETY: as above.
+            unsafe { self.read_ranges(&call) }?;
+        }
+        Ok(())
+    }
+
+    /// One `process_vm_readv` of at most [`MAX_RANGES_PER_CALL`] ranges and
+    /// [`MAX_BYTES_PER_CALL`] bytes; anything short of every byte is an error.
+    ///
+    /// # Safety
+    /// As [`SameHostPeer::copy`]: every local range is this process's memory, mapped, writable
+    /// and not otherwise accessed during the call.
+    unsafe fn read_ranges(&self, ranges: &[Range]) -> Result<(), String> {
+        debug_assert!(ranges.len() <= MAX_RANGES_PER_CALL);
+        let local: Vec<libc::iovec> = ranges.iter().map(|r| libc::iovec { iov_base: r.local as *mut c_void, iov_len: r.len }).collect();
+        let remote: Vec<libc::iovec> = ranges.iter().map(|r| libc::iovec { iov_base: r.remote as *mut c_void, iov_len: r.len }).collect();
+        let expected: usize = ranges.iter().map(|r| r.len).sum();
+        // SAFETY: process_vm_readv writes only into the local iovecs, which the caller vouches
+        // for; the remote ranges are read in the other process, where a bad one ends the copy
+        // early (a short count or EFAULT) without touching our memory. Both arrays hold
+        // ranges.len() <= UIO_MAXIOV iovecs, and the total is below MAX_RW_COUNT.
         let n = unsafe {
             libc::process_vm_readv(self.pid, local.as_ptr(), local.len() as libc::c_ulong, remote.as_ptr(), remote.len() as libc::c_ulong, 0)
         };
@@ -147,7 +215,7 @@ impl SameHostPeer {
             return Err(format!("process_vm_readv from process {}: {}", self.pid, std::io::Error::last_os_error()));
         }
         if n as usize != expected {
-            return Err(format!("process_vm_readv from process {} read {n} of {expected} bytes", self.pid));
+            return Err(format!("process_vm_readv from process {} read {n} of {expected} bytes (a remote range is not mapped)", self.pid));
         }
         if self.exited() {
             return Err(format!("process {} exited during the read", self.pid));
@@ -157,10 +225,45 @@ impl SameHostPeer {
 
     /// Whether the process has exited (its pid may then name another process).
     fn exited(&self) -> bool {
-        let mut fds = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd, zero timeout.
-        let ready = unsafe { libc::poll(&mut fds, 1, 0) };
-        ready != 0
+        loop {
+            let mut fds = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd, zero timeout.
+            let ready = unsafe { libc::poll(&mut fds, 1, 0) };
+            if ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            // Readable: exited. An error on a pidfd we own: treat as exited, never read on.
+            return ready != 0;
+        }
+    }
+}
+
+/// A checked same-host batch, to be copied once by [`SameHostCopy::run`] (on the caller's
+/// thread or the engine's copy thread); the batch settles when it has run.
+pub struct SameHostCopy {
+    peer: Arc<SameHostPeer>,
+    ranges: Vec<Range>,
+    batch: Arc<BatchState>,
+}
+
+impl SameHostCopy {
+    pub fn nbytes(&self) -> usize {
+        self.ranges.iter().map(|r| r.len).sum()
+    }
+
+    /// Copies the batch, or as much of it as it takes to notice that the batch was failed
+    /// meanwhile (its deadline passed, its peer died, the engine closes), and settles it.
+    pub fn run(self) {
+        let batch = &self.batch;
+        // SAFETY: prepare checked every local range to lie in a registered region, which the
+        // engine's owner keeps mapped until the engine closed (register_region's contract),
+        // and close waits for this batch to settle; the caller of read_blocks hands those
+        // blocks to the batch until it settles.
+        let result = unsafe { self.peer.copy(&self.ranges, || batch.has_failed()) };
+        if let Err(e) = result {
+            batch.record_read_error(e);
+        }
+        let _ = batch.reads_finished(1);
     }
 }
 
@@ -175,32 +278,95 @@ mod tests {
             (Some(""), true),
             (Some("all"), true),
             (Some("cma,tcp"), true),
-            (Some("tcp, sm"), true),
+            (Some("tcp,sm"), true),
             (Some("shm,self"), true),
+            (Some("\\cma,tcp"), true),
+            (Some("tcp, sm"), false), // UCX does not trim: " sm" is no transport
             (Some("tcp,self"), false),
-            (Some("rc,cuda_copy"), false),
+            (Some("rc,cuda_copy,mm"), false),
             (Some("^cma"), false),
             (Some("^tcp"), true),
             (Some("^sm,tcp"), false),
+            (Some("CMA"), false),
         ] {
             assert_eq!(ucx_tls_allows_cma(tls), allowed, "UCX_TLS={tls:?}");
         }
     }
 
     #[test]
-    fn the_probe_proves_the_process() {
+    fn the_probe_proves_the_process_and_what_it_published() {
         let probe = Probe::new().unwrap();
+        let digest = [7u8; DIGEST_LEN];
+        probe.publish(digest);
         let pid = std::process::id();
-        assert!(SameHostPeer::open(pid, probe.addr(), probe.bytes(), Vec::new()).is_ok());
-        let mut wrong = probe.bytes();
+        assert!(SameHostPeer::open(pid, probe.addr(), probe.nonce(), digest, Vec::new()).is_ok());
+        let mut wrong = probe.nonce();
         wrong[0] ^= 1;
-        let err = SameHostPeer::open(pid, probe.addr(), wrong, Vec::new()).err().unwrap();
+        let err = SameHostPeer::open(pid, probe.addr(), wrong, digest, Vec::new()).err().unwrap();
         assert!(err.contains("another process"), "{err}");
+        // The right process, but not the regions it published (a replayed identity).
+        let err = SameHostPeer::open(pid, probe.addr(), probe.nonce(), [8u8; DIGEST_LEN], Vec::new()).err().unwrap();
+        assert!(err.contains("does not vouch"), "{err}");
         // A probe address the process does not map fails the read, not this process.
-        let err = SameHostPeer::open(pid, 8, probe.bytes(), Vec::new()).err().unwrap();
+        let err = SameHostPeer::open(pid, 8, probe.nonce(), digest, Vec::new()).err().unwrap();
         assert!(err.contains("process_vm_readv"), "{err}");
-        let err = SameHostPeer::open(u32::MAX, probe.addr(), probe.bytes(), Vec::new()).err().unwrap();
+        let err = SameHostPeer::open(u32::MAX, probe.addr(), probe.nonce(), digest, Vec::new()).err().unwrap();
         assert!(err.contains("out of range") || err.contains("pidfd_open"), "{err}");
+    }
+
+    fn own_process() -> SameHostPeer {
+        let probe = Probe::new().unwrap();
+        probe.publish([0; DIGEST_LEN]);
+        SameHostPeer::open(std::process::id(), probe.addr(), probe.nonce(), [0; DIGEST_LEN], Vec::new()).unwrap()
+    }
+
+    #[test]
+    fn copies_cross_the_per_call_limits_byte_for_byte() {
+        let peer = own_process();
+        // 2,500 scattered 64-byte ranges: three calls of at most 1,024 ranges.
+        let source: Vec<u8> = (0..2500 * 64).map(|i| (i * 31 % 251) as u8).collect();
+        let mut dest = vec![0u8; source.len()];
+        let ranges: Vec<Range> = (0..2500)
+            .map(|i| {
+                let from = (i * 7 % 2500) * 64;
+                Range { local: dest.as_mut_ptr() as u64 + (i * 64) as u64, remote: source.as_ptr() as u64 + from as u64, len: 64 }
+            })
+            .collect();
+        // SAFETY: every local range lies in `dest`, which nothing else touches meanwhile.
+        unsafe { peer.copy(&ranges, || false) }.unwrap();
+        for i in 0..2500 {
+            let from = (i * 7 % 2500) * 64;
+            assert_eq!(dest[i * 64..(i + 1) * 64], source[from..from + 64], "range {i}");
+        }
+        // More than the kernel copies in one call (~2 GiB): 40 reads of one 64 MiB block, the
+        // first range 200 MiB long, split into pieces of at most MAX_BYTES_PER_CALL.
+        let block: Vec<u8> = (0..(200usize << 20)).map(|i| (i % 253) as u8).collect();
+        let mut into = vec![0u8; block.len()];
+        let mut ranges = vec![Range { local: into.as_mut_ptr() as u64, remote: block.as_ptr() as u64, len: block.len() }];
+        ranges.extend((0..40).map(|_| Range { local: into.as_mut_ptr() as u64, remote: block.as_ptr() as u64 + 4096, len: 64 << 20 }));
+        // SAFETY: as above, `into`.
+        unsafe { peer.copy(&ranges, || false) }.unwrap();
+        assert_eq!(into[(64 << 20)..], block[(64 << 20)..]);
+        assert_eq!(into[..(64 << 20)], block[4096..(64 << 20) + 4096]);
+    }
+
+    #[test]
+    fn a_failed_batch_stops_between_calls() {
+        let peer = own_process();
+        let source = vec![1u8; 4096];
+        let mut dest = vec![0u8; 4096 * 2048];
+        let ranges: Vec<Range> = (0..2048).map(|i| Range { local: dest.as_mut_ptr() as u64 + (i * 4096) as u64, remote: source.as_ptr() as u64, len: 4096 }).collect();
+        let calls = std::cell::Cell::new(0);
+        // SAFETY: every local range lies in `dest`.
+        let result = unsafe {
+            peer.copy(&ranges, || {
+                calls.set(calls.get() + 1);
+                calls.get() > 1
+            })
+        };
+        assert!(result.is_err());
+        assert!(dest[..4096 * 1024].iter().all(|&b| b == 1), "the first call copied");
+        assert!(dest[4096 * 1024..].iter().all(|&b| b == 0), "nothing after the stop");
     }
 
     #[test]
@@ -219,11 +385,11 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         assert!(peer.exited(), "an exited (not yet reaped) process is noticed");
-        let mut buf = [0u8; 8];
-        let err = peer.read_ranges(&[(buf.as_mut_ptr() as u64, 0x1000, buf.len())]).unwrap_err();
-        assert!(err.contains("process_vm_readv") || err.contains("exited"), "{err}");
         child.wait().unwrap();
-        let err = peer.read_ranges(&[(buf.as_mut_ptr() as u64, 0x1000, buf.len())]).unwrap_err();
+        let mut buf = [0u8; 8];
+        let range = Range { local: buf.as_mut_ptr() as u64, remote: 0x1000, len: buf.len() };
+        // SAFETY: the local range is `buf`.
+        let err = unsafe { peer.read_ranges(&[range]) }.unwrap_err();
         assert!(err.contains("No such process"), "{err}");
     }
 }
