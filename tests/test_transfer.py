@@ -313,6 +313,26 @@ def test_a_same_host_read_of_a_frozen_owner_completes_and_a_dead_one_fails_clean
             owner.kill()
 
 
+def test_a_same_host_batch_past_its_deadline_fails_alone_and_the_peer_stays_usable():
+    owner, reader = start_pair("same-host")
+    try:
+        peer = reader.engine.connect("127.0.0.1", owner.port)
+        # 200,000 reads of 16 KiB (3.3 GB, duplicates allowed): far longer than 50 ms to copy.
+        ids = [1 + i % (NUM_BLOCKS - 1) for i in range(200_000)]
+        transfer = reader.engine.read_blocks(peer, ids, ids, timeout_s=0.05)
+        assert transfer.same_host
+        with pytest.raises(core.TransferError, match="deadline"):
+            transfer.wait(timeout_s=30)
+        assert reader.engine.peer_alive(peer), "no endpoint to abort: the peer stays connected"
+        reader.buf[:] = 0
+        time.sleep(0.3)
+        assert not reader.buf.any(), "a byte landed after the batch was reported failed"
+        read_block_and_check(reader, peer, owner, 5, 6)
+    finally:
+        reader.engine.close()
+        owner.kill()
+
+
 @pytest.mark.parametrize("peer_error_handling", [True, False], ids=["peer-error-handling", "default"])
 def test_deadline_fails_the_batch_and_no_late_byte_lands(peer_error_handling):
     owner = Owner("owner", TRANSPORTS["tcp"], peer_error_handling=peer_error_handling)

@@ -139,6 +139,9 @@ struct Inflight {
     notify: Mutex<Option<Vec<u8>>>,
     /// Why the engine failed this batch, which says more than UCX's "canceled".
     abort_reason: Mutex<Option<String>>,
+    /// Read directly (same-host reads): nothing to cancel in UCX, a failed batch stops at
+    /// its copy's next call.
+    same_host: bool,
 }
 
 struct Shared {
@@ -565,10 +568,20 @@ impl Engine {
             nbytes += d.len;
         }
         let batch = BatchState::new(&self.shared.worker);
-        let inflight = Arc::new(Inflight { batch: Arc::clone(&batch), peer: Arc::clone(&peer), deadline: deadline_after(timeout), notify: Mutex::new(notify), abort_reason: Mutex::new(None) });
-        lock(&self.shared.inflight).push(Arc::clone(&inflight));
         let same_host = peer.same_host.as_ref().filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
+        let inflight = Arc::new(Inflight {
+            batch: Arc::clone(&batch),
+            peer: Arc::clone(&peer),
+            deadline: deadline_after(timeout),
+            notify: Mutex::new(notify),
+            abort_reason: Mutex::new(None),
+            same_host: same_host.is_some(),
+        });
+        lock(&self.shared.inflight).push(Arc::clone(&inflight));
         let posted = match same_host {
+            // The peer may have died after the check above and before the push, unseen by
+            // abort_peer (UCX posting re-checks under the endpoint lock instead).
+            Some(_) if !peer.alive.load(Ordering::Acquire) => Err(PostError::NothingPosted(format!("peer {peer_id} was disconnected"))),
             Some(direct) => match direct.prepare(&reads, &batch) {
                 Ok(copy) => {
                     start_copy(&self.shared, copy);
@@ -809,18 +822,25 @@ fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
     for inflight in &victims {
         inflight.batch.fail(reason.to_string());
         let unfinished = inflight.batch.unfinished_reads();
-        if unfinished > 0 {
+        if unfinished > 0 && !inflight.same_host {
             log::error!("{unfinished} reads from peer {} are still outstanding after closing its endpoint; their batch stays pending until they complete", peer.meta.engine_id);
         }
     }
 }
 
-/// Fails a batch that passed its deadline. Its reads may still be in flight, so the peer's
-/// endpoint is aborted first (failing every batch to that peer); the next `connect`
-/// re-handshakes.
+/// Fails a batch that passed its deadline. A UCX batch's reads may still be in flight, so the
+/// peer's endpoint is aborted first (failing every batch to that peer); the next `connect`
+/// re-handshakes. A same-host batch is failed alone: its copy stops at its next call.
 fn expire(shared: &Shared, inflight: &Inflight) {
-    if inflight.batch.outcome().is_none() && Instant::now() >= inflight.deadline && inflight.peer.alive.load(Ordering::Acquire) {
-        let reason = format!("deadline passed before the last byte arrived from peer {}", inflight.peer.meta.engine_id);
+    if inflight.batch.outcome().is_some() || inflight.batch.has_failed() || Instant::now() < inflight.deadline {
+        return;
+    }
+    let reason = format!("deadline passed before the last byte arrived from peer {}", inflight.peer.meta.engine_id);
+    if inflight.same_host {
+        log::warn!("{reason}");
+        lock(&inflight.abort_reason).get_or_insert_with(|| reason.clone());
+        inflight.batch.fail(reason);
+    } else if inflight.peer.alive.load(Ordering::Acquire) {
         log::warn!("{reason}; aborting the connection to it");
         abort_peer(shared, &inflight.peer, &reason);
     }

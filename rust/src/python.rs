@@ -71,8 +71,7 @@ impl Transfer {
         self.inner.num_descriptors
     }
 
-    /// Read directly from a process on this host before `read_blocks` returned, not through
-    /// UCX.
+    /// Read directly from a process on this host (`same_host_reads`), not through UCX.
     #[getter]
     fn same_host(&self) -> bool {
         self.inner.same_host

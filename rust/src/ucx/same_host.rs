@@ -82,7 +82,8 @@ pub fn ucx_tls_allows_cma(ucx_tls: Option<&str>) -> bool {
         Some(rest) => (true, rest),
         None => (false, value),
     };
-    let names_cma = list.split(',').map(|t| t.strip_prefix('\\').unwrap_or(t)).any(|t| matches!(t, "cma" | "sm" | "shm" | "all"));
+    // `\cma` asks for cma itself rather than an alias that contains it; aliases have no such form.
+    let names_cma = list.split(',').any(|t| matches!(t, "cma" | "\\cma" | "sm" | "shm" | "all"));
     names_cma != excluding
 }
 
@@ -145,7 +146,7 @@ impl SameHostPeer {
         }
         let ranges = reads.iter().map(|r| Range { local: r.local_addr, remote: r.remote_addr, len: r.len as usize }).collect();
         batch.start_reads(1);
-        Ok(SameHostCopy { peer: Arc::clone(self), ranges, batch: Arc::clone(batch) })
+        Ok(SameHostCopy { peer: Arc::clone(self), ranges, batch: Arc::clone(batch), ran: false })
     }
 
     fn in_bounds(&self, read: &Read<'_>) -> bool {
@@ -239,11 +240,13 @@ impl SameHostPeer {
 }
 
 /// A checked same-host batch, to be copied once by [`SameHostCopy::run`] (on the caller's
-/// thread or the engine's copy thread); the batch settles when it has run.
+/// thread or the engine's copy thread); the batch settles when it has run, or failed when it
+/// is dropped without running (so that it never stays pending).
 pub struct SameHostCopy {
     peer: Arc<SameHostPeer>,
     ranges: Vec<Range>,
     batch: Arc<BatchState>,
+    ran: bool,
 }
 
 impl SameHostCopy {
@@ -253,7 +256,7 @@ impl SameHostCopy {
 
     /// Copies the batch, or as much of it as it takes to notice that the batch was failed
     /// meanwhile (its deadline passed, its peer died, the engine closes), and settles it.
-    pub fn run(self) {
+    pub fn run(mut self) {
         let batch = &self.batch;
         // SAFETY: prepare checked every local range to lie in a registered region, which the
         // engine's owner keeps mapped until the engine closed (register_region's contract),
@@ -263,7 +266,16 @@ impl SameHostCopy {
         if let Err(e) = result {
             batch.record_read_error(e);
         }
-        let _ = batch.reads_finished(1);
+        self.ran = true;
+    }
+}
+
+impl Drop for SameHostCopy {
+    fn drop(&mut self) {
+        if !self.ran {
+            self.batch.record_read_error("the same-host copy never ran".to_owned());
+        }
+        let _ = self.batch.reads_finished(1);
     }
 }
 
@@ -281,6 +293,7 @@ mod tests {
             (Some("tcp,sm"), true),
             (Some("shm,self"), true),
             (Some("\\cma,tcp"), true),
+            (Some("\\sm,tcp"), false),
             (Some("tcp, sm"), false), // UCX does not trim: " sm" is no transport
             (Some("tcp,self"), false),
             (Some("rc,cuda_copy,mm"), false),
