@@ -68,7 +68,7 @@ fn read_and_notify(same_host_reads: bool) {
     let peer = connect(&reader, &owner).unwrap();
     assert_eq!(peer, "owner");
     let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10), None).unwrap();
-    assert_eq!(transfer.same_host, same_host_reads);
+    assert_eq!(transfer.same_host(), same_host_reads);
     if same_host_reads {
         assert!(transfer.poll().unwrap(), "a same-host batch is complete when read_blocks returns");
     }

@@ -599,7 +599,7 @@ impl Engine {
             Err(PostError::MaybePartial(e)) => abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}")),
         }
         drop(local);
-        let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len(), same_host: same_host.is_some() };
+        let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len() };
         // A batch that settled while posting (nothing posted, all done at once) is finished
         // here; a pending one cannot have passed its deadline yet.
         if transfer.inflight.batch.outcome().is_some() {
@@ -955,8 +955,6 @@ pub struct Transfer {
     inflight: Arc<Inflight>,
     pub nbytes: u64,
     pub num_descriptors: usize,
-    /// Read directly from a process on this host, not through UCX.
-    pub same_host: bool,
 }
 
 /// How long `wait` keeps driving UCX progress back to back after UCX last reported an event,
@@ -966,6 +964,11 @@ pub struct Transfer {
 const WAIT_SPIN: Duration = Duration::from_millis(2);
 
 impl Transfer {
+    /// Read directly from a process on this host, not through UCX.
+    pub fn same_host(&self) -> bool {
+        self.inflight.same_host
+    }
+
     fn settle(&self) -> Option<Result<(), EngineError>> {
         expire(&self.shared, &self.inflight);
         let outcome = self.inflight.batch.outcome()?;

@@ -74,7 +74,7 @@ impl Transfer {
     /// Read directly from a process on this host (`same_host_reads`), not through UCX.
     #[getter]
     fn same_host(&self) -> bool {
-        self.inner.same_host
+        self.inner.same_host()
     }
 
     /// Takes the worker lock (briefly, to progress UCX): never with the GIL held.

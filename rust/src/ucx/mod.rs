@@ -453,14 +453,8 @@ impl Endpoint {
     /// before it are still in flight (the batch stays pending until they
     /// complete, or until [`Endpoint::abort`] cancels them).
     pub fn post_reads(&self, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
-        if let Some(read) = reads.iter().find(|read| !self.in_bounds(read)) {
-            return Err(UcxError::Call {
-                call: "ucp_get_nbx",
-                status: format!(
-                    "read of {} bytes from {:#x} (peer region {}) into {:#x} is outside the registered regions",
-                    read.len, read.remote_addr, read.remote_region, read.local_addr
-                ),
-            });
+        if let Err(status) = check_bounds(reads, &self.remote) {
+            return Err(UcxError::Call { call: "ucp_get_nbx", status });
         }
         let api = self.worker.api;
         // A batch is posted on one endpoint, once; it counts there until its last read ends.
@@ -486,12 +480,6 @@ impl Endpoint {
         result
     }
 
-    fn in_bounds(&self, read: &Read<'_>) -> bool {
-        read.local.contains(read.local_addr, read.len)
-            && self.remote.get(read.remote_region).is_some_and(|r| r.contains(read.remote_addr, read.len))
-            && usize::try_from(read.len).is_ok()
-    }
-
     /// Posts `reads`, all counted in `batch` already: each one is ended here (done at once,
     /// failed, or never posted after a failure) or, when it goes pending, by [`read_done`].
     /// `in_flight` is the batch's reference that [`read_done`] is handed.
@@ -508,7 +496,7 @@ impl Endpoint {
                 ..Default::default()
             };
             // SAFETY: UCX writes the remote range into the local buffer until the read
-            // completes: in_bounds checked that the local range lies in a registered region
+            // completes: check_bounds checked that the local range lies in a registered region
             // (which the caller keeps alive until the batch settles) and the remote range in
             // the region this rkey was unpacked for; the lock is held. user_data stays valid
             // until the read ends: the in-flight reference is released only after the batch's
@@ -531,6 +519,24 @@ impl Endpoint {
             }
         }
         result
+    }
+}
+
+/// Checks every read to lie inside its local region and inside the peer region (of `remote`)
+/// it names, with a length that fits in memory: the check before any read is made, by either
+/// transport.
+fn check_bounds(reads: &[Read<'_>], remote: &[RegionBounds]) -> Result<(), String> {
+    let in_bounds = |read: &&Read<'_>| {
+        read.local.contains(read.local_addr, read.len)
+            && remote.get(read.remote_region).is_some_and(|r| r.contains(read.remote_addr, read.len))
+            && usize::try_from(read.len).is_ok()
+    };
+    match reads.iter().find(|read| !in_bounds(read)) {
+        Some(read) => Err(format!(
+            "read of {} bytes from {:#x} (peer region {}) into {:#x} is outside the registered regions",
+            read.len, read.remote_addr, read.remote_region, read.local_addr
+        )),
+        None => Ok(()),
     }
 }
 

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::descriptors::RegionBounds;
 
-use super::{BatchState, Read};
+use super::{check_bounds, BatchState, Read};
 
 /// Most ranges one `process_vm_readv` call takes on each side (Linux's `UIO_MAXIOV`).
 const MAX_RANGES_PER_CALL: usize = 1024;
@@ -138,21 +138,10 @@ impl SameHostPeer {
     /// and counts the batch as one unfinished read in `batch` until [`SameHostCopy::run`]
     /// ends it. Host memory only (the caller routes other memory to UCX).
     pub fn prepare(self: &Arc<Self>, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<SameHostCopy, String> {
-        if let Some(read) = reads.iter().find(|read| !self.in_bounds(read)) {
-            return Err(format!(
-                "read of {} bytes from {:#x} (peer region {}) into {:#x} is outside the registered regions",
-                read.len, read.remote_addr, read.remote_region, read.local_addr
-            ));
-        }
+        check_bounds(reads, &self.remote)?;
         let ranges = reads.iter().map(|r| Range { local: r.local_addr, remote: r.remote_addr, len: r.len as usize }).collect();
         batch.start_reads(1);
         Ok(SameHostCopy { peer: Arc::clone(self), ranges, batch: Arc::clone(batch), ran: false })
-    }
-
-    fn in_bounds(&self, read: &Read<'_>) -> bool {
-        read.local.contains(read.local_addr, read.len)
-            && self.remote.get(read.remote_region).is_some_and(|r| r.contains(read.remote_addr, read.len))
-            && usize::try_from(read.len).is_ok()
     }
 
     /// Copies `ranges` in calls of at most [`MAX_RANGES_PER_CALL`] ranges and
