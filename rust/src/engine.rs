@@ -89,8 +89,9 @@ struct Peer {
     /// The side channel ("host:port") it was connected through: its key in the peer table.
     address: String,
     meta: EngineMetadata,
-    /// The peer's registered regions, every remote range is checked against.
-    regions: Vec<RegionBounds>,
+    /// The peer's registered regions, every remote range is checked against (by the
+    /// planner here, and by the transport that reads them, which shares them).
+    regions: Arc<[RegionBounds]>,
     /// `regions`, indexed for those checks.
     region_index: RegionIndex,
     /// Opened by the first read (an engine connected only to look up, or connected back to,
@@ -107,12 +108,24 @@ struct Peer {
 }
 
 impl Peer {
-    /// Posts `reads` on the peer's endpoint, opening it on first use.
-    fn post_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), PostError> {
+    /// Starts `reads`, whose batch the engine tracks already: with `direct` (the peer on this
+    /// host, every local range host memory) on the engine's copy thread, else posted on the
+    /// peer's endpoint, opened on first use. A peer that died after the caller found it alive,
+    /// and before the batch was tracked (unseen by `abort_peer`), is seen here: `abort_peer`
+    /// clears `alive` and takes the endpoint first.
+    fn start_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>, direct: Option<&Arc<SameHostPeer>>) -> Result<(), PostError> {
+        if let Some(direct) = direct {
+            if !self.alive.load(Ordering::Acquire) {
+                return Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id)));
+            }
+            let copy = direct.prepare(reads, batch).map_err(PostError::NothingPosted)?;
+            start_copy(shared, copy);
+            return Ok(());
+        }
         let mut endpoint = lock(&self.endpoint);
         if endpoint.is_none() && self.alive.load(Ordering::Acquire) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
-            let regions: Vec<(RegionBounds, Vec<u8>)> = self.regions.iter().copied().zip(self.meta.regions.iter().map(|r| r.rkey.clone())).collect();
-            let opened = shared.worker.connect(&self.meta.worker_address, &regions, shared.config.peer_error_handling);
+            let rkeys: Vec<&[u8]> = self.meta.regions.iter().map(|r| r.rkey.as_slice()).collect();
+            let opened = shared.worker.connect(&self.meta.worker_address, Arc::clone(&self.regions), &rkeys, shared.config.peer_error_handling);
             let opened = opened.map_err(|e| PostError::NothingPosted(format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id)))?;
             *endpoint = Some(opened);
         }
@@ -442,9 +455,9 @@ fn same_host_candidate<'a>(our_boot_id: Option<&str>, enabled: bool, meta: &'a E
 /// Opens a peer that runs on this host for direct reads; `None` (UCX reads it) when it is
 /// elsewhere, has memory other than host memory, or cannot be proven to be the process it
 /// names.
-fn open_same_host(shared: &Shared, meta: &EngineMetadata, regions: &[RegionBounds]) -> Option<Arc<SameHostPeer>> {
+fn open_same_host(shared: &Shared, meta: &EngineMetadata, regions: &Arc<[RegionBounds]>) -> Option<Arc<SameHostPeer>> {
     let theirs = same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta)?;
-    match SameHostPeer::open(theirs.pid, theirs.probe_addr, theirs.probe, meta.digest(), regions.to_vec()) {
+    match SameHostPeer::open(theirs.pid, theirs.probe_addr, theirs.probe, meta.digest(), Arc::clone(regions)) {
         Ok(peer) => {
             log::info!("peer {} is process {} on this host: its blocks are read directly, not through UCX", meta.engine_id, peer.pid());
             Some(Arc::new(peer))
@@ -496,7 +509,7 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
     let layout = meta.layout.as_ref().ok_or_else(|| {
         EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
     })?;
-    let regions: Vec<RegionBounds> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
+    let regions: Arc<[RegionBounds]> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
     layout.validate_within(&regions)?;
     let id = meta.engine_id.clone();
     let same_host = open_same_host(shared, &meta, &regions);
@@ -578,20 +591,7 @@ impl Engine {
             same_host: same_host.is_some(),
         });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
-        let posted = match same_host {
-            // The peer may have died after the check above and before the push, unseen by
-            // abort_peer (UCX posting re-checks under the endpoint lock instead).
-            Some(_) if !peer.alive.load(Ordering::Acquire) => Err(PostError::NothingPosted(format!("peer {peer_id} was disconnected"))),
-            Some(direct) => match direct.prepare(&reads, &batch) {
-                Ok(copy) => {
-                    start_copy(&self.shared, copy);
-                    Ok(())
-                }
-                Err(e) => Err(PostError::NothingPosted(e)),
-            },
-            None => peer.post_reads(&self.shared, &reads, &batch),
-        };
-        match posted {
+        match peer.start_reads(&self.shared, &reads, &batch, same_host) {
             Ok(()) => {}
             Err(PostError::NothingPosted(e)) => batch.fail(e),
             // Force-closing the endpoint cancels the posted reads; the batch fails when the

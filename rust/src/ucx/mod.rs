@@ -289,13 +289,16 @@ impl Worker {
     /// GB/s). Without it a dead peer is detected through the side channel, and a forced close
     /// may leave a read to a frozen peer outstanding: its batch then settles only when UCX
     /// completes that read, so no byte lands after the batch is reported.
-    /// `regions` are the peer's registered regions with their packed remote keys: every read
-    /// posted on the endpoint is checked against them.
-    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: &[(RegionBounds, Vec<u8>)], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
+    /// `regions` are the peer's registered regions and `rkeys` their packed remote keys, by the
+    /// same index: every read posted on the endpoint is checked against `regions`.
+    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: Arc<[RegionBounds]>, rkeys: &[&[u8]], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
         if peer_address.is_empty() {
             return Err(UcxError::Call { call: "ucp_ep_create", status: "the peer's worker address is empty".into() });
         }
-        if let Some(i) = regions.iter().position(|(_, rkey)| rkey.is_empty()) {
+        if rkeys.len() != regions.len() {
+            return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("{} remote keys for {} regions", rkeys.len(), regions.len()) });
+        }
+        if let Some(i) = rkeys.iter().position(|rkey| rkey.is_empty()) {
             return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("the peer's region {i} has an empty remote key") });
         }
         let _g = self.guard();
@@ -310,11 +313,11 @@ impl Worker {
         let mut endpoint = Endpoint {
             worker: Arc::clone(self),
             ep,
-            rkeys: Vec::with_capacity(regions.len()),
-            remote: regions.iter().map(|(bounds, _)| *bounds).collect(),
+            rkeys: Vec::with_capacity(rkeys.len()),
+            remote: regions,
             outstanding: Arc::new(AtomicUsize::new(0)),
         };
-        for (_, packed) in regions {
+        for packed in rkeys {
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key bytes are alive for the call.
             let status = unsafe { (self.api.ucp_ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey) };
@@ -414,8 +417,8 @@ pub struct Endpoint {
     worker: Arc<Worker>,
     ep: sys::ucp_ep_h,
     rkeys: Vec<sys::ucp_rkey_h>,
-    /// The peer's regions, by the same index as `rkeys`.
-    remote: Vec<RegionBounds>,
+    /// The peer's regions (its `Peer`'s, shared), by the same index as `rkeys`.
+    remote: Arc<[RegionBounds]>,
     /// Batches posted on this endpoint with reads UCX has not completed: its remote keys are
     /// destroyed only when there are none.
     outstanding: Arc<AtomicUsize>,

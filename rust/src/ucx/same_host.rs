@@ -92,8 +92,9 @@ pub struct SameHostPeer {
     pid: libc::pid_t,
     /// Readable once the process has exited.
     pidfd: OwnedFd,
-    /// The peer's registered regions, by the index the handshake gave them.
-    remote: Vec<RegionBounds>,
+    /// The peer's registered regions (its `Peer`'s, shared), by the index the handshake gave
+    /// them.
+    remote: Arc<[RegionBounds]>,
 }
 
 /// One range of a same-host read: `len` bytes from the peer's `remote` into our `local`.
@@ -107,7 +108,7 @@ struct Range {
 impl SameHostPeer {
     /// Opens `pid` and checks that it holds `nonce` followed by `digest` at `probe_addr`: the
     /// process vouches for the metadata that named it, whose regions are `remote`.
-    pub fn open(pid: u32, probe_addr: u64, nonce: [u8; NONCE_LEN], digest: [u8; DIGEST_LEN], remote: Vec<RegionBounds>) -> Result<SameHostPeer, String> {
+    pub fn open(pid: u32, probe_addr: u64, nonce: [u8; NONCE_LEN], digest: [u8; DIGEST_LEN], remote: Arc<[RegionBounds]>) -> Result<SameHostPeer, String> {
         let pid = libc::pid_t::try_from(pid).map_err(|_| format!("pid {pid} is out of range"))?;
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -301,25 +302,25 @@ mod tests {
         let digest = [7u8; DIGEST_LEN];
         probe.publish(digest);
         let pid = std::process::id();
-        assert!(SameHostPeer::open(pid, probe.addr(), probe.nonce(), digest, Vec::new()).is_ok());
+        assert!(SameHostPeer::open(pid, probe.addr(), probe.nonce(), digest, Arc::from([])).is_ok());
         let mut wrong = probe.nonce();
         wrong[0] ^= 1;
-        let err = SameHostPeer::open(pid, probe.addr(), wrong, digest, Vec::new()).err().unwrap();
+        let err = SameHostPeer::open(pid, probe.addr(), wrong, digest, Arc::from([])).err().unwrap();
         assert!(err.contains("another process"), "{err}");
         // The right process, but not the regions it published (a replayed identity).
-        let err = SameHostPeer::open(pid, probe.addr(), probe.nonce(), [8u8; DIGEST_LEN], Vec::new()).err().unwrap();
+        let err = SameHostPeer::open(pid, probe.addr(), probe.nonce(), [8u8; DIGEST_LEN], Arc::from([])).err().unwrap();
         assert!(err.contains("does not vouch"), "{err}");
         // A probe address the process does not map fails the read, not this process.
-        let err = SameHostPeer::open(pid, 8, probe.nonce(), digest, Vec::new()).err().unwrap();
+        let err = SameHostPeer::open(pid, 8, probe.nonce(), digest, Arc::from([])).err().unwrap();
         assert!(err.contains("process_vm_readv"), "{err}");
-        let err = SameHostPeer::open(u32::MAX, probe.addr(), probe.nonce(), digest, Vec::new()).err().unwrap();
+        let err = SameHostPeer::open(u32::MAX, probe.addr(), probe.nonce(), digest, Arc::from([])).err().unwrap();
         assert!(err.contains("out of range") || err.contains("pidfd_open"), "{err}");
     }
 
     fn own_process() -> SameHostPeer {
         let probe = Probe::new().unwrap();
         probe.publish([0; DIGEST_LEN]);
-        SameHostPeer::open(std::process::id(), probe.addr(), probe.nonce(), [0; DIGEST_LEN], Vec::new()).unwrap()
+        SameHostPeer::open(std::process::id(), probe.addr(), probe.nonce(), [0; DIGEST_LEN], Arc::from([])).unwrap()
     }
 
     #[test]
@@ -379,7 +380,7 @@ mod tests {
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
         assert!(fd >= 0);
         // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
-        let peer = SameHostPeer { pid, pidfd: unsafe { OwnedFd::from_raw_fd(fd as i32) }, remote: Vec::new() };
+        let peer = SameHostPeer { pid, pidfd: unsafe { OwnedFd::from_raw_fd(fd as i32) }, remote: Arc::from([]) };
         assert!(!peer.exited());
         child.kill().unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
