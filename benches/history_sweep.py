@@ -6,11 +6,7 @@ turn 2 is turn 1's prompt and answer plus `--new` tokens. What is measured is tu
 first token, streamed and seen by the client, for
 - `ideal`: one plain server on the whole machine that has turn 1 in its prefix cache (no
   transfer at all: what P/D must approach);
-- `ideal-half`: the same server on half the cores, the share of the machine P computes on
-  (as a P/D pair of accelerators sets a P against one single-accelerator server, not two):
-  the difference to it is what disaggregation and the transfer cost, not the core split. It
-  sees the same prompts as the others (turn 2 carries `ideal`'s turn-1 answer);
-- `kvduplex-bidirectional`: a P and a D (half the cores each) behind the kvduplex proxy, turns
+- `kvduplex-bidirectional`: a P and a D behind the kvduplex proxy, turns
   streamed with no conversation id. Before turn 2, P's prefix cache is reset — P no longer has
   the history, as when another prefill node served turn 1 or P evicted it under load, which is
   when D->P reuse matters: P finds the history on D by the prompt and pulls it;
@@ -23,14 +19,26 @@ first token, streamed and seen by the client, for
   only there) and the proxy gives them to P on turn 2, streamed; P's prefix cache is reset in
   between as for kvduplex.
 
+P computes on as many threads as the ideal (the whole machine) and D on half of them. On a
+real P/D pair each node has an accelerator like the single server's; here P and D share the
+cores, but they take turns (conversations run one at a time), and P's prefill of the new
+tokens is the compute the ideal does. D's first step (one token) runs while P's vLLM worker
+still spin-waits on the other core (vLLM's shm queue readers busy-wait with sched_yield for
+1 s after each message; D on every core would wait for the spinner's core at each OpenMP
+barrier).
+
+Between a conversation's turn 1 and turn 2 every system waits `--think` seconds, as a user
+reads an answer before writing the next turn. It also lets that spin-wait end: otherwise D's
+worker, spinning after turn 1's last token, takes a core from P's prefill.
+
 Every system replays the ideal server's turn-1 answers, so all see the same prompts, and each
 turn-2 answer is compared with the ideal's (tokens; logprobs within 1e-2, as servers on
 different thread counts round differently). A system whose servers fail is reported with the
 conversations it finished (`errors` in the JSON); the others still run. Per point: the median
 over the conversations, P's turn-2 prompt tokens by source, and kvduplex's breakdown from the
 servers' metrics: P's TTFT (lookup + D->P pull + prefill of the new tokens), of which lookup
-and pull, and D's TTFT (P->D pull + first step); the rest of the client's TTFT is HTTP, the
-proxy and tokenization.
+and pull, and D's TTFT (P->D pull + first step), of which the pull; the rest of the client's
+TTFT is HTTP, the proxy and tokenization.
 
 Model: `kvduplex.tiny_model.build_realistic_chat_model` (SmolLM2-360M's shape, random weights;
 built on first use, ~1.5 GB). Usage (repository root):
@@ -87,11 +95,10 @@ from nixl_pd_baseline import NIXL_ENV, nixl_pythonpath
 logger = logging.getLogger("history_sweep")
 
 IDEAL = "ideal"
-IDEAL_HALF = "ideal-half"
 BIDIRECTIONAL = "kvduplex-bidirectional"
 LAYERWISE = "kvduplex-layerwise"
 ONE_WAY = "kvduplex-one-way"
-SYSTEMS = (IDEAL, IDEAL_HALF, BIDIRECTIONAL, LAYERWISE, ONE_WAY, NIXL)
+SYSTEMS = (IDEAL, BIDIRECTIONAL, LAYERWISE, ONE_WAY, NIXL)
 LOGPROB_ATOL = 1e-2
 RECOMPUTE_THRESHOLD = 64
 MAX_MODEL_LEN = 8192
@@ -141,28 +148,24 @@ def matches(expected: Completion, answer: Completion) -> bool:
     )
 
 
-def run_single(system: str, env: dict | None, make, turns1: dict[Conversation, list[int]], args,
-               answers: dict[Conversation, Completion], results: dict,
-               expected: dict | None = None) -> None:
-    """Turn 1, then turn 2 streamed, on one plain server (`env`: None for half the cores, as
-    P). Without `expected` (the ideal), its turn-1 answers go into `answers`; with it, turn 2
-    carries those answers and is compared with `expected`'s."""
-    with start_many([make(system, None, env)]) as (server,):
+def run_ideal(make, turns1: dict[Conversation, list[int]], args,
+              answers: dict[Conversation, Completion], results: dict) -> None:
+    """Turn 1, then turn 2 streamed, on one plain server on the whole machine; its turn-1
+    answers go into `answers` (every system's turn 2 carries them)."""
+    with start_many([make(IDEAL, None, WHOLE_MACHINE_ENV)]) as (server,):
         complete(server.base_url, prompt(8, seed=-1), 2)  # first-request costs
         for key, turn1 in turns1.items():
-            first = complete(server.base_url, turn1, args.answer, timeout_s=900)
-            if expected is None:
-                answers[key] = first
+            answers[key] = complete(server.base_url, turn1, args.answer, timeout_s=900)
             ids = turn2(turn1, answers[key], key, args.new)
+            time.sleep(args.think)
             second = complete_streamed(server.base_url, ids, args.answer, timeout_s=900)
             results[key] = {"ttft_s": second.ttft_s, "answer": second}
-            if expected is not None:
-                results[key]["matches_ideal"] = matches(expected[key]["answer"], second)
-            logger.info("%s: %d-token prompt, turn-2 TTFT %.0f ms", system, len(ids), second.ttft_s * 1e3)
+            logger.info("%s: %d-token prompt, turn-2 TTFT %.0f ms", IDEAL, len(ids), second.ttft_s * 1e3)
 
 
 def pd_servers(system: str, make) -> list[VllmServer]:
-    dev = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache on P
+    # /reset_prefix_cache on P; P computes on the ideal's threads, D on half (module doc).
+    prefill_env = {"VLLM_SERVER_DEV_MODE": "1", **WHOLE_MACHINE_ENV}
     if system == NIXL:
         inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
         alias_dir = Path(tempfile.mkdtemp(prefix="history-sweep-nixl-"))
@@ -173,13 +176,13 @@ def pd_servers(system: str, make) -> list[VllmServer]:
             for port in ports
         ]
         return [
-            make(f"{system}-prefill", nixl_config(None), {**env[0], **dev}),
+            make(f"{system}-prefill", nixl_config(None), {**env[0], **prefill_env}),
             make(f"{system}-decode", nixl_config(None), env[1]),
         ]
     bidirectional = system in (BIDIRECTIONAL, LAYERWISE)
     config = duplex_kv_transfer_config(bidirectional=bidirectional, recompute_threshold=RECOMPUTE_THRESHOLD)
     config["kv_connector_extra_config"]["layerwise_load"] = system == LAYERWISE
-    return [make(f"{system}-prefill", config, dev), make(f"{system}-decode", config)]
+    return [make(f"{system}-prefill", config, prefill_env), make(f"{system}-decode", config)]
 
 
 def run_pd(system: str, make, turns1, answers, expected, args, results: dict) -> None:
@@ -198,6 +201,7 @@ def run_pd(system: str, make, turns1, answers, expected, args, results: dict) ->
                     complete_streamed(proxy.base_url, turn1, args.answer, timeout_s=900)
                 reset_prefix_cache(p)
                 ids = turn2(turn1, answers[key], key, args.new)
+                time.sleep(args.think)
                 p_before, d_before = read_metrics(p.base_url), read_metrics(d.base_url)
                 second = complete_streamed(
                     proxy.base_url, ids, args.answer, timeout_s=900, headers=headers
@@ -217,6 +221,7 @@ def breakdown(answer: Completion, on_p: MetricsSnapshot, on_d: MetricsSnapshot) 
         "lookup_s": on_p.mean_of("lookup_seconds"),
         "d_to_p_transfer_s": on_p.mean_of("transfer_seconds"),
         "d_ttft_s": on_d.mean_ttft_s,
+        "p_to_d_transfer_s": on_d.mean_of("transfer_seconds"),
         "p_computed_tokens": on_p.computed_tokens,
         "p_cache_hit_tokens": on_p.cache_hit_tokens,
         "p_pulled_tokens": on_p.transferred_tokens,
@@ -231,7 +236,7 @@ def summarize(results: dict[str, dict], lengths: list[int]) -> dict:
             rows = [row for key, row in by_key.items() if key[0] == length]
             point: dict[str, Any] = {"conversations": len(rows)}
             for field in ("ttft_s", "p_ttft_s", "lookup_s", "d_to_p_transfer_s", "d_ttft_s",
-                          "p_computed_tokens", "p_pulled_tokens"):
+                          "p_to_d_transfer_s", "p_computed_tokens", "p_pulled_tokens"):
                 values = [r[field] for r in rows if r.get(field) is not None]
                 point[field] = statistics.median(values) if values else None
             point["all_match"] = all(r.get("matches_ideal", True) for r in rows)
@@ -267,7 +272,7 @@ def plot(table: dict, lengths: list[int], path: Path) -> None:
 
 def format_table(table: dict, lengths: list[int]) -> str:
     lines = [f"{'system':<24}{'history':>8}{'TTFT ms':>9}{'P ms':>8}{'lookup':>8}{'pull':>7}"
-             f"{'D ms':>7}{'P comp':>8}{'pulled':>8}  match"]
+             f"{'D ms':>7}{'D pull':>7}{'P comp':>8}{'pulled':>8}  match"]
     for system, points in table.items():
         for n in lengths:
             pt = points[n]
@@ -280,14 +285,14 @@ def format_table(table: dict, lengths: list[int]) -> str:
 
             lines.append(
                 f"{system:<24}{n:>8}{ms('ttft_s'):>9}{ms('p_ttft_s'):>8}{ms('lookup_s'):>8}"
-                f"{ms('d_to_p_transfer_s'):>7}{ms('d_ttft_s'):>7}{count('p_computed_tokens'):>8}"
+                f"{ms('d_to_p_transfer_s'):>7}{ms('d_ttft_s'):>7}{ms('p_to_d_transfer_s'):>7}"
+                f"{count('p_computed_tokens'):>8}"
                 f"{count('p_pulled_tokens'):>8}  "
                 f"{'-' if not pt['conversations'] else 'yes' if pt['all_match'] else 'NO'}"
             )
     lines.append("")
     for n in lengths:
         ideal = table[IDEAL][n]["ttft_s"]
-        half = table.get(IDEAL_HALF, {}).get(n, {}).get("ttft_s")
         bi = table.get(BIDIRECTIONAL, {}).get(n, {}).get("ttft_s")
         layerwise = table.get(LAYERWISE, {}).get(n, {}).get("ttft_s")
         one = table.get(ONE_WAY, {}).get(n, {}).get("ttft_s")
@@ -295,8 +300,6 @@ def format_table(table: dict, lengths: list[int]) -> str:
         parts = [f"history {n}:"]
         if ideal and bi:
             parts.append(f"bidirectional / ideal {bi / ideal:.2f}")
-        if half and bi:
-            parts.append(f"bidirectional / ideal-half {bi / half:.2f}")
         if ideal and layerwise:
             parts.append(f"layerwise / ideal {layerwise / ideal:.2f}")
         if bi and layerwise:
@@ -316,6 +319,8 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=2, help="per history length")
     parser.add_argument("--answer", type=int, default=32, help="tokens per answer")
     parser.add_argument("--new", type=int, default=64, help="new tokens on turn 2")
+    parser.add_argument("--think", type=float, default=2.0,
+                        help="seconds between turn 1's answer and turn 2 (a user reading)")
     parser.add_argument("--skip", action="append", default=[], choices=SYSTEMS[1:])
     parser.add_argument("--model-dir", type=Path, help="realistic model directory (built if missing)")
     args = parser.parse_args()
@@ -342,7 +347,7 @@ def main() -> int:
     }
     answers: dict[Conversation, Completion] = {}
     ideal: dict[Conversation, dict] = {}
-    run_single(IDEAL, WHOLE_MACHINE_ENV, make, turns1, args, answers, ideal)
+    run_ideal(make, turns1, args, answers, ideal)
     results: dict[str, dict] = {IDEAL: ideal}
     errors: dict[str, str] = {}
     for system in SYSTEMS[1:]:
@@ -350,10 +355,7 @@ def main() -> int:
             continue
         results[system] = {}
         try:
-            if system == IDEAL_HALF:
-                run_single(system, None, make, turns1, args, answers, results[system], ideal)
-            else:
-                run_pd(system, make, turns1, answers, ideal, args, results[system])
+            run_pd(system, make, turns1, answers, ideal, args, results[system])
         except (ServerError, httpx.HTTPError) as exc:
             # Recorded with what it measured before; the other systems still run.
             errors[system] = f"{type(exc).__name__}: {exc}"
@@ -365,6 +367,7 @@ def main() -> int:
         "conversations": args.conversations,
         "answer_tokens": args.answer,
         "new_tokens": args.new,
+        "think_s": args.think,
         "logs": str(log_dir),
         "errors": errors,
         "table": {s: {str(n): pt for n, pt in pts.items()} for s, pts in table.items()},

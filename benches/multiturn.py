@@ -18,7 +18,11 @@ A plain single server (`single-server`) runs the conversations first: its answer
 expected outputs, its prompts (history = earlier prompts and its answers) are replayed verbatim
 through every system, and its TTFT is shown for context.
 
-Turns are lockstep: turn k of all conversations is sent at once, then turn k+1. Per turn and
+Turns are lockstep: turn k of all conversations is sent at once, then, 2 s after the last
+answer (users reading it), turn k+1. The pause also lets vLLM's processes end the 1 s
+spin-wait that follows each step (its shm queue readers busy-wait with sched_yield): on 2
+shared cores a P/D pair's idle-but-spinning server otherwise takes a core from the other's
+compute, which on a real P/D pair runs on its own accelerator. Per turn and
 system: mean time to first token (P's TTFT + D's TTFT from their `/metrics` histograms; the
 conversation-id mode is non-streaming because vLLM 0.32 returns `kv_transfer_params` only there;
 the streaming mode also reports the client-side TTFT: request sent to first streamed token),
@@ -124,6 +128,8 @@ class Workload:
     first_words: int
     user_words: int
     max_tokens: int
+    # Seconds between a turn's answers and the next turn (module doc).
+    think_s: float = 2.0
 
 
 FULL = Workload(conversations=4, turns=6, first_words=300, user_words=60, max_tokens=80)
@@ -280,6 +286,8 @@ def run_conversations(
     answers_by_turn: list[list[Completion]] = []
     stats = []
     for turn in range(workload.turns):
+        if turn:
+            time.sleep(workload.think_s)
         prompts = [histories[c] + messages[c][turn] for c in range(n)]
         prefill_before = read_metrics(prefill_url)
         lookups_before = read_lookup_buckets(prefill_url)
