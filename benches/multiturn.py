@@ -16,7 +16,8 @@ Systems (each: one prefill server P, one decode server D, the kvduplex proxy in 
   vLLM's multi-turn P/D proxy recipe does; it speaks the same keys.
 A plain single server (`single-server`) runs the conversations first: its answers are the
 expected outputs, its prompts (history = earlier prompts and its answers) are replayed verbatim
-through every system, and its TTFT is shown for context.
+through every system, and its TTFT is what the P/D systems are compared with. Its turns are
+streamed, so its client-side TTFT stands beside the streaming mode's.
 
 Turns are lockstep: turn k of all conversations is sent at once, then, 2 s after the last
 answer (users reading it), turn k+1. The pause also lets vLLM's processes end the 1 s
@@ -553,6 +554,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
             workload,
             conversation_prefix=None,
             expected=None,
+            streamed=True,
         )
     report["systems"][SINGLE_SERVER] = {
         "turns": [asdict(t) for t in stats],
@@ -598,12 +600,22 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     def ttft(name: str) -> float | None:
         return summaries[name]["mean_ttft_s_turns_2_plus"] if name in summaries else None
 
+    def client_ttft(name: str) -> float | None:
+        return summaries[name]["mean_client_ttft_s_turns_2_plus"] if name in summaries else None
+
     def computed(name: str) -> float | None:
         if name not in summaries:
             return None
         return summaries[name]["prefill_computed_tokens_turns_2_plus"]
 
     report["ratios"] = {
+        "TTFT t>=2 bidirectional / single-server": _ratio(ttft(BIDIRECTIONAL), ttft(SINGLE_SERVER)),
+        "TTFT t>=2 bidirectional-stream / single-server": _ratio(
+            ttft(STREAM), ttft(SINGLE_SERVER)
+        ),
+        "client TTFT t>=2 bidirectional-stream / single-server": _ratio(
+            client_ttft(STREAM), client_ttft(SINGLE_SERVER)
+        ),
         "TTFT t>=2 bidirectional / nixl": _ratio(ttft(BIDIRECTIONAL), ttft(NIXL)),
         "TTFT t>=2 bidirectional-stream / nixl": _ratio(ttft(STREAM), ttft(NIXL)),
         "TTFT t>=2 bidirectional-stream / bidirectional": _ratio(
