@@ -89,7 +89,7 @@ from kvduplex.tiny_model import (
     build_realistic_chat_model,
 )
 
-from multiturn import NIXL, nixl_config
+from multiturn import NIXL, THINK_S, nixl_config
 from nixl_pd_baseline import NIXL_ENV, nixl_pythonpath
 
 logger = logging.getLogger("history_sweep")
@@ -319,7 +319,7 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=2, help="per history length")
     parser.add_argument("--answer", type=int, default=32, help="tokens per answer")
     parser.add_argument("--new", type=int, default=64, help="new tokens on turn 2")
-    parser.add_argument("--think", type=float, default=2.0,
+    parser.add_argument("--think", type=float, default=THINK_S,
                         help="seconds between turn 1's answer and turn 2 (a user reading)")
     parser.add_argument("--skip", action="append", default=[], choices=SYSTEMS[1:])
     parser.add_argument("--model-dir", type=Path, help="realistic model directory (built if missing)")

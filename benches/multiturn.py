@@ -26,7 +26,8 @@ shared cores a P/D pair's idle-but-spinning server otherwise takes a core from t
 compute, which on a real P/D pair runs on its own accelerator. Per turn and
 system: mean time to first token (P's TTFT + D's TTFT from their `/metrics` histograms; the
 conversation-id mode is non-streaming because vLLM 0.32 returns `kv_transfer_params` only there;
-the streaming mode also reports the client-side TTFT: request sent to first streamed token),
+the streamed runs, the single server's and the streaming mode's, also report the client-side
+TTFT: request sent to first streamed token),
 prompt tokens P computed, took from its prefix cache and pulled from D
 (`vllm:prompt_tokens_by_source`), wall time, and how many answers equal the single server's
 (tokens, logprobs within 1e-3).
@@ -122,6 +123,10 @@ LOOKUP_PERCENTILES_NOTE = (
 )
 
 
+THINK_S = 2.0
+"""Seconds a user reads an answer before sending the next turn (here and in history_sweep)."""
+
+
 @dataclass(frozen=True)
 class Workload:
     conversations: int
@@ -130,7 +135,7 @@ class Workload:
     user_words: int
     max_tokens: int
     # Seconds between a turn's answers and the next turn (module doc).
-    think_s: float = 2.0
+    think_s: float = THINK_S
 
 
 FULL = Workload(conversations=4, turns=6, first_words=300, user_words=60, max_tokens=80)
