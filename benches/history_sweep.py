@@ -4,8 +4,8 @@ For each history length L (tokens; default 1024, 2048 and 4096) and each of seve
 conversations: turn 1 is a prompt of L tokens (a nonce first), answered in `--answer` tokens;
 turn 2 is turn 1's prompt and answer plus `--new` tokens. What is measured is turn 2's time to
 first token, streamed and seen by the client, for
-- `ideal`: one plain server on the whole machine that has turn 1 in its prefix cache (no
-  transfer at all: what P/D must approach);
+- `ideal`: one plain server, on the CPUs P gets (below), that has turn 1 in its prefix cache
+  (no transfer at all: what P/D must approach);
 - `kvduplex-bidirectional`: a P and a D behind the kvduplex proxy, turns
   streamed with no conversation id. Before turn 2, P's prefix cache is reset — P no longer has
   the history, as when another prefill node served turn 1 or P evicted it under load, which is
@@ -19,13 +19,21 @@ first token, streamed and seen by the client, for
   only there) and the proxy gives them to P on turn 2, streamed; P's prefix cache is reset in
   between as for kvduplex.
 
-P computes on as many threads as the ideal (the whole machine) and D on half of them. On a
-real P/D pair each node has an accelerator like the single server's; here P and D share the
-cores, but they take turns (conversations run one at a time), and P's prefill of the new
-tokens is the compute the ideal does. D's first step (one token) runs while P's vLLM worker
-still spin-waits on the other core (vLLM's shm queue readers busy-wait with sched_yield for
-1 s after each message; D on every core would wait for the spinner's core at each OpenMP
-barrier).
+By default (`--pin`) P and D are nodes of their own, as on a real P/D pair, whose nodes each
+have an accelerator like the single server's: each is pinned (with its engine and worker
+processes) to its own half of the CPUs and computes on that half's threads, P on the first
+half, D on the second, and the ideal runs on P's half. Then P's prefill is exactly the
+ideal's compute, and no server's spin-wait or OpenMP barrier runs on another's core; the
+proxy and the client run anywhere. vLLM's NixlConnector re-pins its CPU worker to the last
+CPU of each NUMA node, whatever it inherited, so its P and D both compute there.
+
+With `--no-pin` the servers share every CPU: P computes on as many threads as the ideal (the
+whole machine) and D on half of them. P and D take turns (conversations run one at a time),
+so P's prefill of the new tokens is still the ideal's compute, but D's first step (one token)
+runs while P's vLLM worker still spin-waits on the other core (vLLM's shm queue readers
+busy-wait with sched_yield for 1 s after each message; D on every core would wait for the
+spinner's core at each OpenMP barrier), and that scatters P/D's TTFT (measured: 1.45-2.00x
+the ideal unpinned, 0.70-0.98x pinned, on 2 cores).
 
 Between a conversation's turn 1 and turn 2 every system waits `--think` seconds, as a user
 reads an answer before writing the next turn. It also lets that spin-wait end: otherwise D's
@@ -35,7 +43,9 @@ Every system replays the ideal server's turn-1 answers, so all see the same prom
 turn-2 answer is compared with the ideal's (tokens; logprobs within 1e-2, as servers on
 different thread counts round differently). A system whose servers fail is reported with the
 conversations it finished (`errors` in the JSON); the others still run. Per point: the median
-over the conversations, P's turn-2 prompt tokens by source, and kvduplex's breakdown from the
+over the conversations, the turn-2 prompt tokens P (or the ideal) computed and P pulled (the
+ideal's prefix cache holds whole blocks only, so it computes the tail of turn 1 past its last
+full block again; P pulls D's partial last block too), and kvduplex's breakdown from the
 servers' metrics: P's TTFT (lookup + D->P pull + prefill of the new tokens), of which lookup
 and pull, and D's TTFT (P->D pull + first step), of which the pull; the rest of the client's
 TTFT is HTTP, the proxy and tokenization.
@@ -89,7 +99,7 @@ from kvduplex.tiny_model import (
     build_realistic_chat_model,
 )
 
-from multiturn import NIXL, THINK_S, nixl_config
+from multiturn import NIXL, THINK_S, PdCpus, add_pin_argument, nixl_config, pd_cpus
 from nixl_pd_baseline import NIXL_ENV, nixl_pythonpath
 
 logger = logging.getLogger("history_sweep")
@@ -148,24 +158,38 @@ def matches(expected: Completion, answer: Completion) -> bool:
     )
 
 
+def placement(cpus: PdCpus, decode: bool = False) -> tuple[dict[str, str], frozenset[int] | None]:
+    """(environment, CPUs) of P (and the ideal, which gets P's) or D (module doc)."""
+    if cpus is not None:
+        return {}, cpus[1 if decode else 0]  # on as many threads as CPUs (VllmServer)
+    return ({} if decode else WHOLE_MACHINE_ENV), None
+
+
 def run_ideal(make, turns1: dict[Conversation, list[int]], args,
               answers: dict[Conversation, Completion], results: dict) -> None:
-    """Turn 1, then turn 2 streamed, on one plain server on the whole machine; its turn-1
-    answers go into `answers` (every system's turn 2 carries them)."""
-    with start_many([make(IDEAL, None, WHOLE_MACHINE_ENV)]) as (server,):
+    """Turn 1, then turn 2 streamed, on one plain server; its turn-1 answers go into `answers`
+    (every system's turn 2 carries them)."""
+    with start_many([make(IDEAL, None, *placement(args.cpus))]) as (server,):
         complete(server.base_url, prompt(8, seed=-1), 2)  # first-request costs
         for key, turn1 in turns1.items():
             answers[key] = complete(server.base_url, turn1, args.answer, timeout_s=900)
             ids = turn2(turn1, answers[key], key, args.new)
             time.sleep(args.think)
+            before = read_metrics(server.base_url)
             second = complete_streamed(server.base_url, ids, args.answer, timeout_s=900)
-            results[key] = {"ttft_s": second.ttft_s, "answer": second}
-            logger.info("%s: %d-token prompt, turn-2 TTFT %.0f ms", IDEAL, len(ids), second.ttft_s * 1e3)
+            # Its prefix cache holds whole blocks only: the tail of turn 1 past the last full
+            # block is computed again (P pulls D's partial last block too).
+            computed = read_metrics_after(server.base_url, before, 1).minus(before).computed_tokens
+            results[key] = {"ttft_s": second.ttft_s, "answer": second, "computed_tokens": computed}
+            logger.info("%s: %d-token prompt, %d computed, turn-2 TTFT %.0f ms",
+                        IDEAL, len(ids), computed, second.ttft_s * 1e3)
 
 
-def pd_servers(system: str, make) -> list[VllmServer]:
-    # /reset_prefix_cache on P; P computes on the ideal's threads, D on half (module doc).
-    prefill_env = {"VLLM_SERVER_DEV_MODE": "1", **WHOLE_MACHINE_ENV}
+def pd_servers(system: str, make, cpus: PdCpus) -> list[VllmServer]:
+    # /reset_prefix_cache on P; P computes on the ideal's threads (module doc).
+    p_env, p_cpus = placement(cpus)
+    d_env, d_cpus = placement(cpus, decode=True)
+    prefill_env = {"VLLM_SERVER_DEV_MODE": "1", **p_env}
     if system == NIXL:
         inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
         alias_dir = Path(tempfile.mkdtemp(prefix="history-sweep-nixl-"))
@@ -176,18 +200,21 @@ def pd_servers(system: str, make) -> list[VllmServer]:
             for port in ports
         ]
         return [
-            make(f"{system}-prefill", nixl_config(None), {**env[0], **prefill_env}),
-            make(f"{system}-decode", nixl_config(None), env[1]),
+            make(f"{system}-prefill", nixl_config(None), {**env[0], **prefill_env}, p_cpus),
+            make(f"{system}-decode", nixl_config(None), {**env[1], **d_env}, d_cpus),
         ]
     bidirectional = system in (BIDIRECTIONAL, LAYERWISE)
     config = duplex_kv_transfer_config(bidirectional=bidirectional, recompute_threshold=RECOMPUTE_THRESHOLD)
     config["kv_connector_extra_config"]["layerwise_load"] = system == LAYERWISE
-    return [make(f"{system}-prefill", config, prefill_env), make(f"{system}-decode", config)]
+    return [
+        make(f"{system}-prefill", config, prefill_env, p_cpus),
+        make(f"{system}-decode", config, d_env, d_cpus),
+    ]
 
 
 def run_pd(system: str, make, turns1, answers, expected, args, results: dict) -> None:
     """Fills `results` conversation by conversation (what was measured survives a failure)."""
-    with start_many(pd_servers(system, make)) as (p, d):
+    with start_many(pd_servers(system, make, args.cpus)) as (p, d):
         with ProxyThread([p.base_url], [d.base_url]) as proxy:
             complete_streamed(proxy.base_url, prompt(8, seed=-2), 2, timeout_s=900)
             for key, turn1 in turns1.items():
@@ -222,7 +249,7 @@ def breakdown(answer: Completion, on_p: MetricsSnapshot, on_d: MetricsSnapshot) 
         "d_to_p_transfer_s": on_p.mean_of("transfer_seconds"),
         "d_ttft_s": on_d.mean_ttft_s,
         "p_to_d_transfer_s": on_d.mean_of("transfer_seconds"),
-        "p_computed_tokens": on_p.computed_tokens,
+        "computed_tokens": on_p.computed_tokens,
         "p_cache_hit_tokens": on_p.cache_hit_tokens,
         "p_pulled_tokens": on_p.transferred_tokens,
     }
@@ -236,7 +263,7 @@ def summarize(results: dict[str, dict], lengths: list[int]) -> dict:
             rows = [row for key, row in by_key.items() if key[0] == length]
             point: dict[str, Any] = {"conversations": len(rows)}
             for field in ("ttft_s", "p_ttft_s", "lookup_s", "d_to_p_transfer_s", "d_ttft_s",
-                          "p_to_d_transfer_s", "p_computed_tokens", "p_pulled_tokens"):
+                          "p_to_d_transfer_s", "computed_tokens", "p_pulled_tokens"):
                 values = [r[field] for r in rows if r.get(field) is not None]
                 point[field] = statistics.median(values) if values else None
             point["all_match"] = all(r.get("matches_ideal", True) for r in rows)
@@ -272,7 +299,7 @@ def plot(table: dict, lengths: list[int], path: Path) -> None:
 
 def format_table(table: dict, lengths: list[int]) -> str:
     lines = [f"{'system':<24}{'history':>8}{'TTFT ms':>9}{'P ms':>8}{'lookup':>8}{'pull':>7}"
-             f"{'D ms':>7}{'D pull':>7}{'P comp':>8}{'pulled':>8}  match"]
+             f"{'D ms':>7}{'D pull':>7}{'comp':>8}{'pulled':>8}  match"]
     for system, points in table.items():
         for n in lengths:
             pt = points[n]
@@ -286,7 +313,7 @@ def format_table(table: dict, lengths: list[int]) -> str:
             lines.append(
                 f"{system:<24}{n:>8}{ms('ttft_s'):>9}{ms('p_ttft_s'):>8}{ms('lookup_s'):>8}"
                 f"{ms('d_to_p_transfer_s'):>7}{ms('d_ttft_s'):>7}{ms('p_to_d_transfer_s'):>7}"
-                f"{count('p_computed_tokens'):>8}"
+                f"{count('computed_tokens'):>8}"
                 f"{count('p_pulled_tokens'):>8}  "
                 f"{'-' if not pt['conversations'] else 'yes' if pt['all_match'] else 'NO'}"
             )
@@ -321,9 +348,11 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=64, help="new tokens on turn 2")
     parser.add_argument("--think", type=float, default=THINK_S,
                         help="seconds between turn 1's answer and turn 2 (a user reading)")
+    add_pin_argument(parser)
     parser.add_argument("--skip", action="append", default=[], choices=SYSTEMS[1:])
     parser.add_argument("--model-dir", type=Path, help="realistic model directory (built if missing)")
     args = parser.parse_args()
+    args.cpus = pd_cpus(parser, args.pin)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if max(args.lengths) + args.answer + args.new > MAX_MODEL_LEN:
@@ -332,13 +361,14 @@ def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="history-sweep-", dir=args.out))
     model_dir = build_realistic_chat_model(args.model_dir or args.out / "realistic-model")
 
-    def make(name: str, kv_config: dict | None, env: dict | None = None) -> VllmServer:
+    def make(name: str, kv_config: dict | None, env: dict | None = None,
+             cpus: frozenset[int] | None = None) -> VllmServer:
         extra = server_args()
         if kv_config is not None:
             extra += ["--kv-transfer-config", json.dumps(kv_config)]
         env = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **(env or {})}
         return VllmServer(model_dir, name=name, extra_args=extra, env=env, log_dir=log_dir,
-                          startup_timeout_s=600)
+                          startup_timeout_s=600, cpus=cpus)
 
     turns1 = {
         (length, c): prompt(length, seed=length * 100 + c)
@@ -368,6 +398,7 @@ def main() -> int:
         "answer_tokens": args.answer,
         "new_tokens": args.new,
         "think_s": args.think,
+        "pinned": args.pin,
         "logs": str(log_dir),
         "errors": errors,
         "table": {s: {str(n): pt for n, pt in pts.items()} for s, pts in table.items()},

@@ -23,7 +23,13 @@ Turns are lockstep: turn k of all conversations is sent at once, then, 2 s after
 answer (users reading it), turn k+1. The pause also lets vLLM's processes end the 1 s
 spin-wait that follows each step (its shm queue readers busy-wait with sched_yield): on 2
 shared cores a P/D pair's idle-but-spinning server otherwise takes a core from the other's
-compute, which on a real P/D pair runs on its own accelerator. Per turn and
+compute, which on a real P/D pair runs on its own accelerator. So by default (`--pin`) each
+server of a P/D pair is pinned (with its engine and worker processes) to its own half of the
+CPUs, P to the first and D to the second, and computes on that half's threads: neither runs
+on the other's core, as on a real pair. The single server runs on the whole machine (with an
+even number of CPUs, as many as the pair together). vLLM's NixlConnector re-pins its CPU
+worker to the last CPU of each NUMA node, whatever it inherited, so its P and D both compute
+there. `--no-pin` lets P and D share every CPU, each on half as many threads. Per turn and
 system: mean time to first token (P's TTFT + D's TTFT from their `/metrics` histograms; the
 conversation-id mode is non-streaming because vLLM 0.32 returns `kv_transfer_params` only there;
 the streamed runs, the single server's and the streaming mode's, also report the client-side
@@ -86,6 +92,7 @@ from kvduplex.servers import (
     complete,
     complete_streamed,
     describe_mismatch,
+    node_cpu_sets,
     ports_outside_ephemeral_range,
     start_many,
     with_nonce,
@@ -379,13 +386,41 @@ def server_factory(model_dir: Path, log_dir: Path) -> Callable[..., VllmServer]:
         name: str,
         kv_transfer_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> VllmServer:
         extra = list(SERVER_ARGS)
         if kv_transfer_config is not None:
             extra += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        return VllmServer(model_dir, name=name, extra_args=extra, env=env, log_dir=log_dir)
+        return VllmServer(
+            model_dir, name=name, extra_args=extra, env=env, log_dir=log_dir, cpus=cpus
+        )
 
     return make
+
+
+PdCpus = tuple[frozenset[int], frozenset[int]] | None
+"""P's and D's CPUs when they are pinned (each a half of the machine), else None."""
+
+
+def add_pin_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="P on the first half of the CPUs, D on the second (module doc); --no-pin lets "
+        "them share every CPU",
+    )
+
+
+def pd_cpus(parser: argparse.ArgumentParser, pin: bool) -> PdCpus:
+    """P's and D's CPUs for `--pin`; a machine that cannot be split is a usage error."""
+    if not pin:
+        return None
+    try:
+        prefill, decode = node_cpu_sets(2)
+    except ValueError as exc:
+        parser.error(f"{exc}: use --no-pin")
+    return prefill, decode
 
 
 def nixl_config(num_threads: int | None) -> dict[str, Any]:
@@ -397,13 +432,21 @@ def nixl_config(num_threads: int | None) -> dict[str, Any]:
 
 
 def pd_servers(
-    system: str, make: Callable[..., VllmServer], work_dir: Path, nixl_num_threads: int | None
+    system: str,
+    make: Callable[..., VllmServer],
+    work_dir: Path,
+    nixl_num_threads: int | None,
+    cpus: PdCpus,
 ) -> tuple[VllmServer, VllmServer]:
+    p_cpus, d_cpus = cpus or (None, None)
     if system in KVDUPLEX_SYSTEMS:
         config = duplex_kv_transfer_config(
             bidirectional=system != ONE_WAY, recompute_threshold=RECOMPUTE_THRESHOLD
         )
-        return make(f"{system}-prefill", config), make(f"{system}-decode", config)
+        return (
+            make(f"{system}-prefill", config, cpus=p_cpus),
+            make(f"{system}-decode", config, cpus=d_cpus),
+        )
     inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     pythonpath = os.pathsep.join([*nixl_pythonpath(work_dir), *inherited])
     prefill_side, decode_side = ports_outside_ephemeral_range(2)
@@ -416,8 +459,8 @@ def pd_servers(
         }
 
     return (
-        make(f"{system}-prefill", nixl_config(nixl_num_threads), env(prefill_side)),
-        make(f"{system}-decode", nixl_config(nixl_num_threads), env(decode_side)),
+        make(f"{system}-prefill", nixl_config(nixl_num_threads), env(prefill_side), p_cpus),
+        make(f"{system}-decode", nixl_config(nixl_num_threads), env(decode_side), d_cpus),
     )
 
 
@@ -543,6 +586,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         "workload": asdict(workload),
         "recompute_threshold": RECOMPUTE_THRESHOLD,
         "nixl_num_threads": args.nixl_num_threads,
+        "pinned": args.pin,
         "logs": str(work_dir),
         "systems": {},
     }
@@ -569,7 +613,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     systems = [s for s in SYSTEMS if s not in args.skip]
     for system in systems:
         logger.info("%s: starting P and D", system)
-        prefill, decode = pd_servers(system, make, work_dir, args.nixl_num_threads)
+        prefill, decode = pd_servers(system, make, work_dir, args.nixl_num_threads, args.cpus)
         try:
             with start_many([prefill, decode]):
                 warm_up([prefill, decode])
@@ -672,6 +716,7 @@ def main() -> None:
     parser.add_argument(
         "--skip", action="append", default=[], choices=SYSTEMS, help="leave a system out"
     )
+    add_pin_argument(parser)
     parser.add_argument(
         "--nixl-num-threads",
         type=int,
@@ -679,6 +724,7 @@ def main() -> None:
         "busy-poll on a small CPU)",
     )
     args = parser.parse_args()
+    args.cpus = pd_cpus(parser, args.pin)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="kvduplex-multiturn-"))

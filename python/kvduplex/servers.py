@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,25 @@ SERVER_ENV_DEFAULTS = {
 WHOLE_MACHINE_ENV = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
 """For a server that runs alone (the single-server reference a P/D pair is compared with)."""
 
+
+def node_cpu_sets(nodes: int = 2) -> list[frozenset[int]]:
+    """This process's CPUs split into `nodes` equal disjoint sets, in CPU number order.
+
+    A benchmark that pins each server of a P/D pair to its own set (`VllmServer(cpus=...)`)
+    models nodes that do not share hardware, as disaggregation means. CPUs left over by an
+    uneven split go to no set. The split is by CPU number: where SMT siblings are numbered
+    apart (N and N + cores), two sets share physical cores. Raises `ValueError` when there are
+    fewer CPUs than nodes.
+    """
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < nodes:
+        raise ValueError(
+            f"{nodes} nodes need at least {nodes} CPUs; this process may use {len(available)}"
+        )
+    size = len(available) // nodes
+    return [frozenset(available[i * size : (i + 1) * size]) for i in range(nodes)]
+
+
 DEFAULT_STARTUP_TIMEOUT_S = 180.0
 _PROGRESS_EVERY_S = 10.0
 _POLL_INTERVAL_S = 0.5
@@ -66,8 +85,10 @@ _STOP_GRACE_WHILE_STARTING_S = 5.0
 _LOG_TAIL_LINES = 40
 
 # Runs in the child before exec: ask the kernel to SIGTERM us when the parent dies, and exit if it
-# already died between fork and prctl. PR_SET_PDEATHSIG (1) survives exec. A separate interpreter
-# instead of Popen(preexec_fn=...) because preexec_fn is unsafe when the parent has threads.
+# already died between fork and prctl. PR_SET_PDEATHSIG (1) survives exec. Then pin the process
+# to the CPUs given (comma-separated; empty: leave it), which the server's engine and worker
+# processes inherit. A separate interpreter instead of Popen(preexec_fn=...) because preexec_fn
+# is unsafe when the parent has threads.
 _EXEC_WITH_PARENT_DEATH_SIGNAL = """
 import ctypes, os, signal, sys
 parent = int(sys.argv[1])
@@ -75,7 +96,9 @@ if sys.platform.startswith("linux"):
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
 if os.getppid() != parent:
     sys.exit("parent exited before the server started")
-os.execv(sys.argv[2], sys.argv[2:])
+if sys.argv[2]:
+    os.sched_setaffinity(0, {int(cpu) for cpu in sys.argv[2].split(",")})
+os.execv(sys.argv[3], sys.argv[3:])
 """
 
 
@@ -138,7 +161,11 @@ class VllmServer:
     Use as a context manager (start, wait until healthy, stop on exit), or call `start`,
     `wait_until_ready` and `stop` yourself. `extra_args` go to the api_server command line
     unchanged (e.g. ``["--kv-transfer-config", json.dumps(cfg), "--enforce-eager"]``); `env` is
-    laid over the current environment and `SERVER_ENV_DEFAULTS`.
+    laid over the current environment and `SERVER_ENV_DEFAULTS`. `cpus` pins the server (its
+    API, engine and worker processes) to those CPUs, on as many OpenMP threads unless `env` says
+    otherwise; by default it may run on any. vLLM keeps the pinning only with
+    `VLLM_CPU_OMP_THREADS_BIND=nobind` (the default here); vLLM's NixlConnector re-pins its CPU
+    worker to the last CPU of each NUMA node whatever it inherited.
     """
 
     def __init__(
@@ -153,6 +180,7 @@ class VllmServer:
         log_dir: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         python: str = sys.executable,
+        cpus: Collection[int] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.name = name
@@ -164,6 +192,9 @@ class VllmServer:
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
         self.python = python
+        self.cpus = sorted(cpus) if cpus is not None else None
+        if self.cpus is not None and not self.cpus:
+            raise ValueError(f"{name} server: an empty CPU set")
         self._process: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
         self._ready = False
@@ -198,16 +229,20 @@ class VllmServer:
         """
         if self._process is not None:
             raise ServerError(f"{self.name} server on :{self.port} was already started")
-        env = {**os.environ, **SERVER_ENV_DEFAULTS, **self.env}
+        pinned_threads = {"OMP_NUM_THREADS": str(len(self.cpus))} if self.cpus else {}
+        env = {**os.environ, **SERVER_ENV_DEFAULTS, **pinned_threads, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [
-            self.python,
+            sys.executable,  # the launcher; it execs `self.python`
             "-c",
             _EXEC_WITH_PARENT_DEATH_SIGNAL,
             str(os.getpid()),
+            ",".join(map(str, self.cpus or ())),
             *self.command(),
         ]
         with open(self.log_path, "wb") as log:
+            if self.cpus is not None:
+                log.write(f"# pinned to CPUs {self.cpus}\n".encode())
             log.write(f"$ {' '.join(self.command())}\n".encode())
             log.flush()
             self._process = subprocess.Popen(
@@ -220,10 +255,11 @@ class VllmServer:
             )
         self._started_at = time.monotonic()
         logger.info(
-            "starting %s server on :%d (pid %d, log %s)",
+            "starting %s server on :%d (pid %d, %s, log %s)",
             self.name,
             self.port,
             self._process.pid,
+            "every CPU" if self.cpus is None else f"CPUs {self.cpus}",
             self.log_path,
         )
 
