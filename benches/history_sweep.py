@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import statistics
 import sys
@@ -88,7 +87,6 @@ from kvduplex.servers import (
     VllmServer,
     complete,
     complete_streamed,
-    ports_outside_ephemeral_range,
     start_many,
 )
 from kvduplex.tiny_model import (
@@ -100,7 +98,7 @@ from kvduplex.tiny_model import (
 )
 
 from multiturn import NIXL, THINK_S, PdCpus, add_pin_argument, nixl_config, pd_cpus
-from nixl_pd_baseline import NIXL_ENV, nixl_pythonpath
+from nixl_pd_baseline import nixl_pd_envs
 
 logger = logging.getLogger("history_sweep")
 
@@ -191,17 +189,10 @@ def pd_servers(system: str, make, cpus: PdCpus) -> list[VllmServer]:
     d_env, d_cpus = placement(cpus, decode=True)
     prefill_env = {"VLLM_SERVER_DEV_MODE": "1", **p_env}
     if system == NIXL:
-        inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        alias_dir = Path(tempfile.mkdtemp(prefix="history-sweep-nixl-"))
-        pythonpath = os.pathsep.join([*nixl_pythonpath(alias_dir), *inherited])
-        ports = ports_outside_ephemeral_range(2)
-        env = [
-            {**NIXL_ENV, "PYTHONPATH": pythonpath, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
-            for port in ports
-        ]
+        nixl_p_env, nixl_d_env = nixl_pd_envs(Path(tempfile.mkdtemp(prefix="history-sweep-nixl-")))
         return [
-            make(f"{system}-prefill", nixl_config(None), {**env[0], **prefill_env}, p_cpus),
-            make(f"{system}-decode", nixl_config(None), {**env[1], **d_env}, d_cpus),
+            make(f"{system}-prefill", nixl_config(None), {**nixl_p_env, **prefill_env}, p_cpus),
+            make(f"{system}-decode", nixl_config(None), {**nixl_d_env, **d_env}, d_cpus),
         ]
     bidirectional = system in (BIDIRECTIONAL, LAYERWISE)
     config = duplex_kv_transfer_config(bidirectional=bidirectional, recompute_threshold=RECOMPUTE_THRESHOLD)

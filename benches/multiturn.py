@@ -61,7 +61,6 @@ import argparse
 import concurrent.futures
 import json
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -93,12 +92,11 @@ from kvduplex.servers import (
     complete_streamed,
     describe_mismatch,
     node_cpu_sets,
-    ports_outside_ephemeral_range,
     start_many,
     with_nonce,
 )
 from kvduplex.tiny_model import SERVER_ARGS, build_tiny_model
-from nixl_pd_baseline import NIXL_ENV, nixl_pythonpath
+from nixl_pd_baseline import nixl_pd_envs
 
 logger = logging.getLogger("multiturn")
 
@@ -447,20 +445,10 @@ def pd_servers(
             make(f"{system}-prefill", config, cpus=p_cpus),
             make(f"{system}-decode", config, cpus=d_cpus),
         )
-    inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    pythonpath = os.pathsep.join([*nixl_pythonpath(work_dir), *inherited])
-    prefill_side, decode_side = ports_outside_ephemeral_range(2)
-
-    def env(side_channel_port: int) -> dict[str, str]:
-        return {
-            **NIXL_ENV,
-            "PYTHONPATH": pythonpath,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        }
-
+    prefill_env, decode_env = nixl_pd_envs(work_dir)
     return (
-        make(f"{system}-prefill", nixl_config(nixl_num_threads), env(prefill_side), p_cpus),
-        make(f"{system}-decode", nixl_config(nixl_num_threads), env(decode_side), d_cpus),
+        make(f"{system}-prefill", nixl_config(nixl_num_threads), prefill_env, p_cpus),
+        make(f"{system}-decode", nixl_config(nixl_num_threads), decode_env, d_cpus),
     )
 
 

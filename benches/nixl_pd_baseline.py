@@ -89,6 +89,23 @@ def _pythonpath() -> list[str]:
     return [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
 
 
+def nixl_pd_envs(work_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of a NixlConnector P and D: NIXL_ENV, a PYTHONPATH that imports nixl
+    (aliased under `work_dir` if need be), and a side-channel port each, outside the ephemeral
+    range."""
+    pythonpath = os.pathsep.join([*nixl_pythonpath(work_dir), *_pythonpath()])
+    prefill_port, decode_port = ports_outside_ephemeral_range(2)
+
+    def env(side_channel_port: int) -> dict[str, str]:
+        return {
+            **NIXL_ENV,
+            "PYTHONPATH": pythonpath,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        }
+
+    return env(prefill_port), env(decode_port)
+
+
 def transfer_round(
     reference: VllmServer, prefill: VllmServer, decode: VllmServer, prompt: str, max_tokens: int
 ) -> dict:
@@ -123,25 +140,20 @@ def _external_kv_tokens(server: VllmServer) -> int:
 
 def run(args: argparse.Namespace, work_dir: Path) -> dict:
     model_dir = build_tiny_model(args.model_dir or work_dir / "tiny-model")
-    pythonpath = os.pathsep.join([*nixl_pythonpath(work_dir), *_pythonpath()])
-    prefill_side_port, decode_side_port = ports_outside_ephemeral_range(2)
+    prefill_env, decode_env = nixl_pd_envs(work_dir)
 
-    def nixl_server(name: str, side_channel_port: int) -> VllmServer:
+    def nixl_server(name: str, env: dict[str, str]) -> VllmServer:
         return VllmServer(
             model_dir,
             name=name,
             extra_args=[*SERVER_ARGS, "--kv-transfer-config", json.dumps(NIXL_KV_TRANSFER_CONFIG)],
-            env={
-                **NIXL_ENV,
-                "PYTHONPATH": pythonpath,
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-            },
+            env=env,
             log_dir=work_dir,
         )
 
     reference = VllmServer(model_dir, name="reference", extra_args=SERVER_ARGS, log_dir=work_dir)
-    prefill = nixl_server("prefill", prefill_side_port)
-    decode = nixl_server("decode", decode_side_port)
+    prefill = nixl_server("prefill", prefill_env)
+    decode = nixl_server("decode", decode_env)
     report: dict = {"rounds": []}
     started = time.monotonic()
     with start_many([reference, prefill, decode]):
