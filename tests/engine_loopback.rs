@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use kvduplex::descriptors::BlockLayout;
 use kvduplex::engine::{Engine, EngineConfig, EngineError, PeerStatus};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
+use kvduplex::holds::HoldKind;
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 64;
@@ -136,7 +137,7 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     let mut local = vec![0u8; BLOCK * BLOCKS];
     let owner = engine("owner", "f32", &mut owned);
     let reader = engine("reader", "f32", &mut local);
-    assert!(owner.hold("turn-1", 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap());
+    owner.hold("turn-1", HoldKind::Turn, 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap();
     assert!(owner.known_peers().is_empty());
     let peer = connect(&reader, &owner).unwrap();
     // The owner's directory now names the reader and its own side channel (the owner's
@@ -153,7 +154,7 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     let owner_addr = owner.side_channel_addr().unwrap();
     let target = vec![("127.0.0.1".to_string(), owner_addr.port())];
     let ask = |fingerprints: Vec<u64>| {
-        let fan_out = reader.start_lookup(target.clone(), fingerprints, Duration::from_secs(5));
+        let fan_out = reader.start_lookup(target.clone(), fingerprints, None, Duration::from_secs(5));
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             if let [Some(answer)] = fan_out.answers().as_slice() {
@@ -171,8 +172,8 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     assert!(ask(vec![99]).is_none());
     // The claim belongs to the reader's connection: neither another engine nor another
     // connection announcing the reader's engine id can end it.
-    assert!(!owner.release_hold("someone-else", "turn-1", Some(found.claim_id)));
-    assert!(!owner.release_hold("reader", "turn-1", Some(found.claim_id)));
+    assert!(!owner.release_hold("someone-else", "turn-1", found.claim_id));
+    assert!(!owner.release_hold("reader", "turn-1", found.claim_id));
     reader.notify(&peer, b"done").unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut notes = owner.take_notifications();
@@ -182,10 +183,51 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     }
     let sender = notes.first().expect("the reader's notification").sender.clone();
     assert!(sender.starts_with("reader#"), "{sender}");
-    // The hold ends with a plain release; the claim keeps the blocks until its own release.
-    assert!(!owner.release_hold(&sender, "turn-1", None));
-    assert!(owner.release_hold(&sender, "turn-1", Some(found.claim_id)), "the last claim's release frees the hold");
-    assert!(ask(vec![11]).is_none(), "a freed hold is not offered any more");
+    // A release ends the reader's claim, never the turn: it is still offered.
+    assert!(!owner.release_hold(&sender, "turn-1", found.claim_id));
+    assert_eq!(ask(vec![11]).expect("still held").owner_request_id, "turn-1");
+    assert!(owner.evict_holds(1).is_empty(), "a claimed turn is not evicted");
+}
+
+#[test]
+fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_tokens() {
+    let mut owned = vec![3u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    let target = vec![("127.0.0.1".to_string(), owner.side_channel_addr().unwrap().port())];
+    let ask = |fingerprints: Vec<u64>, name: &str| {
+        let fan_out = reader.start_lookup(target.clone(), fingerprints, Some(name.to_owned()), Duration::from_secs(5));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let [Some(answer)] = fan_out.answers().as_slice() {
+                return answer.outcome.clone().unwrap().1;
+            }
+            assert!(Instant::now() < deadline, "no answer");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // The grant is asked before the owner holds the prompt (its engine takes a hold one step
+    // after answering the request): asked again until the hold is there.
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            owner.hold("p-1", HoldKind::ForDecode, 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap();
+        });
+        let granted = ask(vec![11, 12, 13], "p-1").expect("granted once held");
+        assert_eq!((granted.owner_request_id.as_str(), granted.matched_blocks, granted.offer.as_slice()), ("p-1", 3, &b"params"[..]));
+    });
+    // Another prompt's tokens naming the hold: refused at once. A prompt held for a decode
+    // node is not found by content.
+    let refused_at = Instant::now();
+    assert!(ask(vec![99, 12, 13], "p-1").is_none());
+    assert!(refused_at.elapsed() < Duration::from_millis(500), "a refusal is not retried");
+    let by_content = reader.start_lookup(target.clone(), vec![11], None, Duration::from_secs(5));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while by_content.answers()[0].is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(by_content.answers()[0].as_ref().unwrap().outcome.as_ref().unwrap().1.is_none());
 }
 
 #[test]
@@ -194,11 +236,11 @@ fn a_lookup_connects_to_an_owner_it_does_not_know_yet_and_reports_one_it_cannot_
     let mut local = vec![0u8; BLOCK * BLOCKS];
     let owner = engine("owner", "f32", &mut owned);
     let reader = engine("reader", "f32", &mut local);
-    assert!(owner.hold("turn-1", 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap());
+    owner.hold("turn-1", HoldKind::Turn, 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap();
     let owner_port = owner.side_channel_addr().unwrap().port();
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let targets = vec![("127.0.0.1".to_string(), owner_port), ("127.0.0.1".to_string(), nobody)];
-    let fan_out = reader.start_lookup(targets, vec![11, 12], Duration::from_secs(1));
+    let fan_out = reader.start_lookup(targets, vec![11, 12], None, Duration::from_secs(1));
     let deadline = Instant::now() + Duration::from_secs(10);
     let answers = loop {
         let answers = fan_out.answers();

@@ -100,7 +100,7 @@ fn every_frame_kind_round_trips() {
             heartbeat_ms: 1000,
             side_channel: Some("10.0.0.3:5600".to_owned()),
         }),
-        Frame::Lookup(kvduplex::holds::LookupRequest { id: 7, fingerprints: vec![1, u64::MAX, 3] }),
+        Frame::Lookup(kvduplex::holds::LookupRequest { id: 7, fingerprints: vec![1, u64::MAX, 3], request_id: Some("req-1".into()) }),
         Frame::LookupReply(kvduplex::holds::LookupReply {
             id: 7,
             found: Some(kvduplex::holds::LookupMatch {
@@ -110,8 +110,9 @@ fn every_frame_kind_round_trips() {
                 claim_ms: 30_000,
                 offer: b"{}".to_vec(),
             }),
+            not_yet: false,
         }),
-        Frame::LookupReply(kvduplex::holds::LookupReply { id: 8, found: None }),
+        Frame::LookupReply(kvduplex::holds::LookupReply { id: 8, found: None, not_yet: true }),
         Frame::ServerHello(wire::ServerHello {
             nonce: [4; 32],
             has_secret: false,

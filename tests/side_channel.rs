@@ -585,18 +585,18 @@ fn lookups_are_served_only_after_authentication_and_echo_their_id() {
             claim_ms: 1000,
             offer: b"{}".to_vec(),
         });
-        LookupReply { id: request.id, found }
+        LookupReply { id: request.id, found, not_yet: false }
     }));
     // Before any hello: the server refuses and closes, and never consults the hold book.
     let mut raw = RawClient::connect(&server);
-    raw.send(&Frame::Lookup(LookupRequest { id: 1, fingerprints: vec![7] }));
+    raw.send(&Frame::Lookup(LookupRequest { id: 1, fingerprints: vec![7], request_id: None }));
     assert!(matches!(raw.receive(), Some(Ok(Frame::Refused(_))) | None));
     assert!(raw.receive().is_none());
     // An authenticated link: each lookup gets its own reply, misses included.
     let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
-    let found = ask(&link, vec![7, 8], TIMEOUT).unwrap().unwrap();
+    let found = ask(&link, vec![7, 8], TIMEOUT).unwrap().found.unwrap();
     assert_eq!((found.owner_request_id.as_str(), found.claim_id), ("turn", 3));
-    assert!(ask(&link, vec![9], TIMEOUT).unwrap().is_none());
+    assert!(ask(&link, vec![9], TIMEOUT).unwrap().found.is_none());
     // Both came on one connection, named by the engine id it announced and its number.
     let asked = asked.lock().unwrap().clone();
     assert_eq!(asked.iter().map(|(_, f)| f.clone()).collect::<Vec<_>>(), vec![vec![7, 8], vec![9]]);
@@ -609,8 +609,8 @@ fn lookups_are_served_only_after_authentication_and_echo_their_id() {
 fn after_an_authenticated_handshake_untagged_replayed_or_forged_frames_end_the_connection() {
     capture_logs();
     let server = start(Some(b"s3cret"));
-    server.set_lookup_handler(Arc::new(|_: &str, request: &LookupRequest| LookupReply { id: request.id, found: None }));
-    let lookup = |id| Frame::Lookup(LookupRequest { id, fingerprints: vec![1] });
+    server.set_lookup_handler(Arc::new(|_: &str, request: &LookupRequest| LookupReply { id: request.id, found: None, not_yet: false }));
+    let lookup = |id| Frame::Lookup(LookupRequest { id, fingerprints: vec![1], request_id: None });
 
     // A correctly tagged lookup is answered with a tagged reply (the buffer checks its tag).
     let mut raw = RawClient::connect(&server);
@@ -639,9 +639,9 @@ fn after_an_authenticated_handshake_untagged_replayed_or_forged_frames_end_the_c
 
     // A real link keeps working throughout.
     let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
-    assert!(ask(&link, vec![1], TIMEOUT).unwrap().is_none());
+    assert!(ask(&link, vec![1], TIMEOUT).unwrap().found.is_none());
     link.notify(b"after many frames").unwrap();
-    assert!(ask(&link, vec![1], TIMEOUT).unwrap().is_none());
+    assert!(ask(&link, vec![1], TIMEOUT).unwrap().found.is_none());
 }
 
 #[test]
@@ -650,7 +650,7 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
     server.set_lookup_handler(Arc::new(|_: &str, request: &LookupRequest| {
         // Slower than the reader waits, faster than three heartbeats (the link stays alive).
         thread::sleep(Duration::from_millis(150));
-        LookupReply { id: request.id, found: None }
+        LookupReply { id: request.id, found: None, not_yet: false }
     }));
     let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), None).unwrap();
     // A reply later than the lookup's timeout counts as none.
@@ -660,20 +660,20 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
     // owner does meanwhile.
     let (tx, outcomes) = mpsc::channel();
     let first = tx.clone();
-    link.send_lookup(vec![1], Duration::from_millis(50), Box::new(move |outcome| drop(first.send(("first", outcome)))));
+    link.send_lookup(vec![1], None, Duration::from_millis(50), Box::new(move |outcome| drop(first.send(("first", outcome)))));
     thread::sleep(Duration::from_millis(60));
-    link.send_lookup(vec![1], TIMEOUT, Box::new(move |outcome| drop(tx.send(("second", outcome)))));
+    link.send_lookup(vec![1], None, TIMEOUT, Box::new(move |outcome| drop(tx.send(("second", outcome)))));
     let (which, outcome) = outcomes.try_recv().expect("the first lookup ended when the second was sent");
     assert!(which == "first" && matches!(outcome, Err(HandshakeError::Timeout { .. })), "{which}: {outcome:?}");
     // The link keeps working: the second lookup gets its reply.
     let (which, outcome) = outcomes.recv_timeout(TIMEOUT).unwrap();
-    assert!(which == "second" && matches!(outcome, Ok(None)), "{which}: {outcome:?}");
+    assert!(which == "second" && matches!(outcome, Ok(LookupReply { found: None, .. })), "{which}: {outcome:?}");
     // A lookup waiting when the owner goes fails with it, and so does one sent afterwards.
     let (tx, outcome) = mpsc::channel();
-    link.send_lookup(vec![1], Duration::from_secs(60), Box::new(move |o| drop(tx.send(o))));
+    link.send_lookup(vec![1], None, Duration::from_secs(60), Box::new(move |o| drop(tx.send(o))));
     drop(server);
     let outcome = outcome.recv_timeout(TIMEOUT).unwrap();
-    assert!(matches!(outcome, Err(HandshakeError::PeerGone(_)) | Ok(None)), "{outcome:?}");
+    assert!(matches!(outcome, Err(HandshakeError::PeerGone(_)) | Ok(LookupReply { found: None, .. })), "{outcome:?}");
     assert!(wait_until(TIMEOUT, || !link.is_alive()));
     assert!(matches!(ask(&link, vec![1], TIMEOUT), Err(HandshakeError::PeerGone(_))));
 }
@@ -681,7 +681,7 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
 /// A lookup's outcome, waited for (the link hands it over on its own thread).
 fn ask(link: &PeerLink, fingerprints: Vec<u64>, timeout: Duration) -> LookupOutcome {
     let (tx, outcome) = mpsc::channel();
-    link.send_lookup(fingerprints, timeout, Box::new(move |o| drop(tx.send(o))));
+    link.send_lookup(fingerprints, None, timeout, Box::new(move |o| drop(tx.send(o))));
     outcome.recv_timeout(timeout + TIMEOUT).expect("the lookup's outcome was never handed over")
 }
 

@@ -157,31 +157,39 @@ class Engine:
         num_blocks: int,
         ttl_s: float,
         *,
-        fingerprints: Sequence[str] = (),
+        fingerprints: Sequence[str],
+        turn: bool,
         offer: bytes = b"",
-    ) -> bool:
-        """Hold a finished request's blocks for readers for `ttl_s`. With fingerprints (16 hex
-        characters per block) the hold is offered to lookups together with `offer`. False: a
-        reader released it already; free the blocks now. Raises ValueError for a request
-        already held, over 65,536 fingerprints or an offer over 512 KiB."""
-    def release_hold(self, reader: str, request_id: str, claim_id: int | None = None) -> bool:
-        """`reader` is done with the blocks: its claim ends, or without a claim id the hold
-        itself. True when this freed the hold (report it as finished sending)."""
+    ) -> None:
+        """Hold a finished request's blocks, whose tokens have `fingerprints` (16 hex
+        characters per block), for readers for `ttl_s`. A reader is granted the leading blocks
+        whose fingerprints equal its own, with a claim and `offer`. `turn=False`: a prefill
+        node's prompt for its decode node, granted by name only and ended once a reader
+        releases its claim; `turn=True`: a decode node's finished turn, also found by lookups
+        and evictable. Raises ValueError for a request already held, over 65,536 fingerprints
+        or an offer over 512 KiB."""
+    def release_hold(self, reader: str, request_id: str, claim_id: int) -> bool:
+        """`reader` is done with its claim (only the claim's own reader can end it; it never
+        ends the hold of a turn). True when this freed the hold."""
     def expire_holds(self) -> list[str]:
         """End holds and claims whose time is up; returns the holds freed."""
     def evict_holds(self, num_blocks: int) -> list[str]:
-        """Free unclaimed offered holds, least recently used first, until `num_blocks` blocks
+        """Free unclaimed held turns, least recently used first, until `num_blocks` blocks
         were freed or none is left; returns the holds freed."""
     def start_lookup(
         self,
         targets: Sequence[tuple[str, int]],
         fingerprints: Sequence[str],
         timeout_s: float = 1.0,
+        *,
+        request_id: str | None = None,
     ) -> Lookup:
         """Ask every side channel in `targets` at once for the longest held turn starting with
-        these blocks, without waiting: a connected owner is asked right away, others are
-        connected to first (within `timeout_s`) on the transfer core's own threads. Poll the
-        returned lookup. A match is claimed for us until we release the claim."""
+        these blocks or, with `request_id`, for a grant of that hold's leading blocks that
+        carry them, without waiting: a connected owner is asked right away, others are
+        connected to first (within `timeout_s`) on the transfer core's own threads. A named
+        hold the owner has not taken yet is asked for again for up to 1 s. Poll the returned
+        lookup. A match is claimed for us until we release the claim."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (sender, payload) notifications received so far, in order. The sender is
         `engine-id#connection`: pass it to `release_hold` as the reader."""

@@ -6,7 +6,7 @@ as the connector. What lives here:
 - the `kv_transfer_params` keys: vLLM's own (what every P/D router forwards) and kvduplex's
   extensions, with the protocol version that both sides of a transfer must share;
 - the notifications a reader sends an owner over the transfer core's side channel (`release`);
-- the held-turn lookup: the token fingerprints a reader asks about and the owner's answer
+- grants and lookups: the token fingerprints a reader asks about and the owner's answer
   (carried by the transfer core's Lookup/LookupReply frames, see `rust/src/holds.rs`).
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 # Version of kvduplex's kv_transfer_params extensions and notification payloads. Both sides of
 # a transfer must speak the same version; the transfer core's handshake checks its own.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # --- kv_transfer_params: vLLM's keys (what existing P/D proxies forward) ---
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -36,9 +36,6 @@ REMOTE_PORTS = "remote_ports"
 REMOTE_BLOCK_SIZE = "remote_block_size"
 REMOTE_BLOCK_FINGERPRINTS = "remote_block_fingerprints"
 REMOTE_LEASE_EXPIRY = "remote_lease_expiry"
-# Optional router hint on a prefill request: the side channel ("host:port" of TP rank 0) of
-# the decode engine that served the conversation's last turn; P asks it first.
-DECODE_HINT = "kvduplex_decode_hint"
 
 
 def prefill_request_params() -> dict[str, object]:
@@ -56,21 +53,17 @@ def prefill_request_params() -> dict[str, object]:
 # --- side-channel notifications, reader -> owner ---
 
 
-def encode_release(owner_request_id: str, claim_id: int | None = None) -> bytes:
-    """'I have read your blocks for `owner_request_id`, or will not': the owner may free them.
-
-    With `claim_id` (the blocks were found by a lookup) only that claim ends; the owner keeps
-    holding the turn for other readers until its hold ends."""
-    message: dict[str, object] = {"v": PROTOCOL_VERSION, "release": owner_request_id}
-    if claim_id is not None:
-        message["claim"] = claim_id
-    return json.dumps(message).encode()
+def encode_release(owner_request_id: str, claim_id: int) -> bytes:
+    """'I have read the blocks you granted me for `owner_request_id`, or will not': the claim
+    ends. Only the claim's own reader can end it, and it never ends the hold itself (see
+    `rust/src/holds.rs`)."""
+    return json.dumps({"v": PROTOCOL_VERSION, "release": owner_request_id, "claim": claim_id}).encode()
 
 
 @dataclass(frozen=True)
 class Release:
     owner_request_id: str
-    claim_id: int | None
+    claim_id: int
 
 
 def decode_release(payload: bytes) -> Release | None:
@@ -85,8 +78,6 @@ def decode_release(payload: bytes) -> Release | None:
     claim = message.get("claim")
     if not isinstance(request_id, str):
         return None
-    if claim is not None and (
-        isinstance(claim, bool) or not isinstance(claim, int) or not 0 <= claim < 2**64
-    ):
+    if isinstance(claim, bool) or not isinstance(claim, int) or not 0 <= claim < 2**64:
         return None
     return Release(request_id, claim)

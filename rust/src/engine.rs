@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, PlanError, RegionBounds, RegionIndex};
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
-use crate::holds::{BlockFingerprint, HoldBook, HoldError, LookupMatch, LookupReply};
+use crate::holds::{BlockFingerprint, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
 use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostCopy, SameHostPeer, UcxError, Worker};
 
@@ -629,23 +629,24 @@ impl Engine {
         lock(&self.shared.server).as_ref().map(|s| s.known_peers()).unwrap_or_default()
     }
 
-    /// Holds `request_id`'s `num_blocks` blocks for readers for `ttl`; with fingerprints the
-    /// hold is offered to lookups together with `offer`. `Ok(false)`: its reader released it
-    /// already, free the blocks at once.
+    /// Holds `request_id`'s `num_blocks` blocks, whose tokens have `fingerprints`, for readers
+    /// for `ttl`; a reader is granted them against its own fingerprints and gets `offer`
+    /// (see [`HoldBook`]).
     pub fn hold(
         &self,
         request_id: &str,
+        kind: HoldKind,
         num_blocks: usize,
         fingerprints: Vec<BlockFingerprint>,
         offer: Vec<u8>,
         ttl: Duration,
-    ) -> Result<bool, EngineError> {
-        Ok(lock(&self.shared.holds).hold(request_id, num_blocks, fingerprints, offer, ttl, Instant::now())?)
+    ) -> Result<(), EngineError> {
+        Ok(lock(&self.shared.holds).hold(request_id, kind, num_blocks, fingerprints, offer, ttl, Instant::now())?)
     }
 
-    /// `reader` is done with `request_id`'s blocks (one claim, or the whole hold without a
-    /// claim id). Returns true when this freed the hold.
-    pub fn release_hold(&self, reader: &str, request_id: &str, claim_id: Option<u64>) -> bool {
+    /// `reader` is done with its claim `claim_id` on `request_id`'s blocks. Returns true when
+    /// this freed the hold.
+    pub fn release_hold(&self, reader: &str, request_id: &str, claim_id: u64) -> bool {
         lock(&self.shared.holds).release(reader, request_id, claim_id, Instant::now()).is_some()
     }
 
@@ -657,32 +658,38 @@ impl Engine {
     /// Frees unclaimed offered holds, least recently used first, until `num_blocks` blocks
     /// were freed or none is left.
     pub fn evict_holds(&self, num_blocks: usize) -> Vec<String> {
-        lock(&self.shared.holds).evict(num_blocks)
+        lock(&self.shared.holds).evict(num_blocks, Instant::now())
     }
 
     /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
-    /// with `fingerprints`. A connected owner is asked from this thread right away: a new
+    /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
+    /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
+    /// after answering its request) is asked for again, every [`NOT_YET_RETRY`], for at most
+    /// [`NOT_YET_WINDOW`] within `timeout`. A connected owner is asked from this thread right away: a new
     /// thread may wait long for a core on a busy host. Others are connected to first, each on
     /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
     /// returned [`LookupFanOut`]; an owner's reply is taken until [`LATE_REPLY_WINDOW`] after
     /// `timeout`, so that a late claim can still be handed back.
-    pub fn start_lookup(&self, targets: Vec<(String, u16)>, fingerprints: Vec<BlockFingerprint>, timeout: Duration) -> LookupFanOut {
+    pub fn start_lookup(&self, targets: Vec<(String, u16)>, fingerprints: Vec<BlockFingerprint>, request_id: Option<String>, timeout: Duration) -> LookupFanOut {
         let connect_deadline = deadline_after(timeout);
-        let fan_out = LookupFanOut::new(targets.iter().map(|(host, port)| format!("{host}:{port}")).collect(), deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)));
-        let fingerprints = Arc::new(fingerprints);
+        let fan_out = LookupFanOut::new(
+            targets.iter().map(|(host, port)| format!("{host}:{port}")).collect(),
+            Arc::new(LookupQuestion { fingerprints, request_id, retry_until: deadline_after(timeout.min(NOT_YET_WINDOW)) }),
+            deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
+        );
         for (index, (host, port)) in targets.into_iter().enumerate() {
             if let Some(peer) = ready_peer(&self.shared, &fan_out.addresses[index]) {
-                fan_out.ask(index, &peer, &fingerprints);
+                fan_out.ask(index, &peer);
                 continue;
             }
-            let (shared, asking, fingerprints) = (Arc::downgrade(&self.shared), fan_out.clone(), Arc::clone(&fingerprints));
+            let (shared, asking) = (Arc::downgrade(&self.shared), fan_out.clone());
             let connect_and_ask = move || {
                 let connected = match shared.upgrade() {
                     Some(shared) => connect_for_lookup(&shared, &host, port, connect_deadline),
                     None => Err("engine closed".to_owned()),
                 };
                 match connected {
-                    Ok(peer) => asking.ask(index, &peer, &fingerprints),
+                    Ok(peer) => asking.ask(index, &peer),
                     Err(e) => asking.answer(index, Err(e)),
                 }
             };
@@ -1038,20 +1045,34 @@ pub struct LookupAnswer {
 /// lookup at its deadline and keeps polling, to hand back the claim of a reply that came late.
 pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
 
+/// How often a grant of a hold the owner has not taken yet is asked again, and for how long
+/// at most (an owner takes a hold one engine step after answering its request).
+pub const NOT_YET_RETRY: Duration = Duration::from_millis(2);
+pub const NOT_YET_WINDOW: Duration = Duration::from_secs(1);
+
+/// What a lookup asks every target.
+struct LookupQuestion {
+    fingerprints: Vec<BlockFingerprint>,
+    request_id: Option<String>,
+    /// A "not yet" is asked again until then.
+    retry_until: Instant,
+}
+
 /// A lookup sent to several owners at once; answers arrive as the owners reply.
 #[derive(Clone)]
 pub struct LookupFanOut {
     /// The side channels asked ("host:port"), by target.
     addresses: Arc<Vec<String>>,
+    question: Arc<LookupQuestion>,
     answers: Arc<Mutex<Vec<Option<LookupAnswer>>>>,
     /// Replies are taken until then; an owner silent past it never answers.
     gives_up_at: Instant,
 }
 
 impl LookupFanOut {
-    fn new(addresses: Vec<String>, gives_up_at: Instant) -> Self {
+    fn new(addresses: Vec<String>, question: Arc<LookupQuestion>, gives_up_at: Instant) -> Self {
         let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
-        Self { addresses: Arc::new(addresses), answers, gives_up_at }
+        Self { addresses: Arc::new(addresses), question, answers, gives_up_at }
     }
 
     /// Answers so far, by target; `None` where the owner may still answer.
@@ -1074,13 +1095,24 @@ impl LookupFanOut {
         lock(&self.answers)[index].get_or_insert_with(|| LookupAnswer { address: self.addresses[index].clone(), outcome });
     }
 
-    /// Sends the lookup to `peer`, target `index`, without waiting for its reply.
-    fn ask(&self, index: usize, peer: &Peer, fingerprints: &[BlockFingerprint]) {
-        let (fan_out, owner) = (self.clone(), peer.meta.engine_id.clone());
-        let on_reply = Box::new(move |outcome: LookupOutcome| {
-            fan_out.answer(index, outcome.map(|found| (owner, found)).map_err(|e| e.to_string()));
+    /// Sends the lookup to `peer`, target `index`, without waiting for its reply; a "not yet"
+    /// is asked again (from the link's thread, after [`NOT_YET_RETRY`]) until `retry_until`.
+    fn ask(&self, index: usize, peer: &Arc<Peer>) {
+        let (fan_out, again) = (self.clone(), Arc::downgrade(peer));
+        let owner = peer.meta.engine_id.clone();
+        let on_reply = Box::new(move |outcome: LookupOutcome| match outcome {
+            Ok(reply) if reply.not_yet && Instant::now() + NOT_YET_RETRY < fan_out.question.retry_until => {
+                std::thread::sleep(NOT_YET_RETRY);
+                match again.upgrade() {
+                    Some(peer) => fan_out.ask(index, &peer),
+                    None => fan_out.answer(index, Err("the owner went away".to_owned())),
+                }
+            }
+            outcome => fan_out.answer(index, outcome.map(|reply| (owner, reply.found)).map_err(|e| e.to_string())),
         });
-        peer.link.send_lookup(fingerprints.to_vec(), self.gives_up_at.saturating_duration_since(Instant::now()), on_reply);
+        let question = &self.question;
+        let timeout = self.gives_up_at.saturating_duration_since(Instant::now());
+        peer.link.send_lookup(question.fingerprints.clone(), question.request_id.clone(), timeout, on_reply);
     }
 }
 
@@ -1105,15 +1137,43 @@ fn connect_for_lookup(shared: &Arc<Shared>, host: &str, port: u16, deadline: Ins
     lock(&shared.peers).get(&peer_id).cloned().ok_or_else(|| format!("peer {peer_id} went away"))
 }
 
-/// Answers side-channel lookups from the hold book, claiming matches for the asking engine.
+/// Answers side-channel lookups and grants from the hold book, claiming what matches for
+/// the asking engine.
 fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_channel::LookupHandler {
     Arc::new(move |reader, request| {
-        let found = holds.upgrade().and_then(|holds| lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now()));
-        match &found {
-            Some(m) => log::debug!("lookup from {reader}: {} of {} blocks held by request {} (claim {})", m.matched_blocks, request.fingerprints.len(), m.owner_request_id, m.claim_id),
-            None => log::debug!("lookup from {reader}: none of {} blocks held", request.fingerprints.len()),
+        let Some(holds) = holds.upgrade() else {
+            return LookupReply { id: request.id, found: None, not_yet: false };
+        };
+        let asked = request.fingerprints.len();
+        match &request.request_id {
+            Some(name) if name.len() > crate::holds::MAX_REQUEST_ID_BYTES => {
+                log::warn!("grant refused to {reader}: a request id of {} bytes", name.len());
+                LookupReply { id: request.id, found: None, not_yet: false }
+            }
+            Some(name) => match lock(&holds).grant(reader, name, &request.fingerprints, claim, Instant::now()) {
+                Ok(m) => {
+                    log::debug!("granted {reader} {} of {asked} blocks of request {name} (claim {})", m.matched_blocks, m.claim_id);
+                    LookupReply { id: request.id, found: Some(m), not_yet: false }
+                }
+                Err(refusal) => {
+                    let not_yet = refusal == crate::holds::Refusal::NotHeldYet;
+                    if not_yet {
+                        log::debug!("grant of request {name} to {reader}: not held (yet)");
+                    } else {
+                        log::info!("grant of request {name}'s blocks refused to {reader}: {refusal}");
+                    }
+                    LookupReply { id: request.id, found: None, not_yet }
+                }
+            },
+            None => {
+                let found = lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now());
+                match &found {
+                    Some(m) => log::debug!("lookup from {reader}: {} of {asked} blocks held by request {} (claim {})", m.matched_blocks, m.owner_request_id, m.claim_id),
+                    None => log::debug!("lookup from {reader}: none of {asked} blocks held"),
+                }
+                LookupReply { id: request.id, found, not_yet: false }
+            }
         }
-        LookupReply { id: request.id, found }
     })
 }
 
@@ -1125,7 +1185,8 @@ mod tests {
     fn a_fan_out_takes_each_targets_first_answer_and_gives_up_on_the_silent_at_its_time() {
         let t0 = Instant::now();
         let gives_up_at = t0 + Duration::from_secs(10);
-        let fan_out = LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], gives_up_at);
+        let question = Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
+        let fan_out = LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], question, gives_up_at);
         assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
         fan_out.answer(0, Ok(("A".to_owned(), None)));
         // A later outcome for the same target (e.g. the link dying afterwards) changes nothing.

@@ -1,15 +1,22 @@
-//! Held KV blocks on the owner's side: leases, the content index of held turns, and claims.
+//! Held KV blocks on the owner's side: leases, the content index of held turns, and the
+//! grants that every read needs.
 //!
-//! An owner holds a finished request's blocks for readers. A hold ends when its reader
-//! releases it (the reader was named in `kv_transfer_params`), when its lease expires, or when
-//! the owner evicts it under memory pressure. Holds that are *offered* (a decode node's
-//! finished turns, in bidirectional mode) are also indexed by their chained token
-//! fingerprints, so a reader that only knows its own prompt can find the longest held prefix
-//! with [`HoldBook::lookup`]. A lookup that matches **claims** the turn until the reader
-//! releases that claim or the claim's deadline passes; claims are counted, several readers may
-//! read one turn at once, and a turn is freed only when its hold has ended and no claim
-//! remains. Every hold is freed exactly once: [`HoldBook::expire`], [`HoldBook::release`] and
-//! [`HoldBook::evict`] each return the request ids they freed and forget them.
+//! An owner holds a finished request's blocks for readers. Nothing is read without a
+//! **grant**: the reader presents the fingerprints of its own prompt (computed from its own
+//! tokens, never copied from `kv_transfer_params`, which any client can write) and the owner
+//! compares them with the fingerprints of the tokens its held blocks carry. A grant is a
+//! counted **claim** bound to that reader's connection: the hold stays allocated while any
+//! claim lasts, several readers may read one hold at once, and only the reader that made a
+//! claim can release it. A reader names the hold it wants ([`HoldBook::grant`], from params)
+//! or asks which held turn starts with its prompt ([`HoldBook::lookup`], decode nodes' turns
+//! only). Releases end claims, never a hold.
+//!
+//! A hold ends when its lease passes, when the owner evicts it (decode nodes' turns, unclaimed
+//! only), or, for a prefill node's prompt held for one decode node ([`HoldKind::ForDecode`]),
+//! once a reader releases its claim: a later reader then finds it gone and recomputes. It is
+//! freed when it has ended and no claim remains. Every hold is freed
+//! exactly once: [`HoldBook::expire`], [`HoldBook::release`] and [`HoldBook::evict`] each
+//! return the request ids they freed and forget them.
 //!
 //! Pure state: time comes in as `now`, nothing here does I/O.
 
@@ -26,21 +33,28 @@ pub type BlockFingerprint = u64;
 pub const MAX_FINGERPRINTS: usize = 65_536;
 /// The most bytes of offer (the reader's `kv_transfer_params`) one hold may carry.
 pub const MAX_OFFER_BYTES: usize = 512 << 10;
-/// The most claims alive at once over all holds; a lookup past it finds nothing.
+/// The most claims alive at once over all holds; a grant past it is refused.
 pub const MAX_CLAIMS: usize = 4096;
 /// The most (position, hold) pairs one lookup examines, so a hostile reader cannot hold the
 /// book's lock for long; a lookup past it finds nothing.
 pub const MAX_EXAMINED: usize = 16_384;
-/// A release that arrives before its hold is remembered this long, and at most this many.
-pub const EARLY_RELEASE_KEEP: Duration = Duration::from_secs(60);
-pub const MAX_EARLY_RELEASES: usize = 4096;
+/// The longest request id a grant may name (params' own limit).
+pub const MAX_REQUEST_ID_BYTES: usize = 512;
+/// Holds that ended are remembered this long, and at most this many, so that a grant naming
+/// one is told it is gone rather than "not held yet".
+pub const ENDED_KEEP: Duration = Duration::from_secs(60);
+pub const MAX_ENDED_KEPT: usize = 4096;
 
-/// What a reader asks: "which held turn starts with these blocks?"
+/// What a reader asks: "grant me the held turn starting with these blocks" (a lookup), or,
+/// with `request_id`, "grant me that hold's blocks that carry these blocks' tokens".
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LookupRequest {
     /// Echoed in the reply, so one connection can carry several lookups.
     pub id: u64,
     pub fingerprints: Vec<BlockFingerprint>,
+    /// The hold the reader's params name; `None` asks every offered turn.
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 
 /// The longest held prefix of a lookup's blocks, claimed for the reader.
@@ -61,6 +75,23 @@ pub struct LookupMatch {
 pub struct LookupReply {
     pub id: u64,
     pub found: Option<LookupMatch>,
+    /// Nothing granted, and the named hold was never seen: the owner may not have taken it yet
+    /// (its engine registers a hold one step after answering the request), so asking again
+    /// shortly may find it.
+    #[serde(default)]
+    pub not_yet: bool,
+}
+
+/// What a hold is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldKind {
+    /// A prefill node's prompt, for the decode node it was handed to: granted by name only,
+    /// ended once a reader releases its claim (it has read the prompt, or will not), never
+    /// evicted.
+    ForDecode,
+    /// A decode node's finished turn, for the next turn's prefill node: granted by name or
+    /// found by lookup, evictable while unclaimed.
+    Turn,
 }
 
 /// Why a hold was not taken.
@@ -74,6 +105,19 @@ pub enum HoldError {
     OfferTooLarge(usize),
 }
 
+/// Why a grant was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Refusal {
+    #[error("no hold of that request (never held here)")]
+    NotHeldYet,
+    #[error("the hold has ended")]
+    Ended,
+    #[error("the held blocks carry other tokens than the reader's first block")]
+    Mismatch,
+    #[error("too many claims ({MAX_CLAIMS}) or fingerprints ({MAX_FINGERPRINTS}) at once")]
+    TooMany,
+}
+
 #[derive(Debug)]
 struct Claim {
     reader: String,
@@ -82,13 +126,14 @@ struct Claim {
 
 #[derive(Debug)]
 struct Held {
+    kind: HoldKind,
     /// Blocks the hold keeps allocated.
     num_blocks: usize,
-    /// Empty unless offered to lookups.
+    /// The fingerprints of the tokens the held blocks carry, block by block.
     fingerprints: Vec<BlockFingerprint>,
     offer: Vec<u8>,
     lease_ends: Instant,
-    /// The hold itself is over (released, expired, evicted); freed once its claims are gone.
+    /// The hold itself is over (expired, evicted, read); freed once its claims are gone.
     ended: bool,
     claims: HashMap<u64, Claim>,
     last_used: Instant,
@@ -97,10 +142,10 @@ struct Held {
 #[derive(Debug, Default)]
 pub struct HoldBook {
     held: HashMap<String, Held>,
-    /// Fingerprint → offered holds that have it (at the same block position, by the chain).
+    /// Fingerprint → offered turns that have it (at the same block position, by the chain).
     index: HashMap<BlockFingerprint, Vec<String>>,
-    early_releases: VecDeque<(String, Instant)>,
-    early_release_ids: HashSet<String>,
+    ended: VecDeque<(String, Instant)>,
+    ended_ids: HashSet<String>,
     next_claim: u64,
     num_claims: usize,
 }
@@ -122,17 +167,19 @@ impl HoldBook {
         self.num_claims
     }
 
-    /// Starts holding `request_id`'s `num_blocks` blocks for `ttl`. With fingerprints the
-    /// hold is offered to lookups. `Ok(false)`: a reader released it already, free it at once.
+    /// Starts holding `request_id`'s `num_blocks` blocks, whose tokens have `fingerprints`,
+    /// for `ttl`. A [`HoldKind::Turn`] is also offered to lookups.
+    #[allow(clippy::too_many_arguments)]
     pub fn hold(
         &mut self,
         request_id: &str,
+        kind: HoldKind,
         num_blocks: usize,
         fingerprints: Vec<BlockFingerprint>,
         offer: Vec<u8>,
         ttl: Duration,
         now: Instant,
-    ) -> Result<bool, HoldError> {
+    ) -> Result<(), HoldError> {
         if self.held.contains_key(request_id) {
             return Err(HoldError::AlreadyHeld(request_id.to_owned()));
         }
@@ -142,32 +189,51 @@ impl HoldBook {
         if offer.len() > MAX_OFFER_BYTES {
             return Err(HoldError::OfferTooLarge(offer.len()));
         }
-        self.forget_old_early_releases(now);
-        if self.early_release_ids.remove(request_id) {
-            self.early_releases.retain(|(id, _)| id != request_id);
-            return Ok(false);
-        }
-        for fingerprint in &fingerprints {
-            self.index.entry(*fingerprint).or_default().push(request_id.to_owned());
+        self.forget_old_ended(now);
+        if kind == HoldKind::Turn {
+            for fingerprint in &fingerprints {
+                self.index.entry(*fingerprint).or_default().push(request_id.to_owned());
+            }
         }
         let lease_ends = now.checked_add(ttl).unwrap_or_else(|| far_future(now));
         self.held.insert(
             request_id.to_owned(),
-            Held {
-                num_blocks,
-                fingerprints,
-                offer,
-                lease_ends,
-                ended: false,
-                claims: HashMap::new(),
-                last_used: now,
-            },
+            Held { kind, num_blocks, fingerprints, offer, lease_ends, ended: false, claims: HashMap::new(), last_used: now },
         );
-        Ok(true)
+        Ok(())
     }
 
-    /// The longest held prefix of `fingerprints`, claimed for `reader` until `now + claim_for`
-    /// (or until it releases the claim). Holds that ended are not offered any more.
+    /// Grants `reader` the named hold's leading blocks whose fingerprints equal the reader's
+    /// (the reader computed them from its own prompt): a claim until `now + claim_for` or
+    /// until the reader releases it. At least the first block must match.
+    pub fn grant(
+        &mut self,
+        reader: &str,
+        request_id: &str,
+        fingerprints: &[BlockFingerprint],
+        claim_for: Duration,
+        now: Instant,
+    ) -> Result<LookupMatch, Refusal> {
+        if self.num_claims >= MAX_CLAIMS || fingerprints.len() > MAX_FINGERPRINTS {
+            return Err(Refusal::TooMany);
+        }
+        self.forget_old_ended(now);
+        let Some(held) = self.held.get(request_id) else {
+            return Err(if self.ended_ids.contains(request_id) { Refusal::Ended } else { Refusal::NotHeldYet });
+        };
+        if held.ended {
+            return Err(Refusal::Ended);
+        }
+        let matched = held.fingerprints.iter().zip(fingerprints).take_while(|(held, asked)| held == asked).count();
+        if matched == 0 {
+            return Err(Refusal::Mismatch);
+        }
+        Ok(self.claim(reader, request_id.to_owned(), matched, claim_for, now))
+    }
+
+    /// The longest prefix of `fingerprints` that an offered turn holds, claimed for `reader`
+    /// until `now + claim_for` (or until it releases the claim). Turns that ended are not
+    /// offered any more.
     pub fn lookup(
         &mut self,
         reader: &str,
@@ -201,53 +267,44 @@ impl HoldBook {
                 .max_by_key(|(_, h)| h.lease_ends)
                 .map(|(id, _)| (id.clone(), i + 1))
         })?;
-        let held = self.held.get_mut(&request_id)?;
+        Some(self.claim(reader, request_id, matched, claim_for, now))
+    }
+
+    fn claim(&mut self, reader: &str, request_id: String, matched: usize, claim_for: Duration, now: Instant) -> LookupMatch {
         let claim_id = self.next_claim;
         self.next_claim += 1;
         let deadline = now.checked_add(claim_for).unwrap_or_else(|| far_future(now));
+        let held = self.held.get_mut(&request_id).expect("a claimed hold is held");
         held.claims.insert(claim_id, Claim { reader: reader.to_owned(), deadline });
         held.last_used = now;
         self.num_claims += 1;
-        Some(LookupMatch {
+        LookupMatch {
             owner_request_id: request_id,
             matched_blocks: u32::try_from(matched).unwrap_or(u32::MAX),
             claim_id,
             claim_ms: u64::try_from(claim_for.as_millis()).unwrap_or(u64::MAX),
             offer: held.offer.clone(),
-        })
+        }
     }
 
-    /// A reader is done with `request_id`'s blocks. With a claim id only that claim ends (and
-    /// only when `reader` made it); without one the hold itself ends (the reader was named in
-    /// the owner's params). Returns the request id when this freed the hold.
-    pub fn release(
-        &mut self,
-        reader: &str,
-        request_id: &str,
-        claim_id: Option<u64>,
-        now: Instant,
-    ) -> Option<String> {
-        let Some(held) = self.held.get_mut(request_id) else {
-            if claim_id.is_none() {
-                self.remember_early_release(request_id, now);
-            }
+    /// `reader` is done with its claim `claim_id` on `request_id`'s blocks; only the reader that
+    /// made a claim can end it. Returns the request id when this freed the hold.
+    pub fn release(&mut self, reader: &str, request_id: &str, claim_id: u64, now: Instant) -> Option<String> {
+        let held = self.held.get_mut(request_id)?;
+        if !held.claims.get(&claim_id).is_some_and(|c| c.reader == reader) {
             return None;
-        };
-        match claim_id {
-            Some(claim) => {
-                if held.claims.get(&claim).is_some_and(|c| c.reader == reader) {
-                    held.claims.remove(&claim);
-                    self.num_claims -= 1;
-                }
-            }
-            None => held.ended = true,
         }
-        self.free_if_done(request_id)
+        held.claims.remove(&claim_id);
+        self.num_claims -= 1;
+        if held.kind == HoldKind::ForDecode {
+            held.ended = true;
+        }
+        self.free_if_done(request_id, now)
     }
 
     /// Ends leases and claims whose time is up; returns the holds this freed.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
-        self.forget_old_early_releases(now);
+        self.forget_old_ended(now);
         let mut touched = Vec::new();
         for (id, held) in &mut self.held {
             let before = held.claims.len();
@@ -260,17 +317,17 @@ impl HoldBook {
                 touched.push(id.clone());
             }
         }
-        touched.into_iter().filter_map(|id| self.free_if_done(&id)).collect()
+        touched.into_iter().filter_map(|id| self.free_if_done(&id, now)).collect()
     }
 
-    /// Frees unclaimed offered holds, least recently used first, until at least `num_blocks`
+    /// Frees unclaimed held turns, least recently used first, until at least `num_blocks`
     /// blocks were freed or none is left; returns what it freed. Claimed holds are never
     /// freed here: a reader may be reading them.
-    pub fn evict(&mut self, num_blocks: usize) -> Vec<String> {
+    pub fn evict(&mut self, num_blocks: usize, now: Instant) -> Vec<String> {
         let mut candidates: Vec<(Instant, String, usize)> = self
             .held
             .iter()
-            .filter(|(_, h)| h.claims.is_empty() && !h.fingerprints.is_empty())
+            .filter(|(_, h)| h.claims.is_empty() && h.kind == HoldKind::Turn)
             .map(|(id, h)| (h.last_used, id.clone(), h.num_blocks))
             .collect();
         candidates.sort();
@@ -283,7 +340,7 @@ impl HoldBook {
             if let Some(held) = self.held.get_mut(&id) {
                 held.ended = true;
             }
-            if let Some(id) = self.free_if_done(&id) {
+            if let Some(id) = self.free_if_done(&id, now) {
                 freed_blocks += blocks;
                 freed.push(id);
             }
@@ -291,44 +348,47 @@ impl HoldBook {
         freed
     }
 
-    fn free_if_done(&mut self, request_id: &str) -> Option<String> {
+    fn free_if_done(&mut self, request_id: &str, now: Instant) -> Option<String> {
         let held = self.held.get(request_id)?;
         if !held.ended || !held.claims.is_empty() {
             return None;
         }
         let held = self.held.remove(request_id)?;
-        for fingerprint in &held.fingerprints {
-            if let Some(ids) = self.index.get_mut(fingerprint) {
-                ids.retain(|id| id != request_id);
-                if ids.is_empty() {
-                    self.index.remove(fingerprint);
+        if held.kind == HoldKind::Turn {
+            for fingerprint in &held.fingerprints {
+                if let Some(ids) = self.index.get_mut(fingerprint) {
+                    ids.retain(|id| id != request_id);
+                    if ids.is_empty() {
+                        self.index.remove(fingerprint);
+                    }
                 }
             }
         }
+        self.remember_ended(request_id, now);
         Some(request_id.to_owned())
     }
 
-    fn remember_early_release(&mut self, request_id: &str, now: Instant) {
-        if self.early_release_ids.contains(request_id) {
+    fn remember_ended(&mut self, request_id: &str, now: Instant) {
+        if self.ended_ids.contains(request_id) {
             return;
         }
-        if self.early_releases.len() >= MAX_EARLY_RELEASES {
-            if let Some((oldest, _)) = self.early_releases.pop_front() {
-                self.early_release_ids.remove(&oldest);
+        if self.ended.len() >= MAX_ENDED_KEPT {
+            if let Some((oldest, _)) = self.ended.pop_front() {
+                self.ended_ids.remove(&oldest);
             }
         }
-        let keep_until = now.checked_add(EARLY_RELEASE_KEEP).unwrap_or_else(|| far_future(now));
-        self.early_releases.push_back((request_id.to_owned(), keep_until));
-        self.early_release_ids.insert(request_id.to_owned());
+        let keep_until = now.checked_add(ENDED_KEEP).unwrap_or_else(|| far_future(now));
+        self.ended.push_back((request_id.to_owned(), keep_until));
+        self.ended_ids.insert(request_id.to_owned());
     }
 
-    fn forget_old_early_releases(&mut self, now: Instant) {
-        while let Some((id, keep_until)) = self.early_releases.front() {
+    fn forget_old_ended(&mut self, now: Instant) {
+        while let Some((id, keep_until)) = self.ended.front() {
             if *keep_until > now {
                 break;
             }
-            self.early_release_ids.remove(id);
-            self.early_releases.pop_front();
+            self.ended_ids.remove(id);
+            self.ended.pop_front();
         }
     }
 }
@@ -349,9 +409,13 @@ mod tests {
         let mut book = HoldBook::new();
         for (id, fps) in turns {
             let offer = format!("offer-{id}").into_bytes();
-            assert_eq!(book.hold(id, fps.len(), fps.to_vec(), offer, TTL, now), Ok(true));
+            assert_eq!(book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, TTL, now), Ok(()));
         }
         book
+    }
+
+    fn prompt_hold(book: &mut HoldBook, id: &str, fps: &[u64], now: Instant) {
+        assert_eq!(book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], TTL, now), Ok(()));
     }
 
     #[test]
@@ -369,6 +433,54 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_held_for_a_decode_node_is_granted_by_name_only_and_ends_once_read() {
+        let t0 = Instant::now();
+        let mut book = HoldBook::new();
+        prompt_hold(&mut book, "p1", &[1, 2, 3], t0);
+        // Not offered to lookups.
+        assert!(book.lookup("D1", &[1, 2, 3], CLAIM, t0).is_none());
+        // Two readers at once (a retried decode leg) both hold it.
+        let d1 = book.grant("D1", "p1", &[1, 2, 3], CLAIM, t0).unwrap();
+        let d2 = book.grant("D2", "p1", &[1, 2], CLAIM, t0).unwrap();
+        assert_eq!((d1.matched_blocks, d2.matched_blocks), (3, 2));
+        // A release by another reader than the claim's ends nothing.
+        assert_eq!(book.release("D2", "p1", d1.claim_id, t0), None);
+        assert_eq!(book.release("D1", "p1", d1.claim_id, t0), None);
+        // Read by one reader: no new grant, freed when the last claim goes.
+        assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0), Err(Refusal::Ended));
+        assert_eq!(book.release("D2", "p1", d2.claim_id, t0), Some("p1".into()));
+        assert!(book.is_empty());
+        // Gone, and said so (not "not held yet"), while it is remembered.
+        assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0), Err(Refusal::Ended));
+        assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0 + ENDED_KEEP), Err(Refusal::NotHeldYet));
+    }
+
+    #[test]
+    fn a_grant_needs_the_readers_own_tokens_in_the_first_block() {
+        let t0 = Instant::now();
+        let mut book = HoldBook::new();
+        prompt_hold(&mut book, "p1", &[1, 2, 3], t0);
+        // Another prompt's fingerprints name the hold: refused, nothing claimed.
+        assert_eq!(book.grant("D", "p1", &[7, 2, 3], CLAIM, t0), Err(Refusal::Mismatch));
+        assert_eq!(book.grant("D", "p1", &[], CLAIM, t0), Err(Refusal::Mismatch));
+        assert_eq!(book.num_claims(), 0);
+        // A prompt that shares the first two blocks is granted those only.
+        assert_eq!(book.grant("D", "p1", &[1, 2, 9, 10], CLAIM, t0).unwrap().matched_blocks, 2);
+        assert_eq!(book.grant("D", "unknown", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
+    }
+
+    #[test]
+    fn releases_end_claims_never_a_turn() {
+        let t0 = Instant::now();
+        let mut book = book_with(&[("turn", &[1, 2])], t0);
+        let claim = book.grant("P", "turn", &[1, 2], CLAIM, t0).unwrap();
+        assert_eq!(book.release("P", "turn", claim.claim_id, t0), None);
+        assert_eq!(book.release("P", "turn", claim.claim_id + 1, t0), None);
+        // Still offered to the next turn.
+        assert_eq!(book.lookup("P", &[1, 2], CLAIM, t0).unwrap().owner_request_id, "turn");
+    }
+
+    #[test]
     fn claims_keep_a_turn_past_its_lease_until_released() {
         let t0 = Instant::now();
         let mut book = book_with(&[("turn", &[1, 2, 3])], t0);
@@ -381,11 +493,11 @@ mod tests {
         // The lease ends while both read: nothing is freed.
         assert!(book.expire(t0 + TTL).is_empty());
         // A claim is released only by the reader that made it.
-        assert_eq!(book.release("P2", "turn", Some(a.claim_id), t0 + TTL), None);
-        assert_eq!(book.release("P1", "turn", Some(a.claim_id), t0 + TTL), None);
+        assert_eq!(book.release("P2", "turn", a.claim_id, t0 + TTL), None);
+        assert_eq!(book.release("P1", "turn", a.claim_id, t0 + TTL), None);
         // Released twice: nothing happens the second time.
-        assert_eq!(book.release("P1", "turn", Some(a.claim_id), t0 + TTL), None);
-        assert_eq!(book.release("P2", "turn", Some(b.claim_id), t0 + TTL), Some("turn".into()));
+        assert_eq!(book.release("P1", "turn", a.claim_id, t0 + TTL), None);
+        assert_eq!(book.release("P2", "turn", b.claim_id, t0 + TTL), Some("turn".into()));
         assert!(book.is_empty());
         assert_eq!(book.num_claims(), 0);
         assert!(book.expire(t0 + TTL * 2).is_empty());
@@ -402,47 +514,31 @@ mod tests {
     }
 
     #[test]
-    fn an_ended_hold_is_not_offered() {
+    fn an_ended_hold_is_not_offered_nor_granted() {
         let t0 = Instant::now();
         let mut book = book_with(&[("turn", &[1, 2])], t0);
         let claim = book.lookup("P1", &[1, 2], CLAIM, t0 + TTL - Duration::from_secs(1)).unwrap();
         assert!(book.expire(t0 + TTL).is_empty());
         assert!(book.lookup("P2", &[1, 2], CLAIM, t0 + TTL).is_none());
-        assert_eq!(book.release("P1", "turn", Some(claim.claim_id), t0 + TTL), Some("turn".into()));
+        assert_eq!(book.grant("P2", "turn", &[1, 2], CLAIM, t0 + TTL), Err(Refusal::Ended));
+        assert_eq!(book.release("P1", "turn", claim.claim_id, t0 + TTL), Some("turn".into()));
     }
 
     #[test]
-    fn a_release_without_claim_ends_the_hold() {
+    fn ended_holds_are_remembered_within_bounds() {
         let t0 = Instant::now();
         let mut book = HoldBook::new();
-        assert_eq!(book.hold("p1", 3, vec![], vec![], TTL, t0), Ok(true));
-        assert_eq!(book.release("D", "p1", None, t0), Some("p1".into()));
-        assert_eq!(book.release("D", "p1", None, t0), None);
-        assert!(book.expire(t0 + TTL).is_empty());
-    }
-
-    #[test]
-    fn an_early_release_frees_the_hold_on_arrival_and_is_forgotten_later() {
-        let t0 = Instant::now();
-        let mut book = HoldBook::new();
-        assert_eq!(book.release("D", "fast", None, t0), None);
-        assert_eq!(book.hold("fast", 1, vec![], vec![], TTL, t0), Ok(false));
-        assert_eq!(book.release("D", "slow", None, t0), None);
-        let later = t0 + EARLY_RELEASE_KEEP;
-        assert_eq!(book.hold("slow", 1, vec![], vec![], TTL, later), Ok(true));
-    }
-
-    #[test]
-    fn early_releases_are_bounded() {
-        let t0 = Instant::now();
-        let mut book = HoldBook::new();
-        for i in 0..MAX_EARLY_RELEASES + 10 {
-            book.release("D", &format!("r{i}"), None, t0);
+        for i in 0..MAX_ENDED_KEPT + 10 {
+            let id = format!("r{i}");
+            prompt_hold(&mut book, &id, &[1], t0);
+            let claim = book.grant("D", &id, &[1], CLAIM, t0).unwrap();
+            assert_eq!(book.release("D", &id, claim.claim_id, t0), Some(id));
         }
-        assert_eq!(book.early_releases.len(), MAX_EARLY_RELEASES);
-        assert_eq!(book.early_release_ids.len(), MAX_EARLY_RELEASES);
-        // The oldest were dropped: their holds start normally.
-        assert_eq!(book.hold("r0", 1, vec![], vec![], TTL, t0), Ok(true));
+        assert_eq!(book.ended.len(), MAX_ENDED_KEPT);
+        assert_eq!(book.ended_ids.len(), MAX_ENDED_KEPT);
+        // The oldest were forgotten; the newest are known to be gone.
+        assert_eq!(book.grant("D", "r0", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
+        assert_eq!(book.grant("D", &format!("r{}", MAX_ENDED_KEPT + 9), &[1], CLAIM, t0), Err(Refusal::Ended));
     }
 
     #[test]
@@ -450,28 +546,28 @@ mod tests {
         let t0 = Instant::now();
         let mut book = book_with(&[("old", &[1]), ("claimed", &[2])], t0);
         let t1 = t0 + Duration::from_secs(1);
-        assert_eq!(book.hold("new", 4, vec![3, 4, 5, 6], vec![], TTL, t1), Ok(true));
+        assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], vec![], TTL, t1), Ok(()));
         book.lookup("P", &[2], CLAIM, t1).unwrap();
-        assert_eq!(book.evict(1), vec!["old".to_string()]);
-        assert_eq!(book.evict(100), vec!["new".to_string()]);
-        assert_eq!(book.evict(100), Vec::<String>::new());
+        assert_eq!(book.evict(1, t1), vec!["old".to_string()]);
+        assert_eq!(book.evict(100, t1), vec!["new".to_string()]);
+        assert_eq!(book.evict(100, t1), Vec::<String>::new());
         assert_eq!(book.len(), 1);
-        // Un-offered holds (a prefill node's leases for its decode node) are never evicted.
-        assert_eq!(book.hold("lease", 2, vec![], vec![], TTL, t1), Ok(true));
-        assert!(book.evict(100).is_empty());
+        // A prefill node's prompts held for their decode nodes are never evicted.
+        prompt_hold(&mut book, "lease", &[7, 8], t1);
+        assert!(book.evict(100, t1).is_empty());
     }
 
     #[test]
     fn holds_are_checked() {
         let t0 = Instant::now();
         let mut book = book_with(&[("a", &[1])], t0);
-        assert_eq!(book.hold("a", 1, vec![], vec![], TTL, t0), Err(HoldError::AlreadyHeld("a".into())));
+        assert_eq!(book.hold("a", HoldKind::Turn, 1, vec![], vec![], TTL, t0), Err(HoldError::AlreadyHeld("a".into())));
         let too_many = vec![0; MAX_FINGERPRINTS + 1];
-        assert!(matches!(book.hold("b", 1, too_many, vec![], TTL, t0), Err(HoldError::TooManyFingerprints(_))));
+        assert!(matches!(book.hold("b", HoldKind::Turn, 1, too_many, vec![], TTL, t0), Err(HoldError::TooManyFingerprints(_))));
         let huge = vec![0; MAX_OFFER_BYTES + 1];
-        assert!(matches!(book.hold("b", 1, vec![], huge, TTL, t0), Err(HoldError::OfferTooLarge(_))));
+        assert!(matches!(book.hold("b", HoldKind::Turn, 1, vec![], huge, TTL, t0), Err(HoldError::OfferTooLarge(_))));
         // A TTL that overflows Instant is a hold that lasts, not a panic.
-        assert_eq!(book.hold("c", 1, vec![], vec![], Duration::MAX, t0), Ok(true));
+        assert_eq!(book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], Duration::MAX, t0), Ok(()));
     }
 
     #[test]
@@ -480,7 +576,7 @@ mod tests {
         let mut book = HoldBook::new();
         // Many holds sharing a first block (a long common system prompt).
         for n in 0..(MAX_EXAMINED as u64 + 1) {
-            assert_eq!(book.hold(&format!("t{n}"), 2, vec![1, 1000 + n], vec![], TTL, t0), Ok(true));
+            assert_eq!(book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], TTL, t0), Ok(()));
         }
         assert!(book.lookup("P", &[1, 1, 1], CLAIM, t0).is_none());
         // The shared block alone examines every hold sharing it: more than allowed.
@@ -497,6 +593,7 @@ mod tests {
             assert!(book.lookup("P", &[1], CLAIM, t0).is_some());
         }
         assert!(book.lookup("P", &[1], CLAIM, t0).is_none());
+        assert_eq!(book.grant("P", "turn", &[1], CLAIM, t0), Err(Refusal::TooMany));
         assert_eq!(book.expire(t0 + CLAIM).len(), 0);
         assert_eq!(book.num_claims(), 0);
     }

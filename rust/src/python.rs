@@ -14,6 +14,7 @@ use pyo3::types::PyBytes;
 use crate::descriptors::BlockLayout;
 use crate::engine::{self, EngineConfig, EngineError};
 use crate::handshake::{Fingerprint, HandshakeError};
+use crate::holds::HoldKind;
 
 create_exception!(kvduplex._core, KvDuplexError, PyException, "Base class of every kvduplex error.");
 create_exception!(kvduplex._core, UcxError, KvDuplexError, "UCX could not be loaded or a UCX call failed.");
@@ -286,15 +287,19 @@ impl Engine {
         Ok(peers.into_iter().map(|p| (p.engine_id, p.side_channel)).collect())
     }
 
-    #[pyo3(signature = (request_id, num_blocks, ttl_s, *, fingerprints=Vec::new(), offer=Vec::new()))]
-    fn hold(&self, py: Python<'_>, request_id: String, num_blocks: usize, ttl_s: f64, fingerprints: Vec<String>, offer: Vec<u8>) -> PyResult<bool> {
+    /// Holds a request's blocks for readers: `turn=False`, a prefill node's prompt for its
+    /// decode node (granted by name, ends once read); `turn=True`, a decode node's finished
+    /// turn (also found by lookups, evictable).
+    #[pyo3(signature = (request_id, num_blocks, ttl_s, *, fingerprints, turn, offer=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn hold(&self, py: Python<'_>, request_id: String, num_blocks: usize, ttl_s: f64, fingerprints: Vec<String>, turn: bool, offer: Vec<u8>) -> PyResult<()> {
         let ttl = seconds("ttl_s", ttl_s)?;
         let fingerprints = parse_fingerprints(&fingerprints)?;
-        self.with(py, |e| e.hold(&request_id, num_blocks, fingerprints, offer, ttl))
+        let kind = if turn { HoldKind::Turn } else { HoldKind::ForDecode };
+        self.with(py, |e| e.hold(&request_id, kind, num_blocks, fingerprints, offer, ttl))
     }
 
-    #[pyo3(signature = (reader, request_id, claim_id=None))]
-    fn release_hold(&self, py: Python<'_>, reader: String, request_id: String, claim_id: Option<u64>) -> PyResult<bool> {
+    fn release_hold(&self, py: Python<'_>, reader: String, request_id: String, claim_id: u64) -> PyResult<bool> {
         self.with(py, |e| Ok(e.release_hold(&reader, &request_id, claim_id)))
     }
 
@@ -308,12 +313,13 @@ impl Engine {
 
 
     /// Asks every `(host, port)` at once for the longest held turn starting with
-    /// `fingerprints`, without waiting (see `engine::Engine::start_lookup`); poll the result.
-    #[pyo3(signature = (targets, fingerprints, timeout_s=1.0))]
-    fn start_lookup(&self, py: Python<'_>, targets: Vec<(String, u16)>, fingerprints: Vec<String>, timeout_s: f64) -> PyResult<Lookup> {
+    /// `fingerprints`, or with `request_id` for a grant of that hold's blocks that carry them,
+    /// without waiting (see `engine::Engine::start_lookup`); poll the result.
+    #[pyo3(signature = (targets, fingerprints, timeout_s=1.0, *, request_id=None))]
+    fn start_lookup(&self, py: Python<'_>, targets: Vec<(String, u16)>, fingerprints: Vec<String>, timeout_s: f64, request_id: Option<String>) -> PyResult<Lookup> {
         let timeout = seconds("timeout_s", timeout_s)?;
         let fingerprints = parse_fingerprints(&fingerprints)?;
-        let inner = self.with(py, |e| Ok(e.start_lookup(targets, fingerprints, timeout)))?;
+        let inner = self.with(py, |e| Ok(e.start_lookup(targets, fingerprints, request_id, timeout)))?;
         Ok(Lookup { inner })
     }
 

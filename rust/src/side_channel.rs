@@ -25,7 +25,7 @@ use crate::handshake::wire::{
     self, AuthProof, ClientHello, Frame, FrameBuffer, Refusal, ServerHello,
 };
 use crate::handshake::{EngineMetadata, Fingerprint, HandshakeError};
-use crate::holds::{LookupMatch, LookupReply, LookupRequest};
+use crate::holds::{LookupReply, LookupRequest};
 
 /// How long the server gives a client to complete the handshake.
 pub const SERVER_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -397,7 +397,7 @@ fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr
                 let handler = lock(&state.lookup).clone();
                 let reply = match handler {
                     Some(handler) => handler(&sender, &request),
-                    None => LookupReply { id: request.id, found: None },
+                    None => LookupReply { id: request.id, found: None, not_yet: false },
                 };
                 writer.borrow_mut().send(&Frame::LookupReply(reply))
             }
@@ -511,7 +511,7 @@ pub struct PeerLink {
 }
 
 /// What becomes of a lookup sent on a link: the owner's reply, or why none will come.
-pub type LookupOutcome = Result<Option<LookupMatch>, HandshakeError>;
+pub type LookupOutcome = Result<LookupReply, HandshakeError>;
 
 /// Takes a lookup's outcome; runs exactly once (see [`PeerLink::send_lookup`]).
 pub type LookupReplyHandler = Box<dyn FnOnce(LookupOutcome) + Send>;
@@ -540,7 +540,7 @@ impl PendingLookups {
     fn deliver(&self, reply: LookupReply, now: Instant) {
         let waiting = lock(&self.waiting).remove(&reply.id);
         match waiting {
-            Some((deadline, _, handler)) if now < deadline => handler(Ok(reply.found)),
+            Some((deadline, _, handler)) if now < deadline => handler(Ok(reply)),
             Some((_, after, handler)) => handler(Err(HandshakeError::Timeout { waiting_for: "the owner's lookup reply", after })),
             None => {}
         }
@@ -721,19 +721,20 @@ impl PeerLink {
         self.send(&Frame::Notify(payload.to_vec()), "sending a notification")
     }
 
-    /// Asks the owner for the longest turn it holds whose blocks start with `fingerprints`
-    /// (claimed for us when found), without waiting: `on_reply` takes the outcome, exactly
+    /// Asks the owner for the longest turn it holds whose blocks start with `fingerprints`,
+    /// or with `request_id` for that hold's blocks that carry them (claimed for us when
+    /// granted), without waiting: `on_reply` takes the outcome, exactly
     /// once: on the link's thread when the reply arrives or the link dies, or on this thread
     /// when the frame cannot be sent. A reply later than `timeout` counts as none: the lookup
     /// then ends with `Timeout`, when that reply arrives, on a later `send_lookup`, or when
     /// the link ends, whichever is first. Callers that must know sooner keep their own
     /// deadline.
-    pub fn send_lookup(&self, fingerprints: Vec<u64>, timeout: Duration, on_reply: LookupReplyHandler) {
+    pub fn send_lookup(&self, fingerprints: Vec<u64>, request_id: Option<String>, timeout: Duration, on_reply: LookupReplyHandler) {
         let id = self.lookups.next_id.fetch_add(1, Ordering::Relaxed);
         self.lookups.add(id, timeout, on_reply);
         // Registered before sending, so a fast reply finds it.
         // A link that dies after this fails every waiting lookup, this one included.
-        if let Err(e) = self.send(&Frame::Lookup(LookupRequest { id, fingerprints }), "sending a lookup") {
+        if let Err(e) = self.send(&Frame::Lookup(LookupRequest { id, fingerprints, request_id }), "sending a lookup") {
             self.lookups.fail(id, e);
         }
     }

@@ -193,11 +193,15 @@ class Engine:
         worker_meta: DuplexWorkerMetadata | None = None,
     ) -> Step:
         """One engine step; the test plays the workers: `freed_holds` are holds that ended
-        (each as one TP rank reports it), `finished_recving` reads that completed."""
-        if freed_holds:
+        (as TP rank 0 reports them), `finished_recving` reads that completed (every TP rank
+        reports their loads done, as the workers do)."""
+        done = [*finished_recving, *failed_recving]
+        if freed_holds or done:
+            tp_size = self.scheduler.vllm_config.parallel_config.tensor_parallel_size
             worker_meta = DuplexWorkerMetadata(
                 lookups=worker_meta.lookups if worker_meta is not None else {},
                 freed_holds=list(freed_holds),
+                loads_done=done * tp_size,
             )
         output = self.scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
@@ -322,9 +326,11 @@ def prompt_tokens(num_tokens: int, start: int = 100) -> list[int]:
 
 
 def answer_lookup(lookup: LookupSpec, held: dict | None, claim_id: int = 1) -> list[LookupMatch]:
-    """What D's worker answers a lookup when it holds the turn `held` (D's params): a match of
-    the leading full blocks whose fingerprints agree, claimed, or nothing."""
+    """What the owner's worker answers a lookup or grant when it holds `held` (its params): a
+    match of the leading blocks whose fingerprints agree, claimed, or nothing."""
     if not held or not held.get("remote_block_fingerprints"):
+        return []
+    if lookup.owner_request_id not in (None, held["remote_request_id"]):
         return []
     matched = 0
     for mine, theirs in zip(lookup.fingerprints, held["remote_block_fingerprints"]):
@@ -346,49 +352,48 @@ def answer_lookup(lookup: LookupSpec, held: dict | None, claim_id: int = 1) -> l
     ]
 
 
-def prefill(p: Engine, request_id: str, prompt: list[int], params: dict | None = None) -> dict:
-    """Turn's prefill on P (max_tokens=1, as a P/D proxy sends it); returns P's params.
-
-    Decode-node params are read under a claim: P looks the turn up on that D first, and the
-    test plays D's worker, answering from `params`."""
-    p.add(request_id, prompt, max_tokens=1, params=params or {"do_remote_decode": True})
-    answer = None
-    for _ in range(8):
-        step = p.step(worker_meta=answer)
+def run(
+    engine: Engine, request_id: str, prompt: list[int], params: dict, max_tokens: int
+) -> tuple[LoadSpec | None, dict | None]:
+    """Runs a request to its end, playing the workers: the owner that `params` name answers
+    the grant (or lookup) from `params`, and a pull completes in the step after it was posted.
+    Returns (the load, the finished request's params)."""
+    engine.add(request_id, prompt, max_tokens=max_tokens, params=params)
+    answer, load = None, None
+    for _ in range(max_tokens + 10):
+        step = engine.step(worker_meta=answer)
         answer = None
         finished = step.finished(request_id)
         if finished is not None:
-            assert finished.kv_transfer_params is not None
-            return finished.kv_transfer_params
+            return load, finished.kv_transfer_params
         if step.meta.lookups:
             (lookup,) = step.meta.lookups
             answer = DuplexWorkerMetadata(lookups={request_id: answer_lookup(lookup, params)})
             continue
-        if not step.output.num_scheduled_tokens:
-            # A pull from D is in flight: the test plays the worker and completes it.
+        if step.meta.loads and load is None:
             (load,) = step.meta.loads
             assert load.request_id == request_id
-            p.step(finished_recving={request_id})
+            if not step.output.num_scheduled_tokens:
+                # An asynchronous pull: the test plays the worker and completes it.
+                engine.step(finished_recving={request_id})
         # Else a chunk of the prompt ran (a Mamba model's prefill stops at block boundaries).
-    raise AssertionError(f"{request_id} did not finish on {p.name}")
+    raise AssertionError(f"{request_id} did not finish on {engine.name}")
+
+
+def prefill(p: Engine, request_id: str, prompt: list[int], params: dict | None = None) -> dict:
+    """Turn's prefill on P (max_tokens=1, as a P/D proxy sends it); returns P's params. The
+    test plays the decode node that `params` name (see `run`)."""
+    _, out = run(p, request_id, prompt, params or {"do_remote_decode": True}, max_tokens=1)
+    assert out is not None
+    return out
 
 
 def decode(
     d: Engine, request_id: str, prompt: list[int], params: dict, max_tokens: int
 ) -> tuple[LoadSpec | None, dict | None]:
-    """D pulls (the test completes the read) and decodes; returns (load, D's params)."""
-    d.add(request_id, prompt, max_tokens=max_tokens, params=params)
-    step = d.step()
-    load = step.meta.loads[0] if step.meta.loads else None
-    if load is not None:
-        assert step.output.num_scheduled_tokens == {}
-        d.step(finished_recving={request_id})
-    for _ in range(max_tokens + 2):
-        step = d.step()
-        finished = step.finished(request_id)
-        if finished is not None:
-            return load, finished.kv_transfer_params
-    raise AssertionError(f"{request_id} did not finish on {d.name}")
+    """D pulls (granted from `params`, the test completes the read) and decodes; returns
+    (load, D's params)."""
+    return run(d, request_id, prompt, params, max_tokens)
 
 
 def running(engine: Engine) -> list[str]:

@@ -1,8 +1,9 @@
 """An owner-side DuplexWorker in its own process, for the two-process worker tests.
 
 Builds KV caches filled from a seed, registers them, prints its side-channel address as one
-JSON line, then serves: each stdin line {"hold": request_id, "ttl_s": seconds, optionally
-"num_blocks", "fingerprints", "offer"} hands the worker a HoldSpec, as the scheduler would; the worker is stepped every few milliseconds and
+JSON line, then serves: each stdin line {"hold": request_id, "ttl_s": seconds, "fingerprints",
+"turn", optionally "num_blocks", "offer"} hands the worker a HoldSpec, as the scheduler would;
+the worker is stepped every few milliseconds and
 every non-empty result is printed as {"freed_holds": [...], "stats": {...}}. Exits when
 stdin closes. Run: python duplex_owner.py '{"model_dir": ..., "engine_id": ..., ...}'
 """
@@ -33,7 +34,8 @@ def main() -> None:
                 request_id=command["hold"],
                 ttl_s=command["ttl_s"],
                 num_blocks=command.get("num_blocks", 1),
-                fingerprints=tuple(command.get("fingerprints", ())),
+                fingerprints=tuple(command["fingerprints"]),
+                turn=command["turn"],
                 offer=command.get("offer", "").encode(),
             )
             worker.start_load_kv(DuplexConnectorMetadata(holds=[hold]))

@@ -147,15 +147,15 @@ def test_no_pull_when_the_owner_freed_a_window_block_the_reader_needs(engines, c
     p, d = hybrid(engines, "P"), hybrid(engines, "D")
     turn1 = prompt_tokens(100)
     p_params = prefill(p, "p1", turn1)
-    # As if P's window had been one block narrower: block 4 is gone on P.
+    # As if P's window had been one block narrower: block 4 is gone on P (its grant says so).
     params = copy.deepcopy(p_params)
     params["remote_block_ids"][1][4] = 0
     d.add("d1", turn1, max_tokens=2, params=params)
-    step = d.step()
+    step = d.pull_step(params)
     assert not step.meta.loads
     assert step.output.num_scheduled_tokens == {"d1": 100}  # computed locally
-    # P is told to free its blocks at once.
-    assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
+    # P's claim goes back at once.
+    assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("p1", 1)]
 
 
 def _context(sliding_window):
@@ -218,7 +218,7 @@ def test_at_a_window_edge_the_prompt_is_pulled_but_its_last_token(engines):
     assert all(p.ref_count(b) == 1 for b in full + window[4:])
 
     d.add("d1", prompt, max_tokens=2, params=p_params)
-    step = d.step()
+    step = d.pull_step(p_params)
     (load,) = step.meta.loads
     assert load.num_tokens == 110
     assert load.blocks_per_group == (7, 3)
@@ -238,7 +238,7 @@ def test_a_failed_hybrid_pull_is_reported_per_request_and_recomputed(engines):
     prompt = prompt_tokens(100)
     p_params = prefill(p, "p1", prompt)
     d.add("d1", prompt, max_tokens=2, params=p_params)
-    assert d.step().meta.loads
+    assert d.pull_step(p_params).meta.loads
     d.step(finished_recving={"d1"}, failed_recving={"d1"})
     step = d.step()
     assert step.output.num_scheduled_tokens == {"d1": 100}  # recomputed from the start

@@ -6,7 +6,15 @@ import json
 import time
 
 import pytest
-from duplex_harness import BLOCK_SIZE, Engine, decode, prefill, prompt_tokens, running
+from duplex_harness import (
+    BLOCK_SIZE,
+    Engine,
+    answer_lookup,
+    decode,
+    prefill,
+    prompt_tokens,
+    running,
+)
 from vllm.v1.request import RequestStatus
 
 from kvduplex.connector import scheduler as scheduler_module
@@ -53,12 +61,13 @@ def test_multi_turn_lifecycle(engines):
     p.add("p2", turn2, max_tokens=1, params=d_params)
     step = p.pull_step(d_params)
     (load,) = step.meta.loads
-    assert load.claim_id == 1  # read under the claim P's lookup took on D
     assert load.num_tokens == 179 - 96
     assert load.remote_block_ids == tuple(d_params["remote_block_ids"][6:12])
     assert step.output.num_scheduled_tokens == {}
     step = p.step(finished_recving={"p2"})
     step = p.step()
+    # The read is done: the claim D granted (claim 1) goes back.
+    assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("d1", 1)]
     assert step.output.num_scheduled_tokens == {"p2": len(turn2) - 179}
     p_params2 = step.finished("p2").kv_transfer_params
     assert p_params2["remote_num_tokens"] == len(turn2)
@@ -81,18 +90,18 @@ def test_threshold_boundary_prefill_to_decode(engines, gain, pulls):
     prompt = prompt_tokens(gain)
     params = prefill(p, "p1", prompt)
     d.add("d1", prompt, max_tokens=2, params=params)
-    step = d.step()
+    step = d.pull_step(params)
     # A step that posts a read has the workers post it before the forward pass.
     assert step.output.has_sync_kv_loads is pulls
     if pulls:
         assert [load.num_tokens for load in step.meta.loads] == [64]
         assert step.meta.releases == []
     else:
-        assert step.meta.loads == []
-        assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
+        # Not worth a pull: P is not even asked for a grant (its lease ends the hold).
+        assert step.meta.loads == [] and step.meta.releases == []
+        assert [s.meta.lookups for s in d.steps] == [[]]
         assert step.output.num_scheduled_tokens == {"d1": gain}
-        assert d.stats.data["pulls_declined"] == 1
-        assert d.stats.data["tokens_recomputed"] == gain
+        assert d.stats.data["lookups_skipped"] == 1
 
 
 @pytest.mark.parametrize("gain,pulls", [(31, False), (32, True)])
@@ -109,8 +118,7 @@ def test_threshold_boundary_decode_to_prefill(engines, gain, pulls):
     if pulls:
         assert [load.num_tokens for load in step.meta.loads] == [gain]
     else:
-        assert step.meta.loads == []
-        assert [r.remote_request_id for r in step.meta.releases] == ["d1"]
+        assert step.meta.loads == [] and step.meta.releases == []
 
 
 def test_partial_last_block_is_pulled_and_divergence_inside_it_is_not(engines):
@@ -162,9 +170,9 @@ def test_fingerprint_mismatch_pulls_only_the_matching_prefix(engines, connector_
 def test_decode_turn_is_held_after_both_finish_statuses(engines, stop_token_ids, expected):
     p, d = engines("P", BIDIRECTIONAL), engines("D", BIDIRECTIONAL)
     prompt = prompt_tokens(70)
-    d.add("d1", prompt, max_tokens=5, params=prefill(p, "p1", prompt),
-          stop_token_ids=stop_token_ids)
-    d.step()
+    params = prefill(p, "p1", prompt)
+    d.add("d1", prompt, max_tokens=5, params=params, stop_token_ids=stop_token_ids)
+    d.pull_step(params)
     d.step(finished_recving={"d1"})
     for _ in range(6):
         finished = d.step(token=7).finished("d1")
@@ -176,18 +184,18 @@ def test_decode_turn_is_held_after_both_finish_statuses(engines, stop_token_ids,
     assert all(d.ref_count(b) == 1 for b in held)
 
 
-def test_a_hold_ends_when_every_tp_rank_reported_it(engines, connector_log):
+def test_a_hold_ends_when_tp_rank_0_reports_it(engines, connector_log):
     """A held turn is a reference of the connector's own in vLLM's block pool, not a request
     that vLLM keeps (which would make the engine step non-stop while the hold lasts); with
-    tensor parallelism its blocks come back once every rank's transfer core ended the hold."""
+    tensor parallelism TP rank 0 keeps the hold for every rank and reports its end once."""
     p = engines("P", tp_size=2)
     params = prefill(p, "p1", prompt_tokens(100))
     held = params["remote_block_ids"]
-    p.step()  # the hold reaches the workers
+    step = p.step()  # the hold reaches the workers
+    assert [h.request_id for h in step.meta.holds] == ["p1"]
     assert not p.scheduler.has_requests()  # nothing keeps the engine stepping
-    p.step(freed_holds=["p1"])  # rank 0
     assert all(p.ref_count(b) == 1 for b in held)
-    p.step(freed_holds=["p1", "nobody"])  # rank 1, and a report for no hold
+    p.step(freed_holds=["p1", "nobody"])  # rank 0, and a report for no hold
     assert all(p.ref_count(b) == 0 for b in held)
     assert connector_log.messages() == [
         "A worker ended a hold on request nobody, which is not held"
@@ -197,17 +205,26 @@ def test_a_hold_ends_when_every_tp_rank_reported_it(engines, connector_log):
     assert all(p.ref_count(b) == 0 for b in held)
 
 
-def test_aborted_request_is_not_held_and_frees_its_owner(engines):
+def test_an_aborted_request_is_not_held_and_hands_its_grant_back(engines):
     p, d = engines("P", BIDIRECTIONAL), engines("D", BIDIRECTIONAL)
     prompt = prompt_tokens(70)
     params = prefill(p, "p1", prompt)
     d.add("d1", prompt, max_tokens=5, params=params)
-    # Aborted while waiting to be scheduled: never pulled, so P must be told to free.
-    d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
     step = d.step()
-    assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
+    (grant,) = step.meta.lookups
+    assert grant.owner_request_id == "p1"
+    # Aborted while its grant was on its way: the claim goes back when the grant arrives.
+    d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    step = d.step(worker_meta=DuplexWorkerMetadata(lookups={"d1": answer_lookup(grant, params)}))
+    step = d.step()
+    assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("p1", 1)]
     assert step.meta.holds == []
     assert "d1" not in d.scheduler.requests
+    # Aborted before asking: nothing was granted, nothing to hand back (P's lease ends it).
+    d.add("d2", prompt, max_tokens=5, params=params)
+    d.scheduler.finish_requests("d2", RequestStatus.FINISHED_ABORTED)
+    step = d.step()
+    assert step.meta.releases == [] and step.meta.lookups == []
 
 
 def test_bidirectional_off_decode_frees_at_once(engines):
@@ -296,7 +313,7 @@ def test_failed_pull_recomputes_from_the_local_hit_and_never_pulls_again(engines
     prompt = prompt_tokens(100)
     params = prefill(p, "p1", prompt)
     d.add("d1", prompt, max_tokens=3, params=params)
-    (load,) = d.step().meta.loads
+    (load,) = d.pull_step(params).meta.loads
     # The read failed: the worker reports the request done with its blocks invalid.
     d.step(finished_recving={"d1"}, invalid_block_ids=set(load.local_block_ids))
     step = d.step()
@@ -313,7 +330,7 @@ def test_pull_counts_start_at_a_local_prefix_hit(engines):
     prompt = shared + prompt_tokens(80, start=700)
     params = prefill(p, "p1", prompt)
     d.add("d1", prompt, max_tokens=2, params=params)
-    (load,) = d.step().meta.loads
+    (load,) = d.pull_step(params).meta.loads
     assert load.num_tokens == 80
     assert load.remote_block_ids == tuple(params["remote_block_ids"][64 // BLOCK_SIZE :])
 
@@ -329,9 +346,12 @@ def test_auto_threshold_learns_from_worker_reads_and_steps(engines):
         d.step(worker_stats=reads)
     assert d.duplex.recompute_threshold() == 1025
     prompt = prompt_tokens(300)
-    d.add("d1", prompt, max_tokens=2, params=prefill(p, "p1", prompt))
+    params = prefill(p, "p1", prompt)
+    d.add("d1", prompt, max_tokens=2, params=params)
     step = d.step()
-    assert step.meta.loads == [] and len(step.meta.releases) == 1
+    # Not worth asking P for a grant: computed at once.
+    assert step.meta.loads == [] and step.meta.lookups == []
+    assert step.output.num_scheduled_tokens == {"d1": 300}
 
 
 # ------------------------------------------------------------------ lookups (no params)
@@ -373,11 +393,14 @@ def test_lookup_finds_the_held_history_and_pulls_it_with_the_claim(engines):
     p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": [match]}))
     step = p2.step()
     (load,) = step.meta.loads
-    assert load.claim_id == 5 and load.remote_request_id == "d1"
+    assert load.remote_request_id == "d1"
     # 11 full blocks matched; the 12th, partial (the answer's tail), matches by fingerprint.
     assert load.num_tokens == 179
     assert load.remote_block_ids == tuple(d_params["remote_block_ids"])
     assert load.lease_expiry == pytest.approx(time.time() + 30.0, abs=5)
+    # Every TP rank's load done: the claim goes back.
+    p2.step(finished_recving={"p2"})
+    assert [(r.remote_request_id, r.claim_id) for r in p2.step().meta.releases] == [("d1", 5)]
 
 
 def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, monkeypatch):
@@ -454,7 +477,7 @@ def test_of_two_owners_the_one_whose_partial_block_matches_wins(engines):
     p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": answers}))
     step = p2.step()
     (load,) = step.meta.loads
-    assert (load.remote_request_id, load.claim_id, load.num_tokens) == ("d1", 2, 179)
+    assert (load.remote_request_id, load.num_tokens) == ("d1", 179)
     assert [(r.remote_request_id, r.claim_id) for r in step.meta.releases] == [("d0", 1)]
 
 

@@ -38,6 +38,8 @@ OWNER_SEED = 11
 OWNER_ID = "owner-engine"
 # A bound so a broken transfer fails the test instead of hanging it; not a speed check.
 WAIT_S = 60.0
+# The tokens a held prompt's blocks carry, as the owner's scheduler fingerprints them.
+PROMPT_FINGERPRINTS = [f"{i:016x}" for i in (0xB1, 0xB2)]
 
 
 class OwnerProcess:
@@ -66,8 +68,19 @@ class OwnerProcess:
         self.freed_holds: list[str] = []
         self.stats: dict[str, int] = {}
 
-    def hold(self, request_id: str, ttl_s: float, **offered) -> None:
-        command = {"hold": request_id, "ttl_s": ttl_s, **offered}
+    def hold(
+        self,
+        request_id: str,
+        ttl_s: float,
+        fingerprints: list[str] = PROMPT_FINGERPRINTS,
+        turn: bool = False,
+        **offered,
+    ) -> None:
+        """Hold a prompt for a decode node (by default) or a finished turn (`turn`)."""
+        command = {
+            "hold": request_id, "ttl_s": ttl_s, "fingerprints": fingerprints, "turn": turn,
+            **offered,
+        }
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
 
@@ -136,6 +149,16 @@ def load(
     )
 
 
+def done_loads(worker: DuplexWorker) -> list[str]:
+    """The loads the worker reported done (read or failed) since it was last asked."""
+    meta = worker.build_connector_worker_meta()
+    return meta.loads_done if meta is not None else []
+
+
+def release(owner: OwnerProcess, match) -> ReleaseSpec:
+    return ReleaseSpec(owner.peer, match.owner_request_id, match.claim_id)
+
+
 def run_until_received(
     worker: DuplexWorker, spec: LoadSpec, failed_requests: set[str] | None = None
 ) -> set[int]:
@@ -157,12 +180,19 @@ def run_until_received(
     raise AssertionError(f"{spec.request_id} was never reported")
 
 
-def test_pull_copies_every_layer_byte_exact_and_releases_the_owner(owner, reader):
+def test_a_granted_pull_copies_every_layer_byte_exact_and_its_release_frees_the_prompt(
+    owner, reader
+):
     worker, kv_caches = reader
     owner.reset()
     owner.hold("p-ok", ttl_s=30)
+    # Another prompt's tokens naming the hold: refused. The reader's own: granted, claimed.
+    assert grant(worker, owner, "p-ok", [f"{0xEE:016x}"] + PROMPT_FINGERPRINTS[1:]) is None
+    match = grant(worker, owner, "p-ok", PROMPT_FINGERPRINTS)
+    assert (match.owner_request_id, match.matched_blocks) == ("p-ok", 2)
     local, remote = [5, 9, 2, 3, 4], [3, 4, 10, 11, 12]
     assert run_until_received(worker, load(owner, "p-ok", local, remote)) == set()
+    assert done_loads(worker) == ["p-ok"]
     for name, tensor in kv_caches.items():
         for lid, rid in zip(local, remote):
             assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid, rid)
@@ -172,9 +202,13 @@ def test_pull_copies_every_layer_byte_exact_and_releases_the_owner(owner, reader
     assert stats["transfers"] == 1 and stats["tokens_pulled"] == 80
     block_bytes = next(iter(kv_caches.values()))[0].nbytes
     assert stats["bytes"] == len(local) * NUM_LAYERS * block_bytes
+    # The scheduler releases the claim once every rank is done: the prompt is freed, once,
+    # and a second reader of the same params is refused.
+    worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
     owner.collect(until=1)
     assert owner.freed_holds == ["p-ok"]
     assert owner.stats.get("leases_released") == 1
+    assert grant(worker, owner, "p-ok", PROMPT_FINGERPRINTS) is None
 
 
 def test_owner_lease_expires_exactly_once_without_a_reader(owner):
@@ -185,15 +219,12 @@ def test_owner_lease_expires_exactly_once_without_a_reader(owner):
     assert owner.stats.get("lease_expiries") == 1
 
 
-def test_read_too_close_to_the_lease_end_is_declined_and_released(owner, reader):
+def test_read_too_close_to_the_claims_end_is_declined_and_reported_done(owner, reader):
     worker, kv_caches = reader
-    owner.reset()
-    owner.hold("p-late", ttl_s=30)
     spec = load(owner, "p-late", [6, 7], [6, 7], lease_expiry=time.time() + 0.2)
     assert run_until_received(worker, spec) == {6, 7}
     assert not any(t.any() for t in kv_caches.values())
-    owner.collect(until=1)
-    assert owner.freed_holds == ["p-late"] and owner.stats.get("leases_released") == 1
+    assert done_loads(worker) == ["p-late"]
     stats = worker.get_kv_connector_stats().data
     assert stats["failed_transfers"] == 1 and stats["tokens_recomputed"] == 32
 
@@ -223,10 +254,8 @@ def test_failed_pulls_report_their_blocks_and_write_nothing(owner, reader, case)
 
 def test_a_layerwise_pull_has_each_layer_when_its_wait_returns(owner, reader):
     """`layerwise_load`: one read per layer posted before the forward pass; a layer's wait
-    returns once its own blocks arrived; the owner is released after the pass."""
+    returns once its own blocks arrived; the load is reported done after the pass."""
     worker, kv_caches = reader
-    owner.reset()
-    owner.hold("p-layers", ttl_s=30)
     local, remote = [6, 7, 8], [13, 14, 15]
     spec = dataclasses.replace(load(owner, "p-layers", local, remote), layerwise=True)
     worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
@@ -243,8 +272,7 @@ def test_a_layerwise_pull_has_each_layer_when_its_wait_returns(owner, reader):
     stats = worker.get_kv_connector_stats().data
     block_bytes = next(iter(kv_caches.values()))[0].nbytes
     assert stats["transfers"] == 1 and stats["bytes"] == len(local) * NUM_LAYERS * block_bytes
-    owner.collect(until=1)
-    assert owner.freed_holds == ["p-layers"]
+    assert done_loads(worker) == ["p-layers"]
 
 
 def test_a_failed_layerwise_pull_reports_its_blocks_after_the_pass(owner, reader):
@@ -291,11 +319,12 @@ def test_incompatible_peer_is_refused_at_handshake(
     assert any(field in message for message in connector_log.messages()), connector_log.text
 
 
-def test_release_without_read_frees_the_owner(owner, reader):
+def test_a_grant_released_without_a_read_frees_the_prompt(owner, reader):
     worker, _ = reader
     owner.reset()
     owner.hold("p-skip", ttl_s=30)
-    worker.start_load_kv(DuplexConnectorMetadata(releases=[ReleaseSpec(owner.peer, "p-skip")]))
+    match = grant(worker, owner, "p-skip", PROMPT_FINGERPRINTS)
+    worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
     deadline = time.monotonic() + WAIT_S
     while not owner.freed_holds and time.monotonic() < deadline:
         worker.get_transfer_results()
@@ -352,10 +381,17 @@ def test_a_state_space_layer_is_read_at_the_attention_page_length():
 TURN_FINGERPRINTS = [f"{i:016x}" for i in (0xA1, 0xA2, 0xA3, 0xA4)]
 
 
-def look_up(worker: DuplexWorker, request_id: str, fingerprints: list[str], timeout_s: float = 2.0):
-    """Step the reader like vLLM does until its lookup is reported; returns the longest match
-    (None: no owner holds any of the blocks)."""
-    spec = LookupSpec(request_id, tuple(fingerprints), timeout_s)
+def look_up(
+    worker: DuplexWorker,
+    request_id: str,
+    fingerprints: list[str],
+    timeout_s: float = 2.0,
+    owner: str | None = None,
+    owner_request_id: str | None = None,
+):
+    """Step the reader like vLLM does until its lookup (or grant) is reported; returns the
+    longest match (None: no owner holds any of the blocks, or the grant was refused)."""
+    spec = LookupSpec(request_id, tuple(fingerprints), timeout_s, owner, owner_request_id)
     worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
@@ -368,10 +404,18 @@ def look_up(worker: DuplexWorker, request_id: str, fingerprints: list[str], time
     raise AssertionError(f"lookup {request_id} was never reported")
 
 
+def grant(worker: DuplexWorker, owner: OwnerProcess, owner_request_id: str, fingerprints):
+    """Ask the owner for a grant of its hold `owner_request_id`, as TP rank 0 does for params."""
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    return look_up(worker, "g", fingerprints, 2.0, address, owner_request_id)
+
+
 def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny_config_dir):
     owner.reset()
     offer = json.dumps({"remote_engine_id": OWNER_ID, "remote_block_ids": [3, 4, 10, 11]})
-    owner.hold("turn", ttl_s=3.0, num_blocks=4, fingerprints=TURN_FINGERPRINTS, offer=offer)
+    owner.hold(
+        "turn", ttl_s=3.0, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer=offer
+    )
     address = f"{owner.peer.host}:{owner.peer.ports[0]}"
     readers = []
     try:
@@ -391,7 +435,6 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
             load(owner, "p2", [1, 2, 5], [3, 4, 10], remote_request_id="turn")
             for _ in readers
         ]
-        specs = [dataclasses.replace(s, claim_id=m.claim_id) for s, m in zip(specs, matches)]
         # Both reads are posted before either is polled: they run at the same time.
         for (worker, _), spec in zip(readers, specs):
             worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
@@ -408,19 +451,22 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
             for name, tensor in caches.items():
                 for lid, rid in zip(spec.local_block_ids, spec.remote_block_ids):
                     assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid)
-        # The reads released their claims, not the hold: the turn stays offered...
+        # Released claims do not end a turn: it stays offered...
+        for (worker, _), match in zip(readers, matches):
+            worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+            worker.get_transfer_results()
         owner.poll(0.3)
         assert owner.freed_holds == []
-        assert look_up(readers[0][0], "p3", TURN_FINGERPRINTS) is not None
-        # ...and is freed exactly once when its hold ends and the last claim is gone.
-        readers[0][0].start_load_kv(
-            DuplexConnectorMetadata(releases=[ReleaseSpec(owner.peer, "turn", claim_id=None)])
-        )
+        # ...and is freed exactly once when its lease ends (the last claim is gone).
+        lookup = look_up(readers[0][0], "p3", TURN_FINGERPRINTS)
+        readers[0][0].start_load_kv(DuplexConnectorMetadata(releases=[release(owner, lookup)]))
+        readers[0][0].get_transfer_results()
     finally:
         for worker, _ in readers:
             worker.shutdown()
     owner.collect(until=1, settle_s=0.5)
     assert owner.freed_holds == ["turn"]
+    assert owner.stats.get("lease_expiries") == 1
     # A miss, and an owner nobody listens at: nothing found, nothing hangs.
     caches = make_kv_caches(NUM_BLOCKS)
     with socket.socket() as probe:
@@ -445,13 +491,14 @@ def test_an_owner_that_dies_between_lookup_and_read_costs_a_recompute_not_a_hang
     address = f"{owner.peer.host}:{owner.peer.ports[0]}"
     worker = make_worker(tiny_config_dir, "reader-d", caches, {"decode_peers": [address]})
     try:
-        owner.hold("turn", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, offer="{}")
+        owner.hold(
+            "turn", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer="{}"
+        )
         match = look_up(worker, "p5", TURN_FINGERPRINTS)
         assert match is not None and match.matched_blocks == 4
         owner.proc.kill()
         owner.proc.wait()
         spec = load(owner, "p5", [1, 2], [3, 4], remote_request_id="turn")
-        spec = dataclasses.replace(spec, claim_id=match.claim_id)
         assert run_until_received(worker, spec) == {1, 2}
         assert not any(t.any() for t in caches.values())
         # Later lookups skip the dead owner quickly: nothing found, nothing hangs.

@@ -2,7 +2,7 @@
 
 Scheduler -> workers: `DuplexConnectorMetadata` (inside vLLM's SchedulerOutput), once per step.
 Workers -> scheduler: `DuplexHandshakeMetadata` (each worker's engine address), once at start,
-and `DuplexWorkerMetadata` (finished lookups), every step.
+and `DuplexWorkerMetadata` (finished lookups, ended holds and loads), every step.
 Between engines, see `kvduplex.protocol`.
 """
 
@@ -45,11 +45,9 @@ class LoadSpec:
     remote_block_ids: tuple[int, ...]
     num_tokens: int
     lease_expiry: float
-    """Wall-clock time (time.time()) at which the owner frees the blocks."""
+    """Wall-clock time (time.time()) at which the owner's claim for us ends."""
     blocks_per_group: tuple[int, ...]
     """How many of the blocks belong to each transfer group (in order), for the stats."""
-    claim_id: int | None = None
-    """The owner's claim when the blocks were found by a lookup."""
     layerwise: bool = False
     """Read layer by layer within this step's forward pass (`layerwise_load`); vLLM counts
     the tokens computed already, so the read must finish before each layer runs."""
@@ -60,37 +58,41 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class ReleaseSpec:
-    """Tell the peer it may free the blocks it holds for its request (nothing will be read)."""
+    """Tell the owner (its TP rank 0) that our claim on its request's blocks ends: read, or
+    nothing will be."""
 
     peer: PeerAddress
     remote_request_id: str
-    claim_id: int | None = None
+    claim_id: int
 
 
 @dataclass(frozen=True)
 class HoldSpec:
-    """Blocks of a finished local request stay allocated until read or `ttl_s` passed.
-
-    With fingerprints (a decode node's finished turn) the hold is also offered to other
-    engines' lookups, which get `offer` (the turn's kv_transfer_params, JSON) when they match.
-    """
+    """Blocks of a finished local request stay allocated for readers the owner grants them
+    to (against `fingerprints`, the tokens the blocks carry), until `ttl_s` passed; a prefill
+    node's prompt (`turn` False) also ends once its reader is done. A grant hands the reader
+    `offer`, the hold's kv_transfer_params (JSON). A decode node's finished turn (`turn`) is
+    also found by lookups and may be evicted."""
 
     request_id: str
     ttl_s: float
     num_blocks: int
-    fingerprints: tuple[str, ...] = ()
-    offer: bytes = b""
+    fingerprints: tuple[str, ...]
+    turn: bool
+    offer: bytes
 
 
 @dataclass(frozen=True)
 class LookupSpec:
-    """Ask the known owners which of them holds the longest prefix of these blocks."""
+    """Ask the known owners which of them holds the longest prefix of these blocks or, with
+    `owner_request_id`, ask `owner` for a grant of that hold's blocks that carry them."""
 
     request_id: str
     fingerprints: tuple[str, ...]
     timeout_s: float
-    hint: str | None = None
-    """A router's "host:port" of the owner that served the conversation's last turn."""
+    owner: str | None = None
+    """The "host:port" (TP rank 0) that params named."""
+    owner_request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,15 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
     (empty: nobody holds any of the prompt). The scheduler picks, since only it can check the
     partial last block of each turn against the prompt's tokens. Only TP rank 0 looks up.
 
-    `freed_holds`: requests whose hold ended on a rank this step (released, expired, evicted or
-    never taken), once per rank: the scheduler gives the blocks back when every rank has."""
+    `freed_holds`: requests whose hold ended this step (read, expired, evicted or never taken);
+    only TP rank 0 holds, so once each: the scheduler gives the blocks back.
+
+    `loads_done`: requests whose load ended on a rank this step (read or failed), once per
+    rank: the scheduler releases the owner's claim when every rank has."""
 
     lookups: dict[str, list[LookupMatch]] = field(default_factory=dict)
     freed_holds: list[str] = field(default_factory=list)
+    loads_done: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DuplexWorkerMetadata:
         if not isinstance(other, DuplexWorkerMetadata):
@@ -138,6 +144,7 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
         return DuplexWorkerMetadata(
             lookups={**self.lookups, **other.lookups},
             freed_holds=[*self.freed_holds, *other.freed_holds],
+            loads_done=[*self.loads_done, *other.loads_done],
         )
 
 

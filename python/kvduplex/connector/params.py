@@ -2,9 +2,11 @@
 
 Params come from outside the engine (any HTTP client can send them), so nothing in them is
 trusted: wrong types, negative or out-of-range ids, huge lists, unknown engines and missing keys
-are rejected with a reason, and the request then runs without a transfer. Block ids that pass
-here are still bounds-checked by the transfer core against the owner's registered layout before
-anything is read.
+are rejected with a reason, and the request then runs without a transfer. Params that pass are
+still only a hint of where to ask: the reader asks the owner they name for a grant of the hold
+they name, against the fingerprints of its own prompt, and reads only what the owner's grant
+describes (parsed here too). Block ids are bounds-checked by the transfer core against the
+owner's registered layout before anything is read.
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ class RemoteBlocks:
     fingerprints: tuple[str, ...]
     lease_expiry: float
     claim_id: int | None = None
-    """Set when a lookup found the blocks: the owner's claim for this reader."""
+    """The owner's claim for this reader, once granted (None: params, a hint)."""
     from_decode_node: bool = False
     """A decode node's finished turn (bidirectional), not a prefill node's prompt."""
 
-    def release(self) -> md.ReleaseSpec:
+    def release(self) -> md.ReleaseSpec | None:
+        """How to end our claim on the blocks; None when nothing was granted."""
+        if self.claim_id is None:
+            return None
         return md.ReleaseSpec(
             peer=self.peer, remote_request_id=self.remote_request_id, claim_id=self.claim_id
         )
@@ -67,7 +72,7 @@ class Rejected:
 
     reason: str
     release: md.ReleaseSpec | None = None
-    """Where to tell the owner to free its blocks, when its address was valid."""
+    """The claim to hand back, when the owner had granted one."""
 
 
 class _Invalid(Exception):
@@ -96,15 +101,11 @@ def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejec
 
     try:
         peer, remote_request_id = _parse_address(params, ctx)
-    except _Invalid as exc:
-        return Rejected(str(exc))
-    release = md.ReleaseSpec(peer=peer, remote_request_id=remote_request_id)
-    try:
         if from_decode_node and not ctx.bidirectional:
             raise _Invalid("bidirectional_kv_xfer is off on this engine")
         blocks = _parse_blocks(params, ctx, time.time())
     except _Invalid as exc:
-        return Rejected(str(exc), release)
+        return Rejected(str(exc))
     block_ids, num_tokens, fingerprints, lease_expiry = blocks
     return RemoteBlocks(
         peer=peer,

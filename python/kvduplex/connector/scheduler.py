@@ -3,31 +3,38 @@
 Runs in vLLM's EngineCore process and never touches the transfer core; it tells the workers
 what to do through `DuplexConnectorMetadata` once per step.
 
-Reader (the node that pulls): a request whose params describe a peer's blocks (P->D: the
-decode node pulls the prefill's blocks; D->P with `bidirectional_kv_xfer`: the prefill node
-pulls a finished turn's blocks back) gets the longest prefix of the peer's blocks whose token
-fingerprints equal its own prompt's, beyond its local prefix-cache hit, if at least
-`kv_recompute_threshold` tokens are gained. Each request pulls at most once; when it does not
-pull, the owner is told to free its blocks.
+Reader (the node that pulls): nothing is read without the owner's grant. A request whose
+params describe a peer's blocks (P->D: the decode node pulls the prefill's blocks; D->P with
+`bidirectional_kv_xfer`: the prefill node pulls a finished turn's blocks back) asks that owner
+for a grant of the hold the params name, presenting the fingerprints of its own prompt's
+tokens (`LookupSpec` with `owner_request_id`): params are a hint, never a capability. The
+owner checks them against the tokens its held blocks carry and answers with a claim for this
+reader and its own description of the blocks, which is what gets read: the longest prefix whose
+token fingerprints equal the prompt's, beyond the local prefix-cache hit, if at least
+`kv_recompute_threshold` tokens are gained. Refused (other tokens, a hold already read by
+another decode node, expired): the request computes its prompt, and the log says why. Each
+request pulls at most once; the scheduler releases the claim once every TP rank's load is
+done, or at once when it does not pull.
 
 Lookup (bidirectional, the prefill node): a request whose params describe no peer's blocks
 (a router sent only vLLM's standard `do_remote_decode`, or nothing) is looked up by its prompt:
-the scheduler sends the fingerprints of its full blocks to the workers (`LookupSpec`), which
-ask the decode engines they know; `get_num_new_matched_tokens` returns None ("ask again")
-meanwhile, so vLLM's scheduler loop never blocks. The longest match arrives in
-`DuplexWorkerMetadata`, claimed on the owner for this reader, and is pulled like params from a
-router. No answer within `lookup_timeout_ms`: the request prefills normally.
+the scheduler sends the fingerprints of its full blocks to the workers, which ask the decode
+engines they know; the longest match arrives claimed, like a grant. No answer within
+`lookup_timeout_ms` (`0`: no lookups): the request prefills normally. Grants and lookups run
+on the workers' transfer cores; `get_num_new_matched_tokens` returns None ("ask again")
+meanwhile, so vLLM's scheduler loop never blocks.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
 with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally, keep
-their blocks under a hold and return params describing them. The hold is a reference of our own
+their blocks under a hold (with the fingerprints of the tokens they carry, for grants) and
+return params describing them. The hold is a reference of our own
 on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
 the blocks stay allocated until the hold ends. (Had vLLM delayed freeing the request instead,
 as `request_finished` allows, its engine would step non-stop for as long as any hold lasts,
 i.e. for the whole pause between a conversation's turns: measured 1.3 CPU cores per idle
-server holding one turn.) The workers end a hold when the reader's release arrives, it expires
-or it is evicted, and report it in `DuplexWorkerMetadata.freed_holds` once per TP rank; when
-every rank has, the scheduler drops its reference. An idle engine does not step, so a hold that
+server holding one turn.) TP rank 0's transfer core ends a hold (read by the decode node it
+was handed to, expired, or evicted; never while a reader's claim lasts) and reports it in
+`DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference. An idle engine does not step, so a hold that
 ended while it was idle frees its blocks at its next step.
 """
 
@@ -44,7 +51,7 @@ from vllm.v1.request import RequestStatus
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector.config import DEFAULT_LOOKUP_TIMEOUT_MS, DuplexConfig
+from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
 from kvduplex.connector.stats import DuplexConnectorStats
@@ -90,11 +97,14 @@ class _PullState:
 
 @dataclass
 class _LookupState:
-    """A request whose prompt was looked up on the known owners."""
+    """A request whose prompt was looked up on the known owners, or whose params' owner was
+    asked for a grant (`named`)."""
 
     request: Request
     asked_at: float
     timeout_s: float = 0.0
+    named: RemoteBlocks | None = None
+    """The params' description of the owner's blocks (a hint)."""
     prompt: PromptFingerprints | None = None
     """The prompt's fingerprints, computed once for the lookup and every answer."""
     arrived: bool = False
@@ -112,8 +122,6 @@ class _Hold:
     blocks: list[KVCacheBlock]
     """Our references in vLLM's block pool, in the request's order."""
     decode_turn: bool
-    ranks_left: int
-    """TP ranks whose transfer core has not reported the hold's end yet."""
 
 
 class DuplexScheduler:
@@ -162,11 +170,11 @@ class DuplexScheduler:
 
         self._pulls: dict[str, _PullState] = {}
         self._lookups: dict[str, _LookupState] = {}
-        # Lookups need every TP rank's reads claimed; claims live on rank 0 only, so with
-        # tensor parallelism kvduplex keeps the params path (and refuses turns past the cap).
-        self._lookups_possible = config.bidirectional_kv_xfer and self._tp_size == 1
-        # Decode-node params seen on a request: where to look up first (the read is claimed).
-        self._hints: dict[str, str] = {}
+        self._lookups_possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
+        # Params seen on a request, until their owner is asked for a grant.
+        self._named: dict[str, RemoteBlocks] = {}
+        # Loads given to the workers: the claim to release and the TP ranks not done yet.
+        self._reading: dict[str, tuple[md.ReleaseSpec | None, int]] = {}
         self._lookup_specs: list[md.LookupSpec] = []
         self._evict_blocks = 0
         self._block_pool: BlockPool | None = None
@@ -252,8 +260,7 @@ class DuplexScheduler:
         state.consumed = True
         remote = state.remote
         if isinstance(remote, Rejected):
-            if remote.release is not None:
-                self._releases.append(remote.release)
+            self._hand_back(remote)
             return
         if num_external_tokens <= 0:
             self._decline(request, state)
@@ -300,7 +307,6 @@ class DuplexScheduler:
                 remote_block_ids=tuple(remote_ids),
                 num_tokens=num_external_tokens,
                 lease_expiry=remote.lease_expiry,
-                claim_id=remote.claim_id,
                 blocks_per_group=tuple(blocks_per_group),
                 layerwise=self._layerwise(remote),
                 # Never happens when vLLM frees sliding-window blocks by the rule
@@ -313,8 +319,8 @@ class DuplexScheduler:
                 ),
             )
         )
-        if missing:
-            self._releases.append(remote.release())
+        # Every rank reports the load done (read or failed); then the claim goes back.
+        self._reading[request.request_id] = (remote.release(), self._tp_size)
         logger.debug(
             "Request %s pulls %d tokens (%s blocks per KV-cache group) from engine %s",
             request.request_id,
@@ -327,7 +333,7 @@ class DuplexScheduler:
         """No pull for this request: tell the owner to free its blocks now."""
         remote = state.remote
         assert isinstance(remote, RemoteBlocks)
-        self._releases.append(remote.release())
+        self._hand_back(remote)
         gain = (
             self._pullable_tokens(request, state, state.last_num_computed)
             - state.last_num_computed
@@ -349,12 +355,18 @@ class DuplexScheduler:
         while the lookup runs."""
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
-            hint = self._hints.pop(request.request_id, None)
-            timeout_s = self._lookup_timeout_s(hinted=hint is not None)
-            if timeout_s <= 0 or not self._lookup_worthwhile(request, num_computed_tokens):
+            named = self._named.pop(request.request_id, None)
+            if named is not None:
+                # The grant may need a first handshake with the owner.
+                timeout_s = self._config.handshake_timeout_s
+                end = min(named.num_tokens, request.num_prompt_tokens)
+            else:
+                timeout_s = self._config.lookup_timeout_s if self._lookups_possible else 0.0
+                end = request.num_prompt_tokens
+            if timeout_s <= 0 or not self._lookup_worthwhile(request, num_computed_tokens, end):
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
                 return None
-            self._start_lookup(request, hint, timeout_s)
+            self._start_lookup(request, timeout_s, named)
             return _ASK_AGAIN
         if not lookup.arrived:
             waited = time.monotonic() - lookup.asked_at
@@ -374,24 +386,11 @@ class DuplexScheduler:
         self._pulls[request.request_id] = state
         return state
 
-    def _lookup_timeout_s(self, hinted: bool) -> float:
-        """Unhinted lookups (discovery) follow `lookup_timeout_ms`; a lookup hinted by a
-        decode node's params (how every decode-node turn is read, so that the read is claimed)
-        runs even when discovery is off."""
-        if not self._lookups_possible:
-            return 0.0
-        if hinted and self._config.lookup_timeout_s <= 0:
-            return DEFAULT_LOOKUP_TIMEOUT_MS / 1000
-        return self._config.lookup_timeout_s
-
-    def _lookup_worthwhile(self, request: Request, num_computed_tokens: int) -> bool:
+    def _lookup_worthwhile(self, request: Request, num_computed_tokens: int, end: int) -> bool:
+        """Whether a pull of the prompt's first `end` tokens could gain enough to ask."""
         if _unsupported_reason(request) is not None or request.skip_reading_prefix_cache:
             return False
-        # The lookup compares full blocks; the owner's turn may also hold the prompt's tokens in
-        # its partial last block (checked on the answer), so the gain counts to the prompt's end.
-        if request.num_prompt_tokens < self._block_size:
-            return False
-        gain = request.num_prompt_tokens - num_computed_tokens
+        gain = end - num_computed_tokens
         if gain <= 0:
             return False
         if gain < self.recompute_threshold():
@@ -399,17 +398,23 @@ class DuplexScheduler:
             return False
         return True
 
-    def _start_lookup(self, request: Request, hint: str | None, timeout_s: float) -> None:
+    def _start_lookup(self, request: Request, timeout_s: float, named: RemoteBlocks | None) -> None:
+        """A lookup compares full blocks (a held turn's partial last block is checked on the
+        answer); a grant, the blocks holding the named hold's tokens as the params count them
+        (the owner compares the partial last block too)."""
         prompt = self._prompt_fingerprints(request)
         self._lookups[request.request_id] = _LookupState(
-            request, time.monotonic(), timeout_s=timeout_s, prompt=prompt
+            request, time.monotonic(), timeout_s=timeout_s, prompt=prompt, named=named
         )
         self._lookup_specs.append(
             md.LookupSpec(
                 request_id=request.request_id,
-                fingerprints=tuple(prompt.full_blocks),
+                fingerprints=tuple(
+                    prompt.full_blocks if named is None else prompt.of_prefix(named.num_tokens)
+                ),
                 timeout_s=timeout_s,
-                hint=hint,
+                owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
+                owner_request_id=None if named is None else named.remote_request_id,
             )
         )
 
@@ -422,6 +427,18 @@ class DuplexScheduler:
                     self._releases.append(_owner_release(match))
                 continue
             lookup.arrived = True
+            named = lookup.named
+            if named is not None and not matches:
+                self._stats.add("grants_refused")
+                self._stats.add("fallbacks")
+                logger.warning(
+                    "Request %s: engine %s did not grant the blocks of its request %s that the "
+                    "params name (held for other tokens, read by another engine already, "
+                    "expired, or unreachable: the owner's log says which); computing the prompt",
+                    request_id,
+                    named.peer.engine_id,
+                    named.remote_request_id,
+                )
             prompt = lookup.prompt or self._prompt_fingerprints(lookup.request)
             lookup.chosen = self._choose(lookup.request, prompt, matches)
 
@@ -495,6 +512,7 @@ class DuplexScheduler:
         return dataclasses.replace(remote, claim_id=match.claim_id)
 
     def _hand_back(self, remote: RemoteBlocks | Rejected) -> None:
+        """End the owner's claim, if it granted one."""
         release = remote.release() if isinstance(remote, RemoteBlocks) else remote.release
         if release is not None:
             self._releases.append(release)
@@ -521,11 +539,10 @@ class DuplexScheduler:
         if isinstance(remote, RemoteBlocks):
             unsupported = _unsupported_reason(request)
             if unsupported is not None:
-                remote = Rejected(unsupported, remote.release())
-            elif remote.from_decode_node and self._lookups_possible:
-                # A decode node's finished turn is read only under a claim (the turn may be
-                # evicted otherwise): look it up there first, then pull what the claim covers.
-                self._hints[request.request_id] = f"{remote.peer.host}:{remote.peer.ports[0]}"
+                remote = Rejected(unsupported)
+            else:
+                # A hint: its owner is asked for a grant first (`_look_up`).
+                self._named[request.request_id] = remote
                 return None
         if isinstance(remote, Rejected):
             self._stats.add("fallbacks")
@@ -583,15 +600,12 @@ class DuplexScheduler:
         """`block_ids`: the request's block table of every KV-cache group (vLLM's order)."""
         state = self._pulls.pop(request.request_id, None)
         lookup = self._lookups.pop(request.request_id, None)
-        self._hints.pop(request.request_id, None)
+        self._named.pop(request.request_id, None)
         if lookup is not None and lookup.chosen is not None:
             self._hand_back(lookup.chosen)
         if state is not None and not state.consumed:
-            # Finished (e.g. aborted) before it was ever scheduled: free the owner's blocks.
-            if isinstance(state.remote, RemoteBlocks):
-                self._releases.append(state.remote.release())
-            elif state.remote.release is not None:
-                self._releases.append(state.remote.release)
+            # Finished (e.g. aborted) before it was ever scheduled: end the owner's claim.
+            self._hand_back(state.remote)
 
         params = request.kv_transfer_params
         if not isinstance(params, dict) or request.status not in _HOLDABLE_STATUSES:
@@ -661,15 +675,6 @@ class DuplexScheduler:
             return False, None
         if decode_turn:
             overflow = self._held_decode_blocks + len(held_ids) - self._max_held_decode_blocks
-            if overflow > 0 and not self._lookups_possible:
-                logger.debug(
-                    "Request %s: not holding %d blocks, held finished turns already use %d of %d",
-                    request.request_id,
-                    len(held_ids),
-                    self._held_decode_blocks,
-                    self._max_held_decode_blocks,
-                )
-                return False, None
             if overflow > 0:
                 # Make room: the workers free the least recently used unclaimed turns (every
                 # read of a held turn is claimed, so none is freed under a read).
@@ -681,9 +686,7 @@ class DuplexScheduler:
         blocks = [self._block_pool.blocks[block_id] for block_id in held_ids]
         # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
         self._block_pool.touch(blocks)
-        self._held[request.request_id] = _Hold(
-            blocks=blocks, decode_turn=decode_turn, ranks_left=self._tp_size
-        )
+        self._held[request.request_id] = _Hold(blocks=blocks, decode_turn=decode_turn)
         if decode_turn:
             self._held_decode_blocks += len(held_ids)
         params = {
@@ -703,14 +706,14 @@ class DuplexScheduler:
             protocol.REMOTE_LEASE_EXPIRY: time.time() + ttl_s,
             protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION,
         }
-        offered = decode_turn and self._lookups_possible
         self._holds.append(
             md.HoldSpec(
                 request_id=request.request_id,
                 ttl_s=ttl_s,
                 num_blocks=len(held_ids),
-                fingerprints=tuple(fingerprints) if offered else (),
-                offer=json.dumps(params).encode() if offered else b"",
+                fingerprints=tuple(fingerprints),
+                turn=decode_turn,
+                offer=json.dumps(params).encode(),
             )
         )
         return False, params
@@ -790,6 +793,7 @@ class DuplexScheduler:
         if isinstance(worker_meta, md.DuplexWorkerMetadata):
             self._on_lookup_answers(worker_meta.lookups)
             self._on_freed_holds(worker_meta.freed_holds)
+            self._on_loads_done(worker_meta.loads_done)
         if self._estimator is None:
             return
         if self._step_started is not None:
@@ -805,17 +809,26 @@ class DuplexScheduler:
             ):
                 self._estimator.observe_read(seconds, tokens)
 
-    def _on_freed_holds(self, request_ids: list[str]) -> None:
-        """Each TP rank reports a hold's end once; the last report gives the blocks back."""
+    def _on_loads_done(self, request_ids: list[str]) -> None:
+        """Each TP rank reports a load done once; after the last, the owner's claim ends."""
         for request_id in request_ids:
-            hold = self._held.get(request_id)
+            reading = self._reading.pop(request_id, None)
+            if reading is None:
+                logger.warning("A worker finished a load for request %s, which loads none", request_id)
+                continue
+            release, ranks_left = reading
+            if ranks_left > 1:
+                self._reading[request_id] = (release, ranks_left - 1)
+            elif release is not None:
+                self._releases.append(release)
+
+    def _on_freed_holds(self, request_ids: list[str]) -> None:
+        """TP rank 0 reports a hold's end once: the blocks go back."""
+        for request_id in request_ids:
+            hold = self._held.pop(request_id, None)
             if hold is None:
                 logger.warning("A worker ended a hold on request %s, which is not held", request_id)
                 continue
-            hold.ranks_left -= 1
-            if hold.ranks_left > 0:
-                continue
-            del self._held[request_id]
             if hold.decode_turn:
                 self._held_decode_blocks -= len(hold.blocks)
             # Last block first, as vLLM frees a request's blocks: the tail is evicted first.

@@ -31,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "malformed params or a token mismatch",
     "lease_expiries": "Held block sets freed because their lease expired",
     "leases_released": "Held block sets freed because the reader released them",
+    "grants_refused": "Pulls the owner named in params did not grant (other tokens, read by "
+    "another engine already, expired, or unreachable); the prompt was computed instead",
     "evictions": "Held finished turns freed early to make room for new ones",
     "turns_offered": "Finished turns held and offered to other engines' lookups",
     "lookups_hit": "Lookups of a prompt's blocks that found a held turn on a peer",

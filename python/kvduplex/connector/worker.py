@@ -3,15 +3,20 @@
 One transfer-core `Engine` per vLLM worker (TP rank r of engine E is `E/tp<r>`); TP rank r
 reads only from the peer's rank r. The transfer core owns every connection (`peer_status`:
 handshakes on its own threads, once per peer address, backoff after a failure, the peer's
-identity checked); reads are posted from the step hooks and polled every step. The owner side holds
-finished requests' blocks in the transfer core's hold book, frees them when a reader's release
-arrives, the hold expires or it is evicted, and reports each ended hold in
-`DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference).
+identity checked); reads are posted from the step hooks and polled every step, and each rank
+reports every load it was given as done (read, or failed) in `DuplexWorkerMetadata.loads_done`.
 
-Lookups (bidirectional mode, prefill side): the scheduler asks "who holds these blocks?"; TP
-rank 0 asks every engine its transfer core knows as a reader (decode nodes that pulled from
-us announce their side channel in the handshake), plus `decode_peers` and a router's hint, in
-parallel, and reports the longest match back through `DuplexWorkerMetadata`.
+Grants: nothing is read without the owner's grant, which TP rank 0 asks for. The scheduler
+names the hold (params from a router or client: a hint, never a capability) or asks for the
+longest held turn (lookups, bidirectional prefill side: every engine the transfer core knows as
+a reader, decode nodes that pulled from us announce their side channel in the handshake, plus
+`decode_peers`); the owner checks the reader's own token fingerprints against its hold and
+answers with a claim and its own description of the blocks, which every rank then reads. The
+scheduler releases the claim once every rank has reported the load done.
+
+Owner side: only TP rank 0 keeps the hold book (holds, grants, claims, expiry, eviction: decided
+once, for every rank's blocks, which share block ids); it reports each ended hold in
+`DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference).
 """
 
 from __future__ import annotations
@@ -225,6 +230,7 @@ class DuplexWorker:
         # one KV-cache group, so it is told the request (which then recomputes) instead.
         self._failed_recving: set[str] = set()
         self._freed_holds: list[str] = []
+        self._loads_done: list[str] = []
         self._load_errors: set[int] = set()
         self._stats = DuplexConnectorStats()
 
@@ -353,10 +359,12 @@ class DuplexWorker:
 
     def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
         self._collect_lookups()
-        if not self._lookup_results and not self._freed_holds:
+        if not self._lookup_results and not self._freed_holds and not self._loads_done:
             return None
-        meta = md.DuplexWorkerMetadata(lookups=self._lookup_results, freed_holds=self._freed_holds)
-        self._lookup_results, self._freed_holds = {}, []
+        meta = md.DuplexWorkerMetadata(
+            lookups=self._lookup_results, freed_holds=self._freed_holds, loads_done=self._loads_done
+        )
+        self._lookup_results, self._freed_holds, self._loads_done = {}, [], []
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -394,7 +402,10 @@ class DuplexWorker:
                 self._fail_load(spec, f"no connection to the owner: {detail}")
             else:
                 self._post_read(spec, detail)
+        # Claims live on the owner's TP rank 0, asked for by ours.
         waiting_releases, self._waiting_releases = self._waiting_releases, []
+        if self._tp_rank != 0:
+            return
         for release in waiting_releases:
             state, detail = self._peer_status(release.peer)
             if state == "connecting":
@@ -417,18 +428,17 @@ class DuplexWorker:
                     undelivered,
                 )
 
-    def _read_time_left(self, spec: md.LoadSpec, peer_engine_id: str) -> float | None:
-        """Seconds a read may take before the owner's hold ends (less the margin); None, with
-        the load failed and the owner released, when there is no time left."""
+    def _read_time_left(self, spec: md.LoadSpec) -> float | None:
+        """Seconds a read may take before the owner's claim ends (less the margin); None, with
+        the load failed, when there is no time left."""
         time_left = spec.lease_expiry - time.time() - self._config.read_deadline_margin_s
         if time_left > 0:
             return time_left
-        self._fail_load(spec, "the owner's hold ends before the read could finish")
-        self._notify_quietly(peer_engine_id, spec.remote_request_id, spec.claim_id)
+        self._fail_load(spec, "the owner's claim ends before the read could finish")
         return None
 
     def _post_read(self, spec: md.LoadSpec, peer_engine_id: str) -> None:
-        time_left = self._read_time_left(spec, peer_engine_id)
+        time_left = self._read_time_left(spec)
         if time_left is None:
             return
         posted_at = time.perf_counter()  # a small same-host read is done inside read_blocks
@@ -437,12 +447,10 @@ class DuplexWorker:
                 peer_engine_id,
                 list(spec.local_block_ids),
                 list(spec.remote_block_ids),
-                notify=protocol.encode_release(spec.remote_request_id, spec.claim_id),
                 timeout_s=time_left,
             )
         except _core.KvDuplexError as exc:
             self._fail_load(spec, f"read not posted: {exc}")
-            self._notify_quietly(peer_engine_id, spec.remote_request_id, spec.claim_id)
             return
         self._inflight[spec.request_id] = _Inflight(spec, transfer, posted_at)
 
@@ -459,7 +467,7 @@ class DuplexWorker:
         if state != "ready":
             self._fail_load(spec, f"no connection to the owner: {detail or 'handshake not done'}")
             return
-        time_left = self._read_time_left(spec, detail)
+        time_left = self._read_time_left(spec)
         if time_left is None:
             return
         read = _LayerwiseRead(spec, detail, [], time.perf_counter())
@@ -485,7 +493,7 @@ class DuplexWorker:
     def _finish_layerwise_reads(self) -> None:
         """After the forward pass: every segment's read has settled (waiting out any that no
         layer waited for, so that no byte lands later); report failures as load errors
-        (vLLM recomputes those tokens) and release the owner's hold."""
+        (vLLM recomputes those tokens) and every load as done."""
         reads, self._layerwise_reads = self._layerwise_reads, []
         for read in reads:
             for transfer in read.transfers:
@@ -493,10 +501,10 @@ class DuplexWorker:
                     transfer.wait()
                 except _core.KvDuplexError as exc:
                     read.failure = read.failure or f"read failed: {exc}"
-            self._notify_quietly(read.peer_engine_id, read.spec.remote_request_id, read.spec.claim_id)
             if read.failure is not None:
                 self._fail_load(read.spec, read.failure)
                 continue
+            self._loads_done.append(read.spec.request_id)
             self._stats.record_transfer(
                 time.perf_counter() - read.posted_at,
                 self._groups.by_group_id(read.spec.blocks_per_group),
@@ -515,6 +523,7 @@ class DuplexWorker:
                 continue
             del self._inflight[request_id]
             self._finished_recving.add(request_id)
+            self._loads_done.append(request_id)
             self._stats.record_transfer(
                 time.perf_counter() - inflight.posted_at,
                 self._groups.by_group_id(inflight.spec.blocks_per_group),
@@ -523,7 +532,7 @@ class DuplexWorker:
             )
 
     def _fail_load(self, spec: md.LoadSpec, reason: str) -> None:
-        """The request recomputes the tokens it meant to pull."""
+        """The request recomputes the tokens it meant to pull; the load is done."""
         logger.warning(
             "Request %s recomputes %d tokens instead of pulling them from engine %s: %s",
             spec.request_id,
@@ -540,13 +549,12 @@ class DuplexWorker:
                 self._failed_recving.add(spec.request_id)
             else:
                 self._load_errors.update(spec.local_block_ids)
+        self._loads_done.append(spec.request_id)
         self._stats.add("failed_transfers")
         self._stats.add("fallbacks")
         self._stats.add("tokens_recomputed", spec.num_tokens)
 
-    def _notify_quietly(
-        self, peer_engine_id: str, remote_request_id: str, claim_id: int | None = None
-    ) -> None:
+    def _notify_quietly(self, peer_engine_id: str, remote_request_id: str, claim_id: int) -> None:
         try:
             self._engine.notify(peer_engine_id, protocol.encode_release(remote_request_id, claim_id))
         except _core.KvDuplexError as exc:
@@ -555,29 +563,27 @@ class DuplexWorker:
     # ------------------------------------------------------------- owner side
 
     def _hold(self, hold: md.HoldSpec) -> None:
+        """TP rank 0 keeps the engine's holds (see the module docstring)."""
+        if self._tp_rank != 0:
+            return
         if self._engine is None:
             self._freed_holds.append(hold.request_id)
             return
         try:
-            held = self._engine.hold(
+            self._engine.hold(
                 hold.request_id,
                 hold.num_blocks,
                 hold.ttl_s,
                 fingerprints=list(hold.fingerprints),
+                turn=hold.turn,
                 offer=hold.offer,
             )
         except ValueError as exc:
-            # E.g. a turn too long to offer: hold it without offering it (no lookup finds
-            # it, so no reader reads it; it ends at its TTL).
-            logger.warning("Not offering request %s's blocks to lookups: %s", hold.request_id, exc)
-            try:
-                held = self._engine.hold(hold.request_id, hold.num_blocks, hold.ttl_s)
-            except ValueError:
-                held = False
-        if not held:
+            # E.g. a turn too long to offer: nobody can be granted it, free it now.
+            logger.warning("Not holding request %s's blocks for readers: %s", hold.request_id, exc)
             self._freed_holds.append(hold.request_id)
-            self._stats.add("leases_released")
-        elif hold.fingerprints:
+            return
+        if hold.turn:
             self._stats.add("turns_offered")
 
     def _evict(self, num_blocks: int) -> None:
@@ -593,6 +599,8 @@ class DuplexWorker:
             release = protocol.decode_release(payload)
             if release is None:
                 logger.warning("Ignoring a malformed notification from %s", sender)
+                continue
+            if self._tp_rank != 0:
                 continue
             try:
                 freed = self._engine.release_hold(
@@ -615,14 +623,15 @@ class DuplexWorker:
 
     # ----------------------------------------------------------------- lookups
 
-    def _lookup_targets(self, hint: str | None) -> list[tuple[str, int]]:
-        """Side channels to ask: the router's hint first, the configured decode peers, then
-        every reader our transfer core knows (same TP rank)."""
+    def _lookup_targets(self, owner: str | None) -> list[tuple[str, int]]:
+        """Side channels to ask: the owner named in params alone, or (a lookup) the configured
+        decode peers and every reader our transfer core knows (same TP rank)."""
         addresses: list[str] = []
-        if hint:
-            addresses.append(hint)
-        addresses.extend(self._config.decode_peers)
-        addresses.extend(address for _, address in self._engine.known_peers())
+        if owner:
+            addresses.append(owner)
+        else:
+            addresses.extend(self._config.decode_peers)
+            addresses.extend(address for _, address in self._engine.known_peers())
         targets: list[tuple[str, int]] = []
         for address in addresses:
             host, _, port = address.rpartition(":")
@@ -646,14 +655,16 @@ class DuplexWorker:
     def _start_lookup(self, spec: md.LookupSpec) -> None:
         if self._engine is None or self._tp_rank != 0:
             return
-        targets = self._lookup_targets(spec.hint)
+        targets = self._lookup_targets(spec.owner)
         if not targets:
             self._lookup_results[spec.request_id] = []
             self._stats.add("lookups_missed")
             return
         # The transfer core sends the lookup to connected targets right here and takes their
         # replies on its own threads: no GIL, no pool to queue behind.
-        lookup = self._engine.start_lookup(targets, list(spec.fingerprints), spec.timeout_s)
+        lookup = self._engine.start_lookup(
+            targets, list(spec.fingerprints), spec.timeout_s, request_id=spec.owner_request_id
+        )
         self._lookups[spec.request_id] = _PendingLookup(
             lookup=lookup,
             deadline=time.monotonic() + spec.timeout_s,
