@@ -7,7 +7,9 @@ import time
 
 import pytest
 from duplex_harness import BLOCK_SIZE, Engine, decode, prefill, prompt_tokens, running
-from vllm.v1.request import RequestStatus
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from kvduplex.connector import scheduler as scheduler_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
@@ -208,6 +210,22 @@ def test_aborted_request_is_not_held_and_frees_its_owner(engines):
     assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
     assert step.meta.holds == []
     assert "d1" not in d.scheduler.requests
+
+
+def test_the_salt_separates_lora_adapters_by_name_and_path():
+    """As in vLLM's block hashes: one adapter name loaded from another path is other KV."""
+
+    def salt(lora: LoRARequest | None, cache_salt: str | None = None) -> str:
+        request = Request(
+            "r", [1, 2, 3], SamplingParams(), None, lora_request=lora, cache_salt=cache_salt
+        )
+        return scheduler_module._salt(request)
+
+    v1, v2 = LoRARequest("adapter", 1, "/loras/a-v1"), LoRARequest("adapter", 1, "/loras/a-v2")
+    assert salt(v1) != salt(v2)
+    # vLLM's integer id is per engine: not part of the salt.
+    assert salt(v1) == salt(LoRARequest("adapter", 7, "/loras/a-v1"))
+    assert len({salt(None), salt(v1), salt(None, "tenant"), salt(v1, "tenant")}) == 4
 
 
 def test_bidirectional_off_decode_frees_at_once(engines):

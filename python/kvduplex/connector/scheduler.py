@@ -826,8 +826,10 @@ class DuplexScheduler:
 
 
 def _salt(request: Request) -> str:
-    lora = request.lora_request.lora_name if request.lora_request is not None else None
-    return request_salt(request.cache_salt, lora)
+    lora = request.lora_request
+    if lora is None:
+        return request_salt(request.cache_salt, None, None)
+    return request_salt(request.cache_salt, lora.lora_name, lora.lora_path)
 
 
 def _unsupported_reason(request: Request) -> str | None:

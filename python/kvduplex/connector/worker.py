@@ -163,6 +163,12 @@ def compatibility_fingerprint(
         "tp_rank": str(tp_rank),
         "kv_cache_groups": str(len(groups)),
         **groups.describe(),
+        # The weights and the code that computes with them (as vLLM's NixlConnector, by the
+        # model's path or hub name: equal weights under two paths are refused too).
+        "model": model.model,
+        "revision": model.revision or "",
+        "code_revision": model.code_revision or "",
+        "quantization": model.quantization or "",
     }
     if first.device.type == "cpu":
         # The CPU attention kernels lay out a block's interior per instruction set.
