@@ -1,13 +1,43 @@
 """What DuplexConnector checks and derives as it starts, on vLLM's real config objects: the
-compatibility fingerprint peers compare at the handshake."""
+load-failure policy it needs, the compatibility fingerprint peers compare at the handshake."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from duplex_harness import make_kv_cache_config, make_kv_caches, make_vllm_config
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from kvduplex.connector import DuplexConnector
+from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.worker import compatibility_fingerprint, describe_kv_caches
+
+
+def test_vllm_fails_a_failed_load_by_default_and_the_connector_refuses_that():
+    """vLLM 0.32's default would turn every fallback of the connector into a client error."""
+    default = KVTransferConfig(kv_connector="DuplexConnector", kv_role="kv_both")
+    assert default.kv_load_failure_policy == "fail"
+    with pytest.raises(ValueError, match='"kv_load_failure_policy": "recompute"'):
+        DuplexConfig.from_transfer_config(default)
+    recompute = KVTransferConfig(
+        kv_connector="DuplexConnector", kv_role="kv_both", kv_load_failure_policy="recompute"
+    )
+    assert DuplexConfig.from_transfer_config(recompute) == DuplexConfig()
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_either_role_refuses_to_start_under_the_fail_policy(tiny_config_dir: Path, role):
+    vllm_config = make_vllm_config(tiny_config_dir, "P")
+    vllm_config.kv_transfer_config.kv_load_failure_policy = "fail"
+    with pytest.raises(ValueError) as refused:
+        DuplexConnector(vllm_config, role, make_kv_cache_config(16))
+    message = str(refused.value)
+    # Names the setting, what it would do, and the fix.
+    assert "kv_load_failure_policy is 'fail'" in message
+    assert "error" in message and '"kv_load_failure_policy": "recompute"' in message
 
 
 def _fingerprint(vllm_config) -> dict[str, str]:

@@ -1,5 +1,11 @@
 """`kv_connector_extra_config` of DuplexConnector, parsed and validated once.
 
+Besides these options, DuplexConnector needs `"kv_load_failure_policy": "recompute"` in
+`--kv-transfer-config` and refuses to start without it: every fallback of the connector (a peer
+gone, a lease expired, a handshake refused, a read that fails) reaches vLLM as a failed load,
+which vLLM's default policy, "fail", turns into an error for the client instead of a
+recomputation.
+
 Every option, its default and why:
 
 | key | default | meaning |
@@ -27,9 +33,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
 
 DEFAULT_RECOMPUTE_THRESHOLD = 64
+# vLLM's `kv_load_failure_policy` under which a failed pull is recomputed, not an error.
+REQUIRED_LOAD_FAILURE_POLICY = "recompute"
 DEFAULT_LOOKUP_TIMEOUT_MS = 250
 
 
@@ -52,6 +63,22 @@ class DuplexConfig:
     decode_peers: tuple[str, ...] = ()
     layerwise_load: bool = False
     same_host_reads: bool = True
+
+    @classmethod
+    def from_transfer_config(cls, transfer_config: KVTransferConfig) -> DuplexConfig:
+        """The configuration of a DuplexConnector (either role) from vLLM's
+        `--kv-transfer-config`; raises ValueError naming the bad setting."""
+        policy = transfer_config.kv_load_failure_policy
+        if policy != REQUIRED_LOAD_FAILURE_POLICY:
+            raise ValueError(
+                f"DuplexConnector: kv_load_failure_policy is {policy!r}, under which vLLM fails "
+                "a request whose KV pull fails instead of recomputing it; every fallback of the "
+                "connector (peer gone, lease expired, handshake refused, read failed) would "
+                "reach the client as an error. Add "
+                f'"kv_load_failure_policy": "{REQUIRED_LOAD_FAILURE_POLICY}" to '
+                "--kv-transfer-config (vLLM's default is \"fail\")."
+            )
+        return cls.from_extra_config(transfer_config.kv_connector_extra_config)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:

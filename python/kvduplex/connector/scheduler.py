@@ -143,12 +143,6 @@ class DuplexScheduler:
             read_deadline_margin_s=config.read_deadline_margin_s,
             groups=self._groups,
         )
-        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
-            logger.warning(
-                "kv_load_failure_policy is %r: a request whose KV pull fails will fail instead "
-                "of recomputing; set it to \"recompute\" to fall back",
-                vllm_config.kv_transfer_config.kv_load_failure_policy,
-            )
         self._estimator = (
             RecomputeThresholdEstimator(config.recompute_threshold, max_model_len)
             if config.auto_recompute_threshold
