@@ -1,5 +1,6 @@
 """What DuplexConnector checks and derives as it starts, on vLLM's real config objects: the
-load-failure policy it needs, the compatibility fingerprint peers compare at the handshake."""
+load-failure policy it needs, its workers' side-channel ports, the compatibility fingerprint
+peers compare at the handshake."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ from pathlib import Path
 
 import pytest
 from duplex_harness import make_kv_cache_config, make_kv_caches, make_vllm_config
-from vllm.config import KVTransferConfig
+from vllm.config import KVTransferConfig, ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvduplex.connector import DuplexConnector
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
-from kvduplex.connector.worker import compatibility_fingerprint, describe_kv_caches
+from kvduplex.connector.worker import (
+    compatibility_fingerprint,
+    describe_kv_caches,
+    side_channel_port,
+)
 
 
 def test_vllm_fails_a_failed_load_by_default_and_the_connector_refuses_that():
@@ -38,6 +43,28 @@ def test_either_role_refuses_to_start_under_the_fail_policy(tiny_config_dir: Pat
     # Names the setting, what it would do, and the fix.
     assert "kv_load_failure_policy is 'fail'" in message
     assert "error" in message and '"kv_load_failure_policy": "recompute"' in message
+
+
+def _parallel(dp_size: int, dp_rank_local: int, tp_size: int) -> ParallelConfig:
+    return ParallelConfig(
+        data_parallel_size=dp_size,
+        data_parallel_rank=dp_rank_local,
+        data_parallel_rank_local=dp_rank_local,
+        tensor_parallel_size=tp_size,
+    )
+
+
+def test_side_channel_ports_are_distinct_across_data_and_tensor_parallel_ranks():
+    ports = [
+        side_channel_port(5600, _parallel(2, dp, 2), tp) for dp in range(2) for tp in range(2)
+    ]
+    assert ports == [5600, 5601, 5602, 5603]
+    # A single engine: TP rank r on port+r, as before.
+    assert side_channel_port(5600, ParallelConfig(tensor_parallel_size=2), 1) == 5601
+    # 0: every worker picks a free port.
+    assert side_channel_port(0, _parallel(2, 1, 2), 1) == 0
+    with pytest.raises(ValueError, match="side_channel_port 65534 .* is past 65535"):
+        side_channel_port(65534, _parallel(2, 1, 2), 0)
 
 
 def _fingerprint(vllm_config) -> dict[str, str]:
