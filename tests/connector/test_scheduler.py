@@ -6,14 +6,24 @@ import json
 import time
 
 import pytest
-from duplex_harness import BLOCK_SIZE, Engine, decode, prefill, prompt_tokens, running
+from duplex_harness import (
+    BLOCK_SIZE,
+    Engine,
+    decode,
+    make_engine,
+    prefill,
+    prompt_tokens,
+    running,
+)
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
+from vllm.tokenizers import get_tokenizer
 from vllm.v1.request import Request, RequestStatus
 
 from kvduplex.connector import scheduler as scheduler_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.tiny_model import build_tiny_chat_model
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True}
 
@@ -210,6 +220,59 @@ def test_aborted_request_is_not_held_and_frees_its_owner(engines):
     assert [r.remote_request_id for r in step.meta.releases] == ["p1"]
     assert step.meta.holds == []
     assert "d1" not in d.scheduler.requests
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_config_dir):
+    """The tiny chat model: a tokenizer whose words are one token each. (`tiny_config_dir`
+    seeds vLLM's block hashes.)"""
+    return build_tiny_chat_model(tmp_path_factory.mktemp("chat") / "model")
+
+
+WORD, STOP_WORD = 300, 400  # token ids of two words of the chat vocabulary
+
+
+@pytest.mark.parametrize(
+    "stop,min_tokens,tokens,held",
+    [
+        # vLLM's frontend saw the stop string and aborted; the engine ran one token further.
+        (True, 0, [WORD, STOP_WORD, WORD], True),
+        # The client aborted before the stop string came.
+        (True, 0, [WORD, WORD], False),
+        # The client aborted a request without stop strings.
+        (False, 0, [WORD, STOP_WORD], False),
+        # vLLM ignores a stop string within min_tokens, so only the client can have aborted.
+        (True, 2, [STOP_WORD, WORD], False),
+    ],
+    ids=["stop-string", "client-abort", "client-abort-no-stop", "within-min-tokens"],
+)
+def test_a_turn_ended_by_a_stop_string_is_held_and_a_client_abort_is_not(
+    chat_model_dir, stop, min_tokens, tokens, held
+):
+    p, d = (make_engine(chat_model_dir, name, BIDIRECTIONAL, tokenizer=True) for name in "PD")
+    stop_string = get_tokenizer(str(chat_model_dir)).decode([STOP_WORD])
+    prompt = prompt_tokens(70)
+    request = d.add(
+        "d1",
+        prompt,
+        max_tokens=10,
+        params=prefill(p, "p1", prompt),
+        stop=[stop_string] if stop else None,
+        min_tokens=min_tokens,
+    )
+    d.step()
+    d.step(finished_recving={"d1"})
+    for _ in range(2 * len(tokens)):
+        if len(request.output_token_ids) == len(tokens):
+            break
+        d.step(token=tokens[len(request.output_token_ids)])
+    assert list(request.output_token_ids) == tokens
+    # What EngineCore.abort_requests does, for a stop string and a client's abort alike.
+    d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    holds = d.step().meta.holds
+    assert [hold.request_id for hold in holds] == (["d1"] if held else [])
+    if held:  # every token the engine computed, past the stop string too
+        assert holds[0].num_blocks == -(-(len(prompt) + len(tokens) - 1) // BLOCK_SIZE)
 
 
 def test_the_salt_separates_lora_adapters_by_name_and_path():

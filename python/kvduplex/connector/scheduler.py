@@ -19,8 +19,9 @@ meanwhile, so vLLM's scheduler loop never blocks. The longest match arrives in
 router. No answer within `lookup_timeout_ms`: the request prefills normally.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
-with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally, keep
-their blocks under a hold and return params describing them. The hold is a reference of our own
+with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also
+on a stop string, which vLLM finishes as an abort: `_holdable`), keep their blocks under a hold
+and return params describing them. The hold is a reference of our own
 on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
 the blocks stay allocated until the hold ends. (Had vLLM delayed freeing the request instead,
 as `request_finished` allows, its engine would step non-stop for as long as any hold lasts,
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.request import RequestStatus
 
 from kvduplex import protocol
@@ -58,6 +60,7 @@ from kvduplex.connector.token_fingerprint import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.tokenizers import TokenizerLike
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -143,6 +146,9 @@ class DuplexScheduler:
             read_deadline_margin_s=config.read_deadline_margin_s,
             groups=self._groups,
         )
+        # Tells a turn that ended on a stop string from a client's abort (`_holdable`). The
+        # EngineCore's structured-output manager loaded this tokenizer already (cached).
+        self._tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
         self._estimator = (
             RecomputeThresholdEstimator(config.recompute_threshold, max_model_len)
             if config.auto_recompute_threshold
@@ -588,7 +594,7 @@ class DuplexScheduler:
                 self._releases.append(state.remote.release)
 
         params = request.kv_transfer_params
-        if not isinstance(params, dict) or request.status not in _HOLDABLE_STATUSES:
+        if not isinstance(params, dict) or not _holdable(request, self._tokenizer):
             return False, None
         hands_off = params.get(protocol.DO_REMOTE_DECODE) is True
         took_over = params.get(protocol.DO_REMOTE_PREFILL) is True
@@ -817,6 +823,32 @@ class DuplexScheduler:
 
     def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
         return self._stats.take()
+
+
+def _holdable(request: Request, tokenizer: TokenizerLike | None) -> bool:
+    """A finished request whose blocks are worth holding: length-capped, stopped in the engine
+    (eos, stop token) or on a stop string; never one its client aborted. vLLM 0.32 matches stop
+    strings in the frontend and aborts the request in the engine core as it does a client's
+    abort (FINISHED_ABORTED, no reason given); the output tells them apart: one of the
+    request's stop strings, ending past its first `min_tokens` tokens (where vLLM's
+    detokenizer looks). Tokens the engine computed past the stop string are held too; a
+    reader's fingerprints match only what its own prompt shares."""
+    if request.status in _HOLDABLE_STATUSES:
+        return True
+    params = request.sampling_params
+    if (
+        request.status != RequestStatus.FINISHED_ABORTED
+        or tokenizer is None
+        or params is None
+        or not params.stop
+        or len(request.output_token_ids) <= params.min_tokens
+    ):
+        return False
+    output = list(request.output_token_ids)
+    skip = params.skip_special_tokens
+    text = tokenizer.decode(output, skip_special_tokens=skip)
+    checked_from = len(tokenizer.decode(output[: params.min_tokens], skip_special_tokens=skip))
+    return any(text.find(stop, max(0, checked_from - len(stop) + 1)) >= 0 for stop in params.stop)
 
 
 def _salt(request: Request) -> str:
