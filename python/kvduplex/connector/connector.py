@@ -70,7 +70,7 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_core_under_vllm()
         transfer_config = vllm_config.kv_transfer_config
-        config = DuplexConfig.from_extra_config(transfer_config.kv_connector_extra_config)
+        config = DuplexConfig.from_transfer_config(transfer_config)
         engine_id = transfer_config.engine_id
         self._scheduler: DuplexScheduler | None = None
         self._worker: DuplexWorker | None = None

@@ -25,9 +25,10 @@ on the workers' transfer cores; `get_num_new_matched_tokens` returns None ("ask 
 meanwhile, so vLLM's scheduler loop never blocks.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
-with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally, keep
-their blocks under a hold (with the fingerprints of the tokens they carry, for grants) and
-return params describing them. The hold is a reference of our own
+with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also
+on a stop string, which vLLM finishes as an abort: `_holdable`), keep their blocks under a hold
+(with the fingerprints of the tokens they carry, for grants) and return params describing them.
+The hold is a reference of our own
 on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
 the blocks stay allocated until the hold ends. (Had vLLM delayed freeing the request instead,
 as `request_finished` allows, its engine would step non-stop for as long as any hold lasts,
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.request import RequestStatus
 
 from kvduplex import protocol
@@ -65,6 +67,7 @@ from kvduplex.connector.token_fingerprint import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.tokenizers import TokenizerLike
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -151,12 +154,9 @@ class DuplexScheduler:
             read_deadline_margin_s=config.read_deadline_margin_s,
             groups=self._groups,
         )
-        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
-            logger.warning(
-                "kv_load_failure_policy is %r: a request whose KV pull fails will fail instead "
-                "of recomputing; set it to \"recompute\" to fall back",
-                vllm_config.kv_transfer_config.kv_load_failure_policy,
-            )
+        # Tells a turn that ended on a stop string from a client's abort (`_holdable`). The
+        # EngineCore's structured-output manager loaded this tokenizer already (cached).
+        self._tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
         self._estimator = (
             RecomputeThresholdEstimator(config.recompute_threshold, max_model_len)
             if config.auto_recompute_threshold
@@ -608,7 +608,7 @@ class DuplexScheduler:
             self._hand_back(state.remote)
 
         params = request.kv_transfer_params
-        if not isinstance(params, dict) or request.status not in _HOLDABLE_STATUSES:
+        if not isinstance(params, dict) or not _holdable(request, self._tokenizer):
             return False, None
         hands_off = params.get(protocol.DO_REMOTE_DECODE) is True
         took_over = params.get(protocol.DO_REMOTE_PREFILL) is True
@@ -838,9 +838,37 @@ class DuplexScheduler:
         return self._stats.take()
 
 
+def _holdable(request: Request, tokenizer: TokenizerLike | None) -> bool:
+    """A finished request whose blocks are worth holding: length-capped, stopped in the engine
+    (eos, stop token) or on a stop string; never one its client aborted. vLLM 0.32 matches stop
+    strings in the frontend and aborts the request in the engine core as it does a client's
+    abort (FINISHED_ABORTED, no reason given); the output tells them apart: one of the
+    request's stop strings, ending past its first `min_tokens` tokens (where vLLM's
+    detokenizer looks). Tokens the engine computed past the stop string are held too; a
+    reader's fingerprints match only what its own prompt shares."""
+    if request.status in _HOLDABLE_STATUSES:
+        return True
+    params = request.sampling_params
+    if (
+        request.status != RequestStatus.FINISHED_ABORTED
+        or tokenizer is None
+        or params is None
+        or not params.stop
+        or len(request.output_token_ids) <= params.min_tokens
+    ):
+        return False
+    output = list(request.output_token_ids)
+    skip = params.skip_special_tokens
+    text = tokenizer.decode(output, skip_special_tokens=skip)
+    checked_from = len(tokenizer.decode(output[: params.min_tokens], skip_special_tokens=skip))
+    return any(text.find(stop, max(0, checked_from - len(stop) + 1)) >= 0 for stop in params.stop)
+
+
 def _salt(request: Request) -> str:
-    lora = request.lora_request.lora_name if request.lora_request is not None else None
-    return request_salt(request.cache_salt, lora)
+    lora = request.lora_request
+    if lora is None:
+        return request_salt(request.cache_salt, None, None)
+    return request_salt(request.cache_salt, lora.lora_name, lora.lora_path)
 
 
 def _unsupported_reason(request: Request) -> str | None:

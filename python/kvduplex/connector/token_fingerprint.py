@@ -3,9 +3,10 @@
 vLLM's own prefix-cache block hashes may be seeded per process, so two engines cannot compare
 them. kvduplex computes its own: block i's fingerprint is an 8-byte BLAKE2b digest of block
 i-1's fingerprint followed by block i's token ids (int64, little endian). The chain starts from a
-root digest over the protocol tag, the block size and a request salt (vLLM's `cache_salt`, LoRA
-name), so equal fingerprints at block i mean equal tokens at every position up to the end of
-block i. The last block may be partial: its fingerprint covers only the tokens it holds.
+root digest over the protocol tag, the block size and a request salt (vLLM's `cache_salt`, the
+LoRA adapter's name and path), so equal fingerprints at block i mean equal tokens at every
+position up to the end of block i. The last block may be partial: its fingerprint covers only
+the tokens it holds.
 
 Fingerprints travel in `kv_transfer_params` as 16-character lowercase hex strings.
 """
@@ -69,9 +70,12 @@ def _digest(parent: bytes, block: bytes) -> bytes:
     return hashlib.blake2b(parent + block, digest_size=FINGERPRINT_BYTES).digest()
 
 
-def request_salt(cache_salt: str | None, lora_name: str | None) -> str:
-    """Salt separating KV computed under a different cache salt or LoRA adapter."""
-    return f"{cache_salt or ''}\x00{lora_name or ''}"
+def request_salt(cache_salt: str | None, lora_name: str | None, lora_path: str | None) -> str:
+    """Salt separating KV computed under a different cache salt or LoRA adapter: the adapter's
+    name and path, as vLLM's own block hashes take them (one name may be loaded from another
+    path on another engine)."""
+    lora = "" if lora_name is None else f"{lora_name}\x00{lora_path or ''}"
+    return f"{cache_salt or ''}\x00{lora}"
 
 
 def matched_prefix_tokens(

@@ -39,7 +39,7 @@ from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.stats import DuplexConnectorStats
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
@@ -132,6 +132,26 @@ def _is_dense(page: torch.Tensor) -> bool:
     return all(stride > 0 for stride in page.stride()) and span == page.numel()
 
 
+def side_channel_port(base: int, parallel: ParallelConfig, tp_rank: int) -> int:
+    """The port this worker's side channel listens on: 0 (a free port) when `base` is 0, else
+    `base` + the worker's index among the engines' workers on this host, i.e. its data-parallel
+    rank on this host (vLLM's `data_parallel_rank_local`, or its data-parallel index where vLLM
+    sets no local rank) times the TP size, plus its TP rank."""
+    if not base:
+        return 0
+    dp_rank_local = parallel.data_parallel_rank_local
+    if dp_rank_local is None:
+        dp_rank_local = parallel.data_parallel_index
+    port = base + dp_rank_local * parallel.tensor_parallel_size + tp_rank
+    if port > 65535:
+        raise ValueError(
+            f"DuplexConnector: side_channel_port {base} + data-parallel rank {dp_rank_local} x "
+            f"TP size {parallel.tensor_parallel_size} + TP rank {tp_rank} = {port} is past "
+            "65535; lower side_channel_port (or set 0 for free ports)"
+        )
+    return port
+
+
 def compatibility_fingerprint(
     vllm_config: VllmConfig,
     kv_caches: dict[str, torch.Tensor],
@@ -148,6 +168,12 @@ def compatibility_fingerprint(
     fingerprint = {
         "kvduplex_protocol": str(protocol.PROTOCOL_VERSION),
         "vllm_version": vllm.__version__,
+        # The weights and the code that computes with them (as vLLM's NixlConnector, by the
+        # model's path or hub name: equal weights under two paths are refused too).
+        "model": model.model,
+        "revision": model.revision or "",
+        "code_revision": model.code_revision or "",
+        "quantization": model.quantization or "",
         "architectures": ",".join(getattr(hf, "architectures", None) or []),
         "model_type": str(getattr(hf, "model_type", "")),
         "vocab_size": str(model.get_vocab_size()),
@@ -241,12 +267,13 @@ class DuplexWorker:
         fingerprint = compatibility_fingerprint(
             self._vllm_config, kv_caches, layout, self._groups, self._tp_rank
         )
-        port = self._config.side_channel_port
         engine = _core.Engine(
             md.rank_engine_id(self._engine_id, self._tp_rank),
             fingerprint,
             host=self._config.side_channel_host,
-            port=port + self._tp_rank if port else 0,
+            port=side_channel_port(
+                self._config.side_channel_port, self._vllm_config.parallel_config, self._tp_rank
+            ),
             secret=self._config.auth_secret(),
             peer_error_handling=self._config.ucx_peer_error_handling,
             lookup_claim_s=self._config.kv_lease_ttl_s,

@@ -1,0 +1,90 @@
+"""What DuplexConnector checks and derives as it starts, on vLLM's real config objects: the
+load-failure policy it needs, its workers' side-channel ports, the compatibility fingerprint
+peers compare at the handshake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from duplex_harness import make_kv_cache_config, make_kv_caches, make_vllm_config
+from vllm.config import KVTransferConfig, ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from kvduplex.connector import DuplexConnector
+from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.groups import TransferGroups
+from kvduplex.connector.worker import (
+    compatibility_fingerprint,
+    describe_kv_caches,
+    side_channel_port,
+)
+
+
+def test_vllm_fails_a_failed_load_by_default_and_the_connector_refuses_that():
+    """vLLM 0.32's default would turn every fallback of the connector into a client error."""
+    default = KVTransferConfig(kv_connector="DuplexConnector", kv_role="kv_both")
+    assert default.kv_load_failure_policy == "fail"
+    with pytest.raises(ValueError, match='"kv_load_failure_policy": "recompute"'):
+        DuplexConfig.from_transfer_config(default)
+    recompute = KVTransferConfig(
+        kv_connector="DuplexConnector", kv_role="kv_both", kv_load_failure_policy="recompute"
+    )
+    assert DuplexConfig.from_transfer_config(recompute) == DuplexConfig()
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_either_role_refuses_to_start_under_the_fail_policy(tiny_config_dir: Path, role):
+    vllm_config = make_vllm_config(tiny_config_dir, "P")
+    vllm_config.kv_transfer_config.kv_load_failure_policy = "fail"
+    with pytest.raises(ValueError) as refused:
+        DuplexConnector(vllm_config, role, make_kv_cache_config(16))
+    message = str(refused.value)
+    # Names the setting, what it would do, and the fix.
+    assert "kv_load_failure_policy is 'fail'" in message
+    assert "error" in message and '"kv_load_failure_policy": "recompute"' in message
+
+
+def _parallel(dp_size: int, dp_rank_local: int, tp_size: int) -> ParallelConfig:
+    return ParallelConfig(
+        data_parallel_size=dp_size,
+        data_parallel_rank=dp_rank_local,
+        data_parallel_rank_local=dp_rank_local,
+        tensor_parallel_size=tp_size,
+    )
+
+
+def test_side_channel_ports_are_distinct_across_data_and_tensor_parallel_ranks():
+    ports = [
+        side_channel_port(5600, _parallel(2, dp, 2), tp) for dp in range(2) for tp in range(2)
+    ]
+    assert ports == [5600, 5601, 5602, 5603]
+    # A single engine: TP rank r on port+r, as before.
+    assert side_channel_port(5600, ParallelConfig(tensor_parallel_size=2), 1) == 5601
+    # 0: every worker picks a free port.
+    assert side_channel_port(0, _parallel(2, 1, 2), 1) == 0
+    with pytest.raises(ValueError, match="side_channel_port 65534 .* is past 65535"):
+        side_channel_port(65534, _parallel(2, 1, 2), 0)
+
+
+def _fingerprint(vllm_config) -> dict[str, str]:
+    kv_caches = make_kv_caches(8)
+    groups = TransferGroups.from_kv_cache_config(make_kv_cache_config(8))
+    return compatibility_fingerprint(
+        vllm_config, kv_caches, describe_kv_caches(kv_caches, 8), groups, tp_rank=0
+    )
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("revision", "v2"), ("code_revision", "c0ffee"), ("quantization", "fp8")],
+)
+def test_the_compatibility_fingerprint_tells_other_weights_apart(tiny_config_dir, field, value):
+    base = make_vllm_config(tiny_config_dir, "P")
+    fingerprint = _fingerprint(base)
+    assert fingerprint["model"] == str(tiny_config_dir)
+    other = make_vllm_config(tiny_config_dir, "P")
+    setattr(other.model_config, field, value)
+    theirs = _fingerprint(other)
+    assert theirs[field] == value
+    assert {key for key in fingerprint if fingerprint[key] != theirs[key]} == {field}
