@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig, EngineError, PeerStatus};
+use kvduplex::engine::{Engine, EngineConfig, EngineError, LookupFanOut, PeerStatus};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
-use kvduplex::holds::HoldKind;
+use kvduplex::holds::{HoldKind, LookupMatch};
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 64;
@@ -154,17 +154,9 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     let owner_addr = owner.side_channel_addr().unwrap();
     let target = vec![("127.0.0.1".to_string(), owner_addr.port())];
     let ask = |fingerprints: Vec<u64>| {
-        let fan_out = reader.start_lookup(target.clone(), fingerprints, None, Duration::from_secs(5));
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            if let [Some(answer)] = fan_out.answers().as_slice() {
-                let (owner_id, found) = answer.outcome.clone().unwrap();
-                assert_eq!(owner_id, peer);
-                return found;
-            }
-            assert!(Instant::now() < deadline, "no answer");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let (owner_id, found) = only_answer(&reader.start_lookup(target.clone(), fingerprints, None, Duration::from_secs(5)));
+        assert_eq!(owner_id, peer);
+        found
     };
     let found = ask(vec![11, 12, 99]).expect("held");
     assert_eq!((found.owner_request_id.as_str(), found.matched_blocks), ("turn-1", 2));
@@ -197,15 +189,7 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
     let reader = engine("reader", "f32", &mut local);
     let target = vec![("127.0.0.1".to_string(), owner.side_channel_addr().unwrap().port())];
     let ask = |fingerprints: Vec<u64>, name: &str| {
-        let fan_out = reader.start_lookup(target.clone(), fingerprints, Some(name.to_owned()), Duration::from_secs(5));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let [Some(answer)] = fan_out.answers().as_slice() {
-                return answer.outcome.clone().unwrap().1;
-            }
-            assert!(Instant::now() < deadline, "no answer");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        only_answer(&reader.start_lookup(target.clone(), fingerprints, Some(name.to_owned()), Duration::from_secs(5))).1
     };
     // The grant is asked before the owner holds the prompt (its engine takes a hold one step
     // after answering the request): asked again until the hold is there.
@@ -222,12 +206,19 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
     let refused_at = Instant::now();
     assert!(ask(vec![99, 12, 13], "p-1").is_none());
     assert!(refused_at.elapsed() < Duration::from_millis(500), "a refusal is not retried");
-    let by_content = reader.start_lookup(target.clone(), vec![11], None, Duration::from_secs(5));
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while by_content.answers()[0].is_none() && Instant::now() < deadline {
+    assert!(only_answer(&reader.start_lookup(target, vec![11], None, Duration::from_secs(5))).1.is_none());
+}
+
+/// The one target's answer to a lookup (waiting up to 10 s): the owner's id and its match.
+fn only_answer(fan_out: &LookupFanOut) -> (String, Option<LookupMatch>) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let [Some(answer)] = fan_out.answers().as_slice() {
+            return answer.outcome.clone().unwrap();
+        }
+        assert!(Instant::now() < deadline, "no answer");
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(by_content.answers()[0].as_ref().unwrap().outcome.as_ref().unwrap().1.is_none());
 }
 
 #[test]

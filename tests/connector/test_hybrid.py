@@ -26,6 +26,7 @@ from duplex_harness import (
     prefill,
     prompt_tokens,
 )
+from vllm.v1.request import RequestStatus
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -393,3 +394,23 @@ def test_a_mamba_group_without_prefix_caching_is_refused_naming_the_group():
     config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[full, none_mode])
     with pytest.raises(UnsupportedKVCacheGroup, match="KV-cache group 1 is a Mamba group in mamba_cache_mode 'none'"):
         TransferGroups.from_kv_cache_config(config)
+
+
+def test_a_mamba_turn_with_a_token_in_flight_is_not_held(engines):
+    """With async scheduling a finished request may still have a token in flight, and the
+    state-space group's state already moves past it: no state of the computed tokens alone."""
+    p, d = mamba(engines, "P"), mamba(engines, "D")
+    turn1 = prompt_tokens(100)
+    p_params = prefill(p, "p1", turn1)
+    d.add("d1", turn1, max_tokens=80, params=p_params)
+    d.pull_step(p_params)
+    d.step(finished_recving={"d1"})
+    d.step()
+    request = d.scheduler.requests["d1"]
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    blocks = d.scheduler.kv_cache_manager.get_block_ids("d1")
+    request.num_in_flight_tokens = 1
+    assert d.duplex.request_finished(request, blocks) == (False, None)
+    request.num_in_flight_tokens = 0
+    _, params = d.duplex.request_finished(request, blocks)
+    assert params is not None and params["remote_num_tokens"] == request.num_computed_tokens

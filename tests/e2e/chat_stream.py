@@ -44,6 +44,7 @@ def stream_chat(
     max_tokens: int,
     kv_transfer_params: dict | None = None,
     min_tokens: int | None = None,
+    stop: list[str] | None = None,
 ) -> Answer:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
     extra: dict = {"allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS), "return_token_ids": True}
@@ -56,6 +57,7 @@ def stream_chat(
         messages=messages,
         stream=True,
         max_tokens=max_tokens,
+        stop=stop,
         temperature=0,
         seed=0,
         logprobs=True,

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import random
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +31,24 @@ import httpx
 import pytest
 from chat_stream import Answer, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
+from test_connector_e2e import counter
 
+from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
 from kvduplex.protocol import prefill_request_params
 from kvduplex.servers import (
     VllmServer,
+    complete,
+    describe_mismatch,
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,
 )
 from kvduplex.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
+    CHAT_FIRST_WORD_ID,
     SERVED_MODEL_NAME,
+    VOCAB_SIZE,
     SERVER_ARGS,
     build_tiny_chat_model,
     sample_chat_text,
@@ -191,3 +200,128 @@ def test_a_conversation_sharing_a_long_first_message_pulls_it_from_the_d_that_ho
     # B shares A's first 303 tokens (bos, "system:", 300 words, "user:"): 2 full blocks.
     assert on_p2.get("external_kv_transfer", 0) == 2 * BLOCK, on_p2
     assert on_p2.get("local_compute", 0) == len(expected.prompt_ids) - 2 * BLOCK, on_p2
+
+
+# --------------------------------------------------------------- every read granted by its owner
+
+
+def word_prompt(num_tokens: int, seed: int) -> list[int]:
+    """Token ids of the chat model's words, a fresh draw per seed (no prefix cache has them)."""
+    rng = random.Random(seed)
+    words = range(CHAT_FIRST_WORD_ID, VOCAB_SIZE)
+    return [rng.choice(words) for _ in range(num_tokens)]
+
+
+def pulled(server: VllmServer, before: dict[str, float]) -> float:
+    return prompt_tokens_by_source(server.base_url).get("external_kv_transfer", 0) - before.get(
+        "external_kv_transfer", 0
+    )
+
+
+@pytest.mark.e2e
+def test_a_second_reader_of_the_same_params_is_granted_nothing_and_answers_right(servers):
+    """D1 decodes a prompt with P's params; P serves other requests; D2 then gets the same
+    params (what a proxy's retry or any client that reaches a D can send): P's prompt was read
+    by D1 already, so P grants D2 nothing, D2 computes the prompt and answers as one server."""
+    d1, d2 = servers.decodes
+    prompt = word_prompt(3 * BLOCK + 50, seed=41)
+    expected = complete(servers.reference.base_url, prompt, 16)
+    p_params = complete(
+        servers.prefill.base_url, prompt, 1, kv_transfer_params=prefill_request_params()
+    ).kv_transfer_params
+    before = prompt_tokens_by_source(d1.base_url)
+    first = complete(d1.base_url, prompt, 16, kv_transfer_params=p_params)
+    assert describe_mismatch(expected, first) is None
+    assert pulled(d1, before) == len(prompt)
+    # P steps on: its worker takes D1's release and ends the prompt's hold.
+    for seed in range(3):
+        complete(servers.prefill.base_url, word_prompt(200, seed=400 + seed), 1)
+    refused_before = counter(d2.base_url, "vllm:kvduplex_grants_refused_total")
+    before = prompt_tokens_by_source(d2.base_url)
+    second = complete(d2.base_url, prompt, 16, kv_transfer_params=p_params)
+    assert describe_mismatch(expected, second) is None
+    assert pulled(d2, before) == 0
+    assert counter(d2.base_url, "vllm:kvduplex_grants_refused_total") == refused_before + 1
+
+
+@pytest.mark.e2e
+def test_params_forged_with_another_prompts_fingerprints_are_refused_and_logged(servers):
+    """A client that reaches D takes P's params for prompt A, replaces their fingerprints with
+    those of its own prompt B (as the connector computes them) and sends B: D asks P for a grant
+    with B's own tokens, P refuses (A's blocks carry other tokens), D computes B. A's hold is
+    untouched: an honest reader of A's params is still granted them."""
+    d1, d2 = servers.decodes
+    prompt_a = word_prompt(2 * BLOCK + 60, seed=51)
+    prompt_b = word_prompt(2 * BLOCK + 60, seed=52)
+    p_params = complete(
+        servers.prefill.base_url, prompt_a, 1, kv_transfer_params=prefill_request_params()
+    ).kv_transfer_params
+    forged = dict(
+        p_params,
+        remote_block_fingerprints=block_fingerprints(
+            prompt_b, BLOCK, request_salt(None, None, None)
+        ),
+    )
+    expected_b = complete(servers.reference.base_url, prompt_b, 16)
+    before = prompt_tokens_by_source(d1.base_url)
+    answer_b = complete(d1.base_url, prompt_b, 16, kv_transfer_params=forged)
+    assert describe_mismatch(expected_b, answer_b) is None
+    assert pulled(d1, before) == 0
+    assert "did not grant the blocks of its request" in d1.log_tail(400)
+    assert "refused" in servers.prefill.log_tail(400)
+
+    expected_a = complete(servers.reference.base_url, prompt_a, 16)
+    before = prompt_tokens_by_source(d2.base_url)
+    answer_a = complete(d2.base_url, prompt_a, 16, kv_transfer_params=p_params)
+    assert describe_mismatch(expected_a, answer_a) is None
+    assert pulled(d2, before) == len(prompt_a)
+
+
+@pytest.mark.e2e
+def test_a_chat_whose_requests_carry_stop_strings_pulls_every_later_turn(servers):
+    """Each answer ends on a stop string (a word of the answer the single server gives without
+    one). vLLM's frontend finishes such a request by aborting it in the engine; D holds the
+    turn all the same, and P pulls it back on the next turn."""
+    messages = [{"role": "system", "content": sample_chat_text(300, seed=6)}]
+    with ProxyThread([servers.prefill.base_url], [d.base_url for d in servers.decodes]) as proxy:
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": sample_chat_text(40, seed=60 + turn)})
+            free = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
+            words = free.text.split()
+            stop = [f" {words[len(words) // 2]}"]
+            expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS, stop=stop)
+            assert len(expected.token_ids) < len(free.token_ids), f"turn {turn}: {stop} no stop"
+            before = prompt_tokens_by_source(servers.prefill.base_url)
+            answer = stream_chat(proxy.base_url, messages, MAX_TOKENS, stop=stop)
+            assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
+            assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
+            assert answer.text == expected.text
+            if turn > 0:
+                assert pulled(servers.prefill, before) > 0, f"turn {turn}: nothing pulled"
+            messages.append({"role": "assistant", "content": answer.text})
+
+
+@pytest.mark.e2e
+def test_the_conversation_goes_on_when_its_decode_node_dies_after_its_pull(servers):
+    """Through `kvduplex proxy`: the D that served turn 1 (and pulled P's prompt for it) is
+    killed; the proxy sends the next turns to the other D, P finds their history there, and
+    every answer equals the single server's. Runs last: it kills a server of the module."""
+    messages = [{"role": "system", "content": sample_chat_text(300, seed=7)}]
+    alive = list(servers.decodes)
+    with ProxyThread([servers.prefill.base_url], [d.base_url for d in servers.decodes]) as proxy:
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": sample_chat_text(40, seed=70 + turn)})
+            expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
+            before = {d.name: prompt_tokens_by_source(d.base_url) for d in alive}
+            p_before = prompt_tokens_by_source(servers.prefill.base_url)
+            answer = stream_chat(proxy.base_url, messages, MAX_TOKENS)
+            assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
+            assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
+            (served,) = [d for d in alive if pulled(d, before[d.name]) > 0]
+            if turn == 0:
+                logger.info("turn 1 was decoded by %s: killing it", served.name)
+                os.killpg(served.pid, signal.SIGKILL)
+                alive.remove(served)
+            elif turn > 1:
+                assert pulled(servers.prefill, p_before) > 0, f"turn {turn}: nothing pulled"
+            messages.append({"role": "assistant", "content": answer.text})

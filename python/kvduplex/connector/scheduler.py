@@ -621,6 +621,13 @@ class DuplexScheduler:
         else:
             return False, None
 
+        if self._groups.has_state and request.num_in_flight_tokens > 0:
+            # A state-space group's state already moves past a token still in flight (async
+            # scheduling): it holds no state of the turn's computed tokens alone.
+            logger.debug(
+                "Request %s: a token is in flight, so its state is not offered", request.request_id
+            )
+            return False, None
         num_tokens = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
         num_blocks = -(-num_tokens // self._block_size)
         # Per transfer group, one entry per block of the turn; vLLM has put its null block

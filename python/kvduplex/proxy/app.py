@@ -397,7 +397,12 @@ class DuplexProxy:
         choice: _DecodeChoice | None = None,
     ) -> tuple[Upstream, bytes]:
         """POST to the first upstream that answers, failing over on transport errors; returns
-        that upstream and its size-limited 200 body. `latency` observes the time to answer."""
+        that upstream and its size-limited 200 body. `latency` observes the time to answer.
+
+        A decode leg is retried on another D even when the request may have reached the first
+        one: P grants its prompt's blocks only against the reader's own tokens and only while
+        its hold lasts (the first D's read ends it), so the second D reads the same intact
+        blocks or is refused and computes the prompt; it never reads reused blocks."""
         for upstream in self._candidates(pool, choice):
             started = time.perf_counter()
             with pool.track(upstream):
