@@ -49,7 +49,7 @@ fn bench_reads(c: &mut Criterion) {
         group.throughput(Throughput::Bytes((block * count) as u64));
         group.bench_function(name, |b| {
             b.iter(|| {
-                let t = reader.read_blocks(&peer, &ids, &ids, None, Duration::from_secs(10), None).unwrap();
+                let t = reader.read_blocks(&peer, &ids, &ids, None, Duration::from_secs(10), None, None).unwrap();
                 t.wait(Some(Duration::from_secs(10))).unwrap();
             })
         });
