@@ -91,6 +91,7 @@ fn bench_plan(c: &mut Criterion) {
                     black_box(&remote),
                     black_box(local_ids),
                     black_box(remote_ids),
+                    None,
                 )
                 .unwrap()
             })
@@ -99,7 +100,7 @@ fn bench_plan(c: &mut Criterion) {
     group.finish();
 
     let (_, local_ids, remote_ids) = &cases[0];
-    let plan = plan_reads(&local, &remote, local_ids, remote_ids).unwrap();
+    let plan = plan_reads(&local, &remote, local_ids, remote_ids, None).unwrap();
     let remote_regions = regions(&remote);
     c.bench_function("check_remote_bounds_scattered_64x4096", |b| {
         let index = RegionIndex::new(&remote_regions);

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvduplex::descriptors::BlockLayout;
+use kvduplex::descriptors::{BlockLayout, BlockSlice, PlanError, Side};
 use kvduplex::engine::{Engine, EngineConfig, EngineError, LookupFanOut, PeerStatus};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
 use kvduplex::holds::{HoldKind, LookupMatch};
@@ -24,6 +24,11 @@ fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
 }
 
 fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) -> Engine {
+    engine_paged(id, dtype, buf, same_host_reads, BLOCK)
+}
+
+/// An engine over `buf` cut into `buf.len() / block` blocks of `block` bytes.
+fn engine_paged(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block: usize) -> Engine {
     let engine = Engine::start(EngineConfig {
         engine_id: id.into(),
         fingerprint: fingerprint(dtype),
@@ -41,7 +46,7 @@ fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) 
     let base = buf.as_mut_ptr() as u64;
     engine.register_region(base, buf.len() as u64).unwrap();
     engine
-        .set_layout(BlockLayout { segment_bases: vec![base], block_stride: BLOCK as u64, block_len: BLOCK as u64, num_blocks: BLOCKS as u64 })
+        .set_layout(BlockLayout { segment_bases: vec![base], block_stride: block as u64, block_len: block as u64, num_blocks: (buf.len() / block) as u64 })
         .unwrap();
     engine
 }
@@ -68,7 +73,7 @@ fn read_and_notify(same_host_reads: bool) {
     let reader = engine_reading("reader", "f32", &mut local, same_host_reads);
     let peer = connect(&reader, &owner).unwrap();
     assert_eq!(peer, "owner");
-    let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10), None).unwrap();
+    let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10), None, None).unwrap();
     assert_eq!(transfer.same_host(), same_host_reads);
     if same_host_reads {
         assert!(transfer.poll().unwrap(), "a same-host batch is complete when read_blocks returns");
@@ -92,6 +97,101 @@ fn read_and_notify(same_host_reads: bool) {
     owned[0] = 0;
 }
 
+fn slice(remote_offset: usize, local_offset: usize, len: usize) -> Option<BlockSlice> {
+    Some(BlockSlice { remote_offset: remote_offset as u64, local_offset: local_offset as u64, len: len as u64 })
+}
+
+#[test]
+fn a_sliced_read_copies_the_second_half_of_each_remote_block_into_the_first_half_of_local_ones() {
+    sliced_read(false);
+}
+
+#[test]
+fn a_same_host_sliced_read_copies_the_second_half_of_each_remote_block_into_the_first_half_of_local_ones() {
+    sliced_read(true);
+}
+
+fn sliced_read(same_host_reads: bool) {
+    let half = BLOCK / 2;
+    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect();
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine_reading("reader", "f32", &mut local, same_host_reads);
+    let peer = connect(&reader, &owner).unwrap();
+    // Runs on both sides, which whole blocks would read as two descriptors.
+    let (lids, rids) = ([1i64, 2, 3, 9], [10i64, 11, 12, 40]);
+    let transfer = reader.read_blocks(&peer, &lids, &rids, Some(b"sliced".to_vec()), Duration::from_secs(10), None, slice(half, 0, half)).unwrap();
+    assert_eq!(transfer.same_host(), same_host_reads);
+    transfer.wait(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(transfer.num_descriptors, 4, "sliced reads are never coalesced");
+    assert_eq!(transfer.nbytes, 4 * half as u64);
+    for (&l, &r) in lids.iter().zip(&rids) {
+        let (l, r) = (l as usize, r as usize);
+        assert_eq!(local[l * BLOCK..l * BLOCK + half], owned[r * BLOCK + half..(r + 1) * BLOCK], "block {l} <- {r}");
+        assert!(local[l * BLOCK + half..(l + 1) * BLOCK].iter().all(|&b| b == 0), "second half of local block {l} was written");
+    }
+    let touched: Vec<usize> = lids.iter().map(|&l| l as usize).collect();
+    for b in (0..BLOCKS).filter(|b| !touched.contains(b)) {
+        assert!(local[b * BLOCK..(b + 1) * BLOCK].iter().all(|&x| x == 0), "untouched local block {b} was written");
+    }
+}
+
+/// Heterogeneous TP: P at TP=1 with 4 KiB pages, D at TP=2 with 2 KiB pages (D's rank 1 reads
+/// the second half of each of P's pages into its whole pages), and the converse (D at TP=1
+/// with 8 KiB pages reads P's whole 4 KiB page into the second half of its own).
+#[test]
+fn sliced_reads_between_engines_of_different_page_sizes() {
+    for same_host_reads in [false, true] {
+        let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 13 % 251) as u8).collect();
+        let owner = engine("owner", "f32", &mut owned);
+
+        let small = BLOCK / 2;
+        let mut rank1 = vec![0u8; small * BLOCKS];
+        let reader = engine_paged("rank1", "f32", &mut rank1, same_host_reads, small);
+        let peer = connect(&reader, &owner).unwrap();
+        let transfer = reader.read_blocks(&peer, &[0, 5, 6], &[3, 4, 63], None, Duration::from_secs(10), None, slice(small, 0, small)).unwrap();
+        assert_eq!(transfer.same_host(), same_host_reads);
+        transfer.wait(Some(Duration::from_secs(10))).unwrap();
+        for (l, r) in [(0usize, 3usize), (5, 4), (6, 63)] {
+            assert_eq!(rank1[l * small..(l + 1) * small], owned[r * BLOCK + small..(r + 1) * BLOCK], "{same_host_reads}: {l} <- {r}");
+        }
+        drop(reader);
+
+        let big = BLOCK * 2;
+        let mut merged = vec![0u8; big * BLOCKS / 2];
+        let reader = engine_paged("tp1", "f32", &mut merged, same_host_reads, big);
+        let peer = connect(&reader, &owner).unwrap();
+        // Without a slice, an 8 KiB local block takes two 4 KiB remote ones.
+        let err = reader.read_blocks(&peer, &[2], &[7], None, Duration::from_secs(1), None, None).err().expect("refused");
+        assert!(matches!(err, EngineError::Plan(PlanError::IdCountMismatch { .. })), "{err}");
+        let transfer = reader.read_blocks(&peer, &[2, 31], &[7, 8], None, Duration::from_secs(10), None, slice(0, BLOCK, BLOCK)).unwrap();
+        assert_eq!(transfer.same_host(), same_host_reads);
+        transfer.wait(Some(Duration::from_secs(10))).unwrap();
+        for (l, r) in [(2usize, 7usize), (31, 8)] {
+            assert!(merged[l * big..l * big + BLOCK].iter().all(|&b| b == 0), "{same_host_reads}: first half of {l} was written");
+            assert_eq!(merged[l * big + BLOCK..(l + 1) * big], owned[r * BLOCK..(r + 1) * BLOCK], "{same_host_reads}: {l} <- {r}");
+        }
+        drop(reader);
+        drop(owner);
+    }
+}
+
+#[test]
+fn slices_outside_a_block_are_refused_before_posting() {
+    let mut owned = vec![1u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let reader = engine("reader", "f32", &mut local);
+    let peer = connect(&reader, &owner).unwrap();
+    let refused = |s: Option<BlockSlice>| reader.read_blocks(&peer, &[1], &[1], None, Duration::from_secs(1), None, s).err().expect("refused");
+    assert!(matches!(refused(slice(1, 0, BLOCK)), EngineError::Plan(PlanError::SliceOutsideBlock { side: Side::Remote, .. })));
+    assert!(matches!(refused(slice(0, BLOCK, 1)), EngineError::Plan(PlanError::SliceOutsideBlock { side: Side::Local, .. })));
+    assert!(matches!(refused(slice(0, 0, 0)), EngineError::Plan(PlanError::EmptySlice)));
+    let wrapping = Some(BlockSlice { remote_offset: u64::MAX, local_offset: 0, len: 2 });
+    assert!(matches!(refused(wrapping), EngineError::Plan(PlanError::SliceOutsideBlock { .. })));
+    assert!(local.iter().all(|&b| b == 0));
+}
+
 #[test]
 fn out_of_range_ids_are_refused_before_posting() {
     let mut owned = vec![1u8; BLOCK * BLOCKS];
@@ -100,7 +200,7 @@ fn out_of_range_ids_are_refused_before_posting() {
     let reader = engine("reader", "f32", &mut local);
     let peer = connect(&reader, &owner).unwrap();
     for (l, r) in [(vec![1], vec![BLOCKS as i64]), (vec![-1], vec![1]), (vec![1, 2], vec![1])] {
-        let err = reader.read_blocks(&peer, &l, &r, None, Duration::from_secs(1), None).err().expect("refused");
+        let err = reader.read_blocks(&peer, &l, &r, None, Duration::from_secs(1), None, None).err().expect("refused");
         assert!(matches!(err, EngineError::Plan(_)), "{err}");
     }
     assert!(local.iter().all(|&b| b == 0));
@@ -312,7 +412,7 @@ fn a_connect_to_a_mute_peer_never_delays_reads_from_another() {
         }
         for round in 0..20u64 {
             let id = (round % (BLOCKS as u64 - 1)) as i64 + 1;
-            reader.read_blocks(&peer, &[id], &[id], None, Duration::from_secs(5), None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+            reader.read_blocks(&peer, &[id], &[id], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
         }
         // Twenty reads done while the connect to the mute peer is still waiting.
         assert!(!stuck.is_finished(), "the mute peer's handshake ended before the reads did");

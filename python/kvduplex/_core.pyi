@@ -136,10 +136,18 @@ class Engine:
         notify: bytes | None = None,
         timeout_s: float = 30.0,
         segments: tuple[int, int] | None = None,
+        block_slice: tuple[int, int, int] | None = None,
     ) -> Transfer:
         """Copy the peer's blocks remote_block_ids[i] into local_block_ids[i] for every
         segment, or only for the segments in `range(*segments)` (e.g. one layer's, for a
-        layer-by-layer pull). Ids are bounds-checked before anything is posted. `notify` is delivered to
+        layer-by-layer pull). `block_slice=(remote_offset, local_offset, len)` copies only
+        `len` bytes of each block pair, from `remote_offset` bytes into the remote block to
+        `local_offset` bytes into the local one (heterogeneous TP: one rank's heads of a
+        heads-outermost page); ids then pair one to one even where the two engines' block_len
+        differ, the slice must fit inside each side's block_len, and sliced reads are never
+        coalesced. A block_slice that is not three non-negative ints raises ValueError; one
+        with len 0 or that does not fit a block raises PlanError (also a ValueError). Ids are
+        bounds-checked before anything is posted. `notify` is delivered to
         the peer after the last byte was read. Fails after `timeout_s`, once none of its reads can
         still land (without peer error handling a read to a frozen peer may keep it pending).
         A same-host peer (`same_host_reads`) is read directly: a batch up to 1 MiB before this

@@ -21,6 +21,17 @@
 //! local side is the mirror image. Block sizes that are not whole multiples of each other
 //! are rejected rather than split, since no block boundary would line up.
 //!
+//! # Block slices
+//!
+//! With a [`BlockSlice`] every block pair moves only a sub-range of its page: `len` bytes from
+//! `remote_offset` into the remote block go to `local_offset` into the local block. This is
+//! what a reader needs when the two engines split the KV heads differently (heterogeneous
+//! tensor parallelism): a page is heads-outermost, so one rank's heads are one contiguous
+//! byte range of another rank's page. Ids then pair one to one whatever the two block sizes
+//! are, since only the slice has to fit each side's `block_len`. A slice that covers both
+//! pages whole is the same as no slice; any other slice gets one read per (segment, block):
+//! no two sliced reads are ever merged.
+//!
 //! # Output order
 //!
 //! The plan is segment-major and, within a segment, follows the id lists: the pairing of
@@ -42,6 +53,47 @@ pub struct BlockLayout {
     /// padding that is never read or written.
     pub block_len: u64,
     pub num_blocks: u64,
+}
+
+/// The part of every block a batch reads: `len` bytes at `remote_offset` into each remote
+/// block go to `local_offset` into its local block (see the [module docs](self#block-slices)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSlice {
+    pub remote_offset: u64,
+    pub local_offset: u64,
+    pub len: u64,
+}
+
+impl BlockSlice {
+    /// Checks that the slice is non-empty and lies inside one block on each side (with
+    /// `offset + len` computed without overflow).
+    fn validate(&self, local: &BlockLayout, remote: &BlockLayout) -> Result<(), PlanError> {
+        if self.len == 0 {
+            return Err(PlanError::EmptySlice);
+        }
+        for (side, offset, block_len) in [
+            (Side::Remote, self.remote_offset, remote.block_len),
+            (Side::Local, self.local_offset, local.block_len),
+        ] {
+            if offset.checked_add(self.len).is_none_or(|end| end > block_len) {
+                return Err(PlanError::SliceOutsideBlock {
+                    side,
+                    offset,
+                    len: self.len,
+                    block_len,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the slice is both sides' whole block, i.e. no slice at all.
+    fn is_whole(&self, local: &BlockLayout, remote: &BlockLayout) -> bool {
+        self.remote_offset == 0
+            && self.local_offset == 0
+            && self.len == local.block_len
+            && self.len == remote.block_len
+    }
 }
 
 /// One one-sided read: `len` bytes from the peer's `remote_addr` into our `local_addr`.
@@ -140,6 +192,21 @@ pub enum PlanError {
         local_block_len: u64,
         remote_block_len: u64,
     },
+    #[error("block slice len is 0")]
+    EmptySlice,
+    #[error(
+        "block slice {offset}+{len} does not fit in a {side} block of block_len {block_len}"
+    )]
+    SliceOutsideBlock {
+        side: Side,
+        offset: u64,
+        len: u64,
+        block_len: u64,
+    },
+    #[error(
+        "a block slice pairs block ids one to one, but there are {local} local ids and {remote} remote ids"
+    )]
+    SliceIdCountMismatch { local: usize, remote: usize },
     #[error("negative {side} block id {id}")]
     NegativeBlockId { side: Side, id: i64 },
     #[error("{side} block id {id} out of range ({owner} has {num_blocks} blocks)", owner = .side.owner())]
@@ -242,7 +309,8 @@ impl BlockLayout {
 
 /// Plans the reads that copy remote blocks `remote_ids[i]` into local blocks `local_ids[i]`.
 ///
-/// See the [module docs](self) for how differing block sizes pair ids up.
+/// See the [module docs](self) for how differing block sizes pair ids up, and for what
+/// `slice` (a sub-range of every block; `None` for whole blocks) changes.
 ///
 /// Every segment shares the same block pattern, so the id lists are turned into merged runs
 /// of segment-relative offsets once, and each segment then only adds its bases: the cost per
@@ -256,8 +324,16 @@ pub fn plan_reads(
     remote: &BlockLayout,
     local_ids: &[i64],
     remote_ids: &[i64],
+    slice: Option<BlockSlice>,
 ) -> Result<Vec<Descriptor>, PlanError> {
-    plan_segment_reads(local, remote, local_ids, remote_ids, 0..local.segment_bases.len())
+    plan_segment_reads(
+        local,
+        remote,
+        local_ids,
+        remote_ids,
+        0..local.segment_bases.len(),
+        slice,
+    )
 }
 
 /// [`plan_reads`] restricted to the segments `segments` (e.g. one layer's KV cache, for a
@@ -268,6 +344,7 @@ pub fn plan_segment_reads(
     local_ids: &[i64],
     remote_ids: &[i64],
     segments: std::ops::Range<usize>,
+    slice: Option<BlockSlice>,
 ) -> Result<Vec<Descriptor>, PlanError> {
     if local.segment_bases.len() != remote.segment_bases.len() {
         return Err(PlanError::SegmentCountMismatch {
@@ -284,6 +361,58 @@ pub fn plan_segment_reads(
         reason,
     })?;
 
+    // Checked before any id is looked at. A slice of both whole blocks reads what no slice
+    // reads, so it is planned (and merged) the same way.
+    let partial = match slice {
+        Some(slice) => {
+            slice.validate(local, remote)?;
+            Some(slice).filter(|s| !s.is_whole(local, remote))
+        }
+        None => None,
+    };
+    let runs = match partial {
+        None => whole_block_runs(local, remote, local_ids, remote_ids)?,
+        Some(slice) => sliced_runs(local, remote, local_ids, remote_ids, slice)?,
+    };
+
+    if segments.start >= segments.end || segments.end > local.segment_bases.len() {
+        return Err(PlanError::SegmentRange {
+            start: segments.start,
+            end: segments.end,
+            segments: local.segment_bases.len(),
+        });
+    }
+    let mut plan = Vec::with_capacity(runs.len() * segments.len());
+    let bases = local.segment_bases[segments.clone()].iter().zip(&remote.segment_bases[segments]);
+    for (&local_base, &remote_base) in bases {
+        let mut segment = runs.iter().map(|run| Descriptor {
+            local_addr: local_base + run.local_addr,
+            remote_addr: remote_base + run.remote_addr,
+            len: run.len,
+        });
+        // Runs are already maximal within a segment, so only a segment's first run can
+        // continue the previous segment's last one (when the segments are adjacent).
+        // A partial slice is never merged, not even across touching segments.
+        if let Some(first) = segment.next() {
+            if partial.is_none() {
+                push_merged(&mut plan, first);
+            } else {
+                plan.push(first);
+            }
+        }
+        plan.extend(segment);
+    }
+    Ok(plan)
+}
+
+/// Whole blocks, paired by the block-size ratio: segment-relative reads, merged wherever
+/// adjacent ones continue each other on both sides.
+fn whole_block_runs(
+    local: &BlockLayout,
+    remote: &BlockLayout,
+    local_ids: &[i64],
+    remote_ids: &[i64],
+) -> Result<Vec<Descriptor>, PlanError> {
     let unit = local.block_len.min(remote.block_len);
     if local.block_len % unit != 0 || remote.block_len % unit != 0 {
         return Err(PlanError::UnsupportedBlockRatio {
@@ -322,30 +451,38 @@ pub fn plan_segment_reads(
             },
         );
     }
+    Ok(runs)
+}
 
-    if segments.start >= segments.end || segments.end > local.segment_bases.len() {
-        return Err(PlanError::SegmentRange {
-            start: segments.start,
-            end: segments.end,
-            segments: local.segment_bases.len(),
+/// `slice` of every block, ids paired one to one: one segment-relative read per pair, never
+/// merged (a partial slice of the next block never continues this block's slice anyway,
+/// unless `block_stride == len` on both sides, which makes the slice whole).
+fn sliced_runs(
+    local: &BlockLayout,
+    remote: &BlockLayout,
+    local_ids: &[i64],
+    remote_ids: &[i64],
+    slice: BlockSlice,
+) -> Result<Vec<Descriptor>, PlanError> {
+    if local_ids.len() != remote_ids.len() {
+        return Err(PlanError::SliceIdCountMismatch {
+            local: local_ids.len(),
+            remote: remote_ids.len(),
         });
     }
-    let mut plan = Vec::with_capacity(runs.len() * segments.len());
-    let bases = local.segment_bases[segments.clone()].iter().zip(&remote.segment_bases[segments]);
-    for (&local_base, &remote_base) in bases {
-        let mut segment = runs.iter().map(|run| Descriptor {
-            local_addr: local_base + run.local_addr,
-            remote_addr: remote_base + run.remote_addr,
-            len: run.len,
-        });
-        // Runs are already maximal within a segment, so only a segment's first run can
-        // continue the previous segment's last one (when the segments are adjacent).
-        if let Some(first) = segment.next() {
-            push_merged(&mut plan, first);
-        }
-        plan.extend(segment);
-    }
-    Ok(plan)
+    // `validate` put the slice inside a block on each side, and the layouts' validation put
+    // every in-range block's end inside u64, so these sums cannot overflow.
+    local_ids
+        .iter()
+        .zip(remote_ids)
+        .map(|(&l, &r)| {
+            Ok(Descriptor {
+                local_addr: local.block_offset(l, Side::Local)? + slice.local_offset,
+                remote_addr: remote.block_offset(r, Side::Remote)? + slice.remote_offset,
+                len: slice.len,
+            })
+        })
+        .collect()
 }
 
 /// The region of `remote` that holds each remote range of `plan`, by the regions' order in

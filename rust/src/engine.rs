@@ -17,7 +17,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, PlanError, RegionBounds, RegionIndex};
+use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError, RegionBounds, RegionIndex};
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
@@ -537,9 +537,11 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
 }
 
 impl Engine {
-    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`. A peer on
-    /// this host is read directly ([`Transfer::same_host`]): a small batch before this
+    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`: whole blocks,
+    /// or with `slice` only that sub-range of every block (see [`crate::descriptors`]). A peer
+    /// on this host is read directly ([`Transfer::same_host`]): a small batch before this
     /// returns, a larger one by the engine's copy thread.
+    #[allow(clippy::too_many_arguments)]
     pub fn read_blocks(
         &self,
         peer_id: &str,
@@ -548,6 +550,7 @@ impl Engine {
         notify: Option<Vec<u8>>,
         timeout: Duration,
         segments: Option<std::ops::Range<usize>>,
+        slice: Option<BlockSlice>,
     ) -> Result<Transfer, EngineError> {
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(EngineError::Closed);
@@ -564,9 +567,11 @@ impl Engine {
             .ok_or_else(|| EngineError::InvalidArgument("set_layout must be called before read_blocks".into()))?;
         let remote_layout = peer.meta.layout.as_ref().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
         let plan = match segments {
-            None => plan_reads(local_layout, remote_layout, local_ids, remote_ids)?,
-            Some(range) => plan_segment_reads(local_layout, remote_layout, local_ids, remote_ids, range)?,
+            None => plan_reads(local_layout, remote_layout, local_ids, remote_ids, slice)?,
+            Some(range) => plan_segment_reads(local_layout, remote_layout, local_ids, remote_ids, range, slice)?,
         };
+        // Both checks below look at each planned (possibly sliced) range itself, not at the
+        // blocks it came from: every byte read and written lies in a registered region.
         let remote_regions = check_remote_bounds(&plan, &peer.region_index)?;
         let mut reads = Vec::with_capacity(plan.len());
         let mut nbytes = 0u64;

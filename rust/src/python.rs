@@ -11,7 +11,7 @@ use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::descriptors::BlockLayout;
+use crate::descriptors::{BlockLayout, BlockSlice};
 use crate::engine::{self, EngineConfig, EngineError};
 use crate::handshake::{Fingerprint, HandshakeError};
 use crate::holds::HoldKind;
@@ -53,6 +53,18 @@ fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
 
 fn seconds(name: &str, value: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(value).map_err(|_| PyValueError::new_err(format!("{name} must be a finite, non-negative number of seconds, got {value}")))
+}
+
+/// `block_slice`: a `(remote_offset, local_offset, len)` sequence of three non-negative ints.
+/// Anything else is a `ValueError`; whether the slice fits the blocks is the planner's check.
+fn parse_block_slice(value: &Bound<'_, PyAny>) -> PyResult<BlockSlice> {
+    let bad = |why: String| PyValueError::new_err(format!("block_slice must be a (remote_offset, local_offset, len) tuple of non-negative ints: {why}"));
+    let items: Vec<Bound<'_, PyAny>> = value.extract().map_err(|e: PyErr| bad(e.to_string()))?;
+    let [remote_offset, local_offset, len] = items.as_slice() else {
+        return Err(bad(format!("got {} items", items.len())));
+    };
+    let field = |name: &str, item: &Bound<'_, PyAny>| item.extract::<u64>().map_err(|e| bad(format!("{name}: {e}")));
+    Ok(BlockSlice { remote_offset: field("remote_offset", remote_offset)?, local_offset: field("local_offset", local_offset)?, len: field("len", len)? })
 }
 
 #[pyclass(module = "kvduplex._core", frozen)]
@@ -258,7 +270,7 @@ impl Engine {
         self.with(py, |e| Ok(e.peer_alive(&peer_engine_id)))
     }
 
-    #[pyo3(signature = (peer_engine_id, local_block_ids, remote_block_ids, *, notify=None, timeout_s=30.0, segments=None))]
+    #[pyo3(signature = (peer_engine_id, local_block_ids, remote_block_ids, *, notify=None, timeout_s=30.0, segments=None, block_slice=None))]
     #[allow(clippy::too_many_arguments)]
     fn read_blocks(
         &self,
@@ -269,10 +281,12 @@ impl Engine {
         notify: Option<Vec<u8>>,
         timeout_s: f64,
         segments: Option<(usize, usize)>,
+        block_slice: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Transfer> {
         let timeout = seconds("timeout_s", timeout_s)?;
         let segments = segments.map(|(start, end)| start..end);
-        let inner = self.with(py, |e| e.read_blocks(&peer_engine_id, &local_block_ids, &remote_block_ids, notify, timeout, segments))?;
+        let slice = block_slice.as_ref().map(parse_block_slice).transpose()?;
+        let inner = self.with(py, |e| e.read_blocks(&peer_engine_id, &local_block_ids, &remote_block_ids, notify, timeout, segments, slice))?;
         Ok(Transfer { inner })
     }
 
