@@ -669,8 +669,8 @@ impl Engine {
     /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
     /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
     /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
-    /// after answering its request) is asked for again, every [`NOT_YET_RETRY`], for at most
-    /// [`NOT_YET_WINDOW`] within `timeout`. A connected owner is asked from this thread right away: a new
+    /// after answering its request) is asked for again, less and less often (see
+    /// [`NOT_YET_FIRST_RETRY`]), for at most [`NOT_YET_WINDOW`] within `timeout`. A connected owner is asked from this thread right away: a new
     /// thread may wait long for a core on a busy host. Others are connected to first, each on
     /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
     /// returned [`LookupFanOut`]; an owner's reply is taken until [`LATE_REPLY_WINDOW`] after
@@ -684,7 +684,7 @@ impl Engine {
         );
         for (index, (host, port)) in targets.into_iter().enumerate() {
             if let Some(peer) = ready_peer(&self.shared, &fan_out.addresses[index]) {
-                fan_out.ask(index, &peer);
+                fan_out.ask(index, &peer, NOT_YET_FIRST_RETRY);
                 continue;
             }
             let (shared, asking) = (Arc::downgrade(&self.shared), fan_out.clone());
@@ -694,7 +694,7 @@ impl Engine {
                     None => Err("engine closed".to_owned()),
                 };
                 match connected {
-                    Ok(peer) => asking.ask(index, &peer),
+                    Ok(peer) => asking.ask(index, &peer, NOT_YET_FIRST_RETRY),
                     Err(e) => asking.answer(index, Err(e)),
                 }
             };
@@ -1050,10 +1050,12 @@ pub struct LookupAnswer {
 /// lookup at its deadline and keeps polling, to hand back the claim of a reply that came late.
 pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
 
-/// How often a grant of a hold the owner has not taken yet is asked again, and for how long
-/// at most (an owner takes a hold one engine step after answering its request).
-pub const NOT_YET_RETRY: Duration = Duration::from_millis(2);
-pub const NOT_YET_WINDOW: Duration = Duration::from_secs(1);
+/// A grant of a hold the owner has not taken yet is asked again after 2 ms, then after twice
+/// the previous wait up to 64 ms, for at most `NOT_YET_WINDOW` (an owner takes a hold one
+/// engine step after answering its request; a busy engine's step can take long).
+pub const NOT_YET_FIRST_RETRY: Duration = Duration::from_millis(2);
+pub const NOT_YET_MAX_RETRY: Duration = Duration::from_millis(64);
+pub const NOT_YET_WINDOW: Duration = Duration::from_secs(2);
 
 /// What a lookup asks every target.
 struct LookupQuestion {
@@ -1101,15 +1103,16 @@ impl LookupFanOut {
     }
 
     /// Sends the lookup to `peer`, target `index`, without waiting for its reply; a "not yet"
-    /// is asked again (from the link's thread, after [`NOT_YET_RETRY`]) until `retry_until`.
-    fn ask(&self, index: usize, peer: &Arc<Peer>) {
+    /// is asked again (from the link's thread, after `retry`, see [`NOT_YET_FIRST_RETRY`])
+    /// until `retry_until`.
+    fn ask(&self, index: usize, peer: &Arc<Peer>, retry: Duration) {
         let (fan_out, again) = (self.clone(), Arc::downgrade(peer));
         let owner = peer.meta.engine_id.clone();
         let on_reply = Box::new(move |outcome: LookupOutcome| match outcome {
-            Ok(reply) if reply.not_yet && Instant::now() + NOT_YET_RETRY < fan_out.question.retry_until => {
-                std::thread::sleep(NOT_YET_RETRY);
+            Ok(reply) if reply.not_yet && Instant::now() + retry < fan_out.question.retry_until => {
+                std::thread::sleep(retry);
                 match again.upgrade() {
-                    Some(peer) => fan_out.ask(index, &peer),
+                    Some(peer) => fan_out.ask(index, &peer, (retry * 2).min(NOT_YET_MAX_RETRY)),
                     None => fan_out.answer(index, Err("the owner went away".to_owned())),
                 }
             }

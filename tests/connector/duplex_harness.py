@@ -411,11 +411,13 @@ def running(engine: Engine) -> list[str]:
     return [request.request_id for request in engine.scheduler.running]
 
 
-def make_kv_caches(num_blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+def make_kv_caches(
+    num_blocks: int, seed: int | None = None, kv_heads: int = NUM_KV_HEADS
+) -> dict[str, torch.Tensor]:
     """KV caches shaped and laid out like vLLM's on the CPU: per layer a
     [blocks, kv_heads, block_size, 2 * head_size] float32 view of one shared storage, layer
-    after layer. Filled from `seed`, or zeros when it is None."""
-    page = NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE
+    after layer (`kv_heads`: a TP rank's share). Filled from `seed`, or zeros when it is None."""
+    page = kv_heads * BLOCK_SIZE * 2 * HEAD_SIZE
     numel = NUM_LAYERS * num_blocks * page
     if seed is None:
         storage = torch.zeros(numel)
@@ -424,7 +426,7 @@ def make_kv_caches(num_blocks: int, seed: int | None = None) -> dict[str, torch.
     layer = num_blocks * page
     return {
         f"model.layers.{i}.self_attn.attn": storage[i * layer : (i + 1) * layer].view(
-            num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE
+            num_blocks, kv_heads, BLOCK_SIZE, 2 * HEAD_SIZE
         )
         for i in range(NUM_LAYERS)
     }
@@ -436,20 +438,23 @@ def make_worker(
     kv_caches: dict[str, torch.Tensor],
     extra_config: dict[str, Any] | None = None,
     sliding_window: int | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ):
     """A real DuplexWorker (transfer core included) with `kv_caches` registered; with
-    `sliding_window`, the hybrid model's KV-cache groups (see `make_kv_cache_config`)."""
+    `sliding_window`, the hybrid model's KV-cache groups (see `make_kv_cache_config`); as TP
+    rank `tp_rank` of `tp_size` (its caches then hold its share of the KV heads)."""
     from kvduplex.connector.config import DuplexConfig
     from kvduplex.connector.worker import DuplexWorker
 
     num_blocks = next(iter(kv_caches.values())).shape[0]
-    vllm_config = make_vllm_config(model_dir, engine_id, extra_config, num_blocks)
+    vllm_config = make_vllm_config(model_dir, engine_id, extra_config, num_blocks, tp_size)
     worker = DuplexWorker(
         vllm_config,
         make_kv_cache_config(num_blocks, sliding_window),
         DuplexConfig.from_extra_config(extra_config),
         engine_id,
-        tp_rank=0,
+        tp_rank=tp_rank,
     )
     worker.register_kv_caches(kv_caches)
     return worker

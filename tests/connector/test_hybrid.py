@@ -161,8 +161,8 @@ def test_no_pull_when_the_owner_freed_a_window_block_the_reader_needs(engines, c
 
 def _context(sliding_window):
     return ParamsContext(
-        engine_id="D", tp_size=1, block_size=BLOCK_SIZE, max_model_len=1024, bidirectional=True,
-        read_deadline_margin_s=1.0,
+        engine_id="D", tp_size=1, total_kv_heads=2, block_size=BLOCK_SIZE, max_model_len=1024,
+        bidirectional=True, read_deadline_margin_s=1.0,
         groups=TransferGroups.from_kv_cache_config(
             make_kv_cache_config(64, sliding_window=sliding_window)
         ),
@@ -368,8 +368,8 @@ def test_mamba_groups_follow_the_state_rule():
 
 def _mamba_context():
     return ParamsContext(
-        engine_id="D", tp_size=1, block_size=BLOCK_SIZE, max_model_len=1024, bidirectional=True,
-        read_deadline_margin_s=1.0,
+        engine_id="D", tp_size=1, total_kv_heads=2, block_size=BLOCK_SIZE, max_model_len=1024,
+        bidirectional=True, read_deadline_margin_s=1.0,
         groups=TransferGroups.from_kv_cache_config(make_kv_cache_config(64, mamba=True)),
     )
 

@@ -71,7 +71,8 @@ CASES = [
     ("port-bool", _set("remote_port", True), "[1, 65535]"),
     ("ports-mismatch", _set("remote_ports", [41009]), "differs from remote_ports"),
     ("ports-missing", _delete("remote_ports"), "missing remote_ports"),
-    ("tp-size", _set("tp_size", 2), "tensor-parallel size 2"),
+    ("tp-size-unmappable", _set("tp_size", 4), "do not split evenly over tensor-parallel size 4"),
+    ("tp-size-huge", _set("tp_size", 10**6), "outside [1, 1024]"),
     ("block-size", _set("remote_block_size", 32), "block size 32"),
     ("fingerprints-missing", _delete("remote_block_fingerprints"), "missing"),
     ("fingerprints-short", _set("remote_block_fingerprints", ["00" * 8]), "list of 7"),
@@ -112,7 +113,7 @@ def test_malformed_params_run_without_transfer(engines, connector_log, mutate, r
 def test_params_that_are_not_an_object(params):
     # vLLM's HTTP layer only accepts objects; the parser refuses anything else on its own.
     context = ParamsContext(
-        engine_id="D", tp_size=1, block_size=16, max_model_len=1024, bidirectional=True,
+        engine_id="D", tp_size=1, total_kv_heads=2, block_size=16, max_model_len=1024, bidirectional=True,
         read_deadline_margin_s=1.0,
         groups=TransferGroups.from_kv_cache_config(make_kv_cache_config(64)),
     )

@@ -182,3 +182,35 @@ def test_auto_threshold_never_pulls_when_reading_is_slower_than_computing():
         estimator.observe_step(0.064, 256)
         estimator.observe_read(0.001 * tokens, tokens)
     assert estimator.threshold() == 4097
+
+
+def test_rank_reads_map_kv_heads_between_tp_sizes():
+    from kvduplex.connector.tp import RankRead, mappable, rank_reads
+
+    # Equal sizes: rank r reads rank r's whole pages.
+    assert rank_reads(8, 2, 1, 2, None) == [RankRead(1, None)]
+    # P at TP=1, D at TP=2: each D rank reads its half of P's page into its whole page.
+    assert rank_reads(8, 2, 0, 1, 100) == [RankRead(0, (0, 0, 400))]
+    assert rank_reads(8, 2, 1, 1, 100) == [RankRead(0, (400, 0, 400))]
+    # P at TP=2, D at TP=1: D's one rank reads each P rank's page into its half.
+    assert rank_reads(8, 1, 0, 2, 100) == [RankRead(0, (0, 0, 400)), RankRead(1, (0, 400, 400))]
+    # TP=4 reader from TP=2 owner, and TP=2 from TP=4: quarter and half pages.
+    assert rank_reads(8, 4, 3, 2, 10) == [RankRead(1, (20, 0, 20))]
+    assert rank_reads(8, 2, 1, 4, 10) == [RankRead(2, (0, 0, 20)), RankRead(3, (0, 20, 20))]
+    # Every head of every reader rank comes from exactly one owner rank, once.
+    for reader_tp, owner_tp in [(1, 4), (4, 1), (2, 8), (8, 2), (4, 2)]:
+        covered = []
+        for rank in range(reader_tp):
+            for read in rank_reads(8, reader_tp, rank, owner_tp, 1):
+                remote, local, length = read.block_slice
+                covered += [(rank, local + i, read.owner_rank * 8 // owner_tp + remote + i)
+                            for i in range(length)]
+        assert sorted(h for _, _, h in covered) == list(range(8)), (reader_tp, owner_tp)
+        assert all(rank * 8 // reader_tp + local == head for rank, local, head in covered)
+    # Not mappable: replicated heads, pages that are not head-major.
+    assert "replicates" in mappable(2, 1, 4)
+    assert mappable(2, 2, 2) is None
+    with pytest.raises(ValueError, match="do not split evenly over tensor-parallel size 4"):
+        rank_reads(2, 4, 0, 1, 100)
+    with pytest.raises(ValueError, match="not head-major"):
+        rank_reads(8, 2, 0, 1, None)

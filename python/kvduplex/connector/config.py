@@ -19,6 +19,7 @@ Every option, its default and why:
 | `side_channel_host` | `$VLLM_HOST_IP`, else `127.0.0.1` | Address each worker's transfer engine listens on and announces to peers. |
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port for each worker. Otherwise each worker of an engine on this host listens on its own port: port + data-parallel rank on this host × TP size + TP rank (so TP rank r of a single engine listens on port+r, and data-parallel ranks on one host never collide). The real port is always announced. |
 | `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
+| `peer_heartbeat_s` | `1` | How often a worker's transfer core pings each connected peer engine; a peer that sends nothing for 3 of its heartbeats is taken for dead (its in-flight reads fail and recompute, its grants and lookups end). Raise it on oversubscribed hosts, where a live engine can be starved of CPU for seconds (seen with 8 vLLM processes on 2 cores). |
 | `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate, which is allowed only on a loopback `side_channel_host` (or with `allow_unauthenticated_peers`). |
 | `allow_unauthenticated_peers` | `false` | Serve the side channel without a shared secret on a non-loopback address. Any host that reaches it can then read the registered KV cache: only for trusted networks; logged as a warning at start. |
 | `lookup_timeout_ms` | `250` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history. A live, connected peer answers in one side-channel round trip (measured here: ~1 ms on loopback, tens of ms when 4 vLLM servers share 2 cores); prefill nodes connect to announced decode nodes ahead of time, so no lookup pays for a handshake. The wait only matters when a peer is hung (a dead one is dropped by its heartbeats within 3 s), and 250 ms stays below the prefill time of a history long enough to be worth pulling. Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off (a grant of the blocks that params name is not a lookup: it always runs, within `handshake_timeout_s`). |
@@ -56,6 +57,7 @@ class DuplexConfig:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     handshake_timeout_s: float = 10.0
+    peer_heartbeat_s: float = 1.0
     auth_secret_env: str = "KVDUPLEX_SECRET"
     ucx_peer_error_handling: bool = False
     allow_unauthenticated_peers: bool = False
@@ -125,6 +127,7 @@ class DuplexConfig:
                 extra.get("side_channel_port", 0), "side_channel_port", minimum=0, maximum=65535
             ),
             handshake_timeout_s=_seconds(extra, "handshake_timeout_s", 10.0),
+            peer_heartbeat_s=_seconds(extra, "peer_heartbeat_s", 1.0),
             auth_secret_env=secret_env,
             ucx_peer_error_handling=_bool(extra, "ucx_peer_error_handling", False),
             allow_unauthenticated_peers=_bool(extra, "allow_unauthenticated_peers", False),
@@ -156,6 +159,7 @@ _KNOWN_KEYS = frozenset(
         "side_channel_host",
         "side_channel_port",
         "handshake_timeout_s",
+        "peer_heartbeat_s",
         "auth_secret_env",
         "ucx_peer_error_handling",
         "lookup_timeout_ms",

@@ -18,12 +18,14 @@ from typing import Any
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
+from kvduplex.connector import tp
 from kvduplex.connector.groups import NULL_BLOCK_ID, SLIDING_WINDOW, STATE_SPACE, TransferGroups
 from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
 
 _MAX_ID_CHARS = 512
 _MAX_HOST_CHARS = 253
 _MAX_BLOCK_ID = 2**31 - 1
+_MAX_TP_SIZE = 1024
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -33,6 +35,8 @@ class ParamsContext:
 
     engine_id: str
     tp_size: int
+    total_kv_heads: int
+    """The model's KV heads, over all TP ranks (to pair engines at other TP sizes)."""
     block_size: int
     max_model_len: int
     bidirectional: bool
@@ -132,11 +136,17 @@ def _parse_address(params: dict[str, Any], ctx: ParamsContext) -> tuple[md.PeerA
     host = _text(params, protocol.REMOTE_HOST, _MAX_HOST_CHARS)
     port = _port(_required(params, protocol.REMOTE_PORT), protocol.REMOTE_PORT)
     tp_size = _int(params, protocol.TP_SIZE)
+    if not 1 <= tp_size <= _MAX_TP_SIZE:
+        raise _Invalid(f"{protocol.TP_SIZE}={tp_size} is outside [1, {_MAX_TP_SIZE}]")
     if tp_size != ctx.tp_size:
-        raise _Invalid(
-            f"remote tensor-parallel size {tp_size} differs from this engine's {ctx.tp_size}; "
-            "kvduplex transfers only between equal TP sizes"
-        )
+        reason = tp.mappable(ctx.total_kv_heads, tp_size, ctx.tp_size)
+        if reason is None and (ctx.groups.hybrid or ctx.groups.has_state):
+            reason = "heterogeneous TP is supported for one full-attention KV-cache group only"
+        if reason is not None:
+            raise _Invalid(
+                f"remote tensor-parallel size {tp_size} differs from this engine's "
+                f"{ctx.tp_size} and cannot be mapped: {reason}"
+            )
     ports_raw = _required(params, protocol.REMOTE_PORTS)
     if not isinstance(ports_raw, list) or len(ports_raw) != tp_size:
         raise _Invalid(f"{protocol.REMOTE_PORTS} must be a list of {tp_size} port(s)")

@@ -148,6 +148,7 @@ class DuplexScheduler:
         self._params_context = ParamsContext(
             engine_id=engine_id,
             tp_size=self._tp_size,
+            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             block_size=self._block_size,
             max_model_len=max_model_len,
             bidirectional=config.bidirectional_kv_xfer,
@@ -249,6 +250,7 @@ class DuplexScheduler:
             and remote.from_decode_node
             and not self._groups.hybrid
             and not self._groups.has_state
+            and len(remote.peer.ports) == self._tp_size
         )
 
     def update_state_after_alloc(

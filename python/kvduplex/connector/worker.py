@@ -35,6 +35,7 @@ from kvduplex import _core
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector import tp
 from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.stats import DuplexConnectorStats
 
@@ -152,15 +153,37 @@ def side_channel_port(base: int, parallel: ParallelConfig, tp_rank: int) -> int:
     return port
 
 
+def head_major_bytes(
+    kv_caches: dict[str, torch.Tensor], layout: KVLayout, local_heads: int, groups: TransferGroups
+) -> int | None:
+    """One KV head's bytes in a block page when every layer's page holds this rank's heads
+    outermost, one contiguous run each (vLLM's CPU cache: [kv_heads, block_size, 2 * head_size]),
+    so that engines at other TP sizes can be read by head (`tp.rank_reads`); else None."""
+    if groups.hybrid or groups.has_state or local_heads <= 0 or layout.block_len % local_heads:
+        return None
+    for tensor in kv_caches.values():
+        page = tensor[0]
+        if (
+            tensor.shape[0] != layout.num_blocks
+            or page.dim() < 2
+            or page.shape[0] != local_heads
+            or page.numel() * tensor.element_size() != layout.block_len
+        ):
+            return None
+    return layout.block_len // local_heads
+
+
 def compatibility_fingerprint(
     vllm_config: VllmConfig,
     kv_caches: dict[str, torch.Tensor],
     layout: KVLayout,
     groups: TransferGroups,
-    tp_rank: int,
+    head_bytes: int | None,
 ) -> dict[str, str]:
     """Everything that must be equal on both sides for a block to mean the same KV; each
-    KV-cache group has its own entry (`kv_cache_group<i>`), so a mismatch names the group."""
+    KV-cache group has its own entry (`kv_cache_group<i>`), so a mismatch names the group.
+    With head-major pages (`head_major_bytes`) the shape of one head's run stands for the
+    page's, and the TP size is left out: engines at other TP sizes pair by head."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     first = next(iter(kv_caches.values()))
@@ -178,7 +201,7 @@ def compatibility_fingerprint(
         "model_type": str(getattr(hf, "model_type", "")),
         "vocab_size": str(model.get_vocab_size()),
         "hidden_size": str(model.get_hidden_size()),
-        "num_kv_heads": str(model.get_num_kv_heads(parallel)),
+        "num_kv_heads": str(model.get_total_num_kv_heads()),
         "head_size": str(model.get_head_size()),
         "num_layers": str(len(kv_caches)),
         "layer_names": hashlib.blake2b(
@@ -186,15 +209,19 @@ def compatibility_fingerprint(
         ).hexdigest(),
         "block_size": str(vllm_config.cache_config.block_size),
         "cache_dtype": f"{vllm_config.cache_config.cache_dtype}/{first.dtype}",
-        "block_shape": "x".join(str(d) for d in first.shape[1:]),
-        "block_len": str(layout.block_len),
         "segments": str(len(layout.segment_bases)),
         "device_type": first.device.type,
-        "tp_size": str(parallel.tensor_parallel_size),
-        "tp_rank": str(tp_rank),
         "kv_cache_groups": str(len(groups)),
         **groups.describe(),
     }
+    # Named after the KV-cache groups' entries, so that a mismatch names a group first.
+    if head_bytes is not None:
+        fingerprint["page_of_one_head"] = "x".join(str(d) for d in first.shape[2:])
+        fingerprint["page_head_bytes"] = str(head_bytes)
+    else:
+        fingerprint["page_shape"] = "x".join(str(d) for d in first.shape[1:])
+        fingerprint["page_bytes"] = str(layout.block_len)
+        fingerprint["page_tp_size"] = str(parallel.tensor_parallel_size)
     if first.device.type == "cpu":
         # The CPU attention kernels lay out a block's interior per instruction set.
         fingerprint["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -204,8 +231,10 @@ def compatibility_fingerprint(
 @dataclass
 class _Inflight:
     spec: md.LoadSpec
-    transfer: _core.Transfer
+    transfers: list[_core.Transfer]
+    """One per owner rank read (several with heterogeneous TP)."""
     posted_at: float
+    failure: str | None = None
 
 
 @dataclass
@@ -236,6 +265,10 @@ class DuplexWorker:
         self._config = config
         self._engine_id = engine_id
         self._tp_rank = tp_rank
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # Set with the KV caches: how this rank's heads map onto other TP sizes.
+        self._total_kv_heads = 0
+        self._head_bytes: int | None = None
         self._engine: _core.Engine | None = None
         self._lookups: dict[str, _PendingLookup] = {}
         # Reported lookups whose slowest owners may still answer (their claims go back).
@@ -264,8 +297,13 @@ class DuplexWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = describe_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        model, parallel = self._vllm_config.model_config, self._vllm_config.parallel_config
+        self._total_kv_heads = model.get_total_num_kv_heads()
+        self._head_bytes = head_major_bytes(
+            kv_caches, layout, model.get_num_kv_heads(parallel), self._groups
+        )
         fingerprint = compatibility_fingerprint(
-            self._vllm_config, kv_caches, layout, self._groups, self._tp_rank
+            self._vllm_config, kv_caches, layout, self._groups, self._head_bytes
         )
         engine = _core.Engine(
             md.rank_engine_id(self._engine_id, self._tp_rank),
@@ -277,6 +315,7 @@ class DuplexWorker:
             secret=self._config.auth_secret(),
             peer_error_handling=self._config.ucx_peer_error_handling,
             lookup_claim_s=self._config.kv_lease_ttl_s,
+            heartbeat_s=self._config.peer_heartbeat_s,
             allow_unauthenticated=self._config.allow_unauthenticated_peers,
             same_host_reads=self._config.same_host_reads,
         )
@@ -404,31 +443,44 @@ class DuplexWorker:
 
     # ------------------------------------------------------------ reader side
 
-    def _peer_status(self, peer: md.PeerAddress) -> tuple[str, str | None]:
+    def _peer_status(self, peer: md.PeerAddress, rank: int = 0) -> tuple[str, str | None]:
         """("ready", engine id), ("connecting", None) or ("failed", why) for the peer's engine
-        of our TP rank. The transfer core owns the connection: it starts the handshake when
+        of TP rank `rank`. The transfer core owns the connection: it starts the handshake when
         none is under way, backs off after a failure, and refuses an engine other than the
         one the params named (e.g. restarted at the same address)."""
         if self._engine is None:
             return "failed", "no KV cache was registered with the transfer core"
         return self._engine.peer_status(
             peer.host,
-            peer.ports[self._tp_rank],
-            expected_engine_id=peer.rank_engine_id(self._tp_rank),
+            peer.ports[rank],
+            expected_engine_id=peer.rank_engine_id(rank),
             timeout_s=self._config.handshake_timeout_s,
+        )
+
+    def _rank_reads(self, spec: md.LoadSpec) -> list[tp.RankRead]:
+        """What this rank reads of the owner's ranks (see `tp.rank_reads`)."""
+        return tp.rank_reads(
+            self._total_kv_heads, self._tp_size, self._tp_rank, len(spec.peer.ports),
+            self._head_bytes,
         )
 
     def _advance(self) -> None:
         """Post the reads and releases whose peers are connected."""
         waiting_loads, self._waiting_loads = self._waiting_loads, []
         for spec in waiting_loads:
-            state, detail = self._peer_status(spec.peer)
-            if state == "connecting":
+            try:
+                reads = self._rank_reads(spec)
+            except ValueError as exc:
+                self._fail_load(spec, str(exc))
+                continue
+            statuses = [self._peer_status(spec.peer, read.owner_rank) for read in reads]
+            failed = [detail for state, detail in statuses if state == "failed"]
+            if failed:
+                self._fail_load(spec, f"no connection to the owner: {failed[0]}")
+            elif any(state == "connecting" for state, _ in statuses):
                 self._waiting_loads.append(spec)
-            elif state == "failed":
-                self._fail_load(spec, f"no connection to the owner: {detail}")
             else:
-                self._post_read(spec, detail)
+                self._post_read(spec, [(detail, read) for (_, detail), read in zip(statuses, reads)])
         # Claims live on the owner's TP rank 0, asked for by ours.
         waiting_releases, self._waiting_releases = self._waiting_releases, []
         if self._tp_rank != 0:
@@ -464,22 +516,28 @@ class DuplexWorker:
         self._fail_load(spec, "the owner's claim ends before the read could finish")
         return None
 
-    def _post_read(self, spec: md.LoadSpec, peer_engine_id: str) -> None:
+    def _post_read(self, spec: md.LoadSpec, reads: list[tuple[str, tp.RankRead]]) -> None:
+        """Post one read per owner rank; a read not posted fails the load once the others
+        posted have settled (no byte may land after vLLM recomputes into the blocks)."""
         time_left = self._read_time_left(spec)
         if time_left is None:
             return
-        posted_at = time.perf_counter()  # a small same-host read is done inside read_blocks
-        try:
-            transfer = self._engine.read_blocks(
-                peer_engine_id,
-                list(spec.local_block_ids),
-                list(spec.remote_block_ids),
-                timeout_s=time_left,
-            )
-        except _core.KvDuplexError as exc:
-            self._fail_load(spec, f"read not posted: {exc}")
-            return
-        self._inflight[spec.request_id] = _Inflight(spec, transfer, posted_at)
+        inflight = _Inflight(spec, [], time.perf_counter())
+        for peer_engine_id, read in reads:
+            try:
+                inflight.transfers.append(
+                    self._engine.read_blocks(
+                        peer_engine_id,
+                        list(spec.local_block_ids),
+                        list(spec.remote_block_ids),
+                        timeout_s=time_left,
+                        block_slice=read.block_slice,
+                    )
+                )
+            except (_core.KvDuplexError, ValueError) as exc:
+                inflight.failure = f"read not posted: {exc}"
+                break
+        self._inflight[spec.request_id] = inflight
 
     def _start_layerwise_read(self, spec: md.LoadSpec) -> None:
         """Post one read per segment before the forward pass; each layer waits for its own
@@ -487,10 +545,10 @@ class DuplexWorker:
         connect to announced decode nodes ahead of time); otherwise this waits for the
         handshake, at most `handshake_timeout_s`."""
         deadline = time.monotonic() + self._config.handshake_timeout_s
-        state, detail = self._peer_status(spec.peer)
+        state, detail = self._peer_status(spec.peer, self._tp_rank)
         while state == "connecting" and time.monotonic() < deadline:
             time.sleep(0.001)
-            state, detail = self._peer_status(spec.peer)
+            state, detail = self._peer_status(spec.peer, self._tp_rank)
         if state != "ready":
             self._fail_load(spec, f"no connection to the owner: {detail or 'handshake not done'}")
             return
@@ -540,21 +598,26 @@ class DuplexWorker:
             )
 
     def _poll_reads(self) -> None:
+        """Report each load once all of its reads have settled."""
         for request_id, inflight in list(self._inflight.items()):
-            try:
-                if not inflight.transfer.done():
-                    continue
-            except _core.KvDuplexError as exc:
-                del self._inflight[request_id]
-                self._fail_load(inflight.spec, f"read failed: {exc}")
+            settled = True
+            for transfer in inflight.transfers:
+                try:
+                    settled = transfer.done() and settled
+                except _core.KvDuplexError as exc:
+                    inflight.failure = inflight.failure or f"read failed: {exc}"
+            if not settled:
                 continue
             del self._inflight[request_id]
+            if inflight.failure is not None:
+                self._fail_load(inflight.spec, inflight.failure)
+                continue
             self._finished_recving.add(request_id)
             self._loads_done.append(request_id)
             self._stats.record_transfer(
                 time.perf_counter() - inflight.posted_at,
                 self._groups.by_group_id(inflight.spec.blocks_per_group),
-                inflight.transfer.nbytes,
+                sum(transfer.nbytes for transfer in inflight.transfers),
                 inflight.spec.num_tokens,
             )
 
@@ -658,7 +721,13 @@ class DuplexWorker:
             addresses.append(owner)
         else:
             addresses.extend(self._config.decode_peers)
-            addresses.extend(address for _, address in self._engine.known_peers())
+            # An engine's holds live on its TP rank 0 (other ranks of a reader at another TP
+            # size announce themselves too).
+            addresses.extend(
+                address
+                for engine_id, address in self._engine.known_peers()
+                if engine_id.endswith(md.rank_engine_id("", 0))
+            )
         targets: list[tuple[str, int]] = []
         for address in addresses:
             host, _, port = address.rpartition(":")
