@@ -88,9 +88,15 @@ def pd_pair(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[PdPairFactor
     `prefill_env` / `decode_env` (e.g. side-channel ports) and `extra_args` for both servers.
     The same arguments return the running pair; different ones stop the previous pair first,
     so choose ports that go into the env (e.g. side channels) once per session, not per call.
-    All pairs stop at the end of the session.
+    `pd_pair.stop()` stops the running pair (a module that starts servers of its own first
+    makes room). All pairs stop at the end of the session.
     """
     current: dict[str, Any] = {"key": None, "pair": None}
+
+    def stop() -> None:
+        if current["pair"] is not None:
+            current["pair"].__exit__(None, None, None)
+            current.update(key=None, pair=None)
 
     def start(
         kv_transfer_config: Mapping[str, Any],
@@ -111,9 +117,7 @@ def pd_pair(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[PdPairFactor
         )
         if current["key"] == key:
             return current["pair"]
-        if current["pair"] is not None:
-            current["pair"].__exit__(None, None, None)
-            current.update(key=None, pair=None)
+        stop()
 
         def server(name: str, config: Mapping[str, Any], env: Mapping[str, str] | None):
             return VllmServer(
@@ -138,6 +142,6 @@ def pd_pair(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[PdPairFactor
         current.update(key=key, pair=pair)
         return pair
 
+    start.stop = stop  # type: ignore[attr-defined]
     yield start
-    if current["pair"] is not None:
-        current["pair"].__exit__(None, None, None)
+    stop()

