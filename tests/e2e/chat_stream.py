@@ -38,6 +38,14 @@ class Answer:
     logprobs: list[float]
 
 
+def pulled(server: VllmServer, before: dict[str, float]) -> float:
+    """Prompt tokens `server` pulled from a peer since its counts were `before`
+    (`prompt_tokens_by_source`)."""
+    return prompt_tokens_by_source(server.base_url).get("external_kv_transfer", 0) - before.get(
+        "external_kv_transfer", 0
+    )
+
+
 def stream_chat(
     base_url: str,
     messages: list[dict],

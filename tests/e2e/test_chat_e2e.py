@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from chat_stream import Answer, stream_chat
+from chat_stream import Answer, pulled, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from test_connector_e2e import counter
 
@@ -210,12 +210,6 @@ def word_prompt(num_tokens: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     words = range(CHAT_FIRST_WORD_ID, VOCAB_SIZE)
     return [rng.choice(words) for _ in range(num_tokens)]
-
-
-def pulled(server: VllmServer, before: dict[str, float]) -> float:
-    return prompt_tokens_by_source(server.base_url).get("external_kv_transfer", 0) - before.get(
-        "external_kv_transfer", 0
-    )
 
 
 @pytest.mark.e2e

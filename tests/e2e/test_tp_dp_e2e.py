@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from chat_stream import Answer, stream_chat
+from chat_stream import Answer, pulled, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
@@ -142,12 +142,6 @@ def start(pytestconfig: pytest.Config, server_log_dir: Path, pd_pair) -> Iterato
     finally:
         for _, server_ in running.values():
             server_.stop()
-
-
-def pulled(server: VllmServer, before: dict[str, float]) -> float:
-    return prompt_tokens_by_source(server.base_url).get("external_kv_transfer", 0) - before.get(
-        "external_kv_transfer", 0
-    )
 
 
 def single_server_chat(reference: VllmServer, seed: int) -> list[Answer]:
