@@ -1158,21 +1158,26 @@ fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_
                 log::warn!("grant refused to {reader}: a request id of {} bytes", name.len());
                 LookupReply { id: request.id, found: None, not_yet: false }
             }
-            Some(name) => match lock(&holds).grant(reader, name, &request.fingerprints, claim, Instant::now()) {
-                Ok(m) => {
-                    log::debug!("granted {reader} {} of {asked} blocks of request {name} (claim {})", m.matched_blocks, m.claim_id);
-                    LookupReply { id: request.id, found: Some(m), not_yet: false }
-                }
-                Err(refusal) => {
-                    let not_yet = refusal == crate::holds::Refusal::NotHeldYet;
-                    if not_yet {
-                        log::debug!("grant of request {name} to {reader}: not held (yet)");
-                    } else {
-                        log::info!("grant of request {name}'s blocks refused to {reader}: {refusal}");
+            Some(name) => {
+                // The book's lock ends with this statement: logging (through Python) never
+                // holds it.
+                let granted = lock(&holds).grant(reader, name, &request.fingerprints, claim, Instant::now());
+                match granted {
+                    Ok(m) => {
+                        log::debug!("granted {reader} {} of {asked} blocks of request {name} (claim {})", m.matched_blocks, m.claim_id);
+                        LookupReply { id: request.id, found: Some(m), not_yet: false }
                     }
-                    LookupReply { id: request.id, found: None, not_yet }
+                    Err(refusal) => {
+                        let not_yet = refusal == crate::holds::Refusal::NotHeldYet;
+                        if not_yet {
+                            log::debug!("grant of request {name} to {reader}: not held (yet)");
+                        } else {
+                            log::info!("grant of request {name}'s blocks refused to {reader}: {refusal}");
+                        }
+                        LookupReply { id: request.id, found: None, not_yet }
+                    }
                 }
-            },
+            }
             None => {
                 let found = lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now());
                 match &found {
