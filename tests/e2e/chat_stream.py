@@ -19,6 +19,7 @@ import openai
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.proxy.app import CONVERSATION_HEADER
 from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
 from kvduplex.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
@@ -88,6 +89,41 @@ def stream_chat(
     if token_ids[-1] == CHAT_EOS_TOKEN_ID:
         token_ids, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
     return Answer(prompt_ids, text, token_ids, logprobs[: len(token_ids)])
+
+
+def respond(
+    base_url: str,
+    messages: list[dict],
+    max_output_tokens: int,
+    *,
+    stream: bool,
+    conversation_id: str | None = None,
+) -> str:
+    """One turn through `/v1/responses` with the official SDK: the conversation so far as
+    `input` (the first system message as `instructions`), greedy; returns the answer's text.
+    The final response must not carry D's `kv_transfer_params` (a proxy strips them)."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
+    headers = {CONVERSATION_HEADER: conversation_id} if conversation_id else None
+    system, *rest = messages
+    kwargs = dict(
+        model=SERVED_MODEL_NAME,
+        instructions=system["content"],
+        input=rest,
+        max_output_tokens=max_output_tokens,
+        temperature=0,
+        extra_headers=headers,
+    )
+    if stream:
+        events = list(client.responses.create(stream=True, **kwargs))
+        completed = [e for e in events if e.type == "response.completed"]
+        assert len(completed) == 1, [e.type for e in events]
+        response = completed[0].response
+        streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert streamed == response.output_text
+    else:
+        response = client.responses.create(**kwargs)
+    assert (response.model_extra or {}).get("kv_transfer_params") is None
+    return response.output_text
 
 
 GROUPS_LINE = "kv cache group sizes"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from chat_stream import Answer, pulled, stream_chat
+from chat_stream import Answer, pulled, respond, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from test_connector_e2e import counter
 
@@ -293,6 +293,34 @@ def test_a_chat_whose_requests_carry_stop_strings_pulls_every_later_turn(servers
             if turn > 0:
                 assert pulled(servers.prefill, before) > 0, f"turn {turn}: nothing pulled"
             messages.append({"role": "assistant", "content": answer.text})
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_responses_api_chat_through_kvduplex_proxy_pulls_every_later_turn(servers, stream):
+    """`/v1/responses` through `kvduplex proxy`, as the official SDK sends it: the whole
+    conversation in `input` every turn, with a conversation id (the proxy keeps D's params from
+    the final response, streamed or not, and hands them to P) and without one (P finds the
+    history by its content). Every answer equals the single server's; P pulls every later
+    turn's history from D."""
+    for conversation_id in (f"responses-{stream}", None):
+        seed = 80 + 2 * stream + (conversation_id is None)
+        messages = [{"role": "system", "content": sample_chat_text(300, seed=seed)}]
+        with ProxyThread([servers.prefill.base_url], [d.base_url for d in servers.decodes]) as proxy:
+            for turn in range(3):
+                messages.append(
+                    {"role": "user", "content": sample_chat_text(40, seed=seed * 10 + turn)}
+                )
+                expected = respond(servers.reference.base_url, messages, MAX_TOKENS, stream=False)
+                before = prompt_tokens_by_source(servers.prefill.base_url)
+                answer = respond(
+                    proxy.base_url, messages, MAX_TOKENS, stream=stream,
+                    conversation_id=conversation_id,
+                )
+                assert answer == expected, f"{conversation_id} turn {turn}: answers differ"
+                if turn > 0:
+                    assert pulled(servers.prefill, before) > 0, f"{conversation_id} turn {turn}"
+                messages.append({"role": "assistant", "content": answer})
 
 
 @pytest.mark.e2e

@@ -184,7 +184,12 @@ class FakeEngine:
                 return JSONResponse(payload, status_code=status)
             request_id = f"{self.name}-{len(self.requests)}"
             params = body.get("kv_transfer_params") or {}
-            chat = request.url.path.endswith("/chat/completions")
+            # A chat completion, a text completion, or (None) a /v1/responses one.
+            chat = (
+                None
+                if request.url.path.endswith("/responses")
+                else request.url.path.endswith("/chat/completions")
+            )
             if params.get(DO_REMOTE_DECODE):
                 out_params = self.prefill_params(request_id)
                 self.returned_params.append(out_params)
@@ -204,6 +209,7 @@ class FakeEngine:
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])
         app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+        app.add_api_route("/v1/responses", generate, methods=["POST"])
 
         @app.get("/health")
         async def health() -> Response:
@@ -217,8 +223,19 @@ class FakeEngine:
 
     @staticmethod
     def _completion(
-        chat: bool, request_id: str, text: str, params: dict[str, Any] | None
+        chat: bool | None, request_id: str, text: str, params: dict[str, Any] | None
     ) -> dict[str, Any]:
+        """`chat`: a chat completion; False: a text completion; None: a /v1/responses one."""
+        if chat is None:
+            return {
+                "id": request_id,
+                "object": "response",
+                "model": "tiny",
+                "status": "completed",
+                "output": [{"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": text}]}],
+                "kv_transfer_params": params,
+            }
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
@@ -233,7 +250,8 @@ class FakeEngine:
         }
 
     async def _stream(
-        self, chat: bool, request_id: str, pieces: list[str], params: dict[str, Any] | None
+        self, chat: bool | None, request_id: str, pieces: list[str],
+        params: dict[str, Any] | None,
     ) -> Any:
         for i, chunk in enumerate(self._stream_chunks(chat, request_id, pieces, params)):
             if self.stream_gate is not None and i > 0:
@@ -246,8 +264,20 @@ class FakeEngine:
             await asyncio.sleep(0)
 
     def _stream_chunks(
-        self, chat: bool, request_id: str, pieces: list[str], params: dict[str, Any] | None
+        self, chat: bool | None, request_id: str, pieces: list[str],
+        params: dict[str, Any] | None,
     ) -> Iterator[bytes]:
+        if chat is None:
+            # /v1/responses: typed events; the params ride in the final response object.
+            for piece in pieces:
+                event = {"type": "response.output_text.delta", "delta": piece}
+                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            final = self._completion(None, request_id, "".join(pieces), params)
+            if not self.stream_params:
+                final.pop("kv_transfer_params")
+            event = {"type": "response.completed", "response": final}
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            return
         for i, piece in enumerate(pieces):
             if self.abort_stream_after is not None and i == self.abort_stream_after:
                 raise RuntimeError("fake engine dies mid-stream")

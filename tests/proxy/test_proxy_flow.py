@@ -326,3 +326,44 @@ def test_models_health_and_metrics(cluster):
         in text
     )
     assert "kvduplex_proxy_prefill_seconds_count 2.0" in text
+
+
+def test_responses_api_turns_prefill_one_token_and_replay_decode_params(cluster):
+    """`/v1/responses`: P's leg generates one token (`max_output_tokens`) and stores nothing;
+    D's params come back in the response (top level when not streamed, inside the final
+    `response.completed` event's response when streamed), are kept from the client and handed
+    to P on the conversation's next turn."""
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d])
+    first = post(proxy, "/v1/responses", conversation="r1", input="turn one",
+                 max_output_tokens=7, store=True)
+    assert first.status_code == 200, first.text
+    assert "kv_transfer_params" not in first.json()
+    p_body = p.bodies("/v1/responses")[-1]
+    assert p_body["max_output_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["store"] is False and "max_tokens" not in p_body
+    assert p_body["kv_transfer_params"] == prefill_request_params()
+    d_body = d.bodies("/v1/responses")[-1]
+    assert d_body["max_output_tokens"] == 7 and d_body["store"] is True
+
+    streamed = post(proxy, "/v1/responses", conversation="r1", input="turn two", stream=True)
+    assert streamed.status_code == 200, streamed.text
+    assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[0]
+    events = sse_events(streamed.content)
+    assert [e["type"] for e in events][-1] == "response.completed"
+    assert "kv_transfer_params" not in events[-1]["response"]
+    assert events[-1]["response"]["output"][0]["content"][0]["text"].startswith("d says")
+
+    # The streamed turn's params (from its response.completed event) serve the third turn.
+    assert post(proxy, "/v1/responses", conversation="r1", input="turn three").status_code == 200
+    assert p.bodies()[-1]["kv_transfer_params"] == d.returned_params[1]
+
+
+def test_responses_api_state_kept_on_one_server_is_refused_with_the_reason(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d])
+    for field, value in (("previous_response_id", "resp_1"), ("background", True)):
+        answer = post(proxy, "/v1/responses", input="hi", **{field: value})
+        assert answer.status_code == 400, answer.text
+        assert field in answer.json()["error"]["message"]
+    assert p.bodies() == [] and d.bodies() == []

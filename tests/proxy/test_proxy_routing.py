@@ -273,3 +273,25 @@ def test_callers_route_by_their_own_key(cluster):
     # identical openings), each stable.
     assert proxy.decode_by_hash(body, "a") == proxy.decode_by_hash(chat_body(3, 4), "a")
     assert conversation_key("a", body) != conversation_key("b", body)
+
+
+def test_a_responses_conversation_keeps_its_key_as_its_input_grows():
+    first = {"model": "tiny", "instructions": "be brief", "input": [{"role": "user", "content": "a"}]}
+    later = {
+        **first,
+        "input": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"type": "message", "role": "user", "content": "c"},
+        ],
+        "stream": True,
+    }
+    key = conversation_key("caller", first)
+    assert conversation_key("caller", later) == key
+    assert conversation_key("caller", {**first, "instructions": "be long"}) != key
+    assert conversation_key("caller", {**first, "input": [{"role": "user", "content": "z"}]}) != key
+    # A text input is hashed as a completions prompt's start, within the same budget.
+    text = {"model": "tiny", "input": "x" * COMPLETION_PREFIX_CHARS}
+    assert conversation_key("caller", {**text, "input": text["input"] + "more"}) == (
+        conversation_key("caller", text)
+    )

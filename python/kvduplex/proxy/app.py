@@ -1,4 +1,4 @@
-"""The OpenAI-compatible P/D proxy: prefill on P, decode on D.
+"""The OpenAI-compatible P/D proxy (completions, chat, responses): prefill on P, decode on D.
 
 D is chosen per conversation: by rendezvous hashing on a key derived from the caller, the model
 and the conversation's first messages (`routing`), so every turn of a conversation, streamed or
@@ -41,6 +41,14 @@ _PARAMS_FIELD_JSON = json.dumps(PARAMS_FIELD).encode()
 # Request fields that make no sense for the one-token prefill step (vLLM rejects stream_options
 # without stream and min_tokens above max_tokens; extra choices would only waste P's compute).
 _PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "n", "best_of")
+# Per generation route, the request fields that bound the tokens generated: P's leg sets each to
+# one (the first is set even when the caller left it out).
+_MAX_TOKENS_FIELDS = {
+    "/v1/completions": ("max_tokens",),
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/responses": ("max_output_tokens",),
+}
+RESPONSES_ROUTE = "/v1/responses"
 # Longest SSE line the stream relay parses for kv_transfer_params; longer lines pass unparsed.
 _MAX_SCANNED_LINE_BYTES = 4 << 20
 
@@ -137,23 +145,35 @@ class SseParamsScanner:
             event = json.loads(body)
         except ValueError:
             return line
-        if not isinstance(event, dict) or PARAMS_FIELD not in event:
+        if not isinstance(event, dict):
             return line
-        params = event.pop(PARAMS_FIELD)
+        # Chat and completions chunks carry the params at the top; a /v1/responses stream in
+        # the `response` of its final event (response.completed).
+        holder = event if PARAMS_FIELD in event else event.get("response")
+        if not isinstance(holder, dict) or PARAMS_FIELD not in holder:
+            return line
+        params = holder.pop(PARAMS_FIELD)
         if isinstance(params, dict):
             self.params = params
         ending = b"\r\n" if line.endswith(b"\r\n") else b"\n"
         return b"data: " + json.dumps(event, separators=(",", ":")).encode() + ending
 
 
-def _prefill_body(body: dict[str, Any], pull_params: dict[str, Any] | None) -> dict[str, Any]:
+def _prefill_body(
+    route: str, body: dict[str, Any], pull_params: dict[str, Any] | None
+) -> dict[str, Any]:
     """P computes the prompt's KV and keeps it for D. With D's params from the previous turn it
     first pulls the history's KV from D (the connector checks the blocks' token fingerprints)."""
     prefill = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED_FIELDS}
-    prefill["max_tokens"] = 1
-    if "max_completion_tokens" in prefill:
-        prefill["max_completion_tokens"] = 1
+    first, *others = _MAX_TOKENS_FIELDS[route]
+    prefill[first] = 1
+    for field in others:
+        if field in prefill:
+            prefill[field] = 1
     prefill["stream"] = False
+    if route == RESPONSES_ROUTE:
+        # P's one-token answer is not the conversation's: nothing of it is stored.
+        prefill["store"] = False
     if pull_params is None:
         params = prefill_request_params()
     else:
@@ -162,6 +182,18 @@ def _prefill_body(body: dict[str, Any], pull_params: dict[str, Any] | None) -> d
         params[DO_REMOTE_PREFILL] = False
     prefill[PARAMS_FIELD] = params
     return prefill
+
+
+def _check_stateless_response(body: dict[str, Any]) -> None:
+    """P and D each see the whole conversation in every request: a response stored on one
+    server (`previous_response_id`, `background`) cannot be continued through both."""
+    for field in ("previous_response_id", "background", "conversation"):
+        if body.get(field):
+            raise _bad_request(
+                f"'{field}' is not supported through the P/D proxy: send the whole "
+                "conversation in 'input' (the prefill and decode servers do not share stored "
+                "responses)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +322,8 @@ class DuplexProxy:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad_request("'stream' must be a boolean")
+        if route == RESPONSES_ROUTE:
+            _check_stateless_response(body)
         conversation = self._conversation_id(request, body)
         caller = self._tenant(request)
         key = (
@@ -304,7 +338,7 @@ class DuplexProxy:
             forward_headers["authorization"] = request.headers["authorization"]
 
         prefill_upstream, decode_params = await self._prefill(
-            route, _prefill_body(body, pull_params), forward_headers
+            route, _prefill_body(route, body, pull_params), forward_headers
         )
         decode_body = dict(body)
         if decode_params is not None:
@@ -749,6 +783,10 @@ def create_app(
         return await run(
             "/v1/chat/completions", lambda: proxy.generate(request, "/v1/chat/completions")
         )
+
+    @app.post(RESPONSES_ROUTE)
+    async def responses(request: Request) -> Response:
+        return await run(RESPONSES_ROUTE, lambda: proxy.generate(request, RESPONSES_ROUTE))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -65,9 +65,16 @@ def _chat_start(messages: Any) -> dict[str, Any]:
 
 
 def conversation_key(caller: str, body: dict[str, Any]) -> bytes:
-    """The routing key of the conversation `body` (a completions or chat request) belongs to."""
+    """The routing key of the conversation `body` (a completions, chat or responses request)
+    belongs to."""
     if "messages" in body:
         start: Any = {"chat": _chat_start(body.get("messages"))}
+    elif "input" in body:
+        # /v1/responses: `instructions` play the system message's part; `input` is a text
+        # (whose start is hashed as a prompt's) or a list of items, messages among them.
+        given = body.get("input")
+        opening = _chat_start(given) if isinstance(given, list) else _prompt_start(given)
+        start = {"responses": {"instructions": body.get("instructions"), "input": opening}}
     else:
         start = {"prompt": _prompt_start(body.get("prompt"))}
     canonical = json.dumps(
