@@ -292,10 +292,11 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
         only_answer(&reader.start_lookup(target.clone(), fingerprints, Some(name.to_owned()), Duration::from_secs(5))).1
     };
     // The grant is asked before the owner holds the prompt (its engine takes a hold one step
-    // after answering the request): asked again until the hold is there.
+    // after answering the request, and a starved engine's step was seen to take seconds):
+    // asked again until the hold is there, within the grant's timeout.
     std::thread::scope(|scope| {
         scope.spawn(|| {
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(2500));
             owner.hold("p-1", HoldKind::ForDecode, 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap();
         });
         let granted = ask(vec![11, 12, 13], "p-1").expect("granted once held");
@@ -306,7 +307,12 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
     let refused_at = Instant::now();
     assert!(ask(vec![99, 12, 13], "p-1").is_none());
     assert!(refused_at.elapsed() < Duration::from_millis(500), "a refusal is not retried");
-    assert!(only_answer(&reader.start_lookup(target, vec![11], None, Duration::from_secs(5))).1.is_none());
+    assert!(only_answer(&reader.start_lookup(target.clone(), vec![11], None, Duration::from_secs(5))).1.is_none());
+    // A hold that is never taken: asked for until the grant's timeout, then nothing.
+    let asked_at = Instant::now();
+    let never = reader.start_lookup(target, vec![11], Some("p-never".to_owned()), Duration::from_millis(600));
+    assert!(only_answer(&never).1.is_none());
+    assert!(asked_at.elapsed() >= Duration::from_millis(500), "gave up before its timeout");
 }
 
 /// The one target's answer to a lookup (waiting up to 10 s): the owner's id and its match.

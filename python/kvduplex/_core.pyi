@@ -196,7 +196,7 @@ class Engine:
         these blocks or, with `request_id`, for a grant of that hold's leading blocks that
         carry them, without waiting: a connected owner is asked right away, others are
         connected to first (within `timeout_s`) on the transfer core's own threads. A named
-        hold the owner has not taken yet is asked for again for up to 2 s. Poll the returned
+        hold the owner has not taken yet is asked for again until `timeout_s`. Poll the returned
         lookup. A match is claimed for us until we release the claim."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (sender, payload) notifications received so far, in order. The sender is

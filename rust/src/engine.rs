@@ -670,7 +670,7 @@ impl Engine {
     /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
     /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
     /// after answering its request) is asked for again, less and less often (see
-    /// [`NOT_YET_FIRST_RETRY`]), for at most [`NOT_YET_WINDOW`] within `timeout`. A connected owner is asked from this thread right away: a new
+    /// [`NOT_YET_FIRST_RETRY`]), until `timeout` has passed. A connected owner is asked from this thread right away: a new
     /// thread may wait long for a core on a busy host. Others are connected to first, each on
     /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
     /// returned [`LookupFanOut`]; an owner's reply is taken until [`LATE_REPLY_WINDOW`] after
@@ -679,7 +679,7 @@ impl Engine {
         let connect_deadline = deadline_after(timeout);
         let fan_out = LookupFanOut::new(
             targets.iter().map(|(host, port)| format!("{host}:{port}")).collect(),
-            Arc::new(LookupQuestion { fingerprints, request_id, retry_until: deadline_after(timeout.min(NOT_YET_WINDOW)) }),
+            Arc::new(LookupQuestion { fingerprints, request_id, retry_until: deadline_after(timeout) }),
             deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
         );
         for (index, (host, port)) in targets.into_iter().enumerate() {
@@ -1051,11 +1051,11 @@ pub struct LookupAnswer {
 pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
 
 /// A grant of a hold the owner has not taken yet is asked again after 2 ms, then after twice
-/// the previous wait up to 64 ms, for at most `NOT_YET_WINDOW` (an owner takes a hold one
-/// engine step after answering its request; a busy engine's step can take long).
+/// the previous wait up to 64 ms, until the grant's timeout (an owner takes a hold one engine
+/// step after answering its request, and a busy engine's step can take long: its workers were
+/// seen without a core for seconds on an overloaded host, where a shorter window missed pulls).
 pub const NOT_YET_FIRST_RETRY: Duration = Duration::from_millis(2);
 pub const NOT_YET_MAX_RETRY: Duration = Duration::from_millis(64);
-pub const NOT_YET_WINDOW: Duration = Duration::from_secs(2);
 
 /// What a lookup asks every target.
 struct LookupQuestion {

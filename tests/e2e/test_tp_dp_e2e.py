@@ -124,13 +124,13 @@ def start(pytestconfig: pytest.Config, server_log_dir: Path, pd_pair) -> Iterato
             extra += ["--distributed-executor-backend", "mp"]
         if role != "reference":
             config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
-            # Seen here: a lookup whose first connection to D was made within it took over
-            # 3 s on this overloaded machine (below): a longer wait, for reuse, not timing.
-            config["kv_connector_extra_config"]["lookup_timeout_ms"] = 3 * E2E_LOOKUP_TIMEOUT_MS
-            # Two TP=2 servers are eight processes on two cores here: a live engine was seen
-            # starved of CPU for 3-5 s (even a shell loop reading /proc stalled as long), and
-            # the default 3 s of silence would take it for dead.
-            config["kv_connector_extra_config"]["peer_heartbeat_s"] = 4.0
+            # Two TP=2 servers are eight processes on two cores here; vLLM's TP workers spin
+            # on their message queue for a second after each step. Measured with a 0.25 s sleep
+            # loop beside this test: it went without a core for up to 4.8 s at load 18-26 (PSI
+            # cpu "some" as long, memory and io stalls ~0). The test checks reuse, not timing:
+            # lookups and liveness get more than twice that.
+            config["kv_connector_extra_config"]["lookup_timeout_ms"] = 4 * E2E_LOOKUP_TIMEOUT_MS
+            config["kv_connector_extra_config"]["peer_heartbeat_s"] = 5.0
             extra += ["--kv-transfer-config", json.dumps(config)]
         fresh = VllmServer(
             model_dir, name=f"tp{tp}-{role}", extra_args=extra, log_dir=server_log_dir
@@ -185,9 +185,6 @@ def test_a_chat_at_these_tp_sizes_pulls_both_ways_and_matches_one_server(start, 
             assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
             pulls.append((from_p, from_d))
             messages.append({"role": "assistant", "content": answer.text})
-    # Every answer is right. Reuse: D pulls on every turn and P on every later one, but one
-    # turn of the chat may miss: on this machine (eight vLLM processes of two TP=2 servers on
-    # two cores, load ~18) a grant or lookup was seen to go unanswered within its wait (an open
-    # finding, see the README); the turn then computes, as it must.
+    # Every answer is right, D pulls on every turn and P on every later one.
     missed = [turn for turn, (from_p, from_d) in enumerate(pulls) if not from_p or (turn and not from_d)]
-    assert len(missed) <= 1, f"turns {missed} did not pull both ways: {pulls}"
+    assert not missed, f"turns {missed} did not pull both ways: {pulls}"
