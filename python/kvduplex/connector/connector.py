@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvduplex.connector.config import DuplexConfig
@@ -194,3 +195,17 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
     ) -> DuplexPromMetrics:
         return DuplexPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _register_by_name() -> None:
+    """Inside vLLM's `MultiConnector`, the API server rebuilds each child's stats by the child's
+    class name (`KVConnectorFactory.get_connector_class_by_name`), which knows only registered
+    connectors; ours is loaded by module path, so it registers itself when first loaded."""
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+    except ValueError:  # "already registered": by an earlier load of this module
+        pass
+
+
+CONNECTOR_NAME = DuplexConnector.__name__
+_register_by_name()
