@@ -73,7 +73,6 @@ from typing import Any
 import httpx
 
 from kvduplex.demo import (
-    CONVERSATION_HEADER,
     LOGPROB_ATOL,
     MetricsSnapshot,
     ProxyThread,
@@ -82,20 +81,24 @@ from kvduplex.demo import (
     read_metrics_after,
     user_turns,
 )
-from kvduplex.servers import (
+from kvduplex.demo.servers import (
+    WHOLE_MACHINE_ENV,
     Completion,
     ServerError,
-    StreamedCompletion,
-    WHOLE_MACHINE_ENV,
     VllmServer,
     complete,
-    complete_streamed,
     describe_mismatch,
-    node_cpu_sets,
-    start_many,
     with_nonce,
 )
-from kvduplex.tiny_model import SERVER_ARGS, build_tiny_model
+from kvduplex.demo.tiny_model import SERVER_ARGS, build_tiny_model
+from kvduplex.protocol import METRIC_PREFIX
+from kvduplex.proxy.config import CONVERSATION_HEADER
+from kvduplex_testing.servers import (
+    StreamedCompletion,
+    complete_streamed,
+    node_cpu_sets,
+    start_many,
+)
 from nixl_pd_baseline import nixl_pd_envs
 
 logger = logging.getLogger("multiturn")
@@ -121,7 +124,7 @@ SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY, NIXL)
 KVDUPLEX_SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY)
 # Systems sent with "stream": true and no conversation id.
 STREAMED_SYSTEMS = (STREAM,)
-LOOKUP_HISTOGRAM = "vllm:kvduplex_lookup_seconds"
+LOOKUP_HISTOGRAM = f"{METRIC_PREFIX}lookup_seconds"
 LOOKUP_PERCENTILES_NOTE = (
     "lookup p50/p99 are upper bounds of vllm:kvduplex_lookup_seconds buckets (0.5 ms .. 1 s), "
     "pooled over turns whose lookups all missed (miss) or all hit (hit)"
