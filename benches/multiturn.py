@@ -79,6 +79,7 @@ from kvduplex.demo import (
     duplex_kv_transfer_config,
     read_metrics,
     read_metrics_after,
+    sample_sums,
     user_turns,
 )
 from kvduplex.demo.servers import (
@@ -181,17 +182,7 @@ class TurnStats:
 def read_lookup_buckets(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:
     """P's `vllm:kvduplex_lookup_seconds` histogram: cumulative count by bucket upper bound,
     summed over engines; empty for a server without it."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
-    response.raise_for_status()
-    buckets: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name == f"{LOOKUP_HISTOGRAM}_bucket":
-                le = sample.labels.get("le", "")
-                buckets[le] = buckets.get(le, 0.0) + sample.value
-    return buckets
+    return sample_sums(base_url, f"{LOOKUP_HISTOGRAM}_bucket", "le", timeout_s)
 
 
 def _le_key(le: str) -> float:

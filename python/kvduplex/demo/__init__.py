@@ -208,20 +208,26 @@ def read_metrics_after(
         time.sleep(0.05)
 
 
+def sample_sums(base_url: str, sample: str, label: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """The values of the Prometheus samples named `sample` on a server's /metrics, summed by the
+    value of their `label` (over every other label, e.g. engines)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+    response.raise_for_status()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for found in family.samples:
+            if found.name == sample:
+                key = found.labels.get(label, "")
+                sums[key] = sums.get(key, 0.0) + found.value
+    return sums
+
+
 def read_proxy_lookups(proxy_url: str) -> dict[str, float]:
     """The proxy's conversation-store lookups so far, by result (hit, miss, expired,
     decode_unavailable)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(f"{proxy_url}/metrics", timeout=10.0)
-    response.raise_for_status()
-    lookups: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name == f"{CONVERSATION_LOOKUPS}_total":
-                result = sample.labels.get("result", "")
-                lookups[result] = lookups.get(result, 0.0) + sample.value
-    return lookups
+    return sample_sums(proxy_url, f"{CONVERSATION_LOOKUPS}_total", "result")
 
 
 def lookup_result(before: Mapping[str, float], after: Mapping[str, float]) -> str:
