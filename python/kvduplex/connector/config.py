@@ -99,23 +99,26 @@ class DuplexConfig:
             if auto
             else _int(threshold_raw, "kv_recompute_threshold", minimum=0)
         )
-        margin = _seconds(extra, "read_deadline_margin_s", 1.0, allow_zero=True)
-        lease = _seconds(extra, "kv_lease_ttl_s", 30.0)
-        hold = _seconds(extra, "decode_kv_hold_ttl_s", 120.0)
+        margin = _seconds(
+            extra, "read_deadline_margin_s", cls.read_deadline_margin_s, allow_zero=True
+        )
+        lease = _seconds(extra, "kv_lease_ttl_s", cls.kv_lease_ttl_s)
+        hold = _seconds(extra, "decode_kv_hold_ttl_s", cls.decode_kv_hold_ttl_s)
         for key, ttl in (("kv_lease_ttl_s", lease), ("decode_kv_hold_ttl_s", hold)):
             if ttl <= margin:
                 raise ValueError(
                     f"DuplexConnector: {key}={ttl} must exceed read_deadline_margin_s={margin}"
                 )
-        fraction = _number(extra, "decode_kv_hold_max_fraction", 0.25)
+        fraction = _number(extra, "decode_kv_hold_max_fraction", cls.decode_kv_hold_max_fraction)
         if not 0.0 < fraction <= 1.0:
             raise ValueError(
                 f"DuplexConnector: decode_kv_hold_max_fraction must be in (0, 1], got {fraction}"
             )
-        host = _text(extra, "side_channel_host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
-        secret_env = _text(extra, "auth_secret_env", "KVDUPLEX_SECRET")
+        default_host = os.environ.get("VLLM_HOST_IP") or cls.side_channel_host
+        host = _text(extra, "side_channel_host", default_host)
+        secret_env = _text(extra, "auth_secret_env", cls.auth_secret_env)
         return cls(
-            bidirectional_kv_xfer=_bool(extra, "bidirectional_kv_xfer", False),
+            bidirectional_kv_xfer=_bool(extra, "bidirectional_kv_xfer", cls.bidirectional_kv_xfer),
             recompute_threshold=threshold,
             auto_recompute_threshold=auto,
             kv_lease_ttl_s=lease,
@@ -124,13 +127,20 @@ class DuplexConfig:
             read_deadline_margin_s=margin,
             side_channel_host=host,
             side_channel_port=_int(
-                extra.get("side_channel_port", 0), "side_channel_port", minimum=0, maximum=65535
+                extra.get("side_channel_port", cls.side_channel_port),
+                "side_channel_port",
+                minimum=0,
+                maximum=65535,
             ),
-            handshake_timeout_s=_seconds(extra, "handshake_timeout_s", 10.0),
-            peer_heartbeat_s=_seconds(extra, "peer_heartbeat_s", 1.0),
+            handshake_timeout_s=_seconds(extra, "handshake_timeout_s", cls.handshake_timeout_s),
+            peer_heartbeat_s=_seconds(extra, "peer_heartbeat_s", cls.peer_heartbeat_s),
             auth_secret_env=secret_env,
-            ucx_peer_error_handling=_bool(extra, "ucx_peer_error_handling", False),
-            allow_unauthenticated_peers=_bool(extra, "allow_unauthenticated_peers", False),
+            ucx_peer_error_handling=_bool(
+                extra, "ucx_peer_error_handling", cls.ucx_peer_error_handling
+            ),
+            allow_unauthenticated_peers=_bool(
+                extra, "allow_unauthenticated_peers", cls.allow_unauthenticated_peers
+            ),
             lookup_timeout_s=_int(
                 extra.get("lookup_timeout_ms", DEFAULT_LOOKUP_TIMEOUT_MS),
                 "lookup_timeout_ms",
@@ -139,8 +149,8 @@ class DuplexConfig:
             )
             / 1000,
             decode_peers=_addresses(extra, "decode_peers"),
-            layerwise_load=_bool(extra, "layerwise_load", False),
-            same_host_reads=_bool(extra, "same_host_reads", True),
+            layerwise_load=_bool(extra, "layerwise_load", cls.layerwise_load),
+            same_host_reads=_bool(extra, "same_host_reads", cls.same_host_reads),
         )
 
     def auth_secret(self) -> bytes | None:
