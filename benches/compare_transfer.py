@@ -53,9 +53,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _bench_common import (  # noqa: E402
-    MiB,
     PATTERNS,
     PATTERNS_BY_NAME,
+    MiB,
     pattern_to_dict,
     repetitions,
 )

@@ -50,7 +50,7 @@ servers' metrics: P's TTFT (lookup + D->P pull + prefill of the new tokens), of 
 and pull, and D's TTFT (P->D pull + first step), of which the pull; the rest of the client's
 TTFT is HTTP, the proxy and tokenization.
 
-Model: `kvduplex.tiny_model.build_realistic_chat_model` (SmolLM2-360M's shape, random weights;
+Model: `kvduplex_testing.tiny_model.build_realistic_chat_model` (SmolLM2-360M's shape, random weights;
 built on first use, ~1.5 GB). Usage (repository root):
     PYTHONPATH=python .venv/bin/python benches/history_sweep.py --out DIR [--lengths 1024 2048]
 writes DIR/history_sweep.json and DIR/history_sweep.png. Exit status 1 if an answer differs or a
@@ -73,30 +73,22 @@ from typing import Any
 import httpx
 
 from kvduplex.demo import (
-    CONVERSATION_HEADER,
     MetricsSnapshot,
     ProxyThread,
     duplex_kv_transfer_config,
     read_metrics,
     read_metrics_after,
 )
-from kvduplex.servers import (
-    WHOLE_MACHINE_ENV,
-    Completion,
-    ServerError,
-    VllmServer,
-    complete,
-    complete_streamed,
-    start_many,
-)
-from kvduplex.tiny_model import (
+from kvduplex.demo.servers import WHOLE_MACHINE_ENV, Completion, ServerError, VllmServer, complete
+from kvduplex.demo.tiny_model import VOCAB_SIZE
+from kvduplex.proxy.config import CONVERSATION_HEADER
+from kvduplex_testing.servers import complete_streamed, start_many
+from kvduplex_testing.tiny_model import (
     CHAT_FIRST_WORD_ID,
     REALISTIC_MODEL_CONFIG,
     REALISTIC_SERVED_MODEL_NAME,
-    VOCAB_SIZE,
     build_realistic_chat_model,
 )
-
 from multiturn import NIXL, THINK_S, PdCpus, add_pin_argument, nixl_config, pd_cpus
 from nixl_pd_baseline import nixl_pd_envs
 

@@ -73,29 +73,33 @@ from typing import Any
 import httpx
 
 from kvduplex.demo import (
-    CONVERSATION_HEADER,
     LOGPROB_ATOL,
     MetricsSnapshot,
     ProxyThread,
     duplex_kv_transfer_config,
     read_metrics,
     read_metrics_after,
+    sample_sums,
     user_turns,
 )
-from kvduplex.servers import (
+from kvduplex.demo.servers import (
+    WHOLE_MACHINE_ENV,
     Completion,
     ServerError,
-    StreamedCompletion,
-    WHOLE_MACHINE_ENV,
     VllmServer,
     complete,
-    complete_streamed,
     describe_mismatch,
-    node_cpu_sets,
-    start_many,
     with_nonce,
 )
-from kvduplex.tiny_model import SERVER_ARGS, build_tiny_model
+from kvduplex.demo.tiny_model import SERVER_ARGS, build_tiny_model
+from kvduplex.protocol import METRIC_PREFIX
+from kvduplex.proxy.config import CONVERSATION_HEADER
+from kvduplex_testing.servers import (
+    StreamedCompletion,
+    complete_streamed,
+    node_cpu_sets,
+    start_many,
+)
 from nixl_pd_baseline import nixl_pd_envs
 
 logger = logging.getLogger("multiturn")
@@ -121,7 +125,7 @@ SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY, NIXL)
 KVDUPLEX_SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY)
 # Systems sent with "stream": true and no conversation id.
 STREAMED_SYSTEMS = (STREAM,)
-LOOKUP_HISTOGRAM = "vllm:kvduplex_lookup_seconds"
+LOOKUP_HISTOGRAM = f"{METRIC_PREFIX}lookup_seconds"
 LOOKUP_PERCENTILES_NOTE = (
     "lookup p50/p99 are upper bounds of vllm:kvduplex_lookup_seconds buckets (0.5 ms .. 1 s), "
     "pooled over turns whose lookups all missed (miss) or all hit (hit)"
@@ -178,17 +182,7 @@ class TurnStats:
 def read_lookup_buckets(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:
     """P's `vllm:kvduplex_lookup_seconds` histogram: cumulative count by bucket upper bound,
     summed over engines; empty for a server without it."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
-    response.raise_for_status()
-    buckets: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name == f"{LOOKUP_HISTOGRAM}_bucket":
-                le = sample.labels.get("le", "")
-                buckets[le] = buckets.get(le, 0.0) + sample.value
-    return buckets
+    return sample_sums(base_url, f"{LOOKUP_HISTOGRAM}_bucket", "le", timeout_s)
 
 
 def _le_key(le: str) -> float:

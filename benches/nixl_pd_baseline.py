@@ -27,18 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvduplex.demo.servers import ServerError, VllmServer, complete, describe_mismatch, with_nonce
+from kvduplex.demo.tiny_model import SERVER_ARGS, build_tiny_model, sample_text
 from kvduplex.protocol import prefill_request_params
-from kvduplex.servers import (
-    ServerError,
-    VllmServer,
-    complete,
-    describe_mismatch,
+from kvduplex_testing.servers import (
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,
-    with_nonce,
 )
-from kvduplex.tiny_model import SERVER_ARGS, build_tiny_model, sample_text
 
 logger = logging.getLogger("nixl_pd_baseline")
 

@@ -82,6 +82,10 @@ def test_wheel_is_manylinux_abi3(wheel):
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = zf.read(metadata_name).decode()
     assert "kvduplex/_core.abi3.so" in names
+    # The product and the demo's servers and model; the tests' harness stays in the checkout.
+    modules = sorted(n for n in names if n.endswith((".py", ".pyi")))
+    assert not [n for n in modules if not n.startswith("kvduplex/")], modules
+    assert "kvduplex/demo/servers.py" in modules and "kvduplex/demo/tiny_model.py" in modules
     assert "Requires-Dist: libucx-cu12" in metadata
     for extra in ("proxy", "demo"):
         assert f"Provides-Extra: {extra}" in metadata
@@ -119,9 +123,12 @@ def test_subcommand_without_its_extra_names_it_in_one_line(venv, argv, expected)
 def test_connector_without_vllm_names_the_requirement(venv):
     venv_dir, env = venv
     python = str(venv_dir / "bin" / "python")
-    result = run([python, "-c", "import kvduplex.connector"], env=env, cwd=venv_dir, timeout=60)
+    # Its settings import without vLLM; the connector class, which vLLM loads, names it.
+    code = "import kvduplex.connector.config\nfrom kvduplex.connector import DuplexConnector"
+    result = run([python, "-c", code], env=env, cwd=venv_dir, timeout=60)
     assert result.returncode == 1
     assert "ImportError: kvduplex.connector needs vLLM >= 0.32 (pip install vllm" in result.stderr
+    assert "line 2" in result.stderr, result.stderr
 
 
 def test_two_engine_transfer_from_the_installed_wheel(venv):

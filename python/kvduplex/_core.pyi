@@ -203,3 +203,6 @@ class Engine:
         `engine-id#connection`: pass it to `release_hold` as the reader."""
     def close(self) -> None:
         """Stop the progress thread and side channel, close endpoints, unregister memory."""
+    def __enter__(self) -> Engine: ...
+    def __exit__(self, _exc_type: object, _exc: object, _tb: object) -> None:
+        """`close()`."""

@@ -10,6 +10,7 @@ arguments, `--help` included) prints one line naming what to install and exits w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import logging
 import sys
@@ -105,6 +106,8 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         _register_unavailable(subparsers, "proxy", PROXY_HELP, message)
         return
 
+    # Every default that is a ProxyConfig setting is ProxyConfig's own.
+    default = {f.name: f.default for f in dataclasses.fields(proxy_config.ProxyConfig)}
     parser = subparsers.add_parser(
         "proxy",
         help=PROXY_HELP,
@@ -126,14 +129,14 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=8000, help="listen port (default %(default)s)")
     parser.add_argument(
         "--store",
-        default="memory",
+        default=default["store"],
         metavar="memory|redis://HOST:PORT/DB",
         help="conversation store; Redis lets several proxy replicas share it (default %(default)s)",
     )
     parser.add_argument(
         "--conversation-ttl",
         type=_positive_float,
-        default=proxy_config.DEFAULT_CONVERSATION_TTL_S,
+        default=default["conversation_ttl_s"],
         metavar="SECONDS",
         help="forget a conversation's decode-side KV after this long; keep it below the decode "
         "servers' lease on those blocks (default %(default)s)",
@@ -141,14 +144,14 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-conversations",
         type=_positive_int,
-        default=proxy_config.DEFAULT_MAX_CONVERSATIONS,
+        default=default["max_conversations"],
         help="conversations remembered at once; least recently written are evicted "
         "(default %(default)s)",
     )
     parser.add_argument(
         "--max-store-bytes",
         type=_positive_int,
-        default=proxy_config.DEFAULT_MAX_STORE_BYTES,
+        default=default["max_store_bytes"],
         help="memory bound of the in-memory store (default %(default)s)",
     )
     parser.add_argument(
@@ -160,20 +163,20 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-body-bytes",
         type=_positive_int,
-        default=proxy_config.DEFAULT_MAX_BODY_BYTES,
+        default=default["max_body_bytes"],
         help="larger request bodies get 413 (default %(default)s)",
     )
     parser.add_argument(
         "--upstream-timeout",
         type=_positive_float,
-        default=600.0,
+        default=default["read_timeout_s"],
         metavar="SECONDS",
         help="longest silence from an upstream during a response (default %(default)s)",
     )
     parser.add_argument(
         "--max-upstream-connections",
         type=_positive_int,
-        default=512,
+        default=default["max_upstream_connections"],
         help="connections to all upstreams together (default %(default)s)",
     )
     parser.add_argument(
@@ -185,7 +188,7 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--health-interval",
         type=_non_negative_float,
-        default=5.0,
+        default=default["health_interval_s"],
         metavar="SECONDS",
         help="period of /health probes of the upstreams; 0 turns them off (default %(default)s)",
     )

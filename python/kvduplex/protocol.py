@@ -7,7 +7,9 @@ as the connector. What lives here:
   extensions, with the protocol version that both sides of a transfer must share;
 - the notifications a reader sends an owner over the transfer core's side channel (`release`);
 - grants and lookups: the token fingerprints a reader asks about and the owner's answer
-  (carried by the transfer core's Lookup/LookupReply frames, see `rust/src/holds.rs`).
+  (carried by the transfer core's Lookup/LookupReply frames, see `rust/src/holds.rs`), whose
+  offer is the hold's kv_transfer_params as JSON (`encode_offer`, `decode_offer`);
+- the prefix of DuplexConnector's Prometheus metrics, which the demo and benchmarks read.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ REMOTE_PORTS = "remote_ports"
 REMOTE_BLOCK_SIZE = "remote_block_size"
 REMOTE_BLOCK_FINGERPRINTS = "remote_block_fingerprints"
 REMOTE_LEASE_EXPIRY = "remote_lease_expiry"
+
+# --- DuplexConnector's Prometheus metrics: `vllm:kvduplex_<name>_total` counters and
+# `vllm:kvduplex_{transfer,lookup}_seconds` histograms (`kvduplex.connector.stats`) ---
+METRIC_PREFIX = "vllm:kvduplex_"
 
 
 def prefill_request_params() -> dict[str, object]:
@@ -81,3 +87,22 @@ def decode_release(payload: bytes) -> Release | None:
     if isinstance(claim, bool) or not isinstance(claim, int) or not 0 <= claim < 2**64:
         return None
     return Release(request_id, claim)
+
+
+# --- grants and lookups: the offer an owner hands a reader with a claim ---
+
+
+def encode_offer(params: dict[str, object]) -> bytes:
+    """A hold's kv_transfer_params as the offer the owner's transfer core hands out with each
+    claim on it (the transfer core stores it opaquely, up to 512 KiB)."""
+    return json.dumps(params).encode()
+
+
+def decode_offer(offer: bytes) -> dict[str, object] | None:
+    """The kv_transfer_params an owner's offer carries, or None when it is not a JSON object
+    (the reader then checks them exactly like params from a router)."""
+    try:
+        params = json.loads(offer)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return params if isinstance(params, dict) else None

@@ -13,14 +13,14 @@ use pyo3::types::PyBytes;
 
 use crate::descriptors::{BlockLayout, BlockSlice};
 use crate::engine::{self, EngineConfig, EngineError};
-use crate::handshake::{Fingerprint, HandshakeError};
+use crate::handshake::{self, Fingerprint};
 use crate::holds::HoldKind;
 
 create_exception!(kvduplex._core, KvDuplexError, PyException, "Base class of every kvduplex error.");
 create_exception!(kvduplex._core, UcxError, KvDuplexError, "UCX could not be loaded or a UCX call failed.");
-create_exception!(kvduplex._core, HandshakeFailed, KvDuplexError, "The side-channel handshake with a peer failed.");
-create_exception!(kvduplex._core, IncompatiblePeerError, HandshakeFailed, "Protocol version or compatibility fingerprint differs.");
-create_exception!(kvduplex._core, AuthenticationError, HandshakeFailed, "Shared-secret authentication failed.");
+create_exception!(kvduplex._core, HandshakeError, KvDuplexError, "The side-channel handshake with a peer failed.");
+create_exception!(kvduplex._core, IncompatiblePeerError, HandshakeError, "Protocol version or compatibility fingerprint differs.");
+create_exception!(kvduplex._core, AuthenticationError, HandshakeError, "Shared-secret authentication failed.");
 create_exception!(kvduplex._core, TransferError, KvDuplexError, "A batch read failed.");
 create_exception!(kvduplex._core, PeerNotConnectedError, KvDuplexError, "No ready connection to the named peer.");
 
@@ -33,18 +33,18 @@ fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
     match err {
         EngineError::Ucx(_) => UcxError::new_err(msg),
         EngineError::Handshake(h) => match h {
-            HandshakeError::ProtocolVersion { .. } | HandshakeError::Incompatible { .. } => IncompatiblePeerError::new_err(msg),
-            HandshakeError::AuthRequired | HandshakeError::AuthFailed | HandshakeError::PeerNotAuthenticated => {
+            handshake::HandshakeError::ProtocolVersion { .. } | handshake::HandshakeError::Incompatible { .. } => IncompatiblePeerError::new_err(msg),
+            handshake::HandshakeError::AuthRequired | handshake::HandshakeError::AuthFailed | handshake::HandshakeError::PeerNotAuthenticated => {
                 AuthenticationError::new_err(msg)
             }
-            _ => HandshakeFailed::new_err(msg),
+            _ => HandshakeError::new_err(msg),
         },
         EngineError::Plan(_) => match PLAN_ERROR.get(py) {
             Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
             None => PyValueError::new_err(msg),
         },
         EngineError::PeerNotConnected(_) => PeerNotConnectedError::new_err(msg),
-        EngineError::ConnectFailed { .. } => HandshakeFailed::new_err(msg),
+        EngineError::ConnectFailed { .. } => HandshakeError::new_err(msg),
         EngineError::Transfer(_) | EngineError::Closed => TransferError::new_err(msg),
         EngineError::WaitTimeout(_) => PyTimeoutError::new_err(msg),
         EngineError::InvalidArgument(_) | EngineError::Hold(_) => PyValueError::new_err(msg),
@@ -379,7 +379,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pyo3_log::init();
     m.add("KvDuplexError", py.get_type::<KvDuplexError>())?;
     m.add("UcxError", py.get_type::<UcxError>())?;
-    m.add("HandshakeError", py.get_type::<HandshakeFailed>())?;
+    m.add("HandshakeError", py.get_type::<HandshakeError>())?;
     m.add("IncompatiblePeerError", py.get_type::<IncompatiblePeerError>())?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
     m.add("TransferError", py.get_type::<TransferError>())?;

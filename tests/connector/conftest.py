@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from duplex_harness import TINY_LLAMA, Engine, make_engine
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
+
+from duplex_harness import TINY_LLAMA, Engine, make_engine
 
 
 @pytest.fixture(scope="session")

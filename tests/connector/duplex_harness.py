@@ -250,7 +250,7 @@ class Engine:
         step = self.step()
         if not step.meta.lookups:
             return step
-        answers = {l.request_id: answer_lookup(l, held, claim_id) for l in step.meta.lookups}
+        answers = {q.request_id: answer_lookup(q, held, claim_id) for q in step.meta.lookups}
         # The answers reach the scheduler at the end of this round; it schedules in the next.
         self.step(worker_meta=DuplexWorkerMetadata(lookups=answers))
         return self.step()

@@ -13,7 +13,6 @@ import select
 import sys
 
 from duplex_harness import make_kv_caches, make_worker
-
 from kvduplex.connector.metadata import DuplexConnectorMetadata, HoldSpec
 
 

@@ -15,6 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import RequestStatus
+
 from duplex_harness import (
     BLOCK_SIZE,
     HEAD_SIZE,
@@ -26,18 +34,8 @@ from duplex_harness import (
     prefill,
     prompt_tokens,
 )
-from vllm.v1.request import RequestStatus
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import (
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
-
 from kvduplex import protocol
 from kvduplex.connector.connector import DuplexConnector
-from kvduplex.connector.metadata import DuplexConnectorMetadata, LoadSpec, PeerAddress
 from kvduplex.connector.groups import (
     FULL_ATTENTION,
     SLIDING_WINDOW,
@@ -45,6 +43,7 @@ from kvduplex.connector.groups import (
     TransferGroups,
     UnsupportedKVCacheGroup,
 )
+from kvduplex.connector.metadata import DuplexConnectorMetadata, LoadSpec, PeerAddress
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
 
 WINDOW = 32

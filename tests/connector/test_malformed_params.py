@@ -8,11 +8,11 @@ import math
 import time
 
 import pytest
-from duplex_harness import make_kv_cache_config, prefill, prompt_tokens
 
+from duplex_harness import make_kv_cache_config, prefill, prompt_tokens
 from kvduplex.connector.groups import TransferGroups
-from kvduplex.protocol import PROTOCOL_VERSION
 from kvduplex.connector.params import ParamsContext, Rejected, parse_remote_blocks
+from kvduplex.protocol import PROTOCOL_VERSION
 
 PROMPT = prompt_tokens(100)
 

@@ -11,7 +11,11 @@ from kvduplex.connector import config as config_module
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
-from kvduplex.connector.token_fingerprint import PromptFingerprints, block_fingerprints, matched_prefix_tokens
+from kvduplex.connector.token_fingerprint import (
+    PromptFingerprints,
+    block_fingerprints,
+    matched_prefix_tokens,
+)
 
 
 def test_fingerprints_chain_over_blocks_and_cover_a_partial_tail():

@@ -6,9 +6,13 @@ import json
 import time
 
 import pytest
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizers import get_tokenizer
+from vllm.v1.request import Request, RequestStatus
+
 from duplex_harness import (
     BLOCK_SIZE,
-    Engine,
     answer_lookup,
     decode,
     make_engine,
@@ -16,15 +20,10 @@ from duplex_harness import (
     prompt_tokens,
     running,
 )
-from vllm.lora.request import LoRARequest
-from vllm.sampling_params import SamplingParams
-from vllm.tokenizers import get_tokenizer
-from vllm.v1.request import Request, RequestStatus
-
 from kvduplex.connector import scheduler as scheduler_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
-from kvduplex.tiny_model import build_tiny_chat_model
+from kvduplex_testing.tiny_model import build_tiny_chat_model
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True}
 
@@ -365,7 +364,8 @@ def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]
     # The worker evicted d1: its blocks come back; a new turn then needs no eviction.
     d.step(freed_holds={"d1"})
-    _, third = decode(d, "d3", prompt_tokens(20, start=900), prefill(p, "p3", prompt_tokens(20, start=900)), max_tokens=2)
+    p3_params = prefill(p, "p3", prompt_tokens(20, start=900))
+    _, third = decode(d, "d3", prompt_tokens(20, start=900), p3_params, max_tokens=2)
     assert third is not None
     assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]
     # A turn larger than the whole cap is never held.

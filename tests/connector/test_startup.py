@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from duplex_harness import make_kv_cache_config, make_kv_caches, make_vllm_config
 from vllm.config import KVTransferConfig, ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from duplex_harness import make_kv_cache_config, make_kv_caches, make_vllm_config
 from kvduplex.connector import DuplexConnector
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
 
+from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
 from kvduplex.connector.metadata import (
     DuplexConnectorMetadata,
     LoadSpec,
@@ -488,7 +488,7 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
                     pending.discard(i)
             time.sleep(0.002)
         assert not pending
-        for (worker, caches), spec in zip(readers, specs):
+        for (_worker, caches), spec in zip(readers, specs):
             for name, tensor in caches.items():
                 for lid, rid in zip(spec.local_block_ids, spec.remote_block_ids):
                     assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid)

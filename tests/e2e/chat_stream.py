@@ -3,7 +3,7 @@ a chat UI sends it (text in, text out, plus the token ids and logprobs the tests
 vLLM's `return_token_ids`), and what a server logs and counts per KV-cache group.
 
 `allowed_token_ids` keeps the random-weight chat models from sampling special tokens, which
-would not survive detokenize -> retokenize (see `kvduplex.tiny_model.build_tiny_chat_model`).
+would not survive detokenize -> retokenize (see `kvduplex_testing.tiny_model.build_tiny_chat_model`).
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ from pathlib import Path
 
 import httpx
 import openai
-from conftest import E2E_LOOKUP_TIMEOUT_MS
 
+from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
-from kvduplex.proxy.app import CONVERSATION_HEADER
-from kvduplex.servers import VllmServer, prompt_tokens_by_source, start_many
-from kvduplex.tiny_model import (
-    CHAT_ALLOWED_TOKEN_IDS,
-    CHAT_EOS_TOKEN_ID,
-    SERVED_MODEL_NAME,
-    SERVER_ARGS,
-    sample_chat_text,
-)
+from kvduplex.demo.servers import VllmServer
+from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
+from kvduplex.protocol import METRIC_PREFIX
+from kvduplex.proxy.config import CONVERSATION_HEADER
+from kvduplex_testing.servers import prompt_tokens_by_source, start_many
+from kvduplex_testing.tiny_model import CHAT_ALLOWED_TOKEN_IDS, CHAT_EOS_TOKEN_ID, sample_chat_text
 
 
 @dataclass
@@ -146,7 +143,7 @@ def group_counters(server: VllmServer, name: str) -> dict[str, float]:
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(f"vllm:kvduplex_{name}_total{{"):
+        if line.startswith(f"{METRIC_PREFIX}{name}_total{{"):
             labels, value = line.rsplit(" ", 1)
             group = labels.split('kv_cache_group="', 1)[1].split('"', 1)[0]
             out[group] = out.get(group, 0.0) + float(value)

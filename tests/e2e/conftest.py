@@ -9,7 +9,7 @@ Fixtures:
 A vLLM server here takes ~30-50 s to start and ~3 GB of memory, and the machine runs at most 3,
 so everything is session-scoped and at most one P/D pair is alive at a time (reference + 2).
 
-Request helpers live in `kvduplex.servers` (`complete`, `with_nonce`, `describe_mismatch`) and
+Request helpers live in `kvduplex.demo.servers` (`complete`, `with_nonce`, `describe_mismatch`) and
 are re-exported here. Mark tests that use these fixtures with `@pytest.mark.e2e`.
 """
 
@@ -24,15 +24,9 @@ from typing import Any
 
 import pytest
 
-from kvduplex.servers import (
-    Completion,
-    ServerPair,
-    VllmServer,
-    complete,
-    describe_mismatch,
-    with_nonce,
-)
-from kvduplex.tiny_model import SERVER_ARGS, build_tiny_model, sample_text
+from kvduplex.demo.servers import Completion, VllmServer, complete, describe_mismatch, with_nonce
+from kvduplex.demo.tiny_model import SERVER_ARGS, build_tiny_model, sample_text
+from kvduplex_testing.servers import ServerPair
 
 __all__ = ["Completion", "complete", "describe_mismatch", "with_nonce", "sample_text"]
 

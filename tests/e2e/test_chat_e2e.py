@@ -29,30 +29,26 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from chat_stream import Answer, pulled, respond, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
-from test_connector_e2e import counter
-
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.demo.servers import VllmServer, complete, describe_mismatch
+from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS, VOCAB_SIZE
 from kvduplex.protocol import prefill_request_params
-from kvduplex.servers import (
-    VllmServer,
-    complete,
-    describe_mismatch,
+from kvduplex_testing.servers import (
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,
 )
-from kvduplex.tiny_model import (
+from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     CHAT_FIRST_WORD_ID,
-    SERVED_MODEL_NAME,
-    VOCAB_SIZE,
-    SERVER_ARGS,
     build_tiny_chat_model,
     sample_chat_text,
 )
+from test_connector_e2e import counter
 
 logger = logging.getLogger(__name__)
 

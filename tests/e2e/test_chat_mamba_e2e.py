@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from chat_stream import (
     HMA_OFF,
     Servers,
@@ -30,10 +31,10 @@ from chat_stream import (
     kv_cache_groups_line,
     reference_and_pair,
 )
-
 from kvduplex.demo import ProxyThread
-from kvduplex.servers import complete, prompt_tokens_by_source
-from kvduplex.tiny_model import (
+from kvduplex.demo.servers import complete
+from kvduplex_testing.servers import prompt_tokens_by_source
+from kvduplex_testing.tiny_model import (
     MAMBA_HYBRID_SERVER_ARGS,
     build_mamba_hybrid_chat_model,
     sample_chat_text,

@@ -21,17 +21,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
-
-from kvduplex.servers import (
-    NO_PULL_PREFILL_PARAMS,
-    Completion,
-    ServerPair,
-    complete,
-    describe_mismatch,
-    prompt_tokens_by_source,
-    with_nonce,
-)
-from kvduplex.tiny_model import sample_text
+from kvduplex.demo.servers import Completion, complete, describe_mismatch, with_nonce
+from kvduplex.demo.tiny_model import sample_text
+from kvduplex.protocol import prefill_request_params
+from kvduplex_testing.servers import ServerPair, prompt_tokens_by_source
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +114,7 @@ def test_turn2_pulls_the_answer_back_from_decode_and_matches_a_single_server(
     pair, reference_server, tokenizer
 ):
     turn1 = token_prompt(tokenizer, TURN1_TOKENS, seed=1)
-    first = Turn(pair, turn1, TURN1_ANSWER, NO_PULL_PREFILL_PARAMS)
+    first = Turn(pair, turn1, TURN1_ANSWER, prefill_request_params())
     expected1 = complete(reference_server.base_url, turn1, TURN1_ANSWER)
     assert describe_mismatch(expected1, first.decode) is None
     assert first.decode_pulled == TURN1_TOKENS  # P->D: D computed nothing of the prompt
@@ -154,7 +147,7 @@ def test_edited_history_pulls_only_the_matching_prefix_and_matches_a_single_serv
     pair, reference_server, tokenizer
 ):
     turn1 = token_prompt(tokenizer, TURN1_TOKENS, seed=3)
-    first = Turn(pair, turn1, TURN1_ANSWER, NO_PULL_PREFILL_PARAMS)
+    first = Turn(pair, turn1, TURN1_ANSWER, prefill_request_params())
     answer = first.decode.token_ids
     # "Reasoning" stripped from the answer: its tokens 40..69 (in D's 4th block) are gone.
     turn2 = turn1 + answer[:40] + answer[70:] + token_prompt(tokenizer, TURN2_NEW_TOKENS, seed=4)

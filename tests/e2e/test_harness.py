@@ -7,16 +7,16 @@ import time
 
 import pytest
 
-from kvduplex.servers import (
+from kvduplex.demo.servers import (
     SERVER_ENV_DEFAULTS,
     ServerError,
     VllmServer,
     complete,
     describe_mismatch,
-    node_cpu_sets,
     with_nonce,
 )
-from kvduplex.tiny_model import sample_text
+from kvduplex.demo.tiny_model import sample_text
+from kvduplex_testing.servers import node_cpu_sets
 
 # ~300 tokens: the nonce sits in the first 128-token KV block, generation starts in the third.
 PROMPT_WORDS = 150

@@ -17,11 +17,12 @@ import logging
 
 import openai
 import pytest
-from test_connector_e2e import BLOCK, KV_TRANSFER_CONFIG, counter, token_prompt, tokenizer  # noqa: F401
 
+from kvduplex.demo.servers import Completion, complete, describe_mismatch
+from kvduplex.demo.tiny_model import SERVED_MODEL_NAME
 from kvduplex.protocol import prefill_request_params
-from kvduplex.servers import Completion, ServerPair, complete, describe_mismatch, prompt_tokens_by_source
-from kvduplex.tiny_model import SERVED_MODEL_NAME
+from kvduplex_testing.servers import ServerPair, prompt_tokens_by_source
+from test_connector_e2e import BLOCK, KV_TRANSFER_CONFIG, counter, token_prompt, tokenizer  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
-from test_connector_e2e import BLOCK, THRESHOLD, token_prompt, tokenizer  # noqa: F401
 
+from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
 from kvduplex.demo import duplex_kv_transfer_config
+from kvduplex.demo.servers import Completion, VllmServer, complete, describe_mismatch
+from kvduplex.demo.tiny_model import SERVER_ARGS
 from kvduplex.protocol import prefill_request_params
-from kvduplex.servers import Completion, VllmServer, complete, describe_mismatch, start_many
-from kvduplex.tiny_model import SERVER_ARGS
+from kvduplex_testing.servers import start_many
+from test_connector_e2e import BLOCK, THRESHOLD, token_prompt, tokenizer  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

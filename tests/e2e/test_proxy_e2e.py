@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
-
 from kvduplex.demo import (
-    CONVERSATION_HEADER,
     LOGPROB_ATOL,
     ProxyThread,
     duplex_kv_transfer_config,
@@ -20,7 +18,8 @@ from kvduplex.demo import (
     read_metrics_after,
     user_turns,
 )
-from kvduplex.servers import complete, describe_mismatch
+from kvduplex.demo.servers import complete, describe_mismatch
+from kvduplex.proxy.config import CONVERSATION_HEADER
 
 TURNS = 3
 # Longer than kv_recompute_threshold (64): on every later turn P's own prefix cache lacks at

@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from conftest import E2E_LOOKUP_TIMEOUT_MS
+from kvduplex.demo.servers import complete, describe_mismatch
+from kvduplex.protocol import prefill_request_params
 from test_connector_e2e import (
     BLOCK,
     KV_TRANSFER_CONFIG,
@@ -21,8 +24,6 @@ from test_connector_e2e import (
     token_prompt,
     tokenizer,  # noqa: F401 (a fixture)
 )
-
-from kvduplex.servers import NO_PULL_PREFILL_PARAMS, complete, describe_mismatch
 
 
 def multi_connector_config(storage: Path) -> dict:
@@ -51,7 +52,7 @@ def test_two_turns_through_multi_connector_pull_both_ways_and_match_a_single_ser
     assert KV_TRANSFER_CONFIG["kv_connector_extra_config"]["lookup_timeout_ms"] == E2E_LOOKUP_TIMEOUT_MS
     pair = pd_pair(multi_connector_config(tmp_path / "example-connector"))
     turn1 = token_prompt(tokenizer, TURN1_TOKENS, seed=91)
-    first = Turn(pair, turn1, TURN1_ANSWER, NO_PULL_PREFILL_PARAMS)
+    first = Turn(pair, turn1, TURN1_ANSWER, prefill_request_params())
     assert describe_mismatch(complete(reference_server.base_url, turn1, TURN1_ANSWER), first.decode) is None
     assert first.decode_pulled == TURN1_TOKENS
     held = first.decode.kv_transfer_params

@@ -29,22 +29,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from chat_stream import Answer, pulled, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
-
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.demo.servers import VllmServer, complete, describe_mismatch, wait_until_ready
+from kvduplex.demo.tiny_model import SERVER_ARGS
 from kvduplex.protocol import prefill_request_params
-from kvduplex.servers import (
+from kvduplex_testing.servers import (
     ServerPair,
-    VllmServer,
-    complete,
-    describe_mismatch,
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,
-    wait_until_ready,
 )
-from kvduplex.tiny_model import SERVER_ARGS, build_tiny_chat_model, sample_chat_text
+from kvduplex_testing.tiny_model import build_tiny_chat_model, sample_chat_text
 
 logger = logging.getLogger(__name__)
 

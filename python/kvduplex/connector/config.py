@@ -24,8 +24,8 @@ Every option, its default and why:
 | `allow_unauthenticated_peers` | `false` | Serve the side channel without a shared secret on a non-loopback address. Any host that reaches it can then read the registered KV cache: only for trusted networks; logged as a warning at start. |
 | `lookup_timeout_ms` | `250` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history. A live, connected peer answers in one side-channel round trip (measured here: ~1 ms on loopback, tens of ms when 4 vLLM servers share 2 cores); prefill nodes connect to announced decode nodes ahead of time, so no lookup pays for a handshake. The wait only matters when a peer is hung (a dead one is dropped by its heartbeats within 3 s), and 250 ms stays below the prefill time of a history long enough to be worth pulling. Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off (a grant of the blocks that params name is not a lookup: it always runs, within `handshake_timeout_s`). |
 | `decode_peers` | `[]` | Bidirectional only: side channels (`"host:port"` of TP rank 0) of decode engines to look up held turns on, besides those the prefill node learns by itself (every decode engine that pulls from it announces its side channel). |
-| `layerwise_load` | `false` | Bidirectional only, prefill side: pull a decode node's held turn layer by layer *inside* the forward pass that computes the new tokens: one read per layer posted before the pass, each layer waiting for its own blocks before it starts (vLLM's `save_kv_layer` of the layer before; a layer writes its new tokens' KV into the turn's last block), instead of the request waiting for the whole pull and one more engine step. A failed read is reported as vLLM's load error and those tokens are recomputed. Pulls of a prefill node's blocks, hybrid models and models with a state-space (Mamba) group keep the asynchronous path. Caveat: the pass waits for the reads, so an owner that freezes (without `ucx_peer_error_handling`) stalls the prefill node until the read completes or fails. Measured no faster on a CPU-only machine (README: the history sweep). |
-| `same_host_reads` | `true` | Read a peer that runs on the same host with `process_vm_readv`, up to 1,024 block runs per system call, instead of through UCX (which makes one call per run). Host memory only, and only regions the peer's own process vouches for (the reader reads a random value and a digest of the peer's published regions out of the process the peer names), and a read is reported good only if that process was still alive after it. Turned off by itself when `UCX_TLS` rules out UCX's own cma transport (for example `tcp`). Needs the kernel to let one process read a sibling's memory (same user; Yama `ptrace_scope` 0 or no Yama): otherwise the peer is read through UCX, and the log says why. Measured 2.5× raw UCX on 16 scattered 4 KiB blocks (README). A batch up to 1 MiB is copied inside `read_blocks`, a larger one by the transfer engine's copy thread. |
+| `layerwise_load` | `false` | Bidirectional only, prefill side: pull a decode node's held turn layer by layer *inside* the forward pass that computes the new tokens: one read per layer posted before the pass, each layer waiting for its own blocks before it starts (vLLM's `save_kv_layer` of the layer before; a layer writes its new tokens' KV into the turn's last block), instead of the request waiting for the whole pull and one more engine step. A failed read is reported as vLLM's load error and those tokens are recomputed. Pulls of a prefill node's blocks, hybrid models and models with a state-space (Mamba) group keep the asynchronous path. Caveat: the pass waits for the reads, so an owner that freezes (without `ucx_peer_error_handling`) stalls the prefill node until the read completes or fails. Measured no faster on a CPU-only machine (`benches/RESULTS.md`). |
+| `same_host_reads` | `true` | Read a peer that runs on the same host with `process_vm_readv`, up to 1,024 block runs per system call, instead of through UCX (which makes one call per run). Host memory only, and only regions the peer's own process vouches for (the reader reads a random value and a digest of the peer's published regions out of the process the peer names), and a read is reported good only if that process was still alive after it. Turned off by itself when `UCX_TLS` rules out UCX's own cma transport (for example `tcp`). Needs the kernel to let one process read a sibling's memory (same user; Yama `ptrace_scope` 0 or no Yama): otherwise the peer is read through UCX, and the log says why. Measured 2.5× raw UCX on 16 scattered 4 KiB blocks (`benches/RESULTS.md`). A batch up to 1 MiB is copied inside `read_blocks`, a larger one by the transfer engine's copy thread. |
 | `ucx_peer_error_handling` | `false` | UCX peer error handling on transfer endpoints. Either way a failed read is reported only when none of its bytes can still land. On, a read to a frozen peer is cancelled at its deadline; but UCX 1.22 then moves host memory over tcp instead of cma/shared memory (several times slower on one host). Off, such a read keeps its request waiting until the peer serves it or dies (a dead peer is detected through the side channel's heartbeats). Turn it on for cross-host deployments where the transport keeps its speed with it. Peers on the same host are read without UCX (`same_host_reads`), so it does not slow them. |
 """
 
@@ -99,23 +99,26 @@ class DuplexConfig:
             if auto
             else _int(threshold_raw, "kv_recompute_threshold", minimum=0)
         )
-        margin = _seconds(extra, "read_deadline_margin_s", 1.0, allow_zero=True)
-        lease = _seconds(extra, "kv_lease_ttl_s", 30.0)
-        hold = _seconds(extra, "decode_kv_hold_ttl_s", 120.0)
+        margin = _seconds(
+            extra, "read_deadline_margin_s", cls.read_deadline_margin_s, allow_zero=True
+        )
+        lease = _seconds(extra, "kv_lease_ttl_s", cls.kv_lease_ttl_s)
+        hold = _seconds(extra, "decode_kv_hold_ttl_s", cls.decode_kv_hold_ttl_s)
         for key, ttl in (("kv_lease_ttl_s", lease), ("decode_kv_hold_ttl_s", hold)):
             if ttl <= margin:
                 raise ValueError(
                     f"DuplexConnector: {key}={ttl} must exceed read_deadline_margin_s={margin}"
                 )
-        fraction = _number(extra, "decode_kv_hold_max_fraction", 0.25)
+        fraction = _number(extra, "decode_kv_hold_max_fraction", cls.decode_kv_hold_max_fraction)
         if not 0.0 < fraction <= 1.0:
             raise ValueError(
                 f"DuplexConnector: decode_kv_hold_max_fraction must be in (0, 1], got {fraction}"
             )
-        host = _text(extra, "side_channel_host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
-        secret_env = _text(extra, "auth_secret_env", "KVDUPLEX_SECRET")
+        default_host = os.environ.get("VLLM_HOST_IP") or cls.side_channel_host
+        host = _text(extra, "side_channel_host", default_host)
+        secret_env = _text(extra, "auth_secret_env", cls.auth_secret_env)
         return cls(
-            bidirectional_kv_xfer=_bool(extra, "bidirectional_kv_xfer", False),
+            bidirectional_kv_xfer=_bool(extra, "bidirectional_kv_xfer", cls.bidirectional_kv_xfer),
             recompute_threshold=threshold,
             auto_recompute_threshold=auto,
             kv_lease_ttl_s=lease,
@@ -124,13 +127,20 @@ class DuplexConfig:
             read_deadline_margin_s=margin,
             side_channel_host=host,
             side_channel_port=_int(
-                extra.get("side_channel_port", 0), "side_channel_port", minimum=0, maximum=65535
+                extra.get("side_channel_port", cls.side_channel_port),
+                "side_channel_port",
+                minimum=0,
+                maximum=65535,
             ),
-            handshake_timeout_s=_seconds(extra, "handshake_timeout_s", 10.0),
-            peer_heartbeat_s=_seconds(extra, "peer_heartbeat_s", 1.0),
+            handshake_timeout_s=_seconds(extra, "handshake_timeout_s", cls.handshake_timeout_s),
+            peer_heartbeat_s=_seconds(extra, "peer_heartbeat_s", cls.peer_heartbeat_s),
             auth_secret_env=secret_env,
-            ucx_peer_error_handling=_bool(extra, "ucx_peer_error_handling", False),
-            allow_unauthenticated_peers=_bool(extra, "allow_unauthenticated_peers", False),
+            ucx_peer_error_handling=_bool(
+                extra, "ucx_peer_error_handling", cls.ucx_peer_error_handling
+            ),
+            allow_unauthenticated_peers=_bool(
+                extra, "allow_unauthenticated_peers", cls.allow_unauthenticated_peers
+            ),
             lookup_timeout_s=_int(
                 extra.get("lookup_timeout_ms", DEFAULT_LOOKUP_TIMEOUT_MS),
                 "lookup_timeout_ms",
@@ -139,8 +149,8 @@ class DuplexConfig:
             )
             / 1000,
             decode_peers=_addresses(extra, "decode_peers"),
-            layerwise_load=_bool(extra, "layerwise_load", False),
-            same_host_reads=_bool(extra, "same_host_reads", True),
+            layerwise_load=_bool(extra, "layerwise_load", cls.layerwise_load),
+            same_host_reads=_bool(extra, "same_host_reads", cls.same_host_reads),
         )
 
     def auth_secret(self) -> bytes | None:

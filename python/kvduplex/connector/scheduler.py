@@ -42,7 +42,6 @@ ended while it was idle frees its blocks at its next step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -472,13 +471,9 @@ class DuplexScheduler:
     def _remote_from_match(self, request: Request, match: md.LookupMatch) -> RemoteBlocks | Rejected:
         """Check an owner's answer exactly like params from a router, cut to what matched."""
         release = _owner_release(match)
-        try:
-            params = json.loads(match.offer)
-        except (ValueError, UnicodeDecodeError):
-            params = None
-        if not isinstance(params, dict):
+        params = protocol.decode_offer(match.offer)
+        if params is None:
             return self._reject_match(request, match, "malformed params", release)
-        params = dict(params)
         ids, fingerprints = params.get(protocol.REMOTE_BLOCK_IDS), params.get(protocol.REMOTE_BLOCK_FINGERPRINTS)
         num_tokens = params.get(protocol.REMOTE_NUM_TOKENS)
         if isinstance(ids, list) and isinstance(fingerprints, list) and isinstance(num_tokens, int):
@@ -722,7 +717,7 @@ class DuplexScheduler:
                 num_blocks=len(held_ids),
                 fingerprints=tuple(fingerprints),
                 turn=decode_turn,
-                offer=json.dumps(params).encode(),
+                offer=protocol.encode_offer(params),
             )
         )
         return False, params

@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvduplex import protocol
+
 COUNTERS: dict[str, str] = {
     "transfers": "Block reads completed",
     "blocks": "KV blocks read from peers",
@@ -151,7 +153,7 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
         self._engine_labelvalues = per_engine_labelvalues
         self._per_group = {
             key: self._counter_cls(
-                name=f"vllm:kvduplex_{key}",
+                name=f"{protocol.METRIC_PREFIX}{key}",
                 documentation=text,
                 labelnames=[*labelnames, "kv_cache_group"],
             )
@@ -160,7 +162,7 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
         self._counters = {
             key: create_metric_per_engine(
                 self._counter_cls(
-                    name=f"vllm:kvduplex_{key}", documentation=text, labelnames=labelnames
+                    name=f"{protocol.METRIC_PREFIX}{key}", documentation=text, labelnames=labelnames
                 ),
                 per_engine_labelvalues,
             )
@@ -168,7 +170,7 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
         }
         self._transfer_time = create_metric_per_engine(
             self._histogram_cls(
-                name="vllm:kvduplex_transfer_seconds",
+                name=f"{protocol.METRIC_PREFIX}transfer_seconds",
                 documentation="Duration of one batched block read, post to last byte",
                 buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5],
                 labelnames=labelnames,
@@ -177,7 +179,7 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
         )
         self._lookup_time = create_metric_per_engine(
             self._histogram_cls(
-                name="vllm:kvduplex_lookup_seconds",
+                name=f"{protocol.METRIC_PREFIX}lookup_seconds",
                 documentation="Duration of one lookup of a prompt's blocks on the known peers",
                 buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1],
                 labelnames=labelnames,

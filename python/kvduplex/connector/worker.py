@@ -31,11 +31,10 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
 
-from kvduplex import _core
-from kvduplex import protocol
+from kvduplex import _core, protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector import tp
+from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.stats import DuplexConnectorStats
 

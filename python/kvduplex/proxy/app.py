@@ -26,15 +26,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, prefill_request_params
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
-from .config import ProxyConfig
+from .config import CONVERSATION_FIELD, CONVERSATION_HEADER, ProxyConfig
 from .metrics import ProxyMetrics
 from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
 
 logger = logging.getLogger(__name__)
 
-CONVERSATION_HEADER = "x-conversation-id"
-CONVERSATION_FIELD = "conversation_id"
 # The request and response field of vLLM's OpenAI server that carries kv_transfer_params.
 PARAMS_FIELD = "kv_transfer_params"
 _PARAMS_FIELD_JSON = json.dumps(PARAMS_FIELD).encode()

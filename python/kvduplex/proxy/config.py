@@ -17,6 +17,9 @@ DEFAULT_MAX_STORE_BYTES = 256 << 20
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 DEFAULT_MAX_UPSTREAM_RESPONSE_BYTES = 64 << 20
 DEFAULT_MAX_CONVERSATION_ID_LENGTH = 256
+# Where a client names its conversation: a request header, or a field of the request body.
+CONVERSATION_HEADER = "x-conversation-id"
+CONVERSATION_FIELD = "conversation_id"
 
 
 class ConfigError(ValueError):

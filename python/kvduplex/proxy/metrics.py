@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Read by `kvduplex demo` (as `<name>_total`, with a `result` label).
+CONVERSATION_LOOKUPS = "kvduplex_proxy_conversation_lookups"
+
 
 class ProxyMetrics:
     def __init__(self) -> None:
@@ -23,7 +26,7 @@ class ProxyMetrics:
             registry=self.registry,
         )
         self.conversation_lookups = Counter(
-            "kvduplex_proxy_conversation_lookups",
+            CONVERSATION_LOOKUPS,
             "Conversation-store lookups on requests naming a conversation: hit (P pulls from D), "
             "miss, expired, decode_unavailable (the D holding the blocks is down: recompute).",
             ["result"],

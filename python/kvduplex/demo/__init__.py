@@ -42,6 +42,10 @@ from typing import Any, TextIO
 
 import httpx
 
+from ..connector.config import DEFAULT_RECOMPUTE_THRESHOLD, REQUIRED_LOAD_FAILURE_POLICY
+from ..protocol import METRIC_PREFIX
+from ..proxy.config import CONVERSATION_HEADER
+from ..proxy.metrics import CONVERSATION_LOOKUPS
 from .servers import (
     WHOLE_MACHINE_ENV,
     Completion,
@@ -55,7 +59,6 @@ from .tiny_model import SERVER_ARGS, build_tiny_model, sample_text
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RECOMPUTE_THRESHOLD = 64
 DEFAULT_TURNS = 4
 # Every turn's answer is this long. It is above the recompute threshold on purpose: on turn k,
 # P's own prefix cache already holds turn k-1's prompt up to its last full block, so what P can
@@ -66,7 +69,6 @@ DEFAULT_USER_WORDS = 60
 # Outputs of P/D and the single server run the same float32 model on the same tokens; KV that was
 # pulled instead of computed only changes the summation order of a few kernels.
 LOGPROB_ATOL = 1e-3
-CONVERSATION_HEADER = "X-Conversation-Id"
 _METRICS_SETTLE_TIMEOUT_S = 30.0
 
 
@@ -83,7 +85,7 @@ def duplex_kv_transfer_config(
         "kv_connector": "DuplexConnector",
         "kv_connector_module_path": "kvduplex.connector",
         "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": REQUIRED_LOAD_FAILURE_POLICY,
         "kv_connector_extra_config": {
             "bidirectional_kv_xfer": bidirectional,
             "kv_recompute_threshold": recompute_threshold,
@@ -144,9 +146,6 @@ class MetricsSnapshot:
         return self.ttft_sum_s / self.ttft_count if self.ttft_count else None
 
 
-_CONNECTOR_PREFIX = "vllm:kvduplex_"
-
-
 def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
     """One reading of a vLLM server's Prometheus `/metrics` (summed over engines and labels).
 
@@ -173,11 +172,11 @@ def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
                 values["ttft_count"] += sample.value
             elif name == "vllm:request_success_total":
                 values["finished_requests"] += sample.value
-            elif name.startswith(_CONNECTOR_PREFIX) and name.endswith("_total"):
-                key = name[len(_CONNECTOR_PREFIX) : -len("_total")]
+            elif name.startswith(METRIC_PREFIX) and name.endswith("_total"):
+                key = name[len(METRIC_PREFIX) : -len("_total")]
                 connector[key] = connector.get(key, 0.0) + sample.value
-            elif name.startswith(_CONNECTOR_PREFIX) and name.endswith(("_sum", "_count")):
-                key = name[len(_CONNECTOR_PREFIX) :]
+            elif name.startswith(METRIC_PREFIX) and name.endswith(("_sum", "_count")):
+                key = name[len(METRIC_PREFIX) :]
                 histograms[key] = histograms.get(key, 0.0) + sample.value
     return MetricsSnapshot(
         prompt_tokens=prompt_tokens, connector=connector, connector_histograms=histograms, **values
@@ -209,20 +208,26 @@ def read_metrics_after(
         time.sleep(0.05)
 
 
+def sample_sums(base_url: str, sample: str, label: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """The values of the Prometheus samples named `sample` on a server's /metrics, summed by the
+    value of their `label` (over every other label, e.g. engines)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+    response.raise_for_status()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for found in family.samples:
+            if found.name == sample:
+                key = found.labels.get(label, "")
+                sums[key] = sums.get(key, 0.0) + found.value
+    return sums
+
+
 def read_proxy_lookups(proxy_url: str) -> dict[str, float]:
     """The proxy's conversation-store lookups so far, by result (hit, miss, expired,
     decode_unavailable)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(f"{proxy_url}/metrics", timeout=10.0)
-    response.raise_for_status()
-    lookups: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name == "kvduplex_proxy_conversation_lookups_total":
-                result = sample.labels.get("result", "")
-                lookups[result] = lookups.get(result, 0.0) + sample.value
-    return lookups
+    return sample_sums(proxy_url, f"{CONVERSATION_LOOKUPS}_total", "result")
 
 
 def lookup_result(before: Mapping[str, float], after: Mapping[str, float]) -> str:
@@ -250,8 +255,8 @@ class ProxyThread:
     ) -> None:
         import uvicorn
 
-        from .proxy.app import create_app
-        from .proxy.config import ProxyConfig, parse_upstream
+        from ..proxy.app import create_app
+        from ..proxy.config import ProxyConfig, parse_upstream
 
         config = ProxyConfig(
             prefill=tuple(parse_upstream(url) for url in prefill_urls),
