@@ -27,14 +27,15 @@ from test_connector_e2e import (
 
 
 def multi_connector_config(storage: Path) -> dict:
-    duplex = {key: value for key, value in KV_TRANSFER_CONFIG.items() if key != "kv_load_failure_policy"}
+    # vLLM applies the MultiConnector's failure policy; each child sees only its own entry, so
+    # the DuplexConnector entry states it too (the connector refuses to start without it).
     return {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "connectors": [
-                duplex,
+                KV_TRANSFER_CONFIG,
                 {
                     "kv_connector": "ExampleConnector",
                     "kv_role": "kv_both",

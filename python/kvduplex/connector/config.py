@@ -78,7 +78,9 @@ class DuplexConfig:
                 "connector (peer gone, lease expired, handshake refused, read failed) would "
                 "reach the client as an error. Add "
                 f'"kv_load_failure_policy": "{REQUIRED_LOAD_FAILURE_POLICY}" to '
-                "--kv-transfer-config (vLLM's default is \"fail\")."
+                "--kv-transfer-config (vLLM's default is \"fail\"). Inside MultiConnector, "
+                "set it on both the MultiConnector config (the policy vLLM applies) and the "
+                "DuplexConnector entry of its \"connectors\" (the config this connector sees)."
             )
         return cls.from_extra_config(transfer_config.kv_connector_extra_config)
 
