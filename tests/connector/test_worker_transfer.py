@@ -547,3 +547,30 @@ def test_an_owner_that_dies_between_lookup_and_read_costs_a_recompute_not_a_hang
     finally:
         worker.shutdown()
         owner.stop()
+
+
+def test_a_full_match_is_reported_without_waiting_for_a_silent_owner(owner, tiny_config_dir):
+    """Two owners asked: one holds every block asked, the other accepts the connection and
+    never answers. The lookup is reported as soon as the full match arrives, not at its
+    deadline (chained fingerprints: no owner can hold more)."""
+    owner.reset()
+    owner.hold("full", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer="{}")
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        worker = make_worker(
+            tiny_config_dir,
+            "reader-d",
+            make_kv_caches(NUM_BLOCKS),
+            {"decode_peers": [address, f"127.0.0.1:{silent.getsockname()[1]}"]},
+        )
+        try:
+            started = time.monotonic()
+            match = look_up(worker, "p5", TURN_FINGERPRINTS, timeout_s=20.0)
+            assert time.monotonic() - started < 10.0
+            assert match is not None and match.matched_blocks == 4
+            worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+            worker.get_transfer_results()
+        finally:
+            worker.shutdown()

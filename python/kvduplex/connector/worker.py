@@ -820,15 +820,21 @@ class DuplexWorker:
             deadline=time.monotonic() + spec.timeout_s,
             started=time.perf_counter(),
             sent_at=time.time(),
+            num_blocks=len(spec.fingerprints),
         )
 
     def _collect_lookups(self) -> None:
-        """Report lookups whose every owner answered or whose deadline passed; hand back the
-        claims of answers that come after their lookup was reported."""
+        """Report lookups whose every owner answered, one of whose owners holds every block
+        asked (none can give more: chained fingerprints), or whose deadline passed; hand back
+        the claims of answers that come after their lookup was reported."""
         now = time.monotonic()
         for request_id, pending in list(self._lookups.items()):
             answers = pending.lookup.answers()
-            if now < pending.deadline and any(answer is None for answer in answers):
+            if (
+                now < pending.deadline
+                and any(answer is None for answer in answers)
+                and not pending.has_full_match(answers)
+            ):
                 continue
             del self._lookups[request_id]
             matches, failures = pending.take(answers)
@@ -861,8 +867,17 @@ class _PendingLookup:
     started: float
     sent_at: float
     """Wall clock when sent: each claim lasts its `claim_s` from (at the latest) here."""
+    num_blocks: int = 0
+    """Blocks asked for."""
     taken: set[int] = field(default_factory=set)
     """Targets whose answer was taken already."""
+
+    def has_full_match(self, answers: list) -> bool:
+        """Whether an owner holds every block asked for."""
+        return any(
+            answer is not None and answer[2] is not None and answer[2][1] >= self.num_blocks
+            for answer in answers
+        )
 
     def take(self, answers: list) -> tuple[list[md.LookupMatch], list[str]]:
         """Matches and failures among the answers not taken yet; a target still silent is a
