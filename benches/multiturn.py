@@ -122,6 +122,8 @@ KVDUPLEX_SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY)
 # Systems sent with "stream": true and no conversation id.
 STREAMED_SYSTEMS = (STREAM,)
 LOOKUP_HISTOGRAM = "vllm:kvduplex_lookup_seconds"
+# What a request waited in P's scheduler for its lookup (or grant) answer, steps included.
+LOOKUP_WAIT_HISTOGRAM = "vllm:kvduplex_lookup_wait_seconds"
 LOOKUP_PERCENTILES_NOTE = (
     "lookup p50/p99 are upper bounds of vllm:kvduplex_lookup_seconds buckets (0.5 ms .. 1 s), "
     "pooled over turns whose lookups all missed (miss) or all hit (hit)"
@@ -173,11 +175,15 @@ class TurnStats:
     # Growth of P's lookup-time histogram during the turn: cumulative count per bucket upper
     # bound ("le" label, e.g. "0.001", "+Inf").
     lookup_buckets: dict[str, float] | None = None
+    # The same for P's lookup-wait histogram (`LOOKUP_WAIT_HISTOGRAM`).
+    lookup_wait_buckets: dict[str, float] | None = None
 
 
-def read_lookup_buckets(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:
-    """P's `vllm:kvduplex_lookup_seconds` histogram: cumulative count by bucket upper bound,
-    summed over engines; empty for a server without it."""
+def read_lookup_buckets(
+    base_url: str, timeout_s: float = 60.0, histogram: str = LOOKUP_HISTOGRAM
+) -> dict[str, float]:
+    """P's `histogram` (default `vllm:kvduplex_lookup_seconds`): cumulative count by bucket
+    upper bound, summed over engines; empty for a server without it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
@@ -185,7 +191,7 @@ def read_lookup_buckets(base_url: str, timeout_s: float = 60.0) -> dict[str, flo
     buckets: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            if sample.name == f"{LOOKUP_HISTOGRAM}_bucket":
+            if sample.name == f"{histogram}_bucket":
                 le = sample.labels.get("le", "")
                 buckets[le] = buckets.get(le, 0.0) + sample.value
     return buckets
@@ -237,6 +243,15 @@ def lookup_summary(stats: Sequence[TurnStats]) -> dict[str, Any]:
             "p50_le_s": bucket_quantile(pool, 0.5),
             "p99_le_s": bucket_quantile(pool, 0.99),
         }
+    waits: dict[str, float] = {}
+    for t in stats:
+        for le, count in (t.lookup_wait_buckets or {}).items():
+            waits[le] = waits.get(le, 0.0) + count
+    summary["wait"] = {
+        "samples": int(max(waits.values(), default=0.0)),
+        "p50_le_s": bucket_quantile(waits, 0.5),
+        "p99_le_s": bucket_quantile(waits, 0.99),
+    }
     summary["note"] = LOOKUP_PERCENTILES_NOTE
     return summary
 
@@ -302,6 +317,7 @@ def run_conversations(
         prompts = [histories[c] + messages[c][turn] for c in range(n)]
         prefill_before = read_metrics(prefill_url)
         lookups_before = read_lookup_buckets(prefill_url)
+        waits_before = read_lookup_buckets(prefill_url, histogram=LOOKUP_WAIT_HISTOGRAM)
         decode_before = read_metrics(decode_url) if decode_url else None
         answers, wall_s = run_turn(
             url, prompts, workload.max_tokens, conversation_ids, streamed=streamed
@@ -312,6 +328,8 @@ def run_conversations(
         lookup_buckets = {
             le: count - lookups_before.get(le, 0.0) for le, count in lookups_after.items()
         }
+        waits_after = read_lookup_buckets(prefill_url, histogram=LOOKUP_WAIT_HISTOGRAM)
+        wait_buckets = {le: count - waits_before.get(le, 0.0) for le, count in waits_after.items()}
         client_ttfts = [
             a.ttft_s for a in answers if isinstance(a, StreamedCompletion) and a.ttft_s is not None
         ]
@@ -347,6 +365,7 @@ def run_conversations(
                 lookup_failures=int(prefill.connector.get("lookup_failures", 0.0)),
                 lookups_skipped=int(prefill.connector.get("lookups_skipped", 0.0)),
                 lookup_buckets=lookup_buckets or None,
+                lookup_wait_buckets=wait_buckets or None,
             )
         )
         logger.info("turn %d: %s", turn + 1, json.dumps(asdict(stats[-1])))
@@ -543,6 +562,14 @@ def format_tables(report: dict[str, Any]) -> str:
             f"{_fmt_le(hit['p99_le_s']):>12}{lookup['on_mixed']['samples']:>9}"
         )
     lines.append(f"({LOOKUP_PERCENTILES_NOTE}; '<=x': the bucket's upper bound)")
+    for system, result in report["systems"].items():
+        wait = result.get("summary", {}).get("lookup", {}).get("wait")
+        if wait and wait["samples"]:
+            lines.append(
+                f"{system}: requests waited for their lookup/grant answer p50 "
+                f"{_fmt_le(wait['p50_le_s'])} ms, p99 {_fmt_le(wait['p99_le_s'])} ms "
+                f"({wait['samples']} requests; {LOOKUP_WAIT_HISTOGRAM})"
+            )
     lines.append("")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {'-' if value is None else f'{value:.2f}'}")
