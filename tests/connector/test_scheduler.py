@@ -404,24 +404,17 @@ def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     assert too_big is None
 
 
-def test_turns_finishing_together_order_what_they_need_once(engines):
-    """Two turns past the cap in one step order their overflow once between them; an order
-    shipped and not yet acknowledged is not ordered again by the next turn."""
+def test_consecutive_turns_past_the_cap_order_each_block_once(engines):
+    """Three 7-block turns, 12 blocks allowed: 9 must go. The second turn orders 2; the
+    third, before the workers acknowledged that order, orders only its own 7 (on the tree
+    before retention.py: 9, counting the 2 shipped again)."""
     config = {**BIDIRECTIONAL, "decode_kv_hold_max_fraction": 0.2}
     p, d = engines("P", config), engines("D", config, num_blocks=64)
-    turns = [prompt_tokens(100, start=400 * i) for i in range(1, 4)]
-    for i, prompt in enumerate(turns[:1]):
+    for i in range(3):
+        prompt = prompt_tokens(100, start=400 * (i + 1))
         decode(d, f"d{i}", prompt, prefill(p, f"p{i}", prompt), max_tokens=2)
-    retention = d.duplex._retention
-    assert retention.turn_blocks == 7
-    # Two more 7-block turns: 21 held, 12 allowed: 9 blocks to free, ordered once.
-    retention.hold("x1", 7, True, time.time() + 60)
-    retention.hold("x2", 7, True, time.time() + 60)
-    order = retention.take_order(time.time())
-    assert order is not None and order.turn_blocks == 9
-    # Shipped, not acknowledged: a third turn orders only its own 7 blocks.
-    retention.hold("x3", 7, True, time.time() + 60)
-    assert retention.take_order(time.time()).turn_blocks == 7
+    d.step()
+    assert [s.meta.evict.turn_blocks for s in d.steps if s.meta.evict] == [2, 7]
 
 
 def test_no_params_without_worker_addresses(engines, connector_log):
