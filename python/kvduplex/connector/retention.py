@@ -36,8 +36,15 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.v1.request import RequestStatus
 
 from kvduplex.connector.metadata import EvictOrder
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
 
 # An idle engine with holds steps this often, to free holds whose reader released them.
 IDLE_CHECK_S = 1.0
@@ -212,6 +219,51 @@ def blocks_needed(
         token_budget -= admitted
         needed += -(-admitted // block_size)
     return needed
+
+
+# Waiting requests whose uncomputed tokens count as needed; one waiting for a pull has its
+# blocks already.
+_WAITING_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class LiveRequests:
+    """An engine's requests from arrival to end (in arrival order), and the blocks they need
+    before an eviction ordered now can free any (`blocks_needed`)."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        scheduler_config = vllm_config.scheduler_config
+        self._block_size = vllm_config.cache_config.block_size
+        # The next step's tokens, or the next two steps' with asynchronous scheduling (the
+        # step after is scheduled before this one's output, which frees the blocks, is in).
+        self._horizon_tokens = (1 + vllm_config.num_lookahead_tokens) * (
+            2 if scheduler_config.async_scheduling else 1
+        )
+        self._token_budget = scheduler_config.max_num_batched_tokens
+        self._seats = scheduler_config.max_num_seqs
+        self._requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def remove(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def blocks_needed(self) -> int:
+        return blocks_needed(
+            [
+                (
+                    request.status == RequestStatus.RUNNING,
+                    request.num_computed_tokens,
+                    request.num_tokens,
+                )
+                for request in self._requests.values()
+                if request.status == RequestStatus.RUNNING or request.status in _WAITING_STATUSES
+            ],
+            self._block_size,
+            self._horizon_tokens,
+            self._token_budget,
+            self._seats,
+        )
 
 
 class IdleWaker:

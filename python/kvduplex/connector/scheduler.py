@@ -57,7 +57,7 @@ from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
-from kvduplex.connector.retention import IdleWaker, Retention, blocks_needed
+from kvduplex.connector.retention import IdleWaker, LiveRequests, Retention
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
 from kvduplex.connector.token_fingerprint import (
@@ -85,9 +85,6 @@ logger = init_logger(f"vllm.{__name__}")
 _ASK_AGAIN = object()
 
 _HOLDABLE_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-# Waiting requests whose prompt blocks count as needed (`retention.blocks_needed`); those
-# waiting for a pull have their blocks already.
-_WAITING_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 @dataclass
@@ -145,17 +142,7 @@ class DuplexScheduler:
             int(config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks)
         )
         self._waker = IdleWaker(self._retention, time.time)
-        scheduler_config = vllm_config.scheduler_config
-        # Tokens each running request may take before an eviction ordered now frees blocks:
-        # the next step's, or the next two with asynchronous scheduling (scheduled before
-        # this step's output, which frees the blocks, is processed).
-        self._horizon_tokens = (1 + vllm_config.num_lookahead_tokens) * (
-            2 if scheduler_config.async_scheduling else 1
-        )
-        self._token_budget = scheduler_config.max_num_batched_tokens
-        self._max_seqs = scheduler_config.max_num_seqs
-        # Every request from its arrival to its end, in arrival order: what they need.
-        self._live: dict[str, Request] = {}
+        self._live = LiveRequests(vllm_config)
         max_model_len = vllm_config.model_config.max_model_len
         self._params_context = ParamsContext(
             engine_id=engine_id,
@@ -211,7 +198,7 @@ class DuplexScheduler:
         return self._config.recompute_threshold
 
     def on_new_request(self, request: Request) -> None:
-        self._live[request.request_id] = request
+        self._live.add(request)
         self._stop_prefill_short(request)
         self._pull_state(request)
 
@@ -637,7 +624,7 @@ class DuplexScheduler:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """`block_ids`: the request's block table of every KV-cache group (vLLM's order)."""
-        self._live.pop(request.request_id, None)
+        self._live.remove(request.request_id)
         state = self._pulls.pop(request.request_id, None)
         lookup = self._lookups.pop(request.request_id, None)
         self._named.pop(request.request_id, None)
@@ -787,24 +774,6 @@ class DuplexScheduler:
 
     # ------------------------------------------------------------- retention
 
-    def _blocks_needed(self) -> int:
-        """Blocks the live requests need before an eviction ordered now can free any."""
-        return blocks_needed(
-            [
-                (
-                    request.status == RequestStatus.RUNNING,
-                    request.num_computed_tokens,
-                    request.num_tokens,
-                )
-                for request in self._live.values()
-                if request.status == RequestStatus.RUNNING or request.status in _WAITING_STATUSES
-            ],
-            self._block_size,
-            self._horizon_tokens,
-            self._token_budget,
-            self._max_seqs,
-        )
-
     def has_pending_block_frees(self) -> bool:
         """vLLM asks when a running request cannot get blocks, before it preempts one:
         holds are given up first (an order now, if none is under way), and the request
@@ -812,7 +781,7 @@ class DuplexScheduler:
         now = time.time()
         if not self._retention.frees_pending(now) and self._block_pool is not None:
             free = self._block_pool.get_num_free_blocks()
-            self._retention.pressure(free, max(self._blocks_needed(), free + 1), now)
+            self._retention.pressure(free, max(self._live.blocks_needed(), free + 1), now)
         return self._retention.frees_pending(now)
 
     def has_pending_push_work(self) -> bool:
@@ -858,7 +827,7 @@ class DuplexScheduler:
         if self._block_pool is not None and self._held:
             # Before vLLM would preempt: free held blocks the live requests are about to need.
             self._retention.pressure(
-                self._block_pool.get_num_free_blocks(), self._blocks_needed(), now
+                self._block_pool.get_num_free_blocks(), self._live.blocks_needed(), now
             )
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,
