@@ -171,9 +171,10 @@ class DuplexScheduler:
         self._pulls: dict[str, _PullState] = {}
         self._lookups: dict[str, _LookupState] = {}
         self._lookups_possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
-        # Whether any engine could answer a lookup: `decode_peers`, a decode node that read
-        # a prompt we held (it then announces itself), or what TP rank 0 last counted.
-        self._lookup_targets = len(config.decode_peers)
+        # Whether an engine could ever answer a lookup: `decode_peers`, a decode node we
+        # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
+        # Never unset: a peer that went away is found missing by the workers (no answer).
+        self._lookup_peers_known = bool(config.decode_peers)
         self._step_count = 0
         # Params seen on a request, until their owner is asked for a grant.
         self._named: dict[str, RemoteBlocks] = {}
@@ -371,7 +372,7 @@ class DuplexScheduler:
                 # on the answer, after its full ones matched): none beyond the local hit, or
                 # no engine to ask, and nothing could be found.
                 full = request.num_prompt_tokens // self._block_size * self._block_size
-                if full <= num_computed_tokens or self._lookup_targets <= 0:
+                if full <= num_computed_tokens or not self._lookup_peers_known:
                     timeout_s = 0.0
                 end = request.num_prompt_tokens
             if timeout_s <= 0 or not self._lookup_worthwhile(request, num_computed_tokens, end):
@@ -722,7 +723,7 @@ class DuplexScheduler:
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.
-            self._lookup_targets = max(self._lookup_targets, 1)
+            self._lookup_peers_known = True
         self._stats.set_gauge("held_blocks", self._retention.held_blocks)
         params = {
             protocol.DO_REMOTE_PREFILL: not decode_turn,
@@ -856,8 +857,8 @@ class DuplexScheduler:
             freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
             self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())
             self._on_loads_done(worker_meta.loads_done)
-            if worker_meta.lookup_targets >= 0:
-                self._lookup_targets = max(worker_meta.lookup_targets, len(self._config.decode_peers))
+            if worker_meta.lookup_targets > 0:
+                self._lookup_peers_known = True
         if self._estimator is None:
             return
         if self._step_started is not None:
