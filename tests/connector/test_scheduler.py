@@ -357,25 +357,33 @@ def test_lease_expiry_frees_a_claimed_hold_exactly_once_and_never_early(engines)
     assert expire() == set() and not book
 
 
-def test_an_unclaimed_prompt_hold_is_given_up_for_a_waiting_request(engines):
-    """P's prompt held for a decode node that has not asked yet goes when a waiting request
-    needs its blocks; its blocks are freed exactly once."""
+def test_an_unclaimed_prompt_hold_is_given_up_for_a_running_request_only(engines):
+    """P's prompt held for a decode node that has not asked yet: a waiting request waits for
+    it (giving it up would make the decode node compute the prompt), a running request that
+    needs its blocks gets them. Its blocks are freed exactly once."""
     p = engines("P", {"kv_lease_ttl_s": 30.0}, num_blocks=16)
     params = prefill(p, "p1", prompt_tokens(100))
     held = set(params["remote_block_ids"])
     p.step()
+    # 16 blocks, block 0 reserved, 7 held, 8 free: a 130-token prompt (9 blocks) waits.
     p.add("big", prompt_tokens(130, start=300), max_tokens=5)
     step = p.step()
-    assert "big" not in running(p)
-    # 9 blocks needed, 8 free: one block is ordered from the holds (any kind).
-    assert step.meta.evict is not None and step.meta.evict.any_blocks == 1
-    assert p.connector.has_pending_block_frees()
-    # TP rank 0 frees the least recently used unclaimed hold and acknowledges the order.
-    p.step(freed_holds={"p1"}, evictions_done=1)
+    assert "big" not in running(p) and step.meta.evict is None
+    p.scheduler.finish_requests("big", RequestStatus.FINISHED_ABORTED)
+    # A 100-token prompt (7 blocks) runs and grows past 8 blocks: the hold goes first.
+    long = p.add("long", prompt_tokens(100, start=600), max_tokens=40)
+    orders, freed, acks = [], [], 0
+    for _ in range(60):
+        step = p.step(freed_holds=freed, evictions_done=acks)
+        freed, acks = [], 0
+        if step.meta.evict is not None:
+            orders.append(step.meta.evict)
+            acks, freed = 1, ["p1"] if "p1" in p.duplex._held else []
+        if step.finished("long") is not None:
+            break
+    assert step.finished("long") is not None and long.num_preemptions == 0
+    assert [order.any_blocks for order in orders][:1] == [1]
     assert all(p.ref_count(b) == 0 for b in held)
-    assert not p.connector.has_pending_block_frees()
-    p.step()
-    assert "big" in running(p)
     assert p.duplex._retention.held_blocks == 0
     assert p.stats.data["held_blocks"] == 0
 
@@ -392,12 +400,12 @@ def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     _, second = decode(d, "d2", b, prefill(p, "p2", b), max_tokens=2)
     assert first is not None and second is not None
     d.step()
-    assert [s.meta.evict.turn_blocks for s in d.steps if s.meta.evict] == [2]
+    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2]
     # The worker evicted d1: its blocks come back; a new turn then needs no eviction.
     d.step(freed_holds={"d1"}, evictions_done=1)
     _, third = decode(d, "d3", prompt_tokens(20, start=900), prefill(p, "p3", prompt_tokens(20, start=900)), max_tokens=2)
     assert third is not None
-    assert [s.meta.evict.turn_blocks for s in d.steps if s.meta.evict] == [2]
+    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2]
     # A turn larger than the whole cap is never held.
     big = prompt_tokens(200, start=2000)
     _, too_big = decode(d, "d4", big, prefill(p, "p4", big), max_tokens=2)
@@ -414,7 +422,7 @@ def test_consecutive_turns_past_the_cap_order_each_block_once(engines):
         prompt = prompt_tokens(100, start=400 * (i + 1))
         decode(d, f"d{i}", prompt, prefill(p, f"p{i}", prompt), max_tokens=2)
     d.step()
-    assert [s.meta.evict.turn_blocks for s in d.steps if s.meta.evict] == [2, 7]
+    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2, 7]
 
 
 def test_no_params_without_worker_addresses(engines, connector_log):

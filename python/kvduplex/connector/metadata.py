@@ -113,12 +113,18 @@ class LookupMatch:
 
 @dataclass(frozen=True)
 class EvictOrder:
-    """Free at least `turn_blocks` blocks of unclaimed held turns (their cap), then at least
-    `any_blocks` blocks of any unclaimed holds (the engine is short of free blocks), least
-    recently used first. TP rank 0 acknowledges every order once (`evictions_done`)."""
+    """Free unclaimed holds, least recently used first, at least: `cap_blocks` blocks of
+    held turns (their cap), `turn_blocks` of held turns (waiting requests need blocks), then
+    `any_blocks` of any holds, prompts too (running requests need blocks). TP rank 0
+    acknowledges every order once (`evictions_done`)."""
 
+    cap_blocks: int = 0
     turn_blocks: int = 0
     any_blocks: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.cap_blocks + self.turn_blocks + self.any_blocks
 
 
 @dataclass

@@ -3,7 +3,12 @@
 Held blocks (a prefill node's prompts for their decode nodes, a decode node's finished turns
 for the next turn) are worth less than the requests the engine runs: they are given up,
 least recently used and unclaimed first, when the engine's free blocks fall below what its
-running and waiting requests need, before vLLM would preempt one of them. The scheduler owns
+requests need, before vLLM would preempt one of them. Two tiers: what running requests need
+for their next step(s) may take any unclaimed hold; what the next step could admit of the
+waiting requests may take held turns only. A prompt held for a decode node is read within
+moments of its hand-off (its reader asks for it as soon as it gets the request), and giving it
+up makes the decode node compute the whole prompt, to let a waiting request in a little
+sooner; a held turn waits for a next turn that may never come. The scheduler owns
 the blocks' references (it frees them once TP rank 0 reports a hold ended); TP rank 0's hold
 book owns the claims, so the scheduler orders evictions of *a number of blocks* and the hold
 book picks which holds (unclaimed only: no block is freed under a read).
@@ -96,7 +101,7 @@ class Retention:
                     self.turn_blocks + num_blocks - self.max_turn_blocks - self._outstanding(True)
                 )
                 if overflow > 0:
-                    self._next = EvictOrder(self._next.turn_blocks + overflow, self._next.any_blocks)
+                    self._add(cap_blocks=overflow)
                 self.turn_blocks += num_blocks
             self._held[request_id] = _Held(num_blocks, turn, expires_at)
             self.held_blocks += num_blocks
@@ -115,27 +120,31 @@ class Retention:
 
     # ------------------------------------------------------------- pressure
 
-    def pressure(self, free_blocks: int, needed_blocks: int, now: float) -> int:
-        """The engine's requests need `needed_blocks` and `free_blocks` are free: order the
-        shortfall from the holds, beyond what orders outstanding free already. Returns the
-        blocks ordered."""
+    def pressure(self, free_blocks: int, running_need: int, waiting_need: int, now: float) -> int:
+        """Running requests need `running_need` blocks, the waiting ones the next step could
+        admit `waiting_need`, and `free_blocks` are free: order the shortfall from the holds
+        (any for the running, turns for the waiting), beyond what orders outstanding free
+        already. Returns the blocks ordered."""
         with self._lock:
             if now < self._backoff_until:
                 return 0
             outstanding = self._outstanding(False)
-            shortfall = needed_blocks - free_blocks - outstanding
             evictable = self.held_blocks - outstanding
-            amount = min(shortfall, evictable)
-            if amount <= 0:
-                return 0
-            self._next = EvictOrder(self._next.turn_blocks, self._next.any_blocks + amount)
-            return amount
+            for_running = max(0, min(running_need - free_blocks - outstanding, evictable))
+            turns = min(self.turn_blocks - self._outstanding(True), evictable - for_running)
+            for_waiting = max(
+                0,
+                min(running_need + waiting_need - free_blocks - outstanding - for_running, turns),
+            )
+            if for_running or for_waiting:
+                self._add(turn_blocks=for_waiting, any_blocks=for_running)
+            return for_running + for_waiting
 
     def take_order(self, now: float) -> EvictOrder | None:
         """The order for this step's metadata (None: nothing to evict)."""
         with self._lock:
             order, self._next = self._next, EvictOrder()
-            if not order.turn_blocks and not order.any_blocks:
+            if not order.total:
                 return None
             self._shipped.append(_Shipped(order, now))
             return order
@@ -146,8 +155,7 @@ class Retention:
         with self._lock:
             asked = 0
             for _ in range(min(num_orders, len(self._shipped))):
-                order = self._shipped.popleft().order
-                asked += order.turn_blocks + order.any_blocks
+                asked += self._shipped.popleft().order.total
             if num_orders and freed_blocks < asked:
                 self._backoff_until = now + FRUITLESS_BACKOFF_S
 
@@ -159,10 +167,20 @@ class Retention:
             return bool(self._shipped) or self._next != EvictOrder()
 
     def _outstanding(self, turns_only: bool) -> int:
+        """Blocks ordered (this step's order and those shipped) and not acknowledged yet:
+        only those that turns alone may satisfy, or all."""
         orders = [shipped.order for shipped in self._shipped] + [self._next]
         if turns_only:
-            return sum(order.turn_blocks for order in orders)
-        return sum(order.turn_blocks + order.any_blocks for order in orders)
+            return sum(order.cap_blocks + order.turn_blocks for order in orders)
+        return sum(order.total for order in orders)
+
+    def _add(self, cap_blocks: int = 0, turn_blocks: int = 0, any_blocks: int = 0) -> None:
+        order = self._next
+        self._next = EvictOrder(
+            order.cap_blocks + cap_blocks,
+            order.turn_blocks + turn_blocks,
+            order.any_blocks + any_blocks,
+        )
 
     # ----------------------------------------------------------------- idle
 
@@ -198,17 +216,18 @@ def blocks_needed(
     horizon_tokens: int,
     token_budget: int,
     seats: int,
-) -> int:
-    """Blocks an engine's live requests need over its next steps: `requests` is (running,
-    computed tokens, tokens) of each, in scheduling order. A running request needs the blocks
-    its next `horizon_tokens` tokens start; waiting ones the blocks of their uncomputed
-    tokens, in order, as many as the next step could admit (`token_budget` tokens, `seats`
-    requests). Prefix-cache hits are not subtracted: they are counted as free blocks too."""
-    needed = 0
+) -> tuple[int, int]:
+    """Blocks an engine's live requests need over its next steps, (running, waiting):
+    `requests` is (running, computed tokens, tokens) of each, in scheduling order. A running
+    request needs the blocks its next `horizon_tokens` tokens start; waiting ones the blocks
+    of their uncomputed tokens, in order, as many as the next step could admit (`token_budget`
+    tokens, `seats` requests). Prefix-cache hits are not subtracted: they are counted as free
+    blocks too."""
+    running_need = waiting_need = 0
     waiting = []
     for running, computed, tokens in requests:
         if running:
-            needed += -(-(computed + horizon_tokens) // block_size) - -(-computed // block_size)
+            running_need += -(-(computed + horizon_tokens) // block_size) - -(-computed // block_size)
             seats -= 1
         else:
             waiting.append(tokens - computed)
@@ -217,8 +236,8 @@ def blocks_needed(
         if admitted <= 0:
             break
         token_budget -= admitted
-        needed += -(-admitted // block_size)
-    return needed
+        waiting_need += -(-admitted // block_size)
+    return running_need, waiting_need
 
 
 # Waiting requests whose uncomputed tokens count as needed; one waiting for a pull has its
@@ -248,7 +267,8 @@ class LiveRequests:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def blocks_needed(self) -> int:
+    def blocks_needed(self) -> tuple[int, int]:
+        """(running, waiting): see `blocks_needed`."""
         return blocks_needed(
             [
                 (

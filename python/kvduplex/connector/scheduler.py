@@ -782,7 +782,8 @@ class DuplexScheduler:
         now = time.time()
         if not self._retention.frees_pending(now) and self._block_pool is not None:
             free = self._block_pool.get_num_free_blocks()
-            self._retention.pressure(free, max(self._live.blocks_needed(), free + 1), now)
+            running, _ = self._live.blocks_needed()
+            self._retention.pressure(free, max(running, free + 1), 0, now)
         return self._retention.frees_pending(now)
 
     def has_pending_push_work(self) -> bool:
@@ -828,7 +829,7 @@ class DuplexScheduler:
         if self._block_pool is not None and self._held:
             # Before vLLM would preempt: free held blocks the live requests are about to need.
             self._retention.pressure(
-                self._block_pool.get_num_free_blocks(), self._live.blocks_needed(), now
+                self._block_pool.get_num_free_blocks(), *self._live.blocks_needed(), now
             )
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,

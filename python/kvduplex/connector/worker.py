@@ -707,22 +707,25 @@ class DuplexWorker:
         self._evictions_done += 1
         if self._engine is None:
             return
-        for request_id in self._engine.evict_holds(order.turn_blocks) if order.turn_blocks else ():
+        for request_id in self._engine.evict_holds(order.cap_blocks) if order.cap_blocks else ():
             self._freed_holds.append(request_id)
             self._stats.add("evictions")
             logger.debug("Held turn %s evicted to make room for new turns", request_id)
+        freed: list[str] = []
+        if order.turn_blocks:
+            freed += self._engine.evict_holds(order.turn_blocks)
         if order.any_blocks:
-            freed = self._engine.evict_holds(order.any_blocks, prompts=True)
-            for request_id in freed:
-                self._freed_holds.append(request_id)
-                self._stats.add("pressure_evictions")
-            if freed:
-                logger.info(
-                    "Gave up %d held block set(s) (%s) for %d blocks the engine's requests need",
-                    len(freed),
-                    ", ".join(freed[:4]),
-                    order.any_blocks,
-                )
+            freed += self._engine.evict_holds(order.any_blocks, prompts=True)
+        for request_id in freed:
+            self._freed_holds.append(request_id)
+            self._stats.add("pressure_evictions")
+        if freed:
+            logger.info(
+                "Gave up %d held block set(s) (%s) for %d blocks the engine's requests need",
+                len(freed),
+                ", ".join(freed[:4]),
+                order.turn_blocks + order.any_blocks,
+            )
 
     def _record_occupancy(self) -> None:
         """Claims alive on this engine's holds (TP rank 0), for the stats when it changes."""
