@@ -23,6 +23,8 @@ from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
 
 from kvduplex.connector.metadata import (
     DuplexConnectorMetadata,
+    EvictOrder,
+    HoldSpec,
     LoadSpec,
     LookupSpec,
     PeerAddress,
@@ -574,3 +576,42 @@ def test_a_full_match_is_reported_without_waiting_for_a_silent_owner(owner, tiny
             worker.get_transfer_results()
         finally:
             worker.shutdown()
+
+
+def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_once(
+    tiny_config_dir,
+):
+    """A turn and a prompt held: a cap order frees turns only, a running-pressure order the
+    prompt too; every order is acknowledged once, what it freed reported once. Another TP
+    rank neither evicts nor acknowledges."""
+    worker = make_worker(tiny_config_dir, "evicting", make_kv_caches(NUM_BLOCKS))
+    try:
+        expiry = time.time() + 60
+        holds = [
+            HoldSpec("prompt", expiry, 3, ("00000000000000b1",), turn=False, offer=b"{}"),
+            HoldSpec("turn", expiry, 2, ("00000000000000c1",), turn=True, offer=b"{}"),
+        ]
+        worker.start_load_kv(DuplexConnectorMetadata(holds=holds, evict=EvictOrder(cap_blocks=5)))
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        assert meta.freed_holds == ["turn"] and meta.evictions_done == 1
+        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(turn_blocks=1)))
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        assert meta.freed_holds == [] and meta.evictions_done == 1
+        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(any_blocks=1)))
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        assert meta.freed_holds == ["prompt"] and meta.evictions_done == 1
+        stats = worker.get_kv_connector_stats().data
+        assert stats["evictions"] == 1 and stats["pressure_evictions"] == 1
+    finally:
+        worker.shutdown()
+    other = make_worker(tiny_config_dir, "evicting", make_kv_caches(NUM_BLOCKS, kv_heads=1), tp_size=2, tp_rank=1)
+    try:
+        other.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(any_blocks=4)))
+        other.get_transfer_results()
+        meta = other.build_connector_worker_meta()
+        assert meta is None or meta.evictions_done == 0
+    finally:
+        other.shutdown()
