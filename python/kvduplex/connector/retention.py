@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from kvduplex.connector.metadata import EvictOrder
@@ -50,6 +51,9 @@ from kvduplex.connector.metadata import EvictOrder
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
+
+# Under vLLM's logger tree, so vLLM's handler, format and level apply.
+logger = init_logger(f"vllm.{__name__}")
 
 # An idle engine with holds steps this often, to free holds whose reader released them.
 IDLE_CHECK_S = 1.0
@@ -87,9 +91,6 @@ class Retention:
         # The waker thread reads the wake time while the engine thread changes holds.
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._held
 
     # ---------------------------------------------------------------- holds
 
@@ -209,6 +210,11 @@ class Retention:
         with self._changed:
             self._changed.wait(timeout)
 
+    def notify(self) -> None:
+        """Wake whoever waits for a change (the idle waker, to stop)."""
+        with self._changed:
+            self._changed.notify_all()
+
 
 def blocks_needed(
     requests: list[tuple[bool, int, int]],
@@ -298,19 +304,17 @@ class IdleWaker:
         self._clock = clock
         self._put = _engine_wakeup()
         self._stop = False
-        self._thread: threading.Thread | None = None
-        if self._put is not None:
-            self._thread = threading.Thread(target=self._run, name="kvduplex-idle-waker", daemon=True)
-            self._thread.start()
-
-    @property
-    def active(self) -> bool:
-        return self._thread is not None
+        if self._put is None:
+            logger.info(
+                "DuplexConnector found no EngineCoreProc input queue to wake: holds that end "
+                "while this engine is idle are freed at its next step"
+            )
+            return
+        threading.Thread(target=self._run, name="kvduplex-idle-waker", daemon=True).start()
 
     def close(self) -> None:
         self._stop = True
-        with self._retention._changed:
-            self._retention._changed.notify_all()
+        self._retention.notify()
 
     def _run(self) -> None:
         while not self._stop:
