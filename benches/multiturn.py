@@ -126,6 +126,8 @@ KVDUPLEX_SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY)
 # Systems sent with "stream": true and no conversation id.
 STREAMED_SYSTEMS = (STREAM,)
 LOOKUP_HISTOGRAM = f"{METRIC_PREFIX}lookup_seconds"
+# What a request waited in P's scheduler for its lookup (or grant) answer, steps included.
+LOOKUP_WAIT_HISTOGRAM = f"{METRIC_PREFIX}lookup_wait_seconds"
 LOOKUP_PERCENTILES_NOTE = (
     "lookup p50/p99 are upper bounds of vllm:kvduplex_lookup_seconds buckets (0.5 ms .. 1 s), "
     "pooled over turns whose lookups all missed (miss) or all hit (hit)"
@@ -177,12 +179,16 @@ class TurnStats:
     # Growth of P's lookup-time histogram during the turn: cumulative count per bucket upper
     # bound ("le" label, e.g. "0.001", "+Inf").
     lookup_buckets: dict[str, float] | None = None
+    # The same for P's lookup-wait histogram (`LOOKUP_WAIT_HISTOGRAM`).
+    lookup_wait_buckets: dict[str, float] | None = None
 
 
-def read_lookup_buckets(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:
-    """P's `vllm:kvduplex_lookup_seconds` histogram: cumulative count by bucket upper bound,
-    summed over engines; empty for a server without it."""
-    return sample_sums(base_url, f"{LOOKUP_HISTOGRAM}_bucket", "le", timeout_s)
+def read_lookup_buckets(
+    base_url: str, timeout_s: float = 60.0, histogram: str = LOOKUP_HISTOGRAM
+) -> dict[str, float]:
+    """P's `histogram` (default `vllm:kvduplex_lookup_seconds`): cumulative count by bucket
+    upper bound, summed over engines; empty for a server without it."""
+    return sample_sums(base_url, f"{histogram}_bucket", "le", timeout_s)
 
 
 def _le_key(le: str) -> float:
@@ -231,6 +237,15 @@ def lookup_summary(stats: Sequence[TurnStats]) -> dict[str, Any]:
             "p50_le_s": bucket_quantile(pool, 0.5),
             "p99_le_s": bucket_quantile(pool, 0.99),
         }
+    waits: dict[str, float] = {}
+    for t in stats:
+        for le, count in (t.lookup_wait_buckets or {}).items():
+            waits[le] = waits.get(le, 0.0) + count
+    summary["wait"] = {
+        "samples": int(max(waits.values(), default=0.0)),
+        "p50_le_s": bucket_quantile(waits, 0.5),
+        "p99_le_s": bucket_quantile(waits, 0.99),
+    }
     summary["note"] = LOOKUP_PERCENTILES_NOTE
     return summary
 
@@ -296,6 +311,7 @@ def run_conversations(
         prompts = [histories[c] + messages[c][turn] for c in range(n)]
         prefill_before = read_metrics(prefill_url)
         lookups_before = read_lookup_buckets(prefill_url)
+        waits_before = read_lookup_buckets(prefill_url, histogram=LOOKUP_WAIT_HISTOGRAM)
         decode_before = read_metrics(decode_url) if decode_url else None
         answers, wall_s = run_turn(
             url, prompts, workload.max_tokens, conversation_ids, streamed=streamed
@@ -306,6 +322,8 @@ def run_conversations(
         lookup_buckets = {
             le: count - lookups_before.get(le, 0.0) for le, count in lookups_after.items()
         }
+        waits_after = read_lookup_buckets(prefill_url, histogram=LOOKUP_WAIT_HISTOGRAM)
+        wait_buckets = {le: count - waits_before.get(le, 0.0) for le, count in waits_after.items()}
         client_ttfts = [
             a.ttft_s for a in answers if isinstance(a, StreamedCompletion) and a.ttft_s is not None
         ]
@@ -341,6 +359,7 @@ def run_conversations(
                 lookup_failures=int(prefill.connector.get("lookup_failures", 0.0)),
                 lookups_skipped=int(prefill.connector.get("lookups_skipped", 0.0)),
                 lookup_buckets=lookup_buckets or None,
+                lookup_wait_buckets=wait_buckets or None,
             )
         )
         logger.info("turn %d: %s", turn + 1, json.dumps(asdict(stats[-1])))
@@ -537,6 +556,14 @@ def format_tables(report: dict[str, Any]) -> str:
             f"{_fmt_le(hit['p99_le_s']):>12}{lookup['on_mixed']['samples']:>9}"
         )
     lines.append(f"({LOOKUP_PERCENTILES_NOTE}; '<=x': the bucket's upper bound)")
+    for system, result in report["systems"].items():
+        wait = result.get("summary", {}).get("lookup", {}).get("wait")
+        if wait and wait["samples"]:
+            lines.append(
+                f"{system}: requests waited for their lookup/grant answer p50 "
+                f"{_fmt_le(wait['p50_le_s'])} ms, p99 {_fmt_le(wait['p99_le_s'])} ms "
+                f"({wait['samples']} requests; {LOOKUP_WAIT_HISTOGRAM})"
+            )
     lines.append("")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {'-' if value is None else f'{value:.2f}'}")

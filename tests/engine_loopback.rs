@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvduplex::descriptors::{BlockLayout, BlockSlice, PlanError, Side};
 use kvduplex::engine::{Engine, EngineConfig, EngineError, LookupFanOut, PeerStatus};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
-use kvduplex::holds::{HoldKind, LookupMatch};
+use kvduplex::holds::{Evict, HoldKind, LookupMatch};
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 64;
@@ -278,7 +278,7 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     // A release ends the reader's claim, never the turn: it is still offered.
     assert!(!owner.release_hold(&sender, "turn-1", found.claim_id));
     assert_eq!(ask(vec![11]).expect("still held").owner_request_id, "turn-1");
-    assert!(owner.evict_holds(1).is_empty(), "a claimed turn is not evicted");
+    assert!(owner.evict_holds(1, Evict::Turns).is_empty(), "a claimed turn is not evicted");
 }
 
 #[test]

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError, RegionBounds, RegionIndex};
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
-use crate::holds::{BlockFingerprint, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
+use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
 use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostCopy, SameHostPeer, UcxError, Worker};
 
@@ -660,10 +660,16 @@ impl Engine {
         lock(&self.shared.holds).expire(Instant::now())
     }
 
-    /// Frees unclaimed offered holds, least recently used first, until `num_blocks` blocks
-    /// were freed or none is left.
-    pub fn evict_holds(&self, num_blocks: usize) -> Vec<String> {
-        lock(&self.shared.holds).evict(num_blocks, Instant::now())
+    /// Frees unclaimed holds of `which` kind, least recently used first, until `num_blocks`
+    /// blocks were freed or none is left.
+    pub fn evict_holds(&self, num_blocks: usize, which: Evict) -> Vec<String> {
+        lock(&self.shared.holds).evict(num_blocks, which, Instant::now())
+    }
+
+    /// Claims alive now over all holds, and the blocks held.
+    pub fn hold_occupancy(&self) -> (usize, usize) {
+        let holds = lock(&self.shared.holds);
+        (holds.num_claims(), holds.held_blocks())
     }
 
     /// Asks every `(host, port)` in `targets` at once for the longest held turn starting

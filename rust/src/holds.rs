@@ -11,8 +11,8 @@
 //! or asks which held turn starts with its prompt ([`HoldBook::lookup`], decode nodes' turns
 //! only). Releases end claims, never a hold.
 //!
-//! A hold ends when its lease passes, when the owner evicts it (decode nodes' turns, unclaimed
-//! only), or, for a prefill node's prompt held for one decode node ([`HoldKind::ForDecode`]),
+//! A hold ends when its lease passes, when the owner evicts it (unclaimed only: decode nodes'
+//! turns to keep under their cap, and any hold when the engine runs short of free blocks), or, for a prefill node's prompt held for one decode node ([`HoldKind::ForDecode`]),
 //! once a reader releases its claim: a later reader then finds it gone and recomputes. It is
 //! freed when it has ended and no claim remains. Every hold is freed
 //! exactly once: [`HoldBook::expire`], [`HoldBook::release`] and [`HoldBook::evict`] each
@@ -86,8 +86,8 @@ pub struct LookupReply {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HoldKind {
     /// A prefill node's prompt, for the decode node it was handed to: granted by name only,
-    /// ended once a reader releases its claim (it has read the prompt, or will not), never
-    /// evicted.
+    /// ended once a reader releases its claim (it has read the prompt, or will not); evicted
+    /// while unclaimed only when the engine runs short of free blocks ([`Evict::AnyHold`]).
     ForDecode,
     /// A decode node's finished turn, for the next turn's prefill node: granted by name or
     /// found by lookup, evictable while unclaimed.
@@ -116,6 +116,15 @@ pub enum Refusal {
     Mismatch,
     #[error("too many claims ({MAX_CLAIMS}) or fingerprints ({MAX_FINGERPRINTS}) at once")]
     TooMany,
+}
+
+/// Which holds an eviction may free (always unclaimed ones only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Evict {
+    /// Decode nodes' turns only: room for new turns under their cap.
+    Turns,
+    /// Any hold, prompts held for decode nodes too: the engine runs short of free blocks.
+    AnyHold,
 }
 
 #[derive(Debug)]
@@ -320,14 +329,19 @@ impl HoldBook {
         touched.into_iter().filter_map(|id| self.free_if_done(&id, now)).collect()
     }
 
-    /// Frees unclaimed held turns, least recently used first, until at least `num_blocks`
-    /// blocks were freed or none is left; returns what it freed. Claimed holds are never
-    /// freed here: a reader may be reading them.
-    pub fn evict(&mut self, num_blocks: usize, now: Instant) -> Vec<String> {
+    /// Blocks held now (ended holds that wait for their claims included).
+    pub fn held_blocks(&self) -> usize {
+        self.held.values().map(|h| h.num_blocks).sum()
+    }
+
+    /// Frees unclaimed holds of `which` kind, least recently used first, until at least
+    /// `num_blocks` blocks were freed or none is left; returns what it freed. Claimed holds
+    /// are never freed here: a reader may be reading them.
+    pub fn evict(&mut self, num_blocks: usize, which: Evict, now: Instant) -> Vec<String> {
         let mut candidates: Vec<(Instant, String, usize)> = self
             .held
             .iter()
-            .filter(|(_, h)| h.claims.is_empty() && h.kind == HoldKind::Turn)
+            .filter(|(_, h)| h.claims.is_empty() && (which == Evict::AnyHold || h.kind == HoldKind::Turn))
             .map(|(id, h)| (h.last_used, id.clone(), h.num_blocks))
             .collect();
         candidates.sort();
@@ -548,13 +562,34 @@ mod tests {
         let t1 = t0 + Duration::from_secs(1);
         assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], vec![], TTL, t1), Ok(()));
         book.lookup("P", &[2], CLAIM, t1).unwrap();
-        assert_eq!(book.evict(1, t1), vec!["old".to_string()]);
-        assert_eq!(book.evict(100, t1), vec!["new".to_string()]);
-        assert_eq!(book.evict(100, t1), Vec::<String>::new());
+        assert_eq!(book.evict(1, Evict::Turns, t1), vec!["old".to_string()]);
+        assert_eq!(book.evict(100, Evict::Turns, t1), vec!["new".to_string()]);
+        assert_eq!(book.evict(100, Evict::Turns, t1), Vec::<String>::new());
         assert_eq!(book.len(), 1);
-        // A prefill node's prompts held for their decode nodes are never evicted.
+        // A prefill node's prompts held for their decode nodes are not evicted for turns.
         prompt_hold(&mut book, "lease", &[7, 8], t1);
-        assert!(book.evict(100, t1).is_empty());
+        assert!(book.evict(100, Evict::Turns, t1).is_empty());
+    }
+
+    #[test]
+    fn under_pressure_unclaimed_prompts_and_turns_go_least_recently_used_first_and_once() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let t2 = t0 + Duration::from_secs(2);
+        let mut book = book_with(&[("turn", &[1, 2])], t1);
+        prompt_hold(&mut book, "prompt", &[7, 8, 9], t0);
+        prompt_hold(&mut book, "read", &[5], t2);
+        book.grant("D", "read", &[5], CLAIM, t2).unwrap();
+        assert_eq!(book.held_blocks(), 6);
+        // The prompt is the least recently used; 3 blocks are enough.
+        assert_eq!(book.evict(3, Evict::AnyHold, t2), vec!["prompt".to_string()]);
+        // A later reader of the evicted prompt is told it ended, and computes.
+        assert_eq!(book.grant("D", "prompt", &[7], CLAIM, t2), Err(Refusal::Ended));
+        // The claimed prompt stays under its read; the turn goes; nothing is freed twice.
+        assert_eq!(book.evict(100, Evict::AnyHold, t2), vec!["turn".to_string()]);
+        assert!(book.evict(100, Evict::AnyHold, t2).is_empty());
+        assert!(book.expire(t2).is_empty());
+        assert_eq!(book.held_blocks(), 1);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use pyo3::types::PyBytes;
 use crate::descriptors::{BlockLayout, BlockSlice};
 use crate::engine::{self, EngineConfig, EngineError};
 use crate::handshake::{self, Fingerprint};
-use crate::holds::HoldKind;
+use crate::holds::{Evict, HoldKind};
 
 create_exception!(kvduplex._core, KvDuplexError, PyException, "Base class of every kvduplex error.");
 create_exception!(kvduplex._core, UcxError, KvDuplexError, "UCX could not be loaded or a UCX call failed.");
@@ -321,8 +321,17 @@ impl Engine {
         self.with(py, |e| Ok(e.expire_holds()))
     }
 
-    fn evict_holds(&self, py: Python<'_>, num_blocks: usize) -> PyResult<Vec<String>> {
-        self.with(py, |e| Ok(e.evict_holds(num_blocks)))
+    /// `prompts`: prompts held for decode nodes may go too (the engine is short of blocks),
+    /// not only finished turns.
+    #[pyo3(signature = (num_blocks, *, prompts=false))]
+    fn evict_holds(&self, py: Python<'_>, num_blocks: usize, prompts: bool) -> PyResult<Vec<String>> {
+        let which = if prompts { Evict::AnyHold } else { Evict::Turns };
+        self.with(py, |e| Ok(e.evict_holds(num_blocks, which)))
+    }
+
+    /// (claims alive now, blocks held) on this engine's hold book.
+    fn hold_occupancy(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        self.with(py, |e| Ok(e.hold_occupancy()))
     }
 
 

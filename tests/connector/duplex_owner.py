@@ -11,6 +11,7 @@ stdin closes. Run: python duplex_owner.py '{"model_dir": ..., "engine_id": ..., 
 import json
 import select
 import sys
+import time
 
 from duplex_harness import make_kv_caches, make_worker
 from kvduplex.connector.metadata import DuplexConnectorMetadata, HoldSpec
@@ -31,7 +32,7 @@ def main() -> None:
             command = json.loads(line)
             hold = HoldSpec(
                 request_id=command["hold"],
-                ttl_s=command["ttl_s"],
+                lease_expiry=time.time() + command["ttl_s"],
                 num_blocks=command.get("num_blocks", 1),
                 fingerprints=tuple(command["fingerprints"]),
                 turn=command["turn"],

@@ -309,11 +309,13 @@ def test_bidirectional_off_decode_frees_at_once(engines):
     assert "d1" not in d.scheduler.requests
 
 
-def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
-    """Held blocks stay out of the free pool under cache pressure until the lease ends."""
+def test_lease_expiry_frees_a_claimed_hold_exactly_once_and_never_early(engines):
+    """A hold a reader claimed stays out of the free pool under cache pressure until it
+    ends: the eviction that pressure orders frees nothing claimed."""
     now = [0.0]
     p = engines("P", {"kv_lease_ttl_s": 5.0}, num_blocks=16)
-    # The worker's hold book, reduced to what this test needs: request id -> lease end.
+    # The worker's hold book, reduced to what this test needs: request id -> lease end; the
+    # decode node's claim keeps every hold from eviction.
     book: dict[str, float] = {}
 
     def expire() -> set[str]:
@@ -321,15 +323,19 @@ def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
         for rid in ended:
             del book[rid]
         return ended
+
     params = prefill(p, "p1", prompt_tokens(100))
     held = set(params["remote_block_ids"])
     assert len(held) == 7
+    orders = []
 
-    def worker_step(**kwargs) -> None:
-        step = p.step(freed_holds=expire(), **kwargs)
+    def worker_step(evictions_done: int = 0) -> None:
+        step = p.step(freed_holds=expire(), evictions_done=evictions_done)
         for hold in step.meta.holds:
-            assert hold.ttl_s == 5.0
-            book[hold.request_id] = now[0] + hold.ttl_s
+            assert hold.lease_expiry - time.time() == pytest.approx(5.0, abs=1.0)
+            book[hold.request_id] = now[0] + 5.0
+        if step.meta.evict is not None:
+            orders.append(step.meta.evict)
 
     worker_step()
     # 16 blocks, block 0 reserved, 7 held: a 9-block prompt (130 tokens) cannot be admitted,
@@ -337,7 +343,8 @@ def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
     p.add("big", prompt_tokens(130, start=300), max_tokens=5)
     for _ in range(3):
         now[0] += 1.0
-        worker_step()
+        worker_step(evictions_done=len(orders))
+        orders.clear()
         assert "big" not in running(p)
         assert all(p.ref_count(b) == 1 for b in held)
     now[0] = 5.0
@@ -349,6 +356,37 @@ def test_lease_expiry_frees_held_blocks_exactly_once_and_never_early(engines):
     assert expire() == set() and not book
 
 
+def test_an_unclaimed_prompt_hold_is_given_up_for_a_running_request_only(engines):
+    """P's prompt held for a decode node that has not asked yet: a waiting request waits for
+    it (giving it up would make the decode node compute the prompt), a running request that
+    needs its blocks gets them. Its blocks are freed exactly once."""
+    p = engines("P", {"kv_lease_ttl_s": 30.0}, num_blocks=16)
+    params = prefill(p, "p1", prompt_tokens(100))
+    held = set(params["remote_block_ids"])
+    p.step()
+    # 16 blocks, block 0 reserved, 7 held, 8 free: a 130-token prompt (9 blocks) waits.
+    p.add("big", prompt_tokens(130, start=300), max_tokens=5)
+    step = p.step()
+    assert "big" not in running(p) and step.meta.evict is None
+    p.scheduler.finish_requests("big", RequestStatus.FINISHED_ABORTED)
+    # A 100-token prompt (7 blocks) runs and grows past 8 blocks: the hold goes first.
+    long = p.add("long", prompt_tokens(100, start=600), max_tokens=40)
+    orders, freed, acks = [], [], 0
+    for _ in range(60):
+        step = p.step(freed_holds=freed, evictions_done=acks)
+        freed, acks = [], 0
+        if step.meta.evict is not None:
+            orders.append(step.meta.evict)
+            acks, freed = 1, ["p1"] if "p1" in p.duplex._held else []
+        if step.finished("long") is not None:
+            break
+    assert step.finished("long") is not None and long.num_preemptions == 0
+    assert [order.any_blocks for order in orders][:1] == [1]
+    assert all(p.ref_count(b) == 0 for b in held)
+    assert p.duplex._retention.held_blocks == 0
+    assert p.stats.data["held_blocks"] == 0
+
+
 def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     config = {**BIDIRECTIONAL, "decode_kv_hold_max_fraction": 0.2}
     p, d = engines("P", config), engines("D", config, num_blocks=64)
@@ -357,21 +395,34 @@ def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     # used unclaimed turns.
     a, b = prompt_tokens(100), prompt_tokens(100, start=400)
     _, first = decode(d, "d1", a, prefill(p, "p1", a), max_tokens=2)
-    assert all(s.meta.evict_blocks == 0 for s in d.steps)
+    assert all(s.meta.evict is None for s in d.steps)
     _, second = decode(d, "d2", b, prefill(p, "p2", b), max_tokens=2)
     assert first is not None and second is not None
     d.step()
-    assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]
+    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2]
     # The worker evicted d1: its blocks come back; a new turn then needs no eviction.
-    d.step(freed_holds={"d1"})
+    d.step(freed_holds={"d1"}, evictions_done=1)
     p3_params = prefill(p, "p3", prompt_tokens(20, start=900))
     _, third = decode(d, "d3", prompt_tokens(20, start=900), p3_params, max_tokens=2)
     assert third is not None
-    assert [s.meta.evict_blocks for s in d.steps if s.meta.evict_blocks] == [2]
+    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2]
     # A turn larger than the whole cap is never held.
     big = prompt_tokens(200, start=2000)
     _, too_big = decode(d, "d4", big, prefill(p, "p4", big), max_tokens=2)
     assert too_big is None
+
+
+def test_consecutive_turns_past_the_cap_order_each_block_once(engines):
+    """Three 7-block turns, 12 blocks allowed: 9 must go. The second turn orders 2; the
+    third, before the workers acknowledged that order, orders only its own 7 (on the tree
+    before retention.py: 9, counting the 2 shipped again)."""
+    config = {**BIDIRECTIONAL, "decode_kv_hold_max_fraction": 0.2}
+    p, d = engines("P", config), engines("D", config, num_blocks=64)
+    for i in range(3):
+        prompt = prompt_tokens(100, start=400 * (i + 1))
+        decode(d, f"d{i}", prompt, prefill(p, f"p{i}", prompt), max_tokens=2)
+    d.step()
+    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2, 7]
 
 
 def test_no_params_without_worker_addresses(engines, connector_log):
@@ -431,7 +482,13 @@ def test_auto_threshold_learns_from_worker_reads_and_steps(engines):
 
 # ------------------------------------------------------------------ lookups (no params)
 
-LOOKUP = {"bidirectional_kv_xfer": True, "lookup_timeout_ms": 100, "kv_recompute_threshold": 16}
+LOOKUP = {
+    "bidirectional_kv_xfer": True,
+    "lookup_timeout_ms": 100,
+    "kv_recompute_threshold": 16,
+    # An engine to ask (without one, nothing is looked up).
+    "decode_peers": ["127.0.0.1:41002"],
+}
 
 
 def _held_turn(engines) -> tuple[list[int], dict]:
@@ -476,6 +533,24 @@ def test_lookup_finds_the_held_history_and_pulls_it_with_the_claim(engines):
     # Every TP rank's load done: the claim goes back.
     p2.step(finished_recving={"p2"})
     assert [(r.remote_request_id, r.claim_id) for r in p2.step().meta.releases] == [("d1", 5)]
+
+
+def test_no_lookup_and_no_wait_where_no_engine_could_hold_the_prompt(engines):
+    """No engine known, or a prompt without one full block beyond the local hit: the request
+    is scheduled in its first step; once TP rank 0 counts a peer, lookups run."""
+    alone = engines("P", {**LOOKUP, "decode_peers": []})
+    alone.add("p1", prompt_tokens(200), max_tokens=1, params={"do_remote_decode": True})
+    step = alone.step()
+    assert step.meta.lookups == [] and "p1" in step.output.num_scheduled_tokens
+    alone.step(worker_meta=DuplexWorkerMetadata(lookup_targets=1))
+    alone.add("p2", prompt_tokens(200, start=700), max_tokens=1, params={"do_remote_decode": True})
+    step = alone.step()
+    assert [lookup.request_id for lookup in step.meta.lookups] == ["p2"]
+    # Shorter than one block: nothing a lookup could match.
+    short = engines("P", LOOKUP)
+    short.add("s", prompt_tokens(15), max_tokens=1, params={"do_remote_decode": True})
+    step = short.step()
+    assert step.meta.lookups == [] and "s" in step.output.num_scheduled_tokens
 
 
 def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, monkeypatch):
@@ -576,3 +651,64 @@ def test_layerwise_pull_of_a_decode_turn_runs_in_the_same_step(engines):
     # Scheduled at once: the tokens after D's turn, with the pull inside this forward pass.
     assert step.output.num_scheduled_tokens == {"p2": len(turn2) - 179}
     assert step.finished("p2") is not None
+
+
+def _burst_on_a_small_cache(engines, evictable: bool) -> tuple:
+    """D (24 blocks, 23 usable) holds one 7-block turn, then 3 requests decode 32 -> 96
+    tokens (6 blocks each: 18 in all, more than the 16 left beside the turn). The test plays
+    TP rank 0's hold book: the turn is unclaimed (`evictable`) or claimed by a reader.
+    Returns (preemptions, steps whose metadata ordered an eviction, D, D's held turn blocks)."""
+    config = {**BIDIRECTIONAL, "decode_kv_hold_max_fraction": 0.5}
+    p, d = engines("P", config), engines("D", config, num_blocks=24)
+    turn = prompt_tokens(100)
+    _, d_params = decode(d, "d1", turn, prefill(p, "p1", turn), max_tokens=2)
+    assert d_params is not None
+    held = set(d_params["remote_block_ids"])
+    assert len(held) == 7 and all(d.ref_count(b) == 1 for b in held)
+    burst = [d.add(f"b{i}", prompt_tokens(32, start=3000 + 100 * i), max_tokens=64) for i in range(3)]
+    ordered, freed, acks = [], [], 0
+    for _ in range(200):
+        step = d.step(freed_holds=freed, evictions_done=acks)
+        freed, acks = [], 0
+        if step.meta.evict is not None:
+            ordered.append(len(d.steps))
+            acks = 1
+            if evictable and "d1" in d.duplex._held:
+                freed = ["d1"]
+        if all(r.is_finished() for r in burst):
+            break
+    assert all(r.is_finished() for r in burst)
+    return sum(r.num_preemptions for r in burst), ordered, d, held
+
+
+def test_held_blocks_are_evicted_before_any_preemption_under_a_burst(engines):
+    preemptions, ordered, d, held = _burst_on_a_small_cache(engines, evictable=True)
+    assert preemptions == 0
+    assert ordered, "the burst ran the cache short: the turn was ordered out"
+    assert "d1" not in d.duplex._held and d.duplex._retention.held_blocks == 0
+    assert all(d.ref_count(b) == 0 for b in held)  # freed exactly once (never below 0)
+    # Control: the same burst with the turn claimed (under a read) preempts instead: vLLM
+    # waits for held blocks only while an eviction may free some.
+    preemptions, _, d, held = _burst_on_a_small_cache(engines, evictable=False)
+    assert preemptions > 0
+    assert all(d.ref_count(b) == 1 for b in held)
+
+
+def test_an_idle_engine_steps_when_a_hold_expires(engines):
+    """`has_pending_push_work` (vLLM keeps an idle engine stepping while it is true) turns
+    true at a hold's expiry, and false after the step in which TP rank 0 frees it."""
+    p = engines("P", {"kv_lease_ttl_s": 1.0, "read_deadline_margin_s": 0.1})
+    prefill(p, "p1", prompt_tokens(100))
+    p.step()
+    assert p.duplex._held
+    assert not p.connector.has_pending_push_work()
+    retention = p.duplex._retention
+    wake_at = retention.wake_at()
+    assert wake_at is not None and wake_at <= time.time() + 1.0
+    time.sleep(max(0.0, wake_at - time.time()) + 0.01)
+    assert p.connector.has_pending_push_work()
+    p.step()  # the worker's expiry runs in this step; it reports the hold freed
+    assert not p.connector.has_pending_push_work()
+    p.step(freed_holds={"p1"})
+    assert not p.duplex._held and retention.wake_at() is None
+    assert not p.connector.has_pending_push_work()

@@ -23,6 +23,8 @@ import torch
 from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
 from kvduplex.connector.metadata import (
     DuplexConnectorMetadata,
+    EvictOrder,
+    HoldSpec,
     LoadSpec,
     LookupSpec,
     PeerAddress,
@@ -547,3 +549,69 @@ def test_an_owner_that_dies_between_lookup_and_read_costs_a_recompute_not_a_hang
     finally:
         worker.shutdown()
         owner.stop()
+
+
+def test_a_full_match_is_reported_without_waiting_for_a_silent_owner(owner, tiny_config_dir):
+    """Two owners asked: one holds every block asked, the other accepts the connection and
+    never answers. The lookup is reported as soon as the full match arrives, not at its
+    deadline (chained fingerprints: no owner can hold more)."""
+    owner.reset()
+    owner.hold("full", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer="{}")
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        worker = make_worker(
+            tiny_config_dir,
+            "reader-d",
+            make_kv_caches(NUM_BLOCKS),
+            {"decode_peers": [address, f"127.0.0.1:{silent.getsockname()[1]}"]},
+        )
+        try:
+            started = time.monotonic()
+            match = look_up(worker, "p5", TURN_FINGERPRINTS, timeout_s=20.0)
+            assert time.monotonic() - started < 10.0
+            assert match is not None and match.matched_blocks == 4
+            worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+            worker.get_transfer_results()
+        finally:
+            worker.shutdown()
+
+
+def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_once(
+    tiny_config_dir,
+):
+    """A turn and a prompt held: a cap order frees turns only, a running-pressure order the
+    prompt too; every order is acknowledged once, what it freed reported once. Another TP
+    rank neither evicts nor acknowledges."""
+    worker = make_worker(tiny_config_dir, "evicting", make_kv_caches(NUM_BLOCKS))
+    try:
+        expiry = time.time() + 60
+        holds = [
+            HoldSpec("prompt", expiry, 3, ("00000000000000b1",), turn=False, offer=b"{}"),
+            HoldSpec("turn", expiry, 2, ("00000000000000c1",), turn=True, offer=b"{}"),
+        ]
+        worker.start_load_kv(DuplexConnectorMetadata(holds=holds, evict=EvictOrder(cap_blocks=5)))
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        assert meta.freed_holds == ["turn"] and meta.evictions_done == 1
+        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(turn_blocks=1)))
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        assert meta.freed_holds == [] and meta.evictions_done == 1
+        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(any_blocks=1)))
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        assert meta.freed_holds == ["prompt"] and meta.evictions_done == 1
+        stats = worker.get_kv_connector_stats().data
+        assert stats["evictions"] == 1 and stats["pressure_evictions"] == 1
+    finally:
+        worker.shutdown()
+    other = make_worker(tiny_config_dir, "evicting", make_kv_caches(NUM_BLOCKS, kv_heads=1), tp_size=2, tp_rank=1)
+    try:
+        other.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(any_blocks=4)))
+        other.get_transfer_results()
+        meta = other.build_connector_worker_meta()
+        assert meta is None or meta.evictions_done == 0
+    finally:
+        other.shutdown()

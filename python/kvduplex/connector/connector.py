@@ -131,6 +131,14 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self._scheduler.set_xfer_handshake_metadata(metadata)
 
+    def has_pending_block_frees(self) -> bool:
+        """Held blocks are being given up: vLLM waits for them instead of preempting."""
+        return self._scheduler.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        """An idle engine steps while a hold is due to end (`retention.py`)."""
+        return self._scheduler.has_pending_push_work()
+
     # ---------------------------------------------------------------- worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -176,6 +184,8 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # ----------------------------------------------------------------- stats
 

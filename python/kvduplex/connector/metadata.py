@@ -69,13 +69,14 @@ class ReleaseSpec:
 @dataclass(frozen=True)
 class HoldSpec:
     """Blocks of a finished local request stay allocated for readers the owner grants them
-    to (against `fingerprints`, the tokens the blocks carry), until `ttl_s` passed; a prefill
+    to (against `fingerprints`, the tokens the blocks carry), until `lease_expiry` (wall
+    clock, the same moment the scheduler counts and the params announce); a prefill
     node's prompt (`turn` False) also ends once its reader is done. A grant hands the reader
     `offer`, the hold's kv_transfer_params (JSON). A decode node's finished turn (`turn`) is
     also found by lookups and may be evicted."""
 
     request_id: str
-    ttl_s: float
+    lease_expiry: float
     num_blocks: int
     fingerprints: tuple[str, ...]
     turn: bool
@@ -110,14 +111,29 @@ class LookupMatch:
     offer: bytes
 
 
+@dataclass(frozen=True)
+class EvictOrder:
+    """Free unclaimed holds, least recently used first, at least: `cap_blocks` blocks of
+    held turns (their cap), `turn_blocks` of held turns (waiting requests need blocks), then
+    `any_blocks` of any holds, prompts too (running requests need blocks). TP rank 0
+    acknowledges every order once (`evictions_done`)."""
+
+    cap_blocks: int = 0
+    turn_blocks: int = 0
+    any_blocks: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.cap_blocks + self.turn_blocks + self.any_blocks
+
+
 @dataclass
 class DuplexConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
     lookups: list[LookupSpec] = field(default_factory=list)
-    evict_blocks: int = 0
-    """Free at least this many blocks of unclaimed held turns, least recently used first."""
+    evict: EvictOrder | None = None
 
 
 @dataclass
@@ -132,11 +148,17 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
     only TP rank 0 holds, so once each: the scheduler gives the blocks back.
 
     `loads_done`: requests whose load ended on a rank this step (read or failed), once per
-    rank: the scheduler releases the owner's claim when every rank has."""
+    rank: the scheduler releases the owner's claim when every rank has.
+
+    `evictions_done`: eviction orders carried out this step (TP rank 0; the holds they freed
+    are in `freed_holds`). `lookup_targets`: how many engines a lookup would ask, when that
+    changed (TP rank 0; -1: unchanged)."""
 
     lookups: dict[str, list[LookupMatch]] = field(default_factory=dict)
     freed_holds: list[str] = field(default_factory=list)
     loads_done: list[str] = field(default_factory=list)
+    evictions_done: int = 0
+    lookup_targets: int = -1
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DuplexWorkerMetadata:
         if not isinstance(other, DuplexWorkerMetadata):
@@ -145,6 +167,8 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
             lookups={**self.lookups, **other.lookups},
             freed_holds=[*self.freed_holds, *other.freed_holds],
             loads_done=[*self.loads_done, *other.loads_done],
+            evictions_done=self.evictions_done + other.evictions_done,
+            lookup_targets=max(self.lookup_targets, other.lookup_targets),
         )
 
 

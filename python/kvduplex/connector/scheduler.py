@@ -30,13 +30,14 @@ on a stop string, which vLLM finishes as an abort: `_holdable`), keep their bloc
 (with the fingerprints of the tokens they carry, for grants) and return params describing them.
 The hold is a reference of our own
 on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
-the blocks stay allocated until the hold ends. (Had vLLM delayed freeing the request instead,
+the blocks stay allocated until the hold ends. How long holds last, what is evicted under the
+cap on held turns or when the engine runs short of free blocks, and how an idle engine frees
+the holds that end: `retention.py`. (Had vLLM delayed freeing the request instead,
 as `request_finished` allows, its engine would step non-stop for as long as any hold lasts,
 i.e. for the whole pause between a conversation's turns: measured 1.3 CPU cores per idle
 server holding one turn.) TP rank 0's transfer core ends a hold (read by the decode node it
 was handed to, expired, or evicted; never while a reader's claim lasts) and reports it in
-`DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference. An idle engine does not step, so a hold that
-ended while it was idle frees its blocks at its next step.
+`DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
+from kvduplex.connector.retention import IdleWaker, LiveRequests, Retention
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
 from kvduplex.connector.token_fingerprint import (
@@ -105,6 +107,8 @@ class _LookupState:
     request: Request
     asked_at: float
     timeout_s: float = 0.0
+    asked_step: int = 0
+    """The scheduler step in which it was asked, for the cost in steps."""
     named: RemoteBlocks | None = None
     """The params' description of the owner's blocks (a hint)."""
     prompt: PromptFingerprints | None = None
@@ -117,13 +121,6 @@ class _LookupState:
 # A lookup's answer travels worker -> scheduler once per step; past its own timeout plus this,
 # the scheduler stops waiting for it (a worker that never answers is a bug, not a slow peer).
 _LOOKUP_REPORT_GRACE_S = 5.0
-
-
-@dataclass
-class _Hold:
-    blocks: list[KVCacheBlock]
-    """Our references in vLLM's block pool, in the request's order."""
-    decode_turn: bool
 
 
 class DuplexScheduler:
@@ -140,9 +137,11 @@ class DuplexScheduler:
         self._kv_cache_config = kv_cache_config
         self._groups = TransferGroups.from_kv_cache_config(kv_cache_config)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._max_held_decode_blocks = int(
-            config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks
+        self._retention = Retention(
+            int(config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks)
         )
+        self._waker = IdleWaker(self._retention, time.time)
+        self._live = LiveRequests(vllm_config)
         max_model_len = vllm_config.model_config.max_model_len
         self._params_context = ParamsContext(
             engine_id=engine_id,
@@ -171,15 +170,19 @@ class DuplexScheduler:
         self._pulls: dict[str, _PullState] = {}
         self._lookups: dict[str, _LookupState] = {}
         self._lookups_possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
+        # Whether an engine could ever answer a lookup: `decode_peers`, a decode node we
+        # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
+        # Never unset: a peer that went away is found missing by the workers (no answer).
+        self._lookup_peers_known = bool(config.decode_peers)
+        self._step_count = 0
         # Params seen on a request, until their owner is asked for a grant.
         self._named: dict[str, RemoteBlocks] = {}
         # Loads given to the workers: the claim to release and the TP ranks not done yet.
         self._reading: dict[str, tuple[md.ReleaseSpec | None, int]] = {}
         self._lookup_specs: list[md.LookupSpec] = []
-        self._evict_blocks = 0
         self._block_pool: BlockPool | None = None
-        self._held: dict[str, _Hold] = {}
-        self._held_decode_blocks = 0
+        # Our references in vLLM's block pool of each hold, in the request's order.
+        self._held: dict[str, list[KVCacheBlock]] = {}
         self._loads: list[md.LoadSpec] = []
         self._releases: list[md.ReleaseSpec] = []
         self._holds: list[md.HoldSpec] = []
@@ -195,6 +198,7 @@ class DuplexScheduler:
         return self._config.recompute_threshold
 
     def on_new_request(self, request: Request) -> None:
+        self._live.add(request)
         self._stop_prefill_short(request)
         self._pull_state(request)
 
@@ -363,6 +367,12 @@ class DuplexScheduler:
                 end = min(named.num_tokens, request.num_prompt_tokens)
             else:
                 timeout_s = self._config.lookup_timeout_s if self._lookups_possible else 0.0
+                # A lookup matches whole blocks (a held turn's partial last block is checked
+                # on the answer, after its full ones matched): none beyond the local hit, or
+                # no engine to ask, and nothing could be found.
+                full = request.num_prompt_tokens // self._block_size * self._block_size
+                if full <= num_computed_tokens or not self._lookup_peers_known:
+                    timeout_s = 0.0
                 end = request.num_prompt_tokens
             if timeout_s <= 0 or not self._lookup_worthwhile(request, num_computed_tokens, end):
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
@@ -379,13 +389,23 @@ class DuplexScheduler:
                 waited,
             )
             lookup.arrived = True
+            self._record_wait(lookup)
+            lookup.asked_at = 0.0
             return None
+        if lookup.asked_at > 0:
+            self._record_wait(lookup)
+            lookup.asked_at = 0.0
         chosen, lookup.chosen = lookup.chosen, None
         if chosen is None:
             return self._pulls.get(request.request_id)
         state = _PullState(remote=chosen, prompt=lookup.prompt)
         self._pulls[request.request_id] = state
         return state
+
+    def _record_wait(self, lookup: _LookupState) -> None:
+        """What the request waited for its grant or lookup answer, in time and in steps."""
+        self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
+        self._stats.data["lookup_wait_steps"].append(self._step_count - lookup.asked_step)
 
     def _lookup_worthwhile(self, request: Request, num_computed_tokens: int, end: int) -> bool:
         """Whether a pull of the prompt's first `end` tokens could gain enough to ask."""
@@ -405,7 +425,12 @@ class DuplexScheduler:
         (the owner compares the partial last block too)."""
         prompt = self._prompt_fingerprints(request)
         self._lookups[request.request_id] = _LookupState(
-            request, time.monotonic(), timeout_s=timeout_s, prompt=prompt, named=named
+            request,
+            time.monotonic(),
+            timeout_s=timeout_s,
+            asked_step=self._step_count,
+            prompt=prompt,
+            named=named,
         )
         self._lookup_specs.append(
             md.LookupSpec(
@@ -595,6 +620,7 @@ class DuplexScheduler:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """`block_ids`: the request's block table of every KV-cache group (vLLM's order)."""
+        self._live.remove(request.request_id)
         state = self._pulls.pop(request.request_id, None)
         lookup = self._lookups.pop(request.request_id, None)
         self._named.pop(request.request_id, None)
@@ -669,20 +695,14 @@ class DuplexScheduler:
                     "free their KV blocks instead of offering them to peers"
                 )
             return False, None
-        if decode_turn and len(held_ids) > self._max_held_decode_blocks:
+        if decode_turn and len(held_ids) > self._retention.max_turn_blocks:
             logger.debug(
                 "Request %s: not holding %d blocks, more than held turns may use (%d)",
                 request.request_id,
                 len(held_ids),
-                self._max_held_decode_blocks,
+                self._retention.max_turn_blocks,
             )
             return False, None
-        if decode_turn:
-            overflow = self._held_decode_blocks + len(held_ids) - self._max_held_decode_blocks
-            if overflow > 0:
-                # Make room: the workers free the least recently used unclaimed turns (every
-                # read of a held turn is claimed, so none is freed under a read).
-                self._evict_blocks = max(self._evict_blocks, overflow)
 
         fingerprints = block_fingerprints(
             request.all_token_ids[:num_tokens], self._block_size, _salt(request)
@@ -690,9 +710,16 @@ class DuplexScheduler:
         blocks = [self._block_pool.blocks[block_id] for block_id in held_ids]
         # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
         self._block_pool.touch(blocks)
-        self._held[request.request_id] = _Hold(blocks=blocks, decode_turn=decode_turn)
-        if decode_turn:
-            self._held_decode_blocks += len(held_ids)
+        self._held[request.request_id] = blocks
+        lease_expiry = time.time() + ttl_s
+        # A turn past the cap orders room: the workers free the least recently used unclaimed
+        # turns (every read of a held turn is claimed, so none is freed under a read).
+        self._retention.hold(request.request_id, len(blocks), decode_turn, lease_expiry)
+        if not decode_turn:
+            # The decode node it goes to announces itself to our workers when it reads: the
+            # next turn's lookup has an engine to ask.
+            self._lookup_peers_known = True
+        self._stats.set_gauge("held_blocks", self._retention.held_blocks)
         params = {
             protocol.DO_REMOTE_PREFILL: not decode_turn,
             protocol.DO_REMOTE_DECODE: decode_turn,
@@ -707,13 +734,13 @@ class DuplexScheduler:
             protocol.REMOTE_NUM_TOKENS: num_tokens,
             protocol.REMOTE_BLOCK_SIZE: self._block_size,
             protocol.REMOTE_BLOCK_FINGERPRINTS: fingerprints,
-            protocol.REMOTE_LEASE_EXPIRY: time.time() + ttl_s,
+            protocol.REMOTE_LEASE_EXPIRY: lease_expiry,
             protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION,
         }
         self._holds.append(
             md.HoldSpec(
                 request_id=request.request_id,
-                ttl_s=ttl_s,
+                lease_expiry=lease_expiry,
                 num_blocks=len(held_ids),
                 fingerprints=tuple(fingerprints),
                 turn=decode_turn,
@@ -740,6 +767,26 @@ class DuplexScheduler:
 
     def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
         self._block_pool = block_pool
+
+    # ------------------------------------------------------------- retention
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM asks when a running request cannot get blocks, before it preempts one:
+        holds are given up first (an order now, if none is under way), and the request
+        waits for their blocks. False once nothing held can go (claimed: vLLM preempts)."""
+        now = time.time()
+        if not self._retention.frees_pending(now) and self._block_pool is not None:
+            free = self._block_pool.get_num_free_blocks()
+            running, _ = self._live.blocks_needed()
+            self._retention.pressure(free, max(running, free + 1), 0, now)
+        return self._retention.frees_pending(now)
+
+    def has_pending_push_work(self) -> bool:
+        """Keeps an idle engine stepping while a hold is due to end (`retention.py`)."""
+        return self._retention.step_due(time.time())
+
+    def shutdown(self) -> None:
+        self._waker.close()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         by_rank: dict[int, md.DuplexHandshakeMetadata] = {}
@@ -773,20 +820,27 @@ class DuplexScheduler:
     # ------------------------------------------------------------------ steps
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> md.DuplexConnectorMetadata:
+        now = time.time()
+        if self._block_pool is not None and self._held:
+            # Before vLLM would preempt: free held blocks the live requests are about to need.
+            self._retention.pressure(
+                self._block_pool.get_num_free_blocks(), *self._live.blocks_needed(), now
+            )
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,
             releases=self._releases,
             holds=self._holds,
             lookups=self._lookup_specs,
-            evict_blocks=self._evict_blocks,
+            evict=self._retention.take_order(now),
         )
+        self._retention.stepped(now)
+        self._step_count += 1
         if self._loads or self._lookup_specs:
             # Post reads and send lookups before this step's forward pass, not after it (vLLM's
             # default for asynchronous loads): on a busy engine that saves one forward pass of
             # waiting per pull and per lookup. Posting costs microseconds.
             scheduler_output.has_sync_kv_loads = True
         self._loads, self._releases, self._holds, self._lookup_specs = [], [], [], []
-        self._evict_blocks = 0
         if self._estimator is not None:
             self._step_started = time.perf_counter()
             self._step_tokens = scheduler_output.total_num_scheduled_tokens
@@ -796,8 +850,11 @@ class DuplexScheduler:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, md.DuplexWorkerMetadata):
             self._on_lookup_answers(worker_meta.lookups)
-            self._on_freed_holds(worker_meta.freed_holds)
+            freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
+            self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())
             self._on_loads_done(worker_meta.loads_done)
+            if worker_meta.lookup_targets > 0:
+                self._lookup_peers_known = True
         if self._estimator is None:
             return
         if self._step_started is not None:
@@ -826,17 +883,21 @@ class DuplexScheduler:
             elif release is not None:
                 self._releases.append(release)
 
-    def _on_freed_holds(self, request_ids: list[str]) -> None:
-        """TP rank 0 reports a hold's end once: the blocks go back."""
+    def _on_freed_holds(self, request_ids: list[str]) -> int:
+        """TP rank 0 reports a hold's end once: the blocks go back. Returns how many."""
+        freed = 0
         for request_id in request_ids:
-            hold = self._held.pop(request_id, None)
-            if hold is None:
+            blocks = self._held.pop(request_id, None)
+            if blocks is None:
                 logger.warning("A worker ended a hold on request %s, which is not held", request_id)
                 continue
-            if hold.decode_turn:
-                self._held_decode_blocks -= len(hold.blocks)
+            self._retention.freed(request_id)
+            freed += len(blocks)
             # Last block first, as vLLM frees a request's blocks: the tail is evicted first.
-            self._block_pool.free_blocks(reversed(hold.blocks))
+            self._block_pool.free_blocks(reversed(blocks))
+        if freed:
+            self._stats.set_gauge("held_blocks", self._retention.held_blocks)
+        return freed
 
     def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
         return self._stats.take()

@@ -35,14 +35,22 @@ COUNTERS: dict[str, str] = {
     "leases_released": "Held block sets freed because the reader released them",
     "grants_refused": "Pulls the owner named in params did not grant (other tokens, read by "
     "another engine already, expired, or unreachable); the prompt was computed instead",
-    "evictions": "Held finished turns freed early to make room for new ones",
+    "evictions": "Held finished turns freed early to make room for new ones "
+    "(decode_kv_hold_max_fraction)",
+    "pressure_evictions": "Holds (finished turns or prompts) given up early because the "
+    "engine's free blocks fell below what its running and waiting requests need",
     "turns_offered": "Finished turns held and offered to other engines' lookups",
     "lookups_hit": "Lookups of a prompt's blocks that found a held turn on a peer",
     "lookups_missed": "Lookups that found no held turn (or had no peer to ask)",
     "lookup_failures": "Peers that failed or timed out answering a lookup",
     "lookups_skipped": "Requests whose possible gain was under kv_recompute_threshold, not looked up",
 }
-SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s")
+SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s", "lookup_wait_s", "lookup_wait_steps")
+# Values at the end of the interval (-1: not reported in it).
+GAUGES: dict[str, str] = {
+    "held_blocks": "KV blocks kept allocated by holds (prompts and finished turns for readers)",
+    "claims": "Readers' claims alive on this engine's held blocks",
+}
 # Per KV-cache transfer group (index = group's position among the transfer groups).
 PER_GROUP: dict[str, str] = {
     "group_blocks": "KV blocks read from peers, per KV-cache group",
@@ -60,14 +68,21 @@ class DuplexConnectorStats(KVConnectorStats):
                 self.data.setdefault(key, 0)
             for key in (*SAMPLES, *PER_GROUP):
                 self.data.setdefault(key, [])
+            for key in GAUGES:
+                self.data.setdefault(key, -1)
 
     def reset(self) -> None:
         self.data = {key: 0 for key in COUNTERS}
         for key in (*SAMPLES, *PER_GROUP):
             self.data[key] = []
+        for key in GAUGES:
+            self.data[key] = -1
 
     def add(self, key: str, amount: int = 1) -> None:
         self.data[key] += amount
+
+    def set_gauge(self, key: str, value: int) -> None:
+        self.data[key] = value
 
     def record_transfer(
         self, seconds: float, blocks_per_group: tuple[int, ...], nbytes: int, tokens: int
@@ -91,14 +106,20 @@ class DuplexConnectorStats(KVConnectorStats):
         self.data["lookup_s"].append(seconds)
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in COUNTERS) and not any(
-            self.data[key] for key in (*SAMPLES, *PER_GROUP)
+        return (
+            not any(self.data[key] for key in COUNTERS)
+            and not any(self.data[key] for key in (*SAMPLES, *PER_GROUP))
+            and all(self.data[key] < 0 for key in GAUGES)
         )
 
     def aggregate(self, other: KVConnectorStats) -> DuplexConnectorStats:
         if not other.is_empty():
             for key in COUNTERS:
                 self.data[key] += other.data.get(key, 0)
+            for key in GAUGES:
+                # The later report of the same engine's value wins.
+                if other.data.get(key, -1) >= 0:
+                    self.data[key] = other.data[key]
             for key in SAMPLES:
                 self.data[key].extend(other.data.get(key, []))
             for key in PER_GROUP:
@@ -129,13 +150,26 @@ class DuplexConnectorStats(KVConnectorStats):
             p99 = durations[max(0, math.ceil(0.99 * len(durations)) - 1)]
             out["mean_transfer_ms"] = round(1e3 * total_s / len(durations), 3)
             out["p99_transfer_ms"] = round(1e3 * p99, 3)
-        lookups = sorted(self.data["lookup_s"])
-        if lookups:
-            out["p50_lookup_ms"] = round(1e3 * lookups[len(lookups) // 2], 3)
-            out["p99_lookup_ms"] = round(1e3 * lookups[max(0, math.ceil(0.99 * len(lookups)) - 1)], 3)
+        for key in GAUGES:
+            if self.data[key] >= 0:
+                out[key] = self.data[key]
+        for key, name, scale in (
+            ("lookup_s", "lookup_ms", 1e3),
+            ("lookup_wait_s", "lookup_wait_ms", 1e3),
+            ("lookup_wait_steps", "lookup_wait_steps", 1),
+        ):
+            values = sorted(self.data[key])
+            if values:
+                out[f"p50_{name}"] = round(scale * _quantile(values, 0.5), 3)
+                out[f"p99_{name}"] = round(scale * _quantile(values, 0.99), 3)
         if total_s > 0:
             out["throughput_MBps"] = round(self.data["bytes"] / total_s / 1e6, 1)
         return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The nearest-rank quantile of sorted `values`."""
+    return values[max(0, math.ceil(q * len(values)) - 1)]
 
 
 def _add_at(values: list[int], index: int, amount: int) -> None:
@@ -145,8 +179,8 @@ def _add_at(values: list[int], index: int, amount: int) -> None:
 
 class DuplexPromMetrics(KVConnectorPromMetrics):
     """Counters `vllm:kvduplex_<name>_total` (per KV-cache group: `vllm:kvduplex_group_blocks`
-    and `_group_bytes` with a `kv_cache_group` label) and transfer/lookup-time histograms,
-    per engine."""
+    and `_group_bytes` with a `kv_cache_group` label), gauges `vllm:kvduplex_<name>` and
+    transfer/lookup-time histograms, per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -177,6 +211,28 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
             ),
             per_engine_labelvalues,
         )
+        self._gauges = {
+            key: create_metric_per_engine(
+                self._gauge_cls(
+                    name=f"vllm:kvduplex_{key}",
+                    documentation=text,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                ),
+                per_engine_labelvalues,
+            )
+            for key, text in GAUGES.items()
+        }
+        self._lookup_wait = create_metric_per_engine(
+            self._histogram_cls(
+                name="vllm:kvduplex_lookup_wait_seconds",
+                documentation="Time a request waited in the scheduler for its grant or lookup "
+                "answer, from the first ask to the answer taken",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5],
+                labelnames=labelnames,
+            ),
+            per_engine_labelvalues,
+        )
         self._lookup_time = create_metric_per_engine(
             self._histogram_cls(
                 name=f"{protocol.METRIC_PREFIX}lookup_seconds",
@@ -196,6 +252,12 @@ class DuplexPromMetrics(KVConnectorPromMetrics):
             self._transfer_time[engine_idx].observe(seconds)
         for seconds in transfer_stats_data.get("lookup_s", []):
             self._lookup_time[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get("lookup_wait_s", []):
+            self._lookup_wait[engine_idx].observe(seconds)
+        for key, per_engine in self._gauges.items():
+            value = transfer_stats_data.get(key, -1)
+            if value >= 0:
+                per_engine[engine_idx].set(value)
         for key, metric in self._per_group.items():
             for index, amount in enumerate(transfer_stats_data.get(key, [])):
                 if amount:

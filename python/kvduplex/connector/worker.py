@@ -289,6 +289,10 @@ class DuplexWorker:
         self._failed_recving: set[str] = set()
         self._freed_holds: list[str] = []
         self._loads_done: list[str] = []
+        self._evictions_done = 0
+        self._num_lookup_targets = -1
+        self._reported_lookup_targets = -1
+        self._claims = 0
         self._load_errors: set[int] = set()
         self._stats = DuplexConnectorStats()
 
@@ -370,8 +374,8 @@ class DuplexWorker:
     def start_load_kv(self, meta: md.DuplexConnectorMetadata) -> None:
         for hold in meta.holds:
             self._hold(hold)
-        if meta.evict_blocks:
-            self._evict(meta.evict_blocks)
+        if meta.evict is not None:
+            self._evict(meta.evict)
         for lookup in meta.lookups:
             self._start_lookup(lookup)
         for spec in meta.loads:
@@ -416,6 +420,7 @@ class DuplexWorker:
         self._take_notifications()
         self._expire_holds()
         self._connect_to_lookup_targets()
+        self._record_occupancy()
         results = KVConnectorTransferResults(
             finished_recving=self._finished_recving, failed_recving=self._failed_recving
         )
@@ -424,12 +429,29 @@ class DuplexWorker:
 
     def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
         self._collect_lookups()
-        if not self._lookup_results and not self._freed_holds and not self._loads_done:
+        lookup_targets = (
+            self._num_lookup_targets
+            if self._num_lookup_targets != self._reported_lookup_targets
+            else -1
+        )
+        if (
+            not self._lookup_results
+            and not self._freed_holds
+            and not self._loads_done
+            and not self._evictions_done
+            and lookup_targets < 0
+        ):
             return None
         meta = md.DuplexWorkerMetadata(
-            lookups=self._lookup_results, freed_holds=self._freed_holds, loads_done=self._loads_done
+            lookups=self._lookup_results,
+            freed_holds=self._freed_holds,
+            loads_done=self._loads_done,
+            evictions_done=self._evictions_done,
+            lookup_targets=lookup_targets,
         )
         self._lookup_results, self._freed_holds, self._loads_done = {}, [], []
+        self._evictions_done = 0
+        self._reported_lookup_targets = self._num_lookup_targets
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -662,7 +684,9 @@ class DuplexWorker:
             self._engine.hold(
                 hold.request_id,
                 hold.num_blocks,
-                hold.ttl_s,
+                # The moment the scheduler counts too (and the params announce), not a TTL
+                # from now: the scheduler wakes an idle engine then (`retention.py`).
+                max(1e-3, hold.lease_expiry - time.time()),
                 fingerprints=list(hold.fingerprints),
                 turn=hold.turn,
                 offer=hold.offer,
@@ -675,11 +699,41 @@ class DuplexWorker:
         if hold.turn:
             self._stats.add("turns_offered")
 
-    def _evict(self, num_blocks: int) -> None:
-        for request_id in self._engine.evict_holds(num_blocks) if self._engine else ():
+    def _evict(self, order: md.EvictOrder) -> None:
+        """TP rank 0 frees unclaimed holds and acknowledges the order (`retention.py`)."""
+        if self._tp_rank != 0:
+            return
+        self._evictions_done += 1
+        if self._engine is None:
+            return
+        for request_id in self._engine.evict_holds(order.cap_blocks) if order.cap_blocks else ():
             self._freed_holds.append(request_id)
             self._stats.add("evictions")
-            logger.debug("Held turn %s evicted to make room", request_id)
+            logger.debug("Held turn %s evicted to make room for new turns", request_id)
+        freed: list[str] = []
+        if order.turn_blocks:
+            freed += self._engine.evict_holds(order.turn_blocks)
+        if order.any_blocks:
+            freed += self._engine.evict_holds(order.any_blocks, prompts=True)
+        for request_id in freed:
+            self._freed_holds.append(request_id)
+            self._stats.add("pressure_evictions")
+        if freed:
+            logger.info(
+                "Gave up %d held block set(s) (%s) for %d blocks the engine's requests need",
+                len(freed),
+                ", ".join(freed[:4]),
+                order.turn_blocks + order.any_blocks,
+            )
+
+    def _record_occupancy(self) -> None:
+        """Claims alive on this engine's holds (TP rank 0), for the stats when it changes."""
+        if self._engine is None or self._tp_rank != 0:
+            return
+        claims, _ = self._engine.hold_occupancy()
+        if claims != self._claims:
+            self._claims = claims
+            self._stats.set_gauge("claims", claims)
 
     def _take_notifications(self) -> None:
         if self._engine is None:
@@ -744,8 +798,11 @@ class DuplexWorker:
         if self._engine is None or self._tp_rank != 0 or now < self._next_peer_scan:
             return
         self._next_peer_scan = now + _PEER_SCAN_INTERVAL_S
-        for host, port in self._lookup_targets(None):
+        targets = self._lookup_targets(None)
+        for host, port in targets:
             self._engine.peer_status(host, port, timeout_s=self._config.handshake_timeout_s)
+        # The scheduler looks nothing up while no engine could answer.
+        self._num_lookup_targets = len(targets)
 
     def _start_lookup(self, spec: md.LookupSpec) -> None:
         if self._engine is None or self._tp_rank != 0:
@@ -765,15 +822,21 @@ class DuplexWorker:
             deadline=time.monotonic() + spec.timeout_s,
             started=time.perf_counter(),
             sent_at=time.time(),
+            num_blocks=len(spec.fingerprints),
         )
 
     def _collect_lookups(self) -> None:
-        """Report lookups whose every owner answered or whose deadline passed; hand back the
-        claims of answers that come after their lookup was reported."""
+        """Report lookups whose every owner answered, one of whose owners holds every block
+        asked (none can give more: chained fingerprints), or whose deadline passed; hand back
+        the claims of answers that come after their lookup was reported."""
         now = time.monotonic()
         for request_id, pending in list(self._lookups.items()):
             answers = pending.lookup.answers()
-            if now < pending.deadline and any(answer is None for answer in answers):
+            if (
+                now < pending.deadline
+                and any(answer is None for answer in answers)
+                and not pending.has_full_match(answers)
+            ):
                 continue
             del self._lookups[request_id]
             matches, failures = pending.take(answers)
@@ -806,8 +869,17 @@ class _PendingLookup:
     started: float
     sent_at: float
     """Wall clock when sent: each claim lasts its `claim_s` from (at the latest) here."""
+    num_blocks: int = 0
+    """Blocks asked for."""
     taken: set[int] = field(default_factory=set)
     """Targets whose answer was taken already."""
+
+    def has_full_match(self, answers: list) -> bool:
+        """Whether an owner holds every block asked for."""
+        return any(
+            answer is not None and answer[2] is not None and answer[2][1] >= self.num_blocks
+            for answer in answers
+        )
 
     def take(self, answers: list) -> tuple[list[md.LookupMatch], list[str]]:
         """Matches and failures among the answers not taken yet; a target still silent is a

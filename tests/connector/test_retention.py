@@ -1,0 +1,84 @@
+"""`retention.py`'s pure logic: orders, acknowledgements, pressure, wake times."""
+
+from __future__ import annotations
+
+from kvduplex.connector import retention as retention_module
+from kvduplex.connector.retention import IDLE_CHECK_S, Retention, blocks_needed
+
+
+def test_pressure_orders_the_shortfall_once_until_it_is_acknowledged():
+    r = Retention(max_turn_blocks=100)
+    r.hold("a", 4, True, 100.0)
+    r.hold("b", 3, False, 100.0)
+    assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.0) == 3
+    # Ordered, not shipped yet: asking again orders nothing more.
+    assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.0) == 0
+    order = r.take_order(now=0.0)
+    assert order is not None and (order.cap_blocks, order.turn_blocks, order.any_blocks) == (0, 0, 3)
+    # Shipped, not acknowledged: still counted as coming back.
+    assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.1) == 0
+    assert r.frees_pending(0.1)
+    # TP rank 0 freed "b" (3 blocks) and acknowledged: nothing is pending.
+    assert r.freed("b") == 3
+    r.acknowledged(1, freed_blocks=3, now=0.2)
+    assert not r.frees_pending(0.2)
+    assert r.held_blocks == 4
+    # Never more than what is held.
+    assert r.pressure(free_blocks=0, running_need=50, waiting_need=0, now=0.3) == 4
+    assert r.freed("b") is None  # freed once
+
+
+def test_waiting_requests_take_held_turns_only():
+    r = Retention(max_turn_blocks=100)
+    r.hold("prompt", 4, False, 100.0)
+    r.hold("turn", 3, True, 100.0)
+    # Nothing running needs blocks; the waiting ones need 6 more than are free: the turn's 3.
+    assert r.pressure(free_blocks=2, running_need=0, waiting_need=8, now=0.0) == 3
+    order = r.take_order(now=0.0)
+    assert (order.cap_blocks, order.turn_blocks, order.any_blocks) == (0, 3, 0)
+    # A running request short of 2 more may take the prompt too.
+    assert r.pressure(free_blocks=0, running_need=5, waiting_need=8, now=0.0) == 2
+    assert r.take_order(now=0.0).any_blocks == 2
+
+
+def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while():
+    r = Retention(max_turn_blocks=100)
+    r.hold("claimed", 5, True, 100.0)
+    r.pressure(0, 5, 0, now=0.0)
+    r.take_order(now=0.0)
+    r.acknowledged(1, freed_blocks=0, now=0.1)
+    assert r.pressure(0, 5, 0, now=0.2) == 0  # vLLM preempts meanwhile
+    assert not r.frees_pending(0.2)
+    assert r.pressure(0, 5, 0, now=0.1 + retention_module.FRUITLESS_BACKOFF_S + 0.01) == 5
+
+
+def test_an_order_never_acknowledged_stops_counting_after_its_timeout():
+    r = Retention(max_turn_blocks=100)
+    r.hold("a", 2, True, 100.0)
+    r.pressure(0, 2, 0, now=0.0)
+    r.take_order(now=0.0)
+    assert r.frees_pending(retention_module.ORDER_TIMEOUT_S - 0.1)
+    assert not r.frees_pending(retention_module.ORDER_TIMEOUT_S + 0.1)
+
+
+def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last():
+    r = Retention(max_turn_blocks=100)
+    assert r.wake_at() is None
+    r.stepped(10.0)
+    r.hold("a", 1, False, expires_at=10.4)
+    assert r.wake_at() == 10.4 and not r.step_due(10.3) and r.step_due(10.4)
+    r.stepped(10.5)  # the expiry was checked in this step; "a" is claimed and stays
+    assert r.wake_at() == 10.5 + IDLE_CHECK_S
+    r.freed("a")
+    assert r.wake_at() is None and not r.step_due(100.0)
+
+
+def test_blocks_needed_counts_running_growth_and_what_the_next_step_admits():
+    # Block 16. Running at 32 tokens: its next token starts a block; at 33: none.
+    assert blocks_needed([(True, 32, 33), (True, 33, 34)], 16, 1, 1024, 16) == (1, 0)
+    # Two steps ahead (async scheduling): 31 -> 33 crosses a block boundary.
+    assert blocks_needed([(True, 31, 32)], 16, 2, 1024, 16) == (1, 0)
+    # Waiting prompts, in order, within the token budget and the free seats.
+    waiting = [(False, 0, 100), (False, 0, 100), (False, 0, 100)]
+    assert blocks_needed(waiting, 16, 1, 150, 16) == (0, 7 + 4)
+    assert blocks_needed([(True, 5, 6), *waiting], 16, 1, 1024, 2) == (0, 7)

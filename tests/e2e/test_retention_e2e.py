@@ -1,0 +1,122 @@
+"""Held blocks under real memory pressure, and holds that end while an engine is idle.
+
+A P/D pair of its own, with a KV cache of 18 blocks of 128 tokens (17 usable) on each server
+and 4 s leases on P's prompts. Stops the session's shared pair first (one pair at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import E2E_LOOKUP_TIMEOUT_MS
+from test_connector_e2e import BLOCK, counter, token_prompt, tokenizer  # noqa: F401
+from test_lookup_e2e import relay_streamed
+
+from kvduplex import protocol
+from kvduplex.protocol import prefill_request_params
+from kvduplex.servers import ServerPair, complete, describe_mismatch, prompt_tokens_by_source
+
+logger = logging.getLogger(__name__)
+
+NUM_BLOCKS = 18
+P_LEASE_S = 4.0
+RETENTION_CONFIG = {
+    "kv_connector": "DuplexConnector",
+    "kv_connector_module_path": "kvduplex.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {
+        "bidirectional_kv_xfer": True,
+        "kv_recompute_threshold": 64,
+        "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
+        "kv_lease_ttl_s": P_LEASE_S,
+        # Held turns may take the whole cache: only pressure evicts them here.
+        "decode_kv_hold_max_fraction": 1.0,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def pair(pd_pair) -> ServerPair:
+    return pd_pair(
+        RETENTION_CONFIG, extra_args=["--num-gpu-blocks-override", str(NUM_BLOCKS)]
+    )
+
+
+def gauge(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+@pytest.mark.e2e
+def test_an_idle_engine_frees_an_expired_hold_within_a_second(pair, tokenizer):  # noqa: F811
+    """P holds a prompt for a decode node that never reads it; nothing else runs. The hold's
+    blocks are free within a second of its lease's end."""
+    base = pair.prefill.base_url
+    prompt = token_prompt(tokenizer, 2 * BLOCK + 100, seed=41)
+    prefill = complete(base, prompt, max_tokens=1, kv_transfer_params=prefill_request_params())
+    expiry = prefill.kv_transfer_params[protocol.REMOTE_LEASE_EXPIRY]
+    assert expiry - time.time() > 1.0, "the lease is still running"
+    assert gauge(base, "vllm:kv_cache_usage_perc") > 0
+    freed_at = None
+    while time.time() < expiry + 5.0:
+        usage = gauge(base, "vllm:kv_cache_usage_perc")
+        if usage == 0:
+            freed_at = time.time()
+            break
+        time.sleep(0.05)
+    assert freed_at is not None, "the expired hold was never freed while P was idle"
+    logger.info("P's idle hold freed %.3f s after its lease ended", freed_at - expiry)
+    # Never before the lease ended (the lease is the owner's promise to its reader).
+    assert expiry - 0.1 <= freed_at <= expiry + 1.0
+    assert gauge(base, "vllm:kvduplex_held_blocks") == 0
+
+
+@pytest.mark.e2e
+def test_a_burst_evicts_the_held_turn_before_any_preemption_and_its_lookup_misses(
+    pair, reference_server, tokenizer  # noqa: F811
+):
+    """D holds one turn (4 of its 17 blocks); 3 decodes then grow to 5 blocks each. D gives
+    the turn up instead of preempting; the conversation's next turn finds nothing on D,
+    computes, and answers as one server does."""
+    d, p = pair.decode.base_url, pair.prefill.base_url
+    turn1 = token_prompt(tokenizer, 2 * BLOCK + 100, seed=42)
+    first, _ = relay_streamed(pair, turn1, 100)
+    assert gauge(d, "vllm:kvduplex_held_blocks") == 4
+    preemptions = gauge(d, "vllm:num_preemptions_total")
+    evictions = counter(d, "vllm:kvduplex_pressure_evictions_total")
+
+    errors: list[BaseException] = []
+
+    def long_decode(seed: int) -> None:
+        try:
+            complete(d, token_prompt(tokenizer, 200, seed=seed), max_tokens=400)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=long_decode, args=(50 + i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert gauge(d, "vllm:num_preemptions_total") == preemptions
+    assert counter(d, "vllm:kvduplex_pressure_evictions_total") - evictions >= 1
+    assert gauge(d, "vllm:kvduplex_held_blocks") == 0
+
+    missed = counter(p, "vllm:kvduplex_lookups_missed_total")
+    turn2 = turn1 + first.token_ids + token_prompt(tokenizer, 60, seed=43)
+    before = prompt_tokens_by_source(p)
+    second, _ = relay_streamed(pair, turn2, 8)
+    after = prompt_tokens_by_source(p)
+    assert after.get("external_kv_transfer", 0) == before.get("external_kv_transfer", 0)
+    assert counter(p, "vllm:kvduplex_lookups_missed_total") - missed == 1
+    assert describe_mismatch(complete(reference_server.base_url, turn2, 8), second) is None
