@@ -7,6 +7,7 @@
 //! context) is made while holding [`Worker::lock`]: the worker is created in UCX's
 //! `SERIALIZED` thread mode, which allows any thread as long as calls never overlap.
 
+pub mod packed;
 mod same_host;
 mod sys;
 
@@ -291,15 +292,14 @@ impl Worker {
     /// completes that read, so no byte lands after the batch is reported.
     /// `regions` are the peer's registered regions and `rkeys` their packed remote keys, by the
     /// same index: every read posted on the endpoint is checked against `regions`.
-    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: Arc<[RegionBounds]>, rkeys: &[&[u8]], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
-        if peer_address.is_empty() {
-            return Err(UcxError::Call { call: "ucp_ep_create", status: "the peer's worker address is empty".into() });
-        }
+    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: Arc<[RegionBounds]>, rkeys: &[(&[u8], MemoryType)], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
+        // UCX parses both without a length: only bytes it reads within their end reach it.
+        packed::check_worker_address(peer_address, packed::unified_mode()).map_err(|status| UcxError::Call { call: "ucp_ep_create", status })?;
         if rkeys.len() != regions.len() {
             return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("{} remote keys for {} regions", rkeys.len(), regions.len()) });
         }
-        if let Some(i) = rkeys.iter().position(|rkey| rkey.is_empty()) {
-            return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("the peer's region {i} has an empty remote key") });
+        for (i, (rkey, memory)) in rkeys.iter().enumerate() {
+            packed::check_rkey(rkey, *memory).map_err(|e| UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("the peer's region {i}: {e}") })?;
         }
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
@@ -317,7 +317,7 @@ impl Worker {
             remote: regions,
             outstanding: Arc::new(AtomicUsize::new(0)),
         };
-        for packed in rkeys {
+        for (packed, _) in rkeys {
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key bytes are alive for the call.
             let status = unsafe { (self.api.ucp_ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey) };
