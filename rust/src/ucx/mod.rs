@@ -285,10 +285,11 @@ impl Worker {
     /// Creates an endpoint to a peer worker and unpacks the peer's remote keys for it.
     ///
     /// `peer_error_handling` trades speed for a hard guarantee: with it, aborting the endpoint
-    /// tears down its transport connections, so no byte of a cancelled read lands afterwards;
+    /// force-closes it (see [`Endpoint::abort`]), tearing down its transport connections, so no
+    /// byte of a cancelled read lands afterwards;
     /// but UCX 1.22 then reads over tcp emulation instead of cma/shared memory (1 vs 8-17
-    /// GB/s). Without it a dead peer is detected through the side channel, and a forced close
-    /// may leave a read to a frozen peer outstanding: its batch then settles only when UCX
+    /// GB/s). Without it a dead peer is detected through the side channel, and the aborting
+    /// close flushes instead, which may leave a read to a frozen peer outstanding: its batch then settles only when UCX
     /// completes that read, so no byte lands after the batch is reported.
     /// `regions` are the peer's registered regions and `rkeys` their packed remote keys, by the
     /// same index: every read posted on the endpoint is checked against `regions`.
@@ -316,6 +317,7 @@ impl Worker {
             rkeys: Vec::with_capacity(rkeys.len()),
             remote: regions,
             outstanding: Arc::new(AtomicUsize::new(0)),
+            peer_error_handling,
         };
         for (packed, _) in rkeys {
             let mut rkey = ptr::null_mut();
@@ -422,6 +424,8 @@ pub struct Endpoint {
     /// Batches posted on this endpoint with reads UCX has not completed: its remote keys are
     /// destroyed only when there are none.
     outstanding: Arc<AtomicUsize>,
+    /// Created with `UCP_ERR_HANDLING_MODE_PEER`: only such an endpoint may be force-closed.
+    peer_error_handling: bool,
 }
 
 // SAFETY: ep and rkeys are only used under the worker lock.
@@ -563,11 +567,17 @@ unsafe extern "C" fn read_done(request: *mut c_void, status: sys::ucs_status_t, 
 }
 
 impl Endpoint {
-    /// Closes the endpoint at once: UCX completes every outstanding read on it with an error,
-    /// after which no byte of them can land in local memory. For batches that must be failed
-    /// (deadline, dead peer) before their reads finished.
+    /// Closes the endpoint for batches that must be failed (deadline, dead peer) before their
+    /// reads finished. With peer error handling the close is forced: UCX completes every
+    /// outstanding read on it as cancelled, after which no byte of them can land. Without it
+    /// a forced close is undefined behaviour (`ucp.h`: `UCP_EP_CLOSE_FLAG_FORCE` needs
+    /// `UCP_ERR_HANDLING_MODE_PEER`), so the close flushes: reads that complete meanwhile
+    /// complete, and one UCX still holds after [`CLOSE_TIMEOUT`] keeps its batch pending (and
+    /// the remote keys alive) until it completes, as a forced close that UCX did not finish
+    /// would.
     pub fn abort(mut self) {
-        self.close(true);
+        let force = self.peer_error_handling;
+        self.close(force);
     }
 
     fn close(&mut self, force: bool) {
@@ -582,7 +592,8 @@ impl Endpoint {
         };
         let guard = self.worker.guard();
         // SAFETY: ep is live and closed once (nulled below); a non-forced close flushes
-        // outstanding reads, a forced one cancels them; the lock is held.
+        // outstanding reads, a forced one (only on a peer-error-handling endpoint, see
+        // `abort`) cancels them; the lock is held.
         let sp = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
         drop(guard);
         self.ep = ptr::null_mut();
