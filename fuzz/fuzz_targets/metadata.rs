@@ -6,7 +6,7 @@
 use kvduplex::descriptors::{RegionBounds, RegionIndex};
 use kvduplex::handshake::wire::{decode_frame, FrameKind, FRAME_HEADER_LEN, MAGIC};
 use kvduplex::handshake::{wire::Frame, PROTOCOL_VERSION};
-use kvduplex::ucx::packed::{check_rkey, check_worker_address};
+use kvduplex::ucx_packed::{check_rkey, check_worker_address};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|body: &[u8]| {

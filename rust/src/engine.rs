@@ -70,7 +70,8 @@ pub struct EngineConfig {
 }
 
 struct LocalMemory {
-    regions: Vec<MemRegion>,
+    /// Shared with the same-host copies that write into them, which keep them registered.
+    regions: Vec<Arc<MemRegion>>,
     layout: Option<BlockLayout>,
 }
 
@@ -286,6 +287,9 @@ impl Engine {
     }
 
     /// Registers memory peers may read; the caller guarantees it stays mapped until `close`.
+    /// The one contract of this crate that nothing can check: the range is a raw address (from
+    /// Python). A host range is checked to be mapped now; UCX reads and same-host copies into
+    /// it rely on it staying so.
     pub fn register_region(&self, addr: u64, len: u64) -> Result<(), EngineError> {
         if addr == 0 || len == 0 {
             return Err(EngineError::InvalidArgument(format!("cannot register region {addr:#x}+{len}: null address or zero length")));
@@ -296,7 +300,7 @@ impl Engine {
         }
         let region = self.shared.worker.register(addr, len)?;
         log::info!("registered {:?} region {addr:#x}+{len}", region.memory);
-        local.regions.push(region);
+        local.regions.push(Arc::new(region));
         self.publish(&local)
     }
 
@@ -801,7 +805,7 @@ fn drain_reads(shared: &Shared) -> bool {
     }
 }
 
-fn bounds(regions: &[MemRegion]) -> Vec<RegionBounds> {
+fn bounds(regions: &[Arc<MemRegion>]) -> Vec<RegionBounds> {
     regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect()
 }
 

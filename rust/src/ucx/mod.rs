@@ -234,7 +234,9 @@ impl Worker {
     /// Registers `[addr, addr+len)` (host or GPU memory; UCX detects which) for remote reads.
     /// A host range must be mapped in this process, page by page (checked here); a GPU range
     /// must be one UCX's CUDA support recognizes. The caller keeps the memory mapped until the
-    /// returned region is dropped.
+    /// returned region is dropped: [`crate::engine::Engine::register_region`]'s contract with
+    /// its caller, the one this crate cannot check (a raw address from Python), which every
+    /// later read and copy into the region relies on.
     pub fn register(self: &Arc<Self>, addr: u64, len: u64) -> Result<MemRegion, UcxError> {
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
@@ -436,7 +438,7 @@ unsafe impl Sync for Endpoint {}
 /// `remote_region`) into `local_addr` (inside `local`).
 pub struct Read<'a> {
     pub local_addr: u64,
-    pub local: &'a MemRegion,
+    pub local: &'a Arc<MemRegion>,
     pub remote_addr: u64,
     pub remote_region: usize,
     pub len: u64,
@@ -459,6 +461,13 @@ impl Endpoint {
     /// and inside the peer region it names. On an error after posting began, the reads posted
     /// before it are still in flight (the batch stays pending until they
     /// complete, or until [`Endpoint::abort`] cancels them).
+    ///
+    /// Crate invariant (this module is private to the crate): the local regions stay
+    /// registered until the batch has no read outstanding. The engine keeps them for its life
+    /// and, closing, drains outstanding reads and leaves registered (leaks) the regions of
+    /// any it could not drain. Held per batch instead, a region's last reference could fall
+    /// inside UCX's completion callback, whose unregistering would need the worker lock that
+    /// progress holds.
     pub fn post_reads(&self, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
         if let Err(status) = check_bounds(reads, &self.remote) {
             return Err(UcxError::Call { call: "ucp_get_nbx", status });
