@@ -40,7 +40,6 @@ const MAX_LANES: usize = 64;
 
 /// `UCS_SYS_DEVICE_ID_UNKNOWN`, which also ends a key's list of distances.
 const SYS_DEVICE_UNKNOWN: u8 = 0xff;
-const SYS_DEVICE_FLUSH_BIT: u8 = 0x80;
 /// `ucp_rkey_packed_distance_t`: a device, a latency and a bandwidth byte.
 const RKEY_DISTANCE_LEN: usize = 3;
 /// `UCS_MEMORY_TYPE_*` a key of each of our memory types may carry.
@@ -193,8 +192,9 @@ pub fn check_rkey(bytes: &[u8], memory: MemoryType) -> Result<(), String> {
         c.take(len.into(), "transport key")?;
     }
     if md_map != 0 {
-        let sys_dev = c.byte("system device")?;
-        if sys_dev != SYS_DEVICE_UNKNOWN && sys_dev & !SYS_DEVICE_FLUSH_BIT != SYS_DEVICE_UNKNOWN {
+        // A known device (with or without its flush bit) is followed by distances, which
+        // UCX reads up to the unknown device.
+        if c.byte("system device")? != SYS_DEVICE_UNKNOWN {
             while c.peek("device distances' end")? != SYS_DEVICE_UNKNOWN {
                 c.take(RKEY_DISTANCE_LEN, "device distance")?;
             }
@@ -247,6 +247,9 @@ mod tests {
             assert!(check_rkey(&key[..cut], MemoryType::Host).is_err(), "cut at {cut}");
         }
         assert!(check_rkey(&key, MemoryType::Cuda).unwrap_err().contains("memory type 0"));
+        let mut flushed = key.clone();
+        flushed[13] |= 0x80; // the device's flush bit: still a known device, still distances
+        assert_eq!(check_rkey(&flushed, MemoryType::Host), Ok(()));
         let mut unknown_device = key[..13].to_vec();
         unknown_device.push(SYS_DEVICE_UNKNOWN);
         assert_eq!(check_rkey(&unknown_device, MemoryType::Host), Ok(()));
