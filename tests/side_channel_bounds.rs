@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use kvduplex::handshake::wire::{self, FrameKind};
 use kvduplex::handshake::PROTOCOL_VERSION;
+use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer, MAX_CONNECTIONS_PER_ADDRESS, MAX_QUEUED_NOTIFICATION_BYTES};
 
 mod common;
 use common::*;
@@ -89,3 +90,51 @@ fn clients_that_never_finish_a_hello_keep_memory_and_threads_bounded() {
     drop(clients);
 }
 
+
+/// A server and its clients with slow heartbeats: the links of the tests below stay alive on a
+/// busy machine whatever they send or however long they idle.
+const SLOW: Duration = Duration::from_secs(10);
+
+fn slow_server() -> SideChannelServer {
+    SideChannelServer::start(SideChannelConfig { heartbeat: SLOW, ..Default::default() }, metadata("owner")).unwrap()
+}
+
+fn slow_connect(server: &SideChannelServer, id: &str) -> Result<PeerLink, kvduplex::handshake::HandshakeError> {
+    PeerLink::connect("127.0.0.1", server.local_addr().port(), id, None, &fingerprint("bf16"), None, TIMEOUT, SLOW).map(|(link, _)| link)
+}
+
+#[test]
+fn a_flood_of_large_notifications_is_bounded_in_bytes_dropped_and_counted() {
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
+    let server = slow_server();
+    let rss_before = resident_mib();
+    // 500 notifications of 1 MiB (the frame cap) that nobody takes: 500 MiB without a bound.
+    let link = slow_connect(&server, "flooder").unwrap();
+    let payload = vec![7u8; wire::MAX_NOTIFY_FRAME_LEN as usize];
+    for _ in 0..500 {
+        link.notify(&payload).unwrap();
+    }
+    let bound = MAX_QUEUED_NOTIFICATION_BYTES;
+    let fits = (bound / payload.len()) as u64;
+    assert!(wait_until(Duration::from_secs(30), || server.dropped_notifications() == 500 - fits), "{} dropped", server.dropped_notifications());
+    let grew = resident_mib().saturating_sub(rss_before);
+    assert_eq!(server.queued_notification_bytes(), fits as usize * payload.len());
+    assert!(grew < (bound >> 20) as u64 + 64, "the process grew by {grew} MiB with a {} MiB bound", bound >> 20);
+    // Taking them frees the room: new ones are queued again.
+    assert_eq!(server.take_notifications().len() as u64, fits);
+    link.notify(b"req-1").unwrap();
+    assert!(wait_until(TIMEOUT, || server.queued_notification_bytes() == 5));
+}
+
+#[test]
+fn one_address_cannot_take_every_connection_slot() {
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
+    let server = slow_server();
+    // Unauthenticated clients (no secret: loopback) that finish the handshake and then idle.
+    let mut links: Vec<_> = (0..MAX_CONNECTIONS_PER_ADDRESS).map(|i| slow_connect(&server, &format!("idler-{i}")).unwrap()).collect();
+    let err = slow_connect(&server, "one-too-many").unwrap_err();
+    assert!(err.to_string().contains("connections from one address"), "{err}");
+    // One leaving frees its slot for the next.
+    drop(links.pop());
+    assert!(wait_until(TIMEOUT, || slow_connect(&server, "next").is_ok()));
+}

@@ -226,7 +226,19 @@ pub enum PlanError {
     },
     #[error("range {addr:#x}+{len} is outside the peer's registered regions")]
     RemoteRangeOutsideRegions { addr: u64, len: u64 },
+    #[error(
+        "the layout's {segments} segments cross the boundaries of its {regions} regions too often \
+         to check (over {max} per segment and region)",
+        max = MAX_GAP_CHECKS_PER_ENTRY
+    )]
+    LayoutTooFragmented { segments: usize, regions: usize },
 }
+
+/// What [`BlockLayout::validate_within`] may spend per segment and region: one check per
+/// segment that sits in a single region, one more per region boundary inside a segment. Real
+/// layouts (disjoint segments, or interleaved K/V or cross-layer segments over one region)
+/// stay far below; only segments piled over many boundaries reach it.
+pub const MAX_GAP_CHECKS_PER_ENTRY: u32 = 64;
 
 impl BlockLayout {
     /// Checks that the layout describes non-overlapping blocks whose every address fits in a
@@ -259,26 +271,42 @@ impl BlockLayout {
 
     /// Checks that every block of every segment lies inside one of `regions` (and no u64 overflow).
     ///
-    /// A whole segment usually sits in one region, which is checked first; only when it does
-    /// not are blocks checked one by one, because a segment may legitimately span several
-    /// registrations as long as no single block straddles two of them.
+    /// A segment may span several registrations as long as no single block straddles two of
+    /// them, so blocks are what is checked, but never one by one: the addresses where no
+    /// block can start (the gaps between what the regions cover, less a block's length) are
+    /// at most one more than the regions, and each segment's blocks are an arithmetic
+    /// progression, so a gap holds one of them iff the first block at or after the gap's
+    /// start lies before its end. The work is bounded by the layout's and the regions' sizes,
+    /// never by the block count or the addresses in them (both come from peers):
+    /// [`PlanError::LayoutTooFragmented`] past [`MAX_GAP_CHECKS_PER_ENTRY`] checks per
+    /// segment and region.
     pub fn validate_within(&self, regions: &[RegionBounds]) -> Result<(), PlanError> {
         self.validate()?;
         let Some(span) = self.span() else {
             return Ok(());
         };
-        let index = RegionIndex::new(regions);
+        let gaps = RegionIndex::new(regions).block_start_gaps(self.block_len);
+        let entries = self.segment_bases.len() as u128 + regions.len() as u128;
+        let limit = entries.saturating_mul(MAX_GAP_CHECKS_PER_ENTRY.into()).max(MAX_GAP_CHECKS_PER_ENTRY.into());
+        let mut checks = 0u128;
+        let stride = u128::from(self.block_stride);
         for (segment, &base) in self.segment_bases.iter().enumerate() {
-            if index.find(base, span).is_some() {
-                continue;
-            }
-            for block in 0..self.num_blocks {
-                let addr = base + block * self.block_stride;
-                if index.find(addr, self.block_len.into()).is_none() {
+            let first = u128::from(base);
+            // `validate` put every block's end inside u64.
+            let last = first + span - u128::from(self.block_len);
+            let from = gaps.partition_point(|&(_, end)| end <= first);
+            for &(start, end) in gaps[from..].iter().take_while(|&&(start, _)| start <= last) {
+                checks += 1;
+                if checks > limit {
+                    return Err(PlanError::LayoutTooFragmented { segments: self.segment_bases.len(), regions: regions.len() });
+                }
+                let block = start.saturating_sub(first).div_ceil(stride);
+                let addr = first + block * stride;
+                if addr < end && addr <= last {
                     return Err(PlanError::BlockOutsideRegions {
                         segment,
-                        block,
-                        addr,
+                        block: block as u64,
+                        addr: addr as u64,
                         len: self.block_len,
                     });
                 }
@@ -553,6 +581,31 @@ impl RegionIndex {
             reach,
             reacher,
         }
+    }
+
+    /// Where no `len`-byte range can start, as sorted, disjoint `[start, end)` intervals
+    /// covering the rest of the address space: at most one per region, plus one.
+    fn block_start_gaps(&self, len: u64) -> Vec<(u128, u128)> {
+        let top = 1u128 << 64;
+        let mut gaps = Vec::new();
+        // Start of the stretch not known to be a valid start yet.
+        let mut open = 0u128;
+        for (k, &start) in self.starts.iter().enumerate() {
+            // Between this start and the next, the furthest-reaching region ends at reach[k].
+            let next = self.starts.get(k + 1).map_or(top, |&s| u128::from(s));
+            let fits_until = (self.reach[k] + 1).saturating_sub(u128::from(len)).min(next);
+            let start = u128::from(start);
+            if start < fits_until {
+                if open < start {
+                    gaps.push((open, start));
+                }
+                open = fits_until;
+            }
+        }
+        if open < top {
+            gaps.push((open, top));
+        }
+        gaps
     }
 
     /// The index that witnesses the range fitting, usable later as a hint for [`Self::covers`].

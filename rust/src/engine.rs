@@ -21,7 +21,7 @@ use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, Bl
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostCopy, SameHostPeer, UcxError, Worker};
+use crate::ucx::{packed, boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostCopy, SameHostPeer, UcxError, Worker};
 
 
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +70,8 @@ pub struct EngineConfig {
 }
 
 struct LocalMemory {
-    regions: Vec<MemRegion>,
+    /// Shared with the same-host copies that write into them, which keep them registered.
+    regions: Vec<Arc<MemRegion>>,
     layout: Option<BlockLayout>,
 }
 
@@ -124,7 +125,7 @@ impl Peer {
         }
         let mut endpoint = lock(&self.endpoint);
         if endpoint.is_none() && self.alive.load(Ordering::Acquire) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
-            let rkeys: Vec<&[u8]> = self.meta.regions.iter().map(|r| r.rkey.as_slice()).collect();
+            let rkeys: Vec<(&[u8], MemoryType)> = self.meta.regions.iter().map(|r| (r.rkey.as_slice(), r.memory)).collect();
             let opened = shared.worker.connect(&self.meta.worker_address, Arc::clone(&self.regions), &rkeys, shared.config.peer_error_handling);
             let opened = opened.map_err(|e| PostError::NothingPosted(format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id)))?;
             *endpoint = Some(opened);
@@ -286,6 +287,9 @@ impl Engine {
     }
 
     /// Registers memory peers may read; the caller guarantees it stays mapped until `close`.
+    /// The one contract of this crate that nothing can check: the range is a raw address (from
+    /// Python). A host range is checked to be mapped now; UCX reads and same-host copies into
+    /// it rely on it staying so.
     pub fn register_region(&self, addr: u64, len: u64) -> Result<(), EngineError> {
         if addr == 0 || len == 0 {
             return Err(EngineError::InvalidArgument(format!("cannot register region {addr:#x}+{len}: null address or zero length")));
@@ -296,7 +300,7 @@ impl Engine {
         }
         let region = self.shared.worker.register(addr, len)?;
         log::info!("registered {:?} region {addr:#x}+{len}", region.memory);
-        local.regions.push(region);
+        local.regions.push(Arc::new(region));
         self.publish(&local)
     }
 
@@ -444,6 +448,17 @@ fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Op
     meta
 }
 
+/// Checks the peer's worker address and remote keys as UCX will parse them (see
+/// [`crate::ucx::packed`]), so that a malformed one is refused at the handshake, with the
+/// field named, rather than when the first read opens the endpoint.
+fn check_packed_for_ucx(meta: &EngineMetadata) -> Result<(), String> {
+    packed::check_worker_address(&meta.worker_address, packed::unified_mode()).map_err(|e| format!("a malformed worker_address: {e}"))?;
+    for (index, region) in meta.regions.iter().enumerate() {
+        packed::check_rkey(&region.rkey, region.memory).map_err(|e| format!("a malformed rkey for regions[{index}]: {e}"))?;
+    }
+    Ok(())
+}
+
 /// The identity of a peer to read directly, if any: same-host reads on, the peer on this host
 /// (same boot id) and all its memory host memory.
 fn same_host_candidate<'a>(our_boot_id: Option<&str>, enabled: bool, meta: &'a EngineMetadata) -> Option<&'a SameHostIdentity> {
@@ -511,6 +526,7 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
     })?;
     let regions: Arc<[RegionBounds]> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
     layout.validate_within(&regions)?;
+    check_packed_for_ucx(&meta).map_err(|e| EngineError::InvalidArgument(format!("peer {} at {key} sent {e}", meta.engine_id)))?;
     let id = meta.engine_id.clone();
     let same_host = open_same_host(shared, &meta, &regions);
     let peer = Arc::new(Peer {
@@ -795,7 +811,7 @@ fn drain_reads(shared: &Shared) -> bool {
     }
 }
 
-fn bounds(regions: &[MemRegion]) -> Vec<RegionBounds> {
+fn bounds(regions: &[Arc<MemRegion>]) -> Vec<RegionBounds> {
     regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect()
 }
 

@@ -11,7 +11,11 @@ pub mod handshake;
 pub mod holds;
 pub mod side_channel;
 pub mod engine;
-pub mod ucx;
+/// UCX and same-host reads: the crate's only `unsafe`. Crate-private: its safe functions lean
+/// on invariants the engine keeps (each says which), so only [`engine::Engine`] reaches them.
+mod ucx;
+/// The checks of a peer's packed worker address and remote keys (public for the fuzzer).
+pub use ucx::packed as ucx_packed;
 
 #[cfg(feature = "python")]
 mod python;

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -36,9 +36,15 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// thread each beyond this bound, and a real peer (whose handshake takes milliseconds) still
 /// gets through.
 pub const MAX_PENDING_HANDSHAKES: usize = 64;
-/// Notifications received and not yet taken; past it new ones are dropped with a warning
-/// (a dropped release only delays freeing until the hold's own end).
+/// Notifications received and not yet taken, and their payloads' bytes; past either, new ones
+/// are dropped, logged and counted (a dropped release only delays freeing until the hold's own
+/// end). Notifications carry request ids, so real ones stay far below both.
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
+pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 64 << 20;
+/// Connections served at once from one IP address; more from it are refused. Peers on this
+/// host all connect from the loopback address, so this bounds what local processes together
+/// may hold (a real engine holds one connection per engine it reads from or looks up).
+pub const MAX_CONNECTIONS_PER_ADDRESS: usize = 256;
 /// Bounds every write, so a peer that stops reading cannot block its writer forever.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the accept loop checks for shutdown: std cannot interrupt a blocking `accept`,
@@ -115,7 +121,7 @@ struct ServerState {
     secret: Option<Vec<u8>>,
     heartbeat: Duration,
     metadata: Mutex<Arc<EngineMetadata>>,
-    notifications: Mutex<Vec<Notification>>,
+    notifications: Mutex<NotificationQueue>,
     waker: Mutex<Option<Waker>>,
     stopping: AtomicBool,
     /// A handle on each served socket, so shutdown can unblock its thread.
@@ -126,6 +132,15 @@ struct ServerState {
     /// Connections still in their handshake, oldest first.
     pending: Mutex<std::collections::VecDeque<u64>>,
     dropped_notifications: std::sync::atomic::AtomicU64,
+    /// Connections served, by the client's IP address.
+    per_address: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// Received notifications not yet taken, with their payloads' bytes.
+#[derive(Default)]
+struct NotificationQueue {
+    items: Vec<Notification>,
+    bytes: usize,
 }
 
 /// Serves this engine's metadata to readers and collects their notifications.
@@ -173,7 +188,7 @@ impl SideChannelServer {
             secret: config.secret,
             heartbeat: config.heartbeat,
             metadata: Mutex::new(Arc::new(metadata)),
-            notifications: Mutex::new(Vec::new()),
+            notifications: Mutex::new(NotificationQueue::default()),
             waker: Mutex::new(None),
             stopping: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
@@ -181,6 +196,7 @@ impl SideChannelServer {
             directory: Mutex::new(HashMap::new()),
             pending: Mutex::new(std::collections::VecDeque::new()),
             dropped_notifications: std::sync::atomic::AtomicU64::new(0),
+            per_address: Mutex::new(HashMap::new()),
         });
         let acceptor_state = Arc::clone(&state);
         let acceptor = thread::Builder::new()
@@ -206,7 +222,18 @@ impl SideChannelServer {
 
     /// Every notification received since the last call, in arrival order.
     pub fn take_notifications(&self) -> Vec<Notification> {
-        std::mem::take(&mut *lock(&self.state.notifications))
+        std::mem::take(&mut *lock(&self.state.notifications)).items
+    }
+
+    /// Payload bytes of the notifications waiting to be taken (at most
+    /// [`MAX_QUEUED_NOTIFICATION_BYTES`]).
+    pub fn queued_notification_bytes(&self) -> usize {
+        lock(&self.state.notifications).bytes
+    }
+
+    /// Notifications dropped so far because the queue was full.
+    pub fn dropped_notifications(&self) -> u64 {
+        self.state.dropped_notifications.load(Ordering::Relaxed)
     }
 
     /// Called on the connection's thread after each notification is queued.
@@ -271,6 +298,13 @@ fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) -> Vec<JoinHand
             }
         };
         handlers.retain(|(_, handler)| !handler.is_finished());
+        let from_address = lock(&state.per_address).get(&client_addr.ip()).copied().unwrap_or(0);
+        if from_address >= MAX_CONNECTIONS_PER_ADDRESS {
+            warn!("side channel: refused {client_addr}: already serving {MAX_CONNECTIONS_PER_ADDRESS} connections from its address");
+            let reason = format!("the server is at its limit of {MAX_CONNECTIONS_PER_ADDRESS} connections from one address");
+            let _ = write_frame(&stream, &Frame::Refused(Refusal::Other(reason)));
+            continue;
+        }
         if lock(&state.connections).len() >= MAX_CONNECTIONS {
             warn!("side channel: refused {client_addr}: already serving {MAX_CONNECTIONS} connections");
             let reason = format!("the server is at its limit of {MAX_CONNECTIONS} connections");
@@ -318,6 +352,7 @@ fn spawn_connection(
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
     lock(&state.connections).insert(id, stream.try_clone()?);
+    *lock(&state.per_address).entry(client_addr.ip()).or_default() += 1;
     let thread_state = Arc::clone(state);
     thread::Builder::new()
         .name(format!("kvduplex-side-channel-{id}"))
@@ -325,10 +360,22 @@ fn spawn_connection(
             serve_connection(&thread_state, id, stream, client_addr);
             lock(&thread_state.directory).remove(&id);
             lock(&thread_state.connections).remove(&id);
+            forget_connection_from(&thread_state, client_addr.ip());
         })
         .inspect_err(|_| {
             lock(&state.connections).remove(&id);
+            forget_connection_from(state, client_addr.ip());
         })
+}
+
+fn forget_connection_from(state: &ServerState, ip: IpAddr) {
+    let mut per_address = lock(&state.per_address);
+    if let Some(count) = per_address.get_mut(&ip) {
+        *count -= 1;
+        if *count == 0 {
+            per_address.remove(&ip);
+        }
+    }
 }
 
 /// The client as the handshake left it.
@@ -484,15 +531,24 @@ fn frame_auths(
 
 fn queue_notification(state: &ServerState, sender: &str, payload: Vec<u8>) {
     let mut queue = lock(&state.notifications);
-    if queue.len() >= MAX_QUEUED_NOTIFICATIONS {
+    let full = queue.items.len() >= MAX_QUEUED_NOTIFICATIONS || queue.bytes + payload.len() > MAX_QUEUED_NOTIFICATION_BYTES;
+    if full {
+        let (waiting, bytes) = (queue.items.len(), queue.bytes);
         drop(queue);
         let dropped = state.dropped_notifications.fetch_add(1, Ordering::Relaxed);
+        // The first drop, then every power of two: a flood cannot flood the log too.
         if dropped.is_power_of_two() || dropped == 0 {
-            warn!("side channel: {MAX_QUEUED_NOTIFICATIONS} notifications wait to be taken; dropped one from {sender} ({} so far)", dropped + 1);
+            warn!(
+                "side channel: {waiting} notifications of {bytes} bytes wait to be taken (limits {MAX_QUEUED_NOTIFICATIONS}, \
+                 {MAX_QUEUED_NOTIFICATION_BYTES} bytes); dropped one of {} bytes from {sender} ({} dropped so far)",
+                payload.len(),
+                dropped + 1
+            );
         }
         return;
     }
-    queue.push(Notification { sender: sender.to_owned(), payload });
+    queue.bytes += payload.len();
+    queue.items.push(Notification { sender: sender.to_owned(), payload });
     drop(queue);
     let waker = lock(&state.waker).clone();
     if let Some(waker) = waker {

@@ -7,6 +7,7 @@
 //! context) is made while holding [`Worker::lock`]: the worker is created in UCX's
 //! `SERIALIZED` thread mode, which allows any thread as long as calls never overlap.
 
+pub mod packed;
 mod same_host;
 mod sys;
 
@@ -233,7 +234,9 @@ impl Worker {
     /// Registers `[addr, addr+len)` (host or GPU memory; UCX detects which) for remote reads.
     /// A host range must be mapped in this process, page by page (checked here); a GPU range
     /// must be one UCX's CUDA support recognizes. The caller keeps the memory mapped until the
-    /// returned region is dropped.
+    /// returned region is dropped: [`crate::engine::Engine::register_region`]'s contract with
+    /// its caller, the one this crate cannot check (a raw address from Python), which every
+    /// later read and copy into the region relies on.
     pub fn register(self: &Arc<Self>, addr: u64, len: u64) -> Result<MemRegion, UcxError> {
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
@@ -284,22 +287,22 @@ impl Worker {
     /// Creates an endpoint to a peer worker and unpacks the peer's remote keys for it.
     ///
     /// `peer_error_handling` trades speed for a hard guarantee: with it, aborting the endpoint
-    /// tears down its transport connections, so no byte of a cancelled read lands afterwards;
+    /// force-closes it (see [`Endpoint::abort`]), tearing down its transport connections, so no
+    /// byte of a cancelled read lands afterwards;
     /// but UCX 1.22 then reads over tcp emulation instead of cma/shared memory (1 vs 8-17
-    /// GB/s). Without it a dead peer is detected through the side channel, and a forced close
-    /// may leave a read to a frozen peer outstanding: its batch then settles only when UCX
+    /// GB/s). Without it a dead peer is detected through the side channel, and the aborting
+    /// close flushes instead, which may leave a read to a frozen peer outstanding: its batch then settles only when UCX
     /// completes that read, so no byte lands after the batch is reported.
     /// `regions` are the peer's registered regions and `rkeys` their packed remote keys, by the
     /// same index: every read posted on the endpoint is checked against `regions`.
-    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: Arc<[RegionBounds]>, rkeys: &[&[u8]], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
-        if peer_address.is_empty() {
-            return Err(UcxError::Call { call: "ucp_ep_create", status: "the peer's worker address is empty".into() });
-        }
+    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: Arc<[RegionBounds]>, rkeys: &[(&[u8], MemoryType)], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
+        // UCX parses both without a length: only bytes it reads within their end reach it.
+        packed::check_worker_address(peer_address, packed::unified_mode()).map_err(|status| UcxError::Call { call: "ucp_ep_create", status })?;
         if rkeys.len() != regions.len() {
             return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("{} remote keys for {} regions", rkeys.len(), regions.len()) });
         }
-        if let Some(i) = rkeys.iter().position(|rkey| rkey.is_empty()) {
-            return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("the peer's region {i} has an empty remote key") });
+        for (i, (rkey, memory)) in rkeys.iter().enumerate() {
+            packed::check_rkey(rkey, *memory).map_err(|e| UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("the peer's region {i}: {e}") })?;
         }
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
@@ -316,8 +319,9 @@ impl Worker {
             rkeys: Vec::with_capacity(rkeys.len()),
             remote: regions,
             outstanding: Arc::new(AtomicUsize::new(0)),
+            peer_error_handling,
         };
-        for packed in rkeys {
+        for (packed, _) in rkeys {
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key bytes are alive for the call.
             let status = unsafe { (self.api.ucp_ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey) };
@@ -422,6 +426,8 @@ pub struct Endpoint {
     /// Batches posted on this endpoint with reads UCX has not completed: its remote keys are
     /// destroyed only when there are none.
     outstanding: Arc<AtomicUsize>,
+    /// Created with `UCP_ERR_HANDLING_MODE_PEER`: only such an endpoint may be force-closed.
+    peer_error_handling: bool,
 }
 
 // SAFETY: ep and rkeys are only used under the worker lock.
@@ -432,7 +438,7 @@ unsafe impl Sync for Endpoint {}
 /// `remote_region`) into `local_addr` (inside `local`).
 pub struct Read<'a> {
     pub local_addr: u64,
-    pub local: &'a MemRegion,
+    pub local: &'a Arc<MemRegion>,
     pub remote_addr: u64,
     pub remote_region: usize,
     pub len: u64,
@@ -455,6 +461,13 @@ impl Endpoint {
     /// and inside the peer region it names. On an error after posting began, the reads posted
     /// before it are still in flight (the batch stays pending until they
     /// complete, or until [`Endpoint::abort`] cancels them).
+    ///
+    /// Crate invariant (this module is private to the crate): the local regions stay
+    /// registered until the batch has no read outstanding. The engine keeps them for its life
+    /// and, closing, drains outstanding reads and leaves registered (leaks) the regions of
+    /// any it could not drain. Held per batch instead, a region's last reference could fall
+    /// inside UCX's completion callback, whose unregistering would need the worker lock that
+    /// progress holds.
     pub fn post_reads(&self, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<(), UcxError> {
         if let Err(status) = check_bounds(reads, &self.remote) {
             return Err(UcxError::Call { call: "ucp_get_nbx", status });
@@ -563,11 +576,17 @@ unsafe extern "C" fn read_done(request: *mut c_void, status: sys::ucs_status_t, 
 }
 
 impl Endpoint {
-    /// Closes the endpoint at once: UCX completes every outstanding read on it with an error,
-    /// after which no byte of them can land in local memory. For batches that must be failed
-    /// (deadline, dead peer) before their reads finished.
+    /// Closes the endpoint for batches that must be failed (deadline, dead peer) before their
+    /// reads finished. With peer error handling the close is forced: UCX completes every
+    /// outstanding read on it as cancelled, after which no byte of them can land. Without it
+    /// a forced close is undefined behaviour (`ucp.h`: `UCP_EP_CLOSE_FLAG_FORCE` needs
+    /// `UCP_ERR_HANDLING_MODE_PEER`), so the close flushes: reads that complete meanwhile
+    /// complete, and one UCX still holds after [`CLOSE_TIMEOUT`] keeps its batch pending (and
+    /// the remote keys alive) until it completes, as a forced close that UCX did not finish
+    /// would.
     pub fn abort(mut self) {
-        self.close(true);
+        let force = self.peer_error_handling;
+        self.close(force);
     }
 
     fn close(&mut self, force: bool) {
@@ -582,7 +601,8 @@ impl Endpoint {
         };
         let guard = self.worker.guard();
         // SAFETY: ep is live and closed once (nulled below); a non-forced close flushes
-        // outstanding reads, a forced one cancels them; the lock is held.
+        // outstanding reads, a forced one (only on a peer-error-handling endpoint, see
+        // `abort`) cancels them; the lock is held.
         let sp = unsafe { (api.ucp_ep_close_nbx)(self.ep, &param) };
         drop(guard);
         self.ep = ptr::null_mut();

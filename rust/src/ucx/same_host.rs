@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::descriptors::RegionBounds;
 
-use super::{check_bounds, BatchState, Read};
+use super::{check_bounds, BatchState, MemRegion, Read};
 
 /// Most ranges one `process_vm_readv` call takes on each side (Linux's `UIO_MAXIOV`).
 const MAX_RANGES_PER_CALL: usize = 1024;
@@ -141,8 +141,15 @@ impl SameHostPeer {
     pub fn prepare(self: &Arc<Self>, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<SameHostCopy, String> {
         check_bounds(reads, &self.remote)?;
         let ranges = reads.iter().map(|r| Range { local: r.local_addr, remote: r.remote_addr, len: r.len as usize }).collect();
+        let mut regions: Vec<Arc<MemRegion>> = Vec::new();
+        for read in reads {
+            // Reads are segment-major: nearly always the region of the read before.
+            if !regions.last().is_some_and(|r| Arc::ptr_eq(r, read.local)) && !regions.iter().any(|r| Arc::ptr_eq(r, read.local)) {
+                regions.push(Arc::clone(read.local));
+            }
+        }
         batch.start_reads(1);
-        Ok(SameHostCopy { peer: Arc::clone(self), ranges, batch: Arc::clone(batch), ran: false })
+        Ok(SameHostCopy { peer: Arc::clone(self), ranges, _regions: regions, batch: Arc::clone(batch), ran: false })
     }
 
     /// Copies `ranges` in calls of at most [`MAX_RANGES_PER_CALL`] ranges and
@@ -235,6 +242,10 @@ impl SameHostPeer {
 pub struct SameHostCopy {
     peer: Arc<SameHostPeer>,
     ranges: Vec<Range>,
+    /// The registered regions the ranges write into (checked by `prepare`): held, never read,
+    /// so that they stay registered, and so mapped ([`super::Worker::register`]'s contract),
+    /// for as long as the copy exists.
+    _regions: Vec<Arc<MemRegion>>,
     batch: Arc<BatchState>,
     ran: bool,
 }
@@ -248,10 +259,9 @@ impl SameHostCopy {
     /// meanwhile (its deadline passed, its peer died, the engine closes), and settles it.
     pub fn run(mut self) {
         let batch = &self.batch;
-        // SAFETY: prepare checked every local range to lie in a registered region, which the
-        // engine's owner keeps mapped until the engine closed (register_region's contract),
-        // and close waits for this batch to settle; the caller of read_blocks hands those
-        // blocks to the batch until it settles.
+        // SAFETY: prepare checked every local range to lie in one of `self._regions`, which
+        // this copy keeps registered, so mapped (register's contract), until it is dropped;
+        // the caller of read_blocks hands those blocks to the batch until it settles.
         let result = unsafe { self.peer.copy(&self.ranges, || batch.has_failed()) };
         if let Err(e) = result {
             batch.record_read_error(e);

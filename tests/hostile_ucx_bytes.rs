@@ -1,0 +1,127 @@
+//! A fake owner that speaks the side channel hands a real reader engine a worker address or
+//! remote keys that UCX would parse past their end (or abort on): the reader refuses them at
+//! the handshake, naming the field, and never hands them to UCX. Each case runs in a child
+//! process, so a UCX abort fails the test instead of killing the test runner.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::Duration;
+
+use kvduplex::descriptors::BlockLayout;
+use kvduplex::engine::{Engine, EngineConfig};
+use kvduplex::handshake::{EngineMetadata, Fingerprint};
+use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
+
+const BLOCK: usize = 4096;
+const BLOCKS: usize = 16;
+const CASE_VAR: &str = "KVDUPLEX_HOSTILE_UCX_CASE";
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint(BTreeMap::from([("model".to_string(), "tiny".to_string())]))
+}
+
+fn engine(id: &str, buf: &mut [u8]) -> Engine {
+    let engine = Engine::start(EngineConfig {
+        engine_id: id.into(),
+        fingerprint: fingerprint(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        secret: None,
+        ucx_lib_dir: None,
+        heartbeat: Duration::from_millis(200),
+        peer_error_handling: false,
+        lookup_claim: Duration::from_secs(30),
+        allow_unauthenticated: false,
+        same_host_reads: false,
+    })
+    .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
+    let base = buf.as_mut_ptr() as u64;
+    engine.register_region(base, buf.len() as u64).unwrap();
+    engine.set_layout(BlockLayout { segment_bases: vec![base], block_stride: BLOCK as u64, block_len: BLOCK as u64, num_blocks: BLOCKS as u64 }).unwrap();
+    engine
+}
+
+/// Runs `case` in a child process (this test binary, this one test) and fails with the
+/// child's output unless it exits successfully.
+fn in_child(test: &str, case: fn()) {
+    if std::env::var_os(CASE_VAR).is_some() {
+        return case();
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CASE_VAR, test)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the reader's process ended with {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A real owner's metadata changed by `tamper`, served by a fake owner; a real reader
+/// connects to it and reads. Returns the error the reader got, from connect or the read.
+fn read_through_a_fake_owner(tamper: impl FnOnce(&mut EngineMetadata)) -> String {
+    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect();
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", &mut owned);
+    let reader = engine("reader", &mut local);
+    let at = owner.side_channel_addr().unwrap();
+    let (link, mut meta) = PeerLink::connect("127.0.0.1", at.port(), "probe", None, &fingerprint(), None, Duration::from_secs(5), Duration::from_secs(1)).unwrap();
+    drop(link);
+    tamper(&mut meta);
+    let fake = SideChannelServer::start(SideChannelConfig { host: "127.0.0.1".into(), ..SideChannelConfig::default() }, meta).unwrap();
+    let port = fake.local_addr().port();
+    let peer = match reader.connect("127.0.0.1", port, Duration::from_secs(5)) {
+        Ok(peer) => peer,
+        Err(e) => return e.to_string(),
+    };
+    let read = reader.read_blocks(&peer, &[0, 1], &[2, 3], None, Duration::from_secs(5), None, None);
+    match read.and_then(|transfer| transfer.wait(Some(Duration::from_secs(5)))) {
+        Ok(()) => panic!("the reader read through a tampered {peer}: {} bytes copied", local.iter().filter(|&&b| b != 0).count()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_full_length_garbage_worker_address_is_refused_without_reaching_ucx() {
+    in_child("a_full_length_garbage_worker_address_is_refused_without_reaching_ucx", || {
+        let error = read_through_a_fake_owner(|meta| meta.worker_address = vec![0xff; meta.worker_address.len()]);
+        assert!(error.contains("worker_address") && error.contains("version 15"), "{error}");
+    });
+}
+
+#[test]
+fn a_remote_key_cut_to_four_bytes_is_refused_without_reaching_ucx() {
+    in_child("a_remote_key_cut_to_four_bytes_is_refused_without_reaching_ucx", || {
+        let error = read_through_a_fake_owner(|meta| meta.regions[0].rkey.truncate(4));
+        assert!(error.contains("rkey for regions[0]") && error.contains("ends inside"), "{error}");
+    });
+}
+
+#[test]
+fn a_worker_address_or_remote_key_cut_by_one_byte_is_refused() {
+    in_child("a_worker_address_or_remote_key_cut_by_one_byte_is_refused", || {
+        let error = read_through_a_fake_owner(|meta| {
+            meta.worker_address.pop();
+        });
+        assert!(error.contains("worker_address"), "{error}");
+        let error = read_through_a_fake_owner(|meta| {
+            meta.regions[0].rkey.pop();
+        });
+        assert!(error.contains("rkey for regions[0]"), "{error}");
+    });
+}
+
+#[test]
+fn the_untampered_owner_reads_through_the_fake_one() {
+    // The control: the same path with the owner's own bytes reads (so the cases above fail
+    // for their tampering, not for the fake owner).
+    in_child("the_untampered_owner_reads_through_the_fake_one", || {
+        let result = std::panic::catch_unwind(|| read_through_a_fake_owner(|_| {}));
+        let message = result.err().and_then(|p| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+        assert!(message.contains("the reader read through"), "{message}");
+    });
+}
