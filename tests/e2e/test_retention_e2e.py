@@ -12,11 +12,12 @@ import time
 
 import httpx
 import pytest
-from kvduplex.servers import ServerPair, complete, describe_mismatch, prompt_tokens_by_source
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex import protocol
+from kvduplex.demo.servers import complete, describe_mismatch
 from kvduplex.protocol import prefill_request_params
+from kvduplex_testing.servers import ServerPair, prompt_tokens_by_source
 from test_connector_e2e import BLOCK, counter, token_prompt, tokenizer  # noqa: F401
 from test_lookup_e2e import relay_streamed
 
