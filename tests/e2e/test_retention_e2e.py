@@ -15,6 +15,7 @@ import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex import protocol
+from kvduplex.demo import duplex_kv_transfer_config
 from kvduplex.demo.servers import complete, describe_mismatch
 from kvduplex.protocol import prefill_request_params
 from kvduplex_testing.servers import ServerPair, prompt_tokens_by_source
@@ -25,20 +26,13 @@ logger = logging.getLogger(__name__)
 
 NUM_BLOCKS = 18
 P_LEASE_S = 4.0
-RETENTION_CONFIG = {
-    "kv_connector": "DuplexConnector",
-    "kv_connector_module_path": "kvduplex.connector",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": {
-        "bidirectional_kv_xfer": True,
-        "kv_recompute_threshold": 64,
-        "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
-        "kv_lease_ttl_s": P_LEASE_S,
-        # Held turns may take the whole cache: only pressure evicts them here.
-        "decode_kv_hold_max_fraction": 1.0,
-    },
-}
+RETENTION_CONFIG = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=64)
+RETENTION_CONFIG["kv_connector_extra_config"].update(
+    lookup_timeout_ms=E2E_LOOKUP_TIMEOUT_MS,
+    kv_lease_ttl_s=P_LEASE_S,
+    # Held turns may take the whole cache: only pressure evicts them here.
+    decode_kv_hold_max_fraction=1.0,
+)
 
 
 @pytest.fixture(scope="module")
