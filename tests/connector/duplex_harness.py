@@ -19,6 +19,7 @@ import torch
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -87,8 +88,10 @@ def make_vllm_config(
     tp_size: int = 1,
     mamba: bool = False,
     tokenizer: bool = False,
+    kv_events: bool = False,
 ) -> VllmConfig:
-    """`tokenizer`: load the tokenizer in `model_dir` (the tiny config alone has none)."""
+    """`tokenizer`: load the tokenizer in `model_dir` (the tiny config alone has none);
+    `kv_events`: vLLM makes KV events (published nowhere: `publisher="null"`)."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),
@@ -114,6 +117,9 @@ def make_vllm_config(
             kv_connector_extra_config={"lookup_timeout_ms": 0, **(extra_config or {})},
         ),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     if mamba:
@@ -275,9 +281,10 @@ def make_engine(
     sliding_window: int | None = None,
     mamba: bool = False,
     tokenizer: bool = False,
+    kv_events: bool = False,
 ) -> Engine:
     vllm_config = make_vllm_config(
-        model_dir, name, extra_config, num_blocks, tp_size, mamba, tokenizer
+        model_dir, name, extra_config, num_blocks, tp_size, mamba, tokenizer, kv_events
     )
     kv_cache_config = make_kv_cache_config(num_blocks, sliding_window, mamba)
     scheduler = Scheduler(

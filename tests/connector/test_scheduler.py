@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import get_tokenizer
@@ -23,6 +24,7 @@ from duplex_harness import (
 from kvduplex.connector import scheduler as scheduler_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT
 from kvduplex_testing.tiny_model import build_tiny_chat_model
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True}
@@ -712,3 +714,38 @@ def test_an_idle_engine_steps_when_a_hold_expires(engines):
     p.step(freed_holds={"p1"})
     assert not p.duplex._held and retention.wake_at() is None
     assert not p.connector.has_pending_push_work()
+
+
+def test_a_held_turn_is_published_as_kv_events_with_vllms_own_block_hashes(engines):
+    """With KV events on, D announces a held turn (medium `kvduplex_held`) by the same block
+    hashes vLLM publishes for those blocks in its own events, and withdraws them when the hold
+    ends: a router that indexes vLLM's events can tell which D holds a conversation."""
+    p = engines("P", BIDIRECTIONAL)
+    d = engines("D", LOOKUP, kv_events=True)
+    published: list = []
+    d.scheduler.kv_event_publisher.publish = lambda batch: published.extend(batch.events)
+    turn1 = prompt_tokens(100)
+    decode(d, "d1", turn1, prefill(p, "p1", turn1), max_tokens=80)
+    d.step()
+    stored = [e for e in published if isinstance(e, BlockStored)]
+    (held,) = [e for e in stored if e.medium == HELD_TURN_MEDIUM]
+    vllms_own = {h for e in stored if e.medium != HELD_TURN_MEDIUM for h in e.block_hashes}
+    # 179 tokens held (the last answer token has no KV yet): 11 full blocks of 16.
+    assert len(held.block_hashes) == 179 // 16 and held.block_size == 16
+    assert set(held.block_hashes) <= vllms_own
+    assert held.token_ids == (turn1 + [7] * 79)[: 11 * 16]
+    d.step(freed_holds={"d1"})
+    d.step()
+    removed = [e for e in published if isinstance(e, BlockRemoved) and e.medium == HELD_TURN_MEDIUM]
+    assert [e.block_hashes for e in removed] == [held.block_hashes]
+
+
+def test_a_routers_lookup_hint_is_handed_to_the_workers_with_the_lookup(engines):
+    _held_turn(engines)
+    p2 = engines("P", LOOKUP)
+    hinted = {"do_remote_decode": True, LOOKUP_HINT: "127.0.0.1:41002"}
+    p2.add("p2", prompt_tokens(200, start=700), max_tokens=1, params=hinted)
+    p2.add("p3", prompt_tokens(200, start=900), max_tokens=1,
+           params={"do_remote_decode": True, LOOKUP_HINT: "not an address"})
+    lookups = {spec.request_id: spec for spec in p2.step().meta.lookups}
+    assert lookups["p2"].hint == "127.0.0.1:41002" and lookups["p3"].hint is None

@@ -94,6 +94,9 @@ class LookupSpec:
     owner: str | None = None
     """The "host:port" (TP rank 0) that params named."""
     owner_request_id: str | None = None
+    hint: str | None = None
+    """A lookup's "host:port" that a router named as the likely holder
+    (`protocol.LOOKUP_HINT`): asked alone when it is one of the engines a lookup would ask."""
 
 
 @dataclass(frozen=True)

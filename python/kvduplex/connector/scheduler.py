@@ -54,6 +54,7 @@ from vllm.v1.request import RequestStatus
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
 from kvduplex.connector.retention import IdleWaker, LiveRequests, Retention
@@ -68,6 +69,7 @@ from kvduplex.connector.token_fingerprint import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.tokenizers import TokenizerLike
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -121,6 +123,8 @@ class _LookupState:
 # A lookup's answer travels worker -> scheduler once per step; past its own timeout plus this,
 # the scheduler stops waiting for it (a worker that never answers is a bug, not a slow peer).
 _LOOKUP_REPORT_GRACE_S = 5.0
+# A router's lookup hint is a "host:port"; anything longer is not one.
+_MAX_HINT_LEN = 300
 
 
 class DuplexScheduler:
@@ -133,6 +137,7 @@ class DuplexScheduler:
     ) -> None:
         self._config = config
         self._engine_id = engine_id
+        self._events = HeldTurnEvents(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
         self._kv_cache_config = kv_cache_config
         self._groups = TransferGroups.from_kv_cache_config(kv_cache_config)
@@ -441,6 +446,7 @@ class DuplexScheduler:
                 timeout_s=timeout_s,
                 owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
                 owner_request_id=None if named is None else named.remote_request_id,
+                hint=None if named is not None else _lookup_hint(request),
             )
         )
 
@@ -711,6 +717,8 @@ class DuplexScheduler:
         # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
         self._block_pool.touch(blocks)
         self._held[request.request_id] = blocks
+        if decode_turn:
+            self._events.held(request, num_tokens, self._block_pool.hash_block_size)
         lease_expiry = time.time() + ttl_s
         # A turn past the cap orders room: the workers free the least recently used unclaimed
         # turns (every read of a held turn is claimed, so none is freed under a read).
@@ -892,6 +900,7 @@ class DuplexScheduler:
                 logger.warning("A worker ended a hold on request %s, which is not held", request_id)
                 continue
             self._retention.freed(request_id)
+            self._events.ended(request_id)
             freed += len(blocks)
             # Last block first, as vLLM frees a request's blocks: the tail is evicted first.
             self._block_pool.free_blocks(reversed(blocks))
@@ -901,6 +910,20 @@ class DuplexScheduler:
 
     def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
         return self._stats.take()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events of the turns held and ended since the last call (`events.py`)."""
+        return self._events.take()
+
+
+def _lookup_hint(request: Request) -> str | None:
+    """The decode node a router named for the request's lookup ("host:port"), if well formed;
+    the worker asks it alone only if it is an engine it would ask anyway."""
+    hint = (request.kv_transfer_params or {}).get(protocol.LOOKUP_HINT)
+    if not isinstance(hint, str) or len(hint) > _MAX_HINT_LEN:
+        return None
+    host, _, port = hint.rpartition(":")
+    return hint if host and port.isdigit() and 0 < int(port) < 65536 else None
 
 
 def _holdable(request: Request, tokenizer: TokenizerLike | None) -> bool:

@@ -44,6 +44,7 @@ COUNTERS: dict[str, str] = {
     "lookups_missed": "Lookups that found no held turn (or had no peer to ask)",
     "lookup_failures": "Peers that failed or timed out answering a lookup",
     "lookups_skipped": "Requests whose possible gain was under kv_recompute_threshold, not looked up",
+    "lookups_hinted": "Lookups asked of the one decode node a router's hint named",
 }
 SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s", "lookup_wait_s", "lookup_wait_steps")
 # Values at the end of the interval (-1: not reported in it).

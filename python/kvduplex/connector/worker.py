@@ -783,11 +783,9 @@ class DuplexWorker:
             )
         targets: list[tuple[str, int]] = []
         for address in addresses:
-            host, _, port = address.rpartition(":")
-            if host and port.isdigit() and 0 < int(port) < 65536:
-                target = (host.strip("[]"), int(port))
-                if target not in targets:
-                    targets.append(target)
+            target = _address(address)
+            if target is not None and target not in targets:
+                targets.append(target)
         return targets
 
     def _connect_to_lookup_targets(self) -> None:
@@ -808,6 +806,13 @@ class DuplexWorker:
         if self._engine is None or self._tp_rank != 0:
             return
         targets = self._lookup_targets(spec.owner)
+        if spec.hint is not None:
+            hinted = [target for target in targets if target == _address(spec.hint)]
+            if hinted:
+                targets = hinted
+                self._stats.add("lookups_hinted")
+            else:
+                logger.debug("Lookup hint %s names no engine a lookup asks; asking all", spec.hint)
         if not targets:
             self._lookup_results[spec.request_id] = []
             self._stats.add("lookups_missed")
@@ -910,3 +915,11 @@ class _PendingLookup:
                     )
                 )
         return matches, failures
+
+
+def _address(address: str) -> tuple[str, int] | None:
+    """("host", port) of a "host:port" side-channel address (brackets of IPv6 hosts dropped)."""
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and 0 < int(port) < 65536:
+        return host.strip("[]"), int(port)
+    return None
