@@ -94,7 +94,6 @@ from kvduplex.tiny_model import (
     SERVED_MODEL_NAME,
     SERVER_ARGS,
     build_tiny_chat_model,
-    chat_vocabulary,
     sample_chat_text,
 )
 
@@ -138,6 +137,12 @@ FULL = Workload(
     conversations=48, turns=4, first_words=400, user_words=80, answer_tokens=64, think_s=2.0,
     rates=(0.5, 1.0, 2.0, 4.0),
 )
+# The two-turn chat that warms every server and the transfer path up (`warm_up_chat`); its
+# answers are longer than the recompute threshold, so its second turn pulls through the proxy.
+WARM_UP = Workload(
+    conversations=1, turns=2, first_words=60, user_words=10,
+    answer_tokens=RECOMPUTE_THRESHOLD + 16, think_s=0.5, rates=(1.0,),
+)
 QUICK = Workload(
     conversations=16, turns=3, first_words=200, user_words=40, answer_tokens=32, think_s=1.0,
     rates=(2.0, 8.0),
@@ -161,7 +166,8 @@ def kv_plan(workload: Workload) -> dict[str, Any]:
     histories = [history_tokens(workload, t) for t in range(workload.turns)]
     mean_history = statistics.fmean(histories)
     live_blocks = workload.conversations * mean_history / BLOCK_TOKENS
-    max_model_len = math.ceil(histories[-1] / BLOCK_TOKENS) * BLOCK_TOKENS
+    longest = max(histories[-1], history_tokens(WARM_UP, WARM_UP.turns - 1))
+    max_model_len = math.ceil(longest / BLOCK_TOKENS) * BLOCK_TOKENS
     # vLLM refuses to start unless one request of max_model_len fits (and keeps a null block).
     node_blocks = max(math.ceil(live_blocks * CACHE_SHARE), max_model_len // BLOCK_TOKENS + 2)
     return {
@@ -331,13 +337,15 @@ def run_point(url: str, plan: PointPlan) -> list[TurnRecord]:
     return asyncio.run(_run_point(url, plan))
 
 
-def warm_up_chat(url: str) -> None:
-    """A two-turn chat: a fresh server's first requests pay one-time costs, and through the
-    proxy it connects P->D and D->P (P's second turn looks the history up on D)."""
+def warm_up_chat(url: str, seed: int) -> None:
+    """A two-turn chat of its own (`seed`): a fresh server's first requests pay one-time costs,
+    and through the proxy it connects P->D and D->P (P's second turn finds turn 1 on D and
+    pulls its answer, longer than the recompute threshold)."""
     plan = PointPlan(
-        rate=1.0, answer_tokens=16, starts_s=[0.0],
-        messages=[[" ".join(chat_vocabulary()[:120]), " ".join(chat_vocabulary()[120:150])]],
-        thinks_s=[[0.5]],
+        rate=1.0, answer_tokens=WARM_UP.answer_tokens, starts_s=[0.0],
+        messages=[[sample_chat_text(WARM_UP.first_words, seed=-2 * seed),
+                   sample_chat_text(WARM_UP.user_words, seed=-2 * seed - 1)]],
+        thinks_s=[[WARM_UP.think_s]],
     )
     for record in run_point(url, plan):
         if record.error is not None:
@@ -517,14 +525,14 @@ def run_system(
     servers = make_servers(system, args.model_dir, plan, args.cpus, args.work_dir)
     points, answers = [], {}
     with start_many(list(servers.values())):
-        for server in servers.values():
-            client.submit(warm_up_chat, server.base_url).result()
+        for seed, server in enumerate(servers.values(), start=1):
+            client.submit(warm_up_chat, server.base_url, seed).result()
         proxy = ProxyThread([servers["P"].base_url], [servers["D"].base_url]) if "P" in servers \
             else None
         with proxy or contextlib.nullcontext():
             url = proxy.base_url if proxy else servers["server"].base_url
             if proxy:
-                client.submit(warm_up_chat, url).result()
+                client.submit(warm_up_chat, url, 0).result()
             for point in plans:
                 time.sleep(PAUSE_BETWEEN_POINTS_S)  # let the servers' spin-waits end
                 before = read_all(servers)
