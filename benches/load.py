@@ -131,11 +131,13 @@ class Workload:
     rates: tuple[float, ...]
 
 
-# Histories of 4 to 8 blocks: a node's cache holds a turn at least 4 times over, so a decode
-# node can keep some finished turns next to its running requests.
+# Histories of 4 to 7 blocks: a node's cache holds a turn several times over, so a decode node
+# can keep some finished turns next to its running requests. Sized for 2 shared cores, where
+# one server decodes about 100 tokens/s: the lowest rate offers about a third of that, the
+# highest about 2.5 times.
 FULL = Workload(
-    conversations=48, turns=4, first_words=400, user_words=80, answer_tokens=64, think_s=2.0,
-    rates=(0.5, 1.0, 2.0, 4.0),
+    conversations=24, turns=4, first_words=400, user_words=80, answer_tokens=32, think_s=2.0,
+    rates=(0.25, 0.5, 1.0, 2.0),
 )
 # The two-turn chat that warms every server and the transfer path up (`warm_up_chat`); its
 # answers are longer than the recompute threshold, so its second turn pulls through the proxy.
