@@ -45,7 +45,7 @@ sweep: build
 	PYTHONPATH=python $(PY) benches/history_sweep.py --out $(VENV)/history-sweep
 
 # P/D under sustained multi-turn load: TTFT and goodput against offered load, three systems
-# side by side (~20 minutes; `benches/load.py --quick` takes a few).
+# side by side (~15 minutes; `benches/load.py --quick` about 6).
 load: build
 	$(PIP) install -q matplotlib
 	PYTHONPATH=python $(PY) benches/load.py --json $(VENV)/load.json --png $(VENV)/load.png
