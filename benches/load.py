@@ -4,7 +4,10 @@ every history, the same conversations through three systems side by side.
 Systems, one after another in one run (each started fresh):
 - `ideal`: one plain vLLM server with prefix caching on the CPUs of both P/D nodes and a KV cache
   of both nodes' blocks (the same total compute and memory as the pair); the client talks to it
-  directly. Its answers are the expected ones.
+  directly. Its answers are the expected ones. One engine may not use twice the CPUs as well
+  as two engines do (measured on 2 shared cores with the tiny model: it saturated at half the
+  pair's goodput), so `--ideal-servers 2` makes it two such servers instead, one on each P/D
+  node's CPUs with that node's blocks, each chat staying on one (chat c on server c % 2).
 - `kvduplex-bidirectional`: a prefill (P) and a decode (D) server with DuplexConnector
   (`bidirectional_kv_xfer: true`) behind the kvduplex proxy: P finds a conversation's history
   held on D by the prompt itself and pulls it back.
@@ -162,9 +165,10 @@ def history_tokens(workload: Workload, turn: int) -> int:
     return prompt + workload.answer_tokens
 
 
-def kv_plan(workload: Workload) -> dict[str, Any]:
-    """Blocks of each P/D server (a third of N live chats' mean history), the ideal's (both),
-    and the max model length every server gets (the longest request, rounded up to a block)."""
+def kv_plan(workload: Workload, ideal_servers: int = 1) -> dict[str, Any]:
+    """Blocks of each P/D server (a third of N live chats' mean history), of each ideal server
+    (the pair's blocks shared among `ideal_servers`), and the max model length every server
+    gets (the longest request, rounded up to a block)."""
     histories = [history_tokens(workload, t) for t in range(workload.turns)]
     mean_history = statistics.fmean(histories)
     live_blocks = workload.conversations * mean_history / BLOCK_TOKENS
@@ -178,7 +182,8 @@ def kv_plan(workload: Workload) -> dict[str, Any]:
         "longest_request_tokens": histories[-1],
         "live_history_blocks": round(live_blocks, 1),
         "node_blocks": node_blocks,
-        "ideal_blocks": 2 * node_blocks,
+        "ideal_servers": ideal_servers,
+        "ideal_blocks": 2 * node_blocks // ideal_servers,
         "node_share_of_live_histories": round(node_blocks / live_blocks, 3),
         "max_model_len": max_model_len,
     }
@@ -307,6 +312,7 @@ async def _conversation(
     client: httpx.AsyncClient, url: str, plan: PointPlan, c: int, origin: float,
     records: list[TurnRecord],
 ) -> None:
+    """Chat `c` of `plan`, turn by turn, against `url`."""
     await asyncio.sleep(max(0.0, origin + plan.starts_s[c] - time.perf_counter()))
     messages: list[dict[str, str]] = []
     for turn, message in enumerate(plan.messages[c]):
@@ -321,22 +327,23 @@ async def _conversation(
             await asyncio.sleep(plan.thinks_s[c][turn])
 
 
-async def _run_point(url: str, plan: PointPlan) -> list[TurnRecord]:
+async def _run_point(urls: list[str], plan: PointPlan) -> list[TurnRecord]:
     records: list[TurnRecord] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=MAX_CONVERSATIONS)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         origin = time.perf_counter()
         await asyncio.gather(
-            *(_conversation(client, url, plan, c, origin, records)
+            *(_conversation(client, urls[c % len(urls)], plan, c, origin, records)
               for c in range(len(plan.starts_s)))
         )
     return sorted(records, key=lambda r: (r.conversation, r.turn))
 
 
-def run_point(url: str, plan: PointPlan) -> list[TurnRecord]:
-    """Every chat of `plan` against `url` (runs in the client process)."""
-    return asyncio.run(_run_point(url, plan))
+def run_point(urls: list[str], plan: PointPlan) -> list[TurnRecord]:
+    """Every chat of `plan`, chat c against `urls[c % len(urls)]` (runs in the client
+    process)."""
+    return asyncio.run(_run_point(urls, plan))
 
 
 def warm_up_chat(url: str, seed: int) -> None:
@@ -349,7 +356,7 @@ def warm_up_chat(url: str, seed: int) -> None:
                    sample_chat_text(WARM_UP.user_words, seed=-2 * seed - 1)]],
         thinks_s=[[WARM_UP.think_s]],
     )
-    for record in run_point(url, plan):
+    for record in run_point([url], plan):
         if record.error is not None:
             raise ServerError(f"warm-up chat on {url} failed: {record.error}")
 
@@ -369,12 +376,18 @@ def server_args(plan: dict[str, Any], blocks: int) -> list[str]:
 def make_servers(
     system: str, model_dir: Path, plan: dict[str, Any], cpus: PdCpus, log_dir: Path
 ) -> dict[str, VllmServer]:
-    """The system's servers by role ("server", or "P" and "D")."""
+    """The system's servers by role ("server", "server0" and "server1", or "P" and "D")."""
     p_cpus, d_cpus = cpus or (None, None)
     if system == IDEAL:
+        args = server_args(plan, plan["ideal_blocks"])
+        if plan["ideal_servers"] == 2:  # one on each P/D node's CPUs
+            return {
+                f"server{i}": VllmServer(model_dir, name=f"{system}{i}", extra_args=args,
+                                         log_dir=log_dir, cpus=node)
+                for i, node in enumerate((p_cpus, d_cpus))
+            }
         both = p_cpus | d_cpus if cpus else None
         env = None if cpus else WHOLE_MACHINE_ENV  # unpinned: servers default to half
-        args = server_args(plan, plan["ideal_blocks"])
         return {"server": VllmServer(model_dir, name=system, extra_args=args, env=env,
                                      log_dir=log_dir, cpus=both)}
     config = duplex_kv_transfer_config(
@@ -415,12 +428,13 @@ def read_all(servers: dict[str, VllmServer]) -> dict[str, Reading]:
 
 
 def read_all_after(
-    servers: dict[str, VllmServer], before: dict[str, Reading], finished: int
+    servers: dict[str, VllmServer], before: dict[str, Reading], finished: dict[str, int]
 ) -> dict[str, Reading]:
-    """Readings once every server counted the point's `finished` requests, minus `before`."""
+    """Readings once every server counted its `finished` requests of the point, minus
+    `before`."""
     out = {}
     for role, s in servers.items():
-        after = read_metrics_after(s.base_url, before[role].metrics, finished)
+        after = read_metrics_after(s.base_url, before[role].metrics, finished[role])
         out[role] = Reading(
             after.minus(before[role].metrics), _preemptions(s.base_url) - before[role].preemptions
         )
@@ -437,15 +451,15 @@ def server_counts(deltas: dict[str, Reading]) -> dict[str, Any]:
 
     p = deltas.get("P")
     d = deltas.get("D")
-    compute = deltas.get("server", p).metrics
+    computing = [r.metrics for role, r in deltas.items() if role != "D"]
     return {
         "preemptions": int(sum(r.preemptions for r in deltas.values())),
         "evictions": connector("evictions") if p else None,
         "d_to_p_hits": int(p.metrics.connector.get("lookups_hit", 0)) if p else None,
         "d_to_p_tokens": p.metrics.transferred_tokens if p else None,
         "p_to_d_tokens": d.metrics.transferred_tokens if d else None,
-        "prefill_computed_tokens": compute.computed_tokens,
-        "prefill_cache_hit_tokens": compute.cache_hit_tokens,
+        "prefill_computed_tokens": sum(m.computed_tokens for m in computing),
+        "prefill_cache_hit_tokens": sum(m.cache_hit_tokens for m in computing),
         "connector_faults": {k: connector(k) for k in FAULTS} if p else None,
         "turns_held": connector("turns_offered") if p else None,
         # Every DuplexConnector counter that moved, by server role.
@@ -532,15 +546,20 @@ def run_system(
         proxy = ProxyThread([servers["P"].base_url], [servers["D"].base_url]) if "P" in servers \
             else None
         with proxy or contextlib.nullcontext():
-            url = proxy.base_url if proxy else servers["server"].base_url
+            # Through the proxy, or chat c straight to ideal server c % (ideal servers).
+            urls = [proxy.base_url] if proxy else [s.base_url for s in servers.values()]
             if proxy:
-                client.submit(warm_up_chat, url, 0).result()
+                client.submit(warm_up_chat, proxy.base_url, 0).result()
             for point in plans:
                 time.sleep(PAUSE_BETWEEN_POINTS_S)  # let the servers' spin-waits end
                 before = read_all(servers)
-                records = client.submit(run_point, url, point).result()
-                completed = sum(r.error is None for r in records)
-                deltas = read_all_after(servers, before, completed)
+                records = client.submit(run_point, urls, point).result()
+                completed = [r.conversation % len(urls) for r in records if r.error is None]
+                finished = {
+                    role: completed.count(i) if not proxy else len(completed)
+                    for i, role in enumerate(servers)
+                }
+                deltas = read_all_after(servers, before, finished)
                 summary = {**summarize_point(records, point, args.workload.turns),
                            **server_counts(deltas)}
                 if expected is not None:
@@ -657,7 +676,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ttft_ax.set_ylabel("client TTFT on turns >= 2 (ms)")
     ttft_ax.set_title(
         f"{w['conversations']} chats x {w['turns']} turns, KV cache "
-        f"{report['kv_plan']['node_blocks']} blocks per P/D node"
+        f"{report['kv_plan']['node_blocks']} blocks per P/D node, "
+        f"{report['kv_plan']['ideal_servers']} ideal server(s)"
     )
     goodput_ax.set_xlabel(ttft_ax.get_xlabel())
     goodput_ax.set_ylabel("goodput (answer tokens/s)")
@@ -674,13 +694,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workload: Workload = args.workload
-    plan = kv_plan(workload)
+    plan = kv_plan(workload, args.ideal_servers)
     logger.info("KV cache plan: %s", json.dumps(plan))
     print(
         f"KV cache: {plan['node_blocks']} blocks of {BLOCK_TOKENS} tokens per P/D server "
         f"({plan['node_share_of_live_histories']:.2f} of {workload.conversations} live chats' "
         f"histories of {plan['mean_history_tokens']:.0f} tokens on average), "
-        f"{plan['ideal_blocks']} for the ideal; --max-model-len {plan['max_model_len']}",
+        f"{plan['ideal_blocks']} for each of {plan['ideal_servers']} ideal server(s); "
+        f"--max-model-len {plan['max_model_len']}",
         flush=True,
     )
     plans = [point_plan(workload, rate, i) for i, rate in enumerate(workload.rates)]
@@ -748,6 +769,11 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, help="server logs (default: a new temp dir)")
     parser.add_argument("--skip", action="append", default=[], choices=SYSTEMS[1:],
                         help="leave a P/D system out")
+    parser.add_argument(
+        "--ideal-servers", type=int, choices=(1, 2), default=1,
+        help="1: the ideal is one server on both nodes' CPUs with both nodes' blocks; 2: two "
+        "servers, one on each node's CPUs with its blocks, chat c on server c %% 2 (module doc)",
+    )
     add_pin_argument(parser)
     args = parser.parse_args()
     workload = QUICK if args.quick else FULL
