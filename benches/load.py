@@ -36,8 +36,9 @@ waits while a point runs.
 
 Per system and rate: goodput (answer tokens of completed requests per second of the point,
 from its first request to its last answer), client-side time to first token p50/p90/p99 on
-turns >= 2 (and p50 on turn 1), preemptions (`vllm:num_preemptions`, all servers), held turns
-evicted (`vllm:kvduplex_evictions*`, all servers), D->P lookup hits and pulled tokens (P's
+turns >= 2 (and p50 on turn 1), preemptions (`vllm:num_preemptions`, all servers), finished
+turns held for lookups (`vllm:kvduplex_turns_offered`) and evicted (`vllm:kvduplex_evictions*`;
+every DuplexConnector counter that moved is in the JSON), D->P lookup hits and pulled tokens (P's
 `vllm:kvduplex_lookups_hit` and prompt tokens from `external_kv_transfer`), P->D pulled tokens,
 connector faults (failed transfers, fallbacks, refused grants, failed lookups), client errors,
 and answers that differ from the ideal's. Answers are compared per turn when the prompt's token
