@@ -21,7 +21,7 @@ use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, Bl
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostCopy, SameHostPeer, UcxError, Worker};
+use crate::ucx::{boot_id, check_not_this_process, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, OpenError, Probe, Read, SameHostClaim, SameHostCopy, SameHostPeer, UcxError, Worker};
 
 
 #[derive(Debug, thiserror::Error)]
@@ -160,7 +160,8 @@ struct Inflight {
 struct Shared {
     config: EngineConfig,
     generation: u64,
-    /// Proves this process to same-host readers; its address is in our metadata.
+    /// Proves this process to same-host readers (its key, through our side channel); its
+    /// address is in our metadata.
     probe: Probe,
     /// This host's boot id (`None` where it cannot be read: no same-host reads either way).
     boot_id: Option<String>,
@@ -217,7 +218,7 @@ impl Engine {
         }
         let worker = Worker::new(&config.engine_id, config.ucx_lib_dir.as_deref())?;
         let generation = new_generation()?;
-        let probe = Probe::new().map_err(EngineError::InvalidArgument)?;
+        let probe = Probe::new(worker.address()).map_err(EngineError::InvalidArgument)?;
         let boot_id = boot_id();
         let same_host_reads = config.same_host_reads && boot_id.is_some() && ucx_tls_allows_cma(std::env::var("UCX_TLS").ok().as_deref());
         let meta = metadata(&config, generation, &worker, boot_id.as_deref(), &probe, &LocalMemory { regions: Vec::new(), layout: None });
@@ -228,6 +229,7 @@ impl Engine {
                 secret: config.secret.clone(),
                 heartbeat: config.heartbeat,
                 allow_unauthenticated: config.allow_unauthenticated,
+                same_host_key: Some(probe.key()),
             },
             meta,
         )?;
@@ -428,10 +430,11 @@ fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, timeout: Durati
     }
 }
 
-/// What this engine publishes to readers; the probe vouches for it from here on.
+/// What this engine publishes to readers; the side channel adds each connection's same-host
+/// proof.
 fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Option<&str>, probe: &Probe, local: &LocalMemory) -> EngineMetadata {
-    let identity = boot_id.map(|boot_id| SameHostIdentity { boot_id: boot_id.to_owned(), pid: std::process::id(), probe_addr: probe.addr(), probe: probe.nonce() });
-    let meta = EngineMetadata {
+    let identity = boot_id.map(|boot_id| SameHostIdentity { boot_id: boot_id.to_owned(), pid: std::process::id(), probe_addr: probe.addr(), proof: [0; 32] });
+    EngineMetadata {
         engine_id: config.engine_id.clone(),
         generation,
         worker_address: worker.address().to_vec(),
@@ -439,9 +442,7 @@ fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Op
         layout: local.layout.clone(),
         fingerprint: config.fingerprint.clone(),
         same_host: identity,
-    };
-    probe.publish(meta.digest());
-    meta
+    }
 }
 
 /// The identity of a peer to read directly, if any: same-host reads on, the peer on this host
@@ -452,20 +453,28 @@ fn same_host_candidate<'a>(our_boot_id: Option<&str>, enabled: bool, meta: &'a E
     (enabled && on_this_host && meta.regions.iter().all(|r| r.memory == MemoryType::Host)).then_some(theirs)
 }
 
-/// Opens a peer that runs on this host for direct reads; `None` (UCX reads it) when it is
-/// elsewhere, has memory other than host memory, or cannot be proven to be the process it
-/// names.
-fn open_same_host(shared: &Shared, meta: &EngineMetadata, regions: &Arc<[RegionBounds]>) -> Option<Arc<SameHostPeer>> {
-    let theirs = same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta)?;
-    match SameHostPeer::open(theirs.pid, theirs.probe_addr, theirs.probe, meta.digest(), Arc::clone(regions)) {
+/// What the peer claims about its process on this connection, if it names one.
+fn same_host_claim<'a>(meta: &EngineMetadata, transcript: &'a [u8; 32]) -> Option<SameHostClaim<'a>> {
+    let theirs = meta.same_host.as_ref()?;
+    Some(SameHostClaim { pid: theirs.pid, probe_addr: theirs.probe_addr, transcript, digest: meta.digest(), proof: theirs.proof })
+}
+
+/// Opens a peer that runs on this host for direct reads; `Ok(None)` (UCX reads it) when it is
+/// elsewhere, has memory other than host memory, or its process cannot be read. A peer whose
+/// process does not vouch for what it sent, or that names this process without one of its
+/// engines' proof, is refused.
+fn open_same_host(shared: &Shared, meta: &EngineMetadata, claim: Option<&SameHostClaim<'_>>, regions: &Arc<[RegionBounds]>) -> Result<Option<Arc<SameHostPeer>>, String> {
+    let Some(claim) = claim.filter(|_| same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta).is_some()) else { return Ok(None) };
+    match SameHostPeer::open(claim, Arc::clone(regions)) {
         Ok(peer) => {
             log::info!("peer {} is process {} on this host: its blocks are read directly, not through UCX", meta.engine_id, peer.pid());
-            Some(Arc::new(peer))
+            Ok(Some(Arc::new(peer)))
         }
-        Err(e) => {
+        Err(OpenError::Unreadable(e)) => {
             log::info!("peer {} claims to run on this host but is read through UCX: {e}", meta.engine_id);
-            None
+            Ok(None)
         }
+        Err(OpenError::Forged(e)) => Err(e),
     }
 }
 
@@ -512,7 +521,12 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
     let regions: Arc<[RegionBounds]> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
     layout.validate_within(&regions)?;
     let id = meta.engine_id.clone();
-    let same_host = open_same_host(shared, &meta, &regions);
+    let transcript = *link.transcript();
+    let claim = same_host_claim(&meta, &transcript);
+    let refused = |error: String| EngineError::ConnectFailed { address: key.to_owned(), error: format!("peer {id:?} refused: {error}") };
+    check_not_this_process(&meta.worker_address, claim.as_ref()).map_err(refused)?;
+    let same_host = open_same_host(shared, &meta, claim.as_ref(), &regions).map_err(refused)?;
+    drop(claim);
     let peer = Arc::new(Peer {
         address: key.to_owned(),
         same_host,
@@ -1217,7 +1231,7 @@ mod tests {
     #[test]
     fn only_a_host_memory_peer_on_this_host_is_read_directly() {
         let region = |memory| RegionInfo { addr: 0x1000, len: 4096, rkey: vec![1; 8], memory };
-        let identity = SameHostIdentity { boot_id: "boot-a".to_owned(), pid: 42, probe_addr: 0x10, probe: [3; 16] };
+        let identity = SameHostIdentity { boot_id: "boot-a".to_owned(), pid: 42, probe_addr: 0x10, proof: [3; 32] };
         let meta = EngineMetadata {
             engine_id: "d".to_owned(),
             generation: 1,
@@ -1235,10 +1249,19 @@ mod tests {
         assert_eq!(same_host_candidate(Some("boot-a"), true, &cuda), None, "device memory goes through UCX");
         let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
         assert_eq!(same_host_candidate(Some("boot-a"), true, &elsewhere), None, "no identity published");
-        // The digest a process vouches for covers its id, generation and regions.
+        // The digest a process vouches for covers all it sends but the proof itself.
         let moved = EngineMetadata { regions: vec![RegionInfo { addr: 0x2000, ..region(MemoryType::Host) }], ..meta.clone() };
         assert_ne!(meta.digest(), moved.digest());
         assert_ne!(meta.digest(), EngineMetadata { generation: 2, ..meta.clone() }.digest());
-        assert_eq!(meta.digest(), EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest());
+        assert_ne!(meta.digest(), EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest());
+        assert_ne!(meta.digest(), EngineMetadata { regions: vec![RegionInfo { rkey: vec![2; 8], ..region(MemoryType::Host) }], ..meta.clone() }.digest());
+        let layout = crate::descriptors::BlockLayout { segment_bases: vec![0x1000], block_stride: 64, block_len: 64, num_blocks: 64 };
+        assert_ne!(meta.digest(), EngineMetadata { layout: Some(layout), ..meta.clone() }.digest(), "the layout is covered");
+        let other_model = Fingerprint([("model".to_owned(), "other".to_owned())].into_iter().collect());
+        assert_ne!(meta.digest(), EngineMetadata { fingerprint: other_model, ..meta.clone() }.digest(), "the fingerprint is covered");
+        let moved_probe = SameHostIdentity { probe_addr: 0x20, ..identity.clone() };
+        assert_ne!(meta.digest(), EngineMetadata { same_host: Some(moved_probe), ..meta.clone() }.digest());
+        let reproven = SameHostIdentity { proof: [4; 32], ..identity.clone() };
+        assert_eq!(meta.digest(), EngineMetadata { same_host: Some(reproven), ..meta.clone() }.digest(), "the proof is not");
     }
 }
