@@ -562,14 +562,15 @@ fn failed_connects_back_off_and_are_never_given_up() {
         table.begin_connect(key, later),
         ConnectDecision::Connect { .. }
     ));
-    table.on_ready(key, &metadata());
+    let connection = table.on_ready(key, &metadata()).connection;
     assert_eq!(
         table.begin_connect(key, later),
         ConnectDecision::Ready {
-            engine_id: metadata().engine_id
+            engine_id: metadata().engine_id,
+            connection,
         }
     );
-    table.mark_dead(key);
+    assert!(table.mark_dead(key, connection));
     assert_eq!(
         table.begin_connect(key, later),
         ConnectDecision::Connect { attempt: 1 }
@@ -591,49 +592,50 @@ fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
         table.begin_connect(key, now),
         ConnectDecision::Connect { attempt: 1 }
     );
-    assert!(
-        !table.on_ready(key, &m),
-        "a first connection is not a restart"
-    );
+    let first = table.on_ready(key, &m);
+    assert!(!first.restarted, "a first connection is not a restart");
     assert_eq!(
         table.state(key),
         &PeerState::Ready {
             engine_id: m.engine_id.clone(),
-            generation: m.generation
+            generation: m.generation,
+            connection: first.connection,
         }
     );
     assert_eq!(
         table.begin_connect(key, now),
         ConnectDecision::Ready {
-            engine_id: m.engine_id.clone()
+            engine_id: m.engine_id.clone(),
+            connection: first.connection,
         }
     );
 
-    table.mark_dead(key);
+    assert!(table.mark_dead(key, first.connection));
     assert_eq!(table.state(key), &PeerState::Unknown);
     assert_eq!(
         table.begin_connect(key, now),
         ConnectDecision::Connect { attempt: 1 }
     );
-    assert!(
-        !table.on_ready(key, &m),
-        "same generation: the peer only reconnected"
-    );
+    let second = table.on_ready(key, &m);
+    assert!(!second.restarted, "same generation: the peer only reconnected");
+    assert_ne!(second.connection, first.connection, "every connection has its own number");
+    // The first connection's death, reported late, does not end the second.
+    assert!(!table.mark_dead(key, first.connection));
+    assert!(table.is_current(key, second.connection) && !table.is_current(key, first.connection));
 
-    table.mark_dead(key);
+    assert!(table.mark_dead(key, second.connection));
     m.generation += 1;
     assert_eq!(
         table.begin_connect(key, now),
         ConnectDecision::Connect { attempt: 1 }
     );
-    assert!(
-        table.on_ready(key, &m),
-        "new generation: the peer restarted"
-    );
+    let third = table.on_ready(key, &m);
+    assert!(third.restarted, "new generation: the peer restarted");
 
-    // Other peers are independent.
+    // Other peers are independent: a connection number of one address means nothing at another.
     assert_eq!(table.state("other:1"), &PeerState::Unknown);
-    table.mark_dead("never-seen:1");
+    assert!(!table.is_current("other:1", third.connection));
+    assert!(!table.mark_dead("never-seen:1", third.connection));
     assert_eq!(table.state("never-seen:1"), &PeerState::Unknown);
 }
 

@@ -121,7 +121,7 @@ def owner_reader(read_path):
 def test_scattered_and_contiguous_reads_verify_every_byte(owner_reader, read_path):
     owner, reader = owner_reader
     peer = reader.engine.connect("127.0.0.1", owner.port)
-    assert peer == "owner"
+    assert peer.startswith(f"owner@127.0.0.1:{owner.port}#"), peer
     rng = np.random.default_rng(1)
     remote = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()
     local = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()

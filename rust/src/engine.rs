@@ -10,6 +10,8 @@
 //! [`Engine::release_hold`] / [`Engine::expire_holds`] / [`Engine::evict_holds`]) and answer
 //! other engines' [`Engine::lookup`]s of offered holds over the side channel.
 
+mod peer;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,11 +19,12 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError, RegionBounds, RegionIndex};
-use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
+use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError, RegionBounds};
+use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
-use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, check_not_this_process, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, OpenError, Probe, Read, SameHostClaim, SameHostCopy, SameHostPeer, UcxError, Worker};
+use crate::side_channel::{KnownPeer, LookupOutcome, Notification, SideChannelConfig, SideChannelServer};
+use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, SameHostCopy, UcxError, Worker};
+use peer::{abort_peer, attempt_connect, begin_connect, connect_blocking, connect_for_lookup, ready_peer, resolve, Peer, PostError};
 
 
 #[derive(Debug, thiserror::Error)]
@@ -32,8 +35,10 @@ pub enum EngineError {
     Handshake(#[from] HandshakeError),
     #[error(transparent)]
     Plan(#[from] PlanError),
-    #[error("no connection to peer engine {0:?} (connect first; it may have died or restarted)")]
+    #[error("no connection to peer engine {0:?} (connect first; it may have died, restarted or been replaced)")]
     PeerNotConnected(String),
+    #[error("the engines at {addresses} all declare the id {engine_id:?}: name the connection by the handle `peer_status` or `connect` returned")]
+    AmbiguousPeer { engine_id: String, addresses: String },
     #[error("cannot connect to {address}: {error}")]
     ConnectFailed { address: String, error: String },
     #[error("transfer failed: {0}")]
@@ -77,70 +82,11 @@ struct LocalMemory {
 /// Where the connection to one peer's side channel stands ([`Engine::peer_status`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PeerStatus {
-    /// Connected to the engine with this id.
+    /// Connected: the connection's handle (`engine-id@host:port#n`), which reads name.
     Ready(String),
     Connecting,
     /// The last attempt failed; the next one starts after the table's backoff.
     Failed(String),
-}
-
-/// A ready connection to one peer engine.
-struct Peer {
-    /// The side channel ("host:port") it was connected through: its key in the peer table.
-    address: String,
-    meta: EngineMetadata,
-    /// The peer's registered regions, every remote range is checked against (by the
-    /// planner here, and by the transport that reads them, which shares them).
-    regions: Arc<[RegionBounds]>,
-    /// `regions`, indexed for those checks.
-    region_index: RegionIndex,
-    /// Opened by the first read (an engine connected only to look up, or connected back to,
-    /// holds no UCX endpoint); taken (and aborted) when the peer dies or a batch to it passes
-    /// its deadline.
-    endpoint: Mutex<Option<Endpoint>>,
-    /// The endpoint was opened once; it is never reopened (a new `connect` makes a new peer).
-    endpoint_opened: AtomicBool,
-    link: PeerLink,
-    alive: AtomicBool,
-    /// Set when the peer runs on this host and proved which process it is: its host memory is
-    /// then read directly, not through the endpoint.
-    same_host: Option<Arc<SameHostPeer>>,
-}
-
-impl Peer {
-    /// Starts `reads`, whose batch the engine tracks already: with `direct` (the peer on this
-    /// host, every local range host memory) on the engine's copy thread, else posted on the
-    /// peer's endpoint, opened on first use. A peer that died after the caller found it alive,
-    /// and before the batch was tracked (unseen by `abort_peer`), is seen here: `abort_peer`
-    /// clears `alive` and takes the endpoint first.
-    fn start_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>, direct: Option<&Arc<SameHostPeer>>) -> Result<(), PostError> {
-        if let Some(direct) = direct {
-            if !self.alive.load(Ordering::Acquire) {
-                return Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id)));
-            }
-            let copy = direct.prepare(reads, batch).map_err(PostError::NothingPosted)?;
-            start_copy(shared, copy);
-            return Ok(());
-        }
-        let mut endpoint = lock(&self.endpoint);
-        if endpoint.is_none() && self.alive.load(Ordering::Acquire) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
-            let rkeys: Vec<&[u8]> = self.meta.regions.iter().map(|r| r.rkey.as_slice()).collect();
-            let opened = shared.worker.connect(&self.meta.worker_address, Arc::clone(&self.regions), &rkeys, shared.config.peer_error_handling);
-            let opened = opened.map_err(|e| PostError::NothingPosted(format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id)))?;
-            *endpoint = Some(opened);
-        }
-        match endpoint.as_ref() {
-            Some(endpoint) => endpoint.post_reads(reads, batch).map_err(|e| PostError::MaybePartial(e.to_string())),
-            None => Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id))),
-        }
-    }
-}
-
-/// Why a batch could not be posted, and whether some of its reads may be in flight anyway.
-enum PostError {
-    NothingPosted(String),
-    /// A post failed after earlier reads of the batch were posted: they may still write.
-    MaybePartial(String),
 }
 
 /// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
@@ -174,10 +120,11 @@ struct Shared {
     worker: Arc<Worker>,
     server: Mutex<Option<SideChannelServer>>,
     local: RwLock<LocalMemory>,
-    /// Ready peers by engine id.
-    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// Ready connections by the number the table gave them (see [`peer`]); whether one is
+    /// live is the table's to say.
+    peers: Mutex<HashMap<u64, Arc<Peer>>>,
     /// The one owner of connection state by side-channel address: connect, wait, back off,
-    /// or use the ready peer. Lock order: `table`, then `peers`.
+    /// or use the live connection. Lock order: `table`, then `peers`.
     table: Mutex<PeerTable>,
     /// Signalled whenever a connection attempt ends.
     table_changed: Condvar,
@@ -317,7 +264,7 @@ impl Engine {
     }
 
     /// Handshakes with the engine whose side channel is `host:port` (unless a live connection
-    /// exists) and returns its engine id. Waits for an attempt another caller started, and
+    /// exists) and returns the connection's handle (`engine-id@host:port#n`). Waits for an attempt another caller started, and
     /// retries unreachable peers with the peer table's backoff, until `timeout`; refusals
     /// (incompatible, authentication) fail at once.
     pub fn connect(&self, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
@@ -334,12 +281,10 @@ impl Engine {
             return PeerStatus::Failed(EngineError::Closed.to_string());
         }
         match begin_connect(&self.shared, &key, Instant::now()) {
-            ConnectDecision::Ready { engine_id } => match expected_engine_id {
-                Some(expected) if expected != engine_id => {
-                    PeerStatus::Failed(format!("the engine at {key} is {engine_id:?}, not {expected:?}"))
-                }
-                _ => PeerStatus::Ready(engine_id),
-            },
+            ConnectDecision::Ready { engine_id, .. } if expected_engine_id.is_some_and(|expected| expected != engine_id) => {
+                PeerStatus::Failed(format!("the engine at {key} is {engine_id:?}, not {:?}", expected_engine_id.unwrap_or_default()))
+            }
+            ConnectDecision::Ready { engine_id, connection } => PeerStatus::Ready(format!("{engine_id}@{key}#{connection}")),
             ConnectDecision::InProgress => PeerStatus::Connecting,
             ConnectDecision::RetryAt { error, .. } => PeerStatus::Failed(error),
             ConnectDecision::Connect { .. } => {
@@ -366,67 +311,9 @@ impl Engine {
         }
     }
 
-    pub fn peer_alive(&self, peer_id: &str) -> bool {
-        lock(&self.shared.peers).get(peer_id).is_some_and(|p| p.alive.load(Ordering::Acquire))
-    }
-}
-
-/// The peer table's decision for `key`; a ready entry whose peer died, or was replaced by a
-/// connection through another address, counts as gone and is connected afresh.
-fn begin_connect(shared: &Shared, key: &str, now: Instant) -> ConnectDecision {
-    let mut table = lock(&shared.table);
-    let decision = table.begin_connect(key, now);
-    if let ConnectDecision::Ready { engine_id } = &decision {
-        if live_peer(shared, engine_id, key).is_none() {
-            table.mark_dead(key);
-            return table.begin_connect(key, now);
-        }
-    }
-    decision
-}
-
-/// [`Engine::connect`]; also run by the lookup threads ([`Engine::start_lookup`]).
-fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
-    let key = format!("{host}:{port}");
-    let deadline = deadline_after(timeout);
-    loop {
-        if shared.stop.load(Ordering::Acquire) {
-            return Err(EngineError::Closed);
-        }
-        let now = Instant::now();
-        // Wait for another caller's attempt to end, or for the backoff to pass.
-        let (wait_until, for_other_attempt) = match begin_connect(shared, &key, now) {
-            ConnectDecision::Ready { engine_id } => return Ok(engine_id),
-            ConnectDecision::Connect { .. } => {
-                let left = deadline.saturating_duration_since(now).max(Duration::from_millis(1));
-                match attempt_connect(shared, &key, host, port, left) {
-                    Ok(engine_id) => return Ok(engine_id),
-                    // The table spaces the next attempt.
-                    Err(e) if is_retryable_engine_error(&e) && Instant::now() < deadline => continue,
-                    Err(e) => return Err(e),
-                }
-            }
-            ConnectDecision::InProgress => (deadline, true),
-            ConnectDecision::RetryAt { at, error, retryable } => {
-                if !retryable || at >= deadline {
-                    return Err(EngineError::ConnectFailed { address: key, error });
-                }
-                (at, false)
-            }
-        };
-        let table = lock(&shared.table);
-        // An attempt that ended before this lock was taken was signalled already: look again.
-        if for_other_attempt && !matches!(table.state(&key), PeerState::Connecting { .. }) {
-            continue;
-        }
-        let left = wait_until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            if for_other_attempt {
-                return Err(HandshakeError::Timeout { waiting_for: "another caller's handshake", after: timeout }.into());
-            }
-            continue;
-        }
-        drop(shared.table_changed.wait_timeout(table, left).unwrap_or_else(|p| p.into_inner()));
+    /// Whether `peer` (a handle, or a bare engine id) names a live connection.
+    pub fn peer_alive(&self, peer: &str) -> bool {
+        resolve(&self.shared, peer).is_ok()
     }
 }
 
@@ -445,116 +332,13 @@ fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Op
     }
 }
 
-/// The identity of a peer to read directly, if any: same-host reads on, the peer on this host
-/// (same boot id) and all its memory host memory.
-fn same_host_candidate<'a>(our_boot_id: Option<&str>, enabled: bool, meta: &'a EngineMetadata) -> Option<&'a SameHostIdentity> {
-    let theirs = meta.same_host.as_ref()?;
-    let on_this_host = our_boot_id == Some(theirs.boot_id.as_str());
-    (enabled && on_this_host && meta.regions.iter().all(|r| r.memory == MemoryType::Host)).then_some(theirs)
-}
-
-/// What the peer claims about its process on this connection, if it names one.
-fn same_host_claim<'a>(meta: &EngineMetadata, transcript: &'a [u8; 32]) -> Option<SameHostClaim<'a>> {
-    let theirs = meta.same_host.as_ref()?;
-    Some(SameHostClaim { pid: theirs.pid, probe_addr: theirs.probe_addr, transcript, digest: meta.digest(), proof: theirs.proof })
-}
-
-/// Opens a peer that runs on this host for direct reads; `Ok(None)` (UCX reads it) when it is
-/// elsewhere, has memory other than host memory, or its process cannot be read. A peer whose
-/// process does not vouch for what it sent, or that names this process without one of its
-/// engines' proof, is refused.
-fn open_same_host(shared: &Shared, meta: &EngineMetadata, claim: Option<&SameHostClaim<'_>>, regions: &Arc<[RegionBounds]>) -> Result<Option<Arc<SameHostPeer>>, String> {
-    let Some(claim) = claim.filter(|_| same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta).is_some()) else { return Ok(None) };
-    match SameHostPeer::open(claim, Arc::clone(regions)) {
-        Ok(peer) => {
-            log::info!("peer {} is process {} on this host: its blocks are read directly, not through UCX", meta.engine_id, peer.pid());
-            Ok(Some(Arc::new(peer)))
-        }
-        Err(OpenError::Unreadable(e)) => {
-            log::info!("peer {} claims to run on this host but is read through UCX: {e}", meta.engine_id);
-            Ok(None)
-        }
-        Err(OpenError::Forged(e)) => Err(e),
-    }
-}
-
-/// One handshake with the side channel at `key`, its outcome recorded in the peer table.
-fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
-    let result = handshake_with(shared, key, host, port, timeout);
-    let mut table = lock(&shared.table);
-    match &result {
-        Ok(peer) => {
-            if table.on_ready(key, &peer.meta) {
-                log::info!("peer {} at {key} restarted (now generation {:#x}); its old endpoint and keys are gone", peer.meta.engine_id, peer.meta.generation);
-            }
-        }
-        Err(e) => {
-            log::debug!("connecting to {key} failed: {e}");
-            table.on_failed(key, &e.to_string(), is_retryable_engine_error(e), Instant::now());
-        }
-    }
-    drop(table);
-    shared.table_changed.notify_all();
-    result.map(|peer| peer.meta.engine_id.clone())
-}
-
-fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<Arc<Peer>, EngineError> {
-    if shared.stop.load(Ordering::Acquire) {
-        return Err(EngineError::Closed);
-    }
-    let (link, meta) = PeerLink::connect(
-        host,
-        port,
-        &shared.config.engine_id,
-        Some(shared.side_channel.clone()),
-        &shared.config.fingerprint,
-        shared.config.secret.as_deref(),
-        timeout,
-        shared.config.heartbeat,
-    )?;
-    if shared.stop.load(Ordering::Acquire) {
-        return Err(EngineError::Closed);
-    }
-    let layout = meta.layout.as_ref().ok_or_else(|| {
-        EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
-    })?;
-    let regions: Arc<[RegionBounds]> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
-    layout.validate_within(&regions)?;
-    let id = meta.engine_id.clone();
-    let transcript = *link.transcript();
-    let claim = same_host_claim(&meta, &transcript);
-    let refused = |error: String| EngineError::ConnectFailed { address: key.to_owned(), error: format!("peer {id:?} refused: {error}") };
-    check_not_this_process(&meta.worker_address, claim.as_ref()).map_err(refused)?;
-    let same_host = open_same_host(shared, &meta, claim.as_ref(), &regions).map_err(refused)?;
-    drop(claim);
-    let peer = Arc::new(Peer {
-        address: key.to_owned(),
-        same_host,
-        meta,
-        region_index: RegionIndex::new(&regions),
-        regions,
-        endpoint: Mutex::new(None),
-        endpoint_opened: AtomicBool::new(false),
-        link,
-        alive: AtomicBool::new(true),
-    });
-    let weak_shared = Arc::downgrade(shared);
-    let weak_peer = Arc::downgrade(&peer);
-    peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
-    let previous = lock(&shared.peers).insert(id.clone(), Arc::clone(&peer));
-    if let Some(old) = &previous {
-        // Its reads must be cancelled before its keys and endpoint go (not merely dropped).
-        abort_peer(shared, old, &format!("peer {id} was replaced by a new connection"));
-    }
-    log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len());
-    Ok(peer)
-}
-
 impl Engine {
     /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`: whole blocks,
     /// or with `slice` only that sub-range of every block (see [`crate::descriptors`]). A peer
     /// on this host is read directly ([`Transfer::same_host`]): a small batch before this
-    /// returns, a larger one by the engine's copy thread.
+    /// returns, a larger one by the engine's copy thread. `peer_id` is the handle of the
+    /// connection to read through ([`Engine::peer_status`]; fails if that connection died or
+    /// was replaced), or a bare engine id that one live connection declared.
     #[allow(clippy::too_many_arguments)]
     pub fn read_blocks(
         &self,
@@ -569,11 +353,7 @@ impl Engine {
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(EngineError::Closed);
         }
-        let peer = lock(&self.shared.peers)
-            .get(peer_id)
-            .filter(|p| p.alive.load(Ordering::Acquire))
-            .cloned()
-            .ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        let peer = resolve(&self.shared, peer_id)?;
         let local = self.shared.local.read().unwrap_or_else(|p| p.into_inner());
         let local_layout = local
             .layout
@@ -631,7 +411,7 @@ impl Engine {
     /// thread, in order with the read-done notifications of batches that finished before
     /// this call; a send that fails later is logged there.
     pub fn notify(&self, peer_id: &str, payload: &[u8]) -> Result<(), EngineError> {
-        let peer = lock(&self.shared.peers).get(peer_id).cloned().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        let peer = resolve(&self.shared, peer_id)?;
         if !peer.link.is_alive() {
             return Err(EngineError::PeerNotConnected(peer_id.to_string()));
         }
@@ -823,37 +603,6 @@ fn is_retryable_engine_error(e: &EngineError) -> bool {
     matches!(e, EngineError::Handshake(h) if is_retryable(h))
 }
 
-fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
-    let (Some(shared), Some(peer)) = (shared.upgrade(), peer.upgrade()) else { return };
-    log::warn!("peer {} is gone ({reason}); failing its in-flight transfers", peer.meta.engine_id);
-    abort_peer(&shared, &peer, &format!("peer {} is gone: {reason}", peer.meta.engine_id));
-}
-
-/// Marks the peer unusable, force-closes its endpoint (UCX completes every outstanding read on
-/// it as cancelled, after which none of them writes) and then fails its batches. A batch
-/// settles only when its last read has completed, so one whose reads UCX has not released
-/// (a close that timed out) stays pending rather than be reported while bytes may land.
-fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
-    if !peer.alive.swap(false, Ordering::AcqRel) && lock(&peer.endpoint).is_none() {
-        return;
-    }
-    let victims: Vec<Arc<Inflight>> = lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, peer)).cloned().collect();
-    for inflight in &victims {
-        lock(&inflight.abort_reason).get_or_insert_with(|| reason.to_string());
-    }
-    let endpoint = lock(&peer.endpoint).take();
-    if let Some(endpoint) = endpoint {
-        endpoint.abort();
-    }
-    for inflight in &victims {
-        inflight.batch.fail(reason.to_string());
-        let unfinished = inflight.batch.unfinished_reads();
-        if unfinished > 0 && !inflight.same_host {
-            log::error!("{unfinished} reads from peer {} are still outstanding after closing its endpoint; their batch stays pending until they complete", peer.meta.engine_id);
-        }
-    }
-}
-
 /// Fails a batch that passed its deadline. A UCX batch's reads may still be in flight, so the
 /// peer's endpoint is aborted first (failing every batch to that peer); the next `connect`
 /// re-handshakes. A same-host batch is failed alone: its copy stops at its next call.
@@ -866,7 +615,7 @@ fn expire(shared: &Shared, inflight: &Inflight) {
         log::warn!("{reason}");
         lock(&inflight.abort_reason).get_or_insert_with(|| reason.clone());
         inflight.batch.fail(reason);
-    } else if inflight.peer.alive.load(Ordering::Acquire) {
+    } else if inflight.peer.is_live(shared) {
         log::warn!("{reason}; aborting the connection to it");
         abort_peer(shared, &inflight.peer, &reason);
     }
@@ -1138,27 +887,6 @@ impl LookupFanOut {
     }
 }
 
-/// The live peer connected through `key`, if the peer table has one ready.
-fn ready_peer(shared: &Shared, key: &str) -> Option<Arc<Peer>> {
-    let table = lock(&shared.table);
-    let PeerState::Ready { engine_id, .. } = table.state(key) else { return None };
-    live_peer(shared, engine_id, key)
-}
-
-/// Peer `engine_id`, unless it died or is now connected through another address than `key`.
-fn live_peer(shared: &Shared, engine_id: &str, key: &str) -> Option<Arc<Peer>> {
-    lock(&shared.peers).get(engine_id).filter(|peer| peer.alive.load(Ordering::Acquire) && peer.address == key).cloned()
-}
-
-fn connect_for_lookup(shared: &Arc<Shared>, host: &str, port: u16, deadline: Instant) -> Result<Arc<Peer>, String> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err("no time left to connect".to_owned());
-    }
-    let peer_id = connect_blocking(shared, host, port, left).map_err(|e| e.to_string())?;
-    lock(&shared.peers).get(&peer_id).cloned().ok_or_else(|| format!("peer {peer_id} went away"))
-}
-
 /// Answers side-channel lookups and grants from the hold book, claiming what matches for
 /// the asking engine.
 fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_channel::LookupHandler {
@@ -1226,42 +954,5 @@ mod tests {
         assert!(answers[0].as_ref().unwrap().outcome.is_ok());
         let silent = answers[1].as_ref().unwrap();
         assert_eq!((silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()), ("b:2", "the owner did not reply"));
-    }
-
-    #[test]
-    fn only_a_host_memory_peer_on_this_host_is_read_directly() {
-        let region = |memory| RegionInfo { addr: 0x1000, len: 4096, rkey: vec![1; 8], memory };
-        let identity = SameHostIdentity { boot_id: "boot-a".to_owned(), pid: 42, probe_addr: 0x10, proof: [3; 32] };
-        let meta = EngineMetadata {
-            engine_id: "d".to_owned(),
-            generation: 1,
-            worker_address: vec![1; 64],
-            regions: vec![region(MemoryType::Host)],
-            layout: None,
-            fingerprint: Fingerprint::default(),
-            same_host: Some(identity.clone()),
-        };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &meta), Some(&identity));
-        assert_eq!(same_host_candidate(Some("boot-a"), false, &meta), None, "turned off");
-        assert_eq!(same_host_candidate(Some("boot-b"), true, &meta), None, "another host");
-        assert_eq!(same_host_candidate(None, true, &meta), None, "our boot id unknown");
-        let cuda = EngineMetadata { regions: vec![region(MemoryType::Host), region(MemoryType::Cuda)], ..meta.clone() };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &cuda), None, "device memory goes through UCX");
-        let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &elsewhere), None, "no identity published");
-        // The digest a process vouches for covers all it sends but the proof itself.
-        let moved = EngineMetadata { regions: vec![RegionInfo { addr: 0x2000, ..region(MemoryType::Host) }], ..meta.clone() };
-        assert_ne!(meta.digest(), moved.digest());
-        assert_ne!(meta.digest(), EngineMetadata { generation: 2, ..meta.clone() }.digest());
-        assert_ne!(meta.digest(), EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest());
-        assert_ne!(meta.digest(), EngineMetadata { regions: vec![RegionInfo { rkey: vec![2; 8], ..region(MemoryType::Host) }], ..meta.clone() }.digest());
-        let layout = crate::descriptors::BlockLayout { segment_bases: vec![0x1000], block_stride: 64, block_len: 64, num_blocks: 64 };
-        assert_ne!(meta.digest(), EngineMetadata { layout: Some(layout), ..meta.clone() }.digest(), "the layout is covered");
-        let other_model = Fingerprint([("model".to_owned(), "other".to_owned())].into_iter().collect());
-        assert_ne!(meta.digest(), EngineMetadata { fingerprint: other_model, ..meta.clone() }.digest(), "the fingerprint is covered");
-        let moved_probe = SameHostIdentity { probe_addr: 0x20, ..identity.clone() };
-        assert_ne!(meta.digest(), EngineMetadata { same_host: Some(moved_probe), ..meta.clone() }.digest());
-        let reproven = SameHostIdentity { proof: [4; 32], ..identity.clone() };
-        assert_eq!(meta.digest(), EngineMetadata { same_host: Some(reproven), ..meta.clone() }.digest(), "the proof is not");
     }
 }

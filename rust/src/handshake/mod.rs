@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use peers::{ConnectDecision, PeerState, PeerTable, RetryPolicy};
+pub use peers::{ConnectDecision, Connected, PeerState, PeerTable, RetryPolicy};
 use wire::{Frame, FrameKind};
 
 /// Version of the side-channel protocol. The frame header's magic and version fields keep
