@@ -154,8 +154,8 @@ class Engine:
         bounds-checked before anything is posted. `notify` is delivered to
         the peer after the last byte was read. Fails after `timeout_s`, once none of its reads can
         still land (without peer error handling a read to a frozen peer may keep it pending).
-        A same-host peer (`same_host_reads`) is read directly: a batch up to 1 MiB before this
-        returns (GIL released), a larger one by the engine's copy thread. `peer_engine_id` is
+        A same-host peer (`same_host_reads`) is read directly, by a copy thread of that peer's
+        own (a peer whose reads never return stalls only its own batches). `peer_engine_id` is
         a connection's handle (`peer_status`, `connect`), or a bare engine id that exactly one
         live connection declared (PeerNotConnectedError while several do)."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:

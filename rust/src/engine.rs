@@ -10,6 +10,7 @@
 //! [`Engine::release_hold`] / [`Engine::expire_holds`] / [`Engine::evict_holds`]) and answer
 //! other engines' [`Engine::lookup`]s of offered holds over the side channel.
 
+mod copier;
 mod peer;
 
 use std::collections::HashMap;
@@ -23,7 +24,8 @@ use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, Bl
 use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
 use crate::holds::{BlockFingerprint, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
 use crate::side_channel::{KnownPeer, LookupOutcome, Notification, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, SameHostCopy, UcxError, Worker};
+use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, UcxError, Worker};
+use copier::CopyThreads;
 use peer::{abort_peer, attempt_connect, begin_connect, connect_blocking, connect_for_lookup, ready_peer, resolve, Peer, PostError};
 
 
@@ -114,9 +116,8 @@ struct Shared {
     /// Whether we read same-host peers directly: the config allows it and `UCX_TLS` does not
     /// rule out UCX's cma, which these reads replace.
     same_host_reads: bool,
-    /// Same-host batches too large to copy on the caller's thread, for the copy thread;
-    /// `None` once the engine closes.
-    copies: Mutex<Option<mpsc::Sender<SameHostCopy>>>,
+    /// Every same-host peer's copy thread ([`copier`]).
+    copy_threads: CopyThreads,
     worker: Arc<Worker>,
     server: Mutex<Option<SideChannelServer>>,
     local: RwLock<LocalMemory>,
@@ -150,7 +151,6 @@ pub struct Engine {
     shared: Arc<Shared>,
     progress_thread: Option<JoinHandle<()>>,
     notifier_thread: Option<JoinHandle<()>>,
-    copy_thread: Option<JoinHandle<()>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -184,7 +184,6 @@ impl Engine {
         log::info!("engine {} (generation {generation:#x}) serving its side channel on {side_channel}", config.engine_id);
         let holds = Arc::new(Mutex::new(HoldBook::new()));
         let (outbox, queue) = mpsc::channel();
-        let (copies, copy_queue) = mpsc::channel::<SameHostCopy>();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
         let shared = Arc::new(Shared {
             config,
@@ -192,7 +191,7 @@ impl Engine {
             probe,
             boot_id,
             same_host_reads,
-            copies: Mutex::new(Some(copies)),
+            copy_threads: CopyThreads::default(),
             worker,
             server: Mutex::new(Some(server)),
             local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
@@ -210,16 +209,12 @@ impl Engine {
             .name("kvduplex-notify".into())
             .spawn(move || send_notifications(&queue))
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start the notifier thread: {e}")))?;
-        let copy_thread = std::thread::Builder::new()
-            .name("kvduplex-copy".into())
-            .spawn(move || copy_queue.into_iter().for_each(SameHostCopy::run))
-            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the copy thread: {e}")))?;
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
             .spawn(move || progress_loop(weak))
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start the progress thread: {e}")))?;
-        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread), copy_thread: Some(copy_thread) })
+        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread) })
     }
 
     pub fn engine_id(&self) -> &str {
@@ -335,8 +330,8 @@ fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Op
 impl Engine {
     /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`: whole blocks,
     /// or with `slice` only that sub-range of every block (see [`crate::descriptors`]). A peer
-    /// on this host is read directly ([`Transfer::same_host`]): a small batch before this
-    /// returns, a larger one by the engine's copy thread. `peer_id` is the handle of the
+    /// on this host is read directly ([`Transfer::same_host`]), by that peer's own copy
+    /// thread. `peer_id` is the handle of the
     /// connection to read through ([`Engine::peer_status`]; fails if that connection died or
     /// was replaced), or a bare engine id that one live connection declared.
     #[allow(clippy::too_many_arguments)]
@@ -519,13 +514,12 @@ impl Engine {
         for peer in &peers {
             abort_peer(&self.shared, peer, "engine closed");
         }
-        // Its batches were just failed, so each stops at its next call; none may outlive the
-        // engine's memory.
-        drop(lock(&self.shared.copies).take());
-        if let Some(t) = self.copy_thread.take() {
-            let _ = t.join();
-        }
-        let drained = drain_reads(&self.shared);
+        // Their batches were just failed and their copy queues closed, so each copy stops at
+        // its next call; one blocked in the kernel is given up on after CLOSE_DRAIN (its batch
+        // stays unfinished, so the memory stays registered below).
+        let drain_deadline = Instant::now() + CLOSE_DRAIN;
+        self.shared.copy_threads.join_until(drain_deadline);
+        let drained = drain_reads(&self.shared, drain_deadline);
         lock(&self.shared.inflight).clear();
         drop(peers);
         lock(&self.shared.table).clear();
@@ -561,14 +555,14 @@ impl Drop for Engine {
     }
 }
 
-/// How long `close` progresses UCX for reads its aborts did not cancel; past it the memory
-/// they target stays registered (leaked) instead of being unmapped under them.
+/// How long `close` waits for same-host copies and progresses UCX for reads its aborts did not
+/// cancel; past it the memory they target stays registered (leaked) instead of being unmapped
+/// under them.
 const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 
-/// Progresses until no in-flight batch has a read outstanding (true), or [`CLOSE_DRAIN`]
-/// passes (false).
-fn drain_reads(shared: &Shared) -> bool {
-    let deadline = Instant::now() + CLOSE_DRAIN;
+/// Progresses until no in-flight batch has a read outstanding (true), or `deadline` passes
+/// (false).
+fn drain_reads(shared: &Shared, deadline: Instant) -> bool {
     loop {
         shared.worker.progress();
         let outstanding: usize = lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
@@ -576,7 +570,7 @@ fn drain_reads(shared: &Shared) -> bool {
             return true;
         }
         if Instant::now() >= deadline {
-            log::error!("closing with {outstanding} reads UCX has not completed after {CLOSE_DRAIN:?}");
+            log::error!("closing with {outstanding} reads (UCX or same-host) not completed after {CLOSE_DRAIN:?}");
             return false;
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -669,27 +663,6 @@ fn settle_all(shared: &Shared) -> bool {
         }
     }
     !lock(&shared.inflight).is_empty()
-}
-
-/// Batches up to this size are copied on the caller's thread: less than a thread hand-off
-/// costs on a busy host (a woken thread waited tens of milliseconds for a core here). Larger
-/// ones go to the copy thread, so `read_blocks` stays a post.
-const INLINE_COPY_BYTES: usize = 1 << 20;
-
-/// Runs a same-host batch now (small) or on the copy thread.
-fn start_copy(shared: &Shared, copy: SameHostCopy) {
-    if copy.nbytes() <= INLINE_COPY_BYTES {
-        return copy.run();
-    }
-    let rejected = match lock(&shared.copies).as_ref() {
-        Some(queue) => queue.send(copy).err().map(|e| e.0),
-        None => Some(copy),
-    };
-    // The engine is closing: copy on the caller's thread, which holds the local regions
-    // meanwhile (a batch that close failed already stops at once).
-    if let Some(copy) = rejected {
-        copy.run();
-    }
 }
 
 /// Queues the batch's notification (once, only on success) and stops tracking it. Called on

@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::{deadline_after, is_retryable_engine_error, lock, start_copy, EngineError, Inflight, Shared};
+use super::copier::CopyQueue;
+use super::{deadline_after, is_retryable_engine_error, lock, EngineError, Inflight, Shared};
 #[allow(unused_imports)] // rustdoc links
 use super::Engine;
 use crate::descriptors::{RegionBounds, RegionIndex};
@@ -45,6 +46,8 @@ pub(super) struct Peer {
     /// Set when the peer runs on this host and proved which process it is: its host memory is
     /// then read directly, not through the endpoint.
     pub(super) same_host: Option<Arc<SameHostPeer>>,
+    /// Its same-host batches, for its own copy thread; closed by `abort_peer`.
+    copies: Mutex<CopyQueue>,
 }
 
 /// How callers name connection `connection` to `address`, which declared `engine_id`.
@@ -63,7 +66,7 @@ impl Peer {
     }
 
     /// Starts `reads`, whose batch the engine tracks already: with `direct` (the peer on this
-    /// host, every local range host memory) on the engine's copy thread, else posted on the
+    /// host, every local range host memory) on the peer's copy thread, else posted on the
     /// peer's endpoint, opened on first use. A peer that died after the caller found it live,
     /// and before the batch was tracked (unseen by `abort_peer`), is seen here: `abort_peer`
     /// ends the connection in the table and takes the endpoint first.
@@ -73,8 +76,8 @@ impl Peer {
                 return Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id)));
             }
             let copy = direct.prepare(reads, batch).map_err(PostError::NothingPosted)?;
-            start_copy(shared, copy);
-            return Ok(());
+            // A copy the queue refuses is dropped, which fails its batch.
+            return lock(&self.copies).submit(copy, &shared.copy_threads, &self.meta.engine_id).map_err(PostError::NothingPosted);
         }
         let mut endpoint = lock(&self.endpoint);
         if endpoint.is_none() && self.is_live(shared) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
@@ -231,6 +234,7 @@ pub(super) fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port:
             endpoint: Mutex::new(None),
             endpoint_opened: AtomicBool::new(false),
             link: parts.link,
+            copies: Mutex::new(CopyQueue::NotStarted),
         });
         lock(&shared.peers).insert(connected.connection, Arc::clone(&peer));
         peer
@@ -309,6 +313,7 @@ pub(super) fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
     for inflight in &victims {
         lock(&inflight.abort_reason).get_or_insert_with(|| reason.to_string());
     }
+    lock(&peer.copies).close();
     let endpoint = lock(&peer.endpoint).take();
     if let Some(endpoint) = endpoint {
         endpoint.abort();

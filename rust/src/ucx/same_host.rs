@@ -307,8 +307,8 @@ impl SameHostPeer {
     }
 }
 
-/// A checked same-host batch, to be copied once by [`SameHostCopy::run`] (on the caller's
-/// thread or the engine's copy thread); the batch settles when it has run, or failed when it
+/// A checked same-host batch, to be copied once by [`SameHostCopy::run`] (on its peer's copy
+/// thread); the batch settles when it has run, or failed when it
 /// is dropped without running (so that it never stays pending).
 pub struct SameHostCopy {
     peer: Arc<SameHostPeer>,
