@@ -104,3 +104,26 @@ fn a_peer_cannot_hand_the_reader_its_own_worker_address_and_rkey() {
     let refusal = outcome.unwrap_err();
     assert!(refusal.contains("worker address of an engine of this very process"), "{refusal}");
 }
+
+#[test]
+fn a_replayed_same_host_identity_cannot_bring_its_own_layout() {
+    let mut owned = vec![0x33u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = reader(&mut owned, true);
+    let reader = reader(&mut local, true);
+    // The fake fetches the real owner's metadata, identity and proof included...
+    let port = owner.side_channel_addr().unwrap().port();
+    let (_link, mut meta) = PeerLink::connect("127.0.0.1", port, "fake", None, &fingerprint(), None, Duration::from_secs(5), Duration::from_millis(200)).unwrap();
+    assert!(meta.same_host.is_some());
+    // ...and serves it with a layout of its own choosing over the same regions (blocks that
+    // straddle the owner's, say).
+    let layout = meta.layout.as_mut().unwrap();
+    layout.segment_bases[0] += 100;
+    layout.num_blocks -= 1;
+    let server = serve(meta, None);
+    let refused = reader.connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5)).err().expect("refused");
+    let refused = refused.to_string();
+    // Engines of one process: caught where the owner's worker address is checked, with the
+    // same proof; across processes where the identity is.
+    assert!(refused.contains("did not vouch") || refused.contains("without that engine's proof"), "{refused}");
+}
