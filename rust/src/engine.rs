@@ -316,9 +316,11 @@ impl Engine {
 }
 
 /// What this engine publishes to readers; the side channel adds each connection's same-host
-/// proof.
+/// proof. The identity is published even where the boot id is unknown (empty: no reader reads
+/// us directly then), so that engines of one process can still prove themselves to each other
+/// (see `check_not_this_process`).
 fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Option<&str>, probe: &Probe, local: &LocalMemory) -> EngineMetadata {
-    let identity = boot_id.map(|boot_id| SameHostIdentity { boot_id: boot_id.to_owned(), pid: std::process::id(), probe_addr: probe.addr(), proof: [0; 32] });
+    let identity = SameHostIdentity { boot_id: boot_id.unwrap_or_default().to_owned(), pid: std::process::id(), probe_addr: probe.addr(), proof: [0; 32] };
     EngineMetadata {
         engine_id: config.engine_id.clone(),
         generation,
@@ -326,7 +328,7 @@ fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Op
         regions: local.regions.iter().map(|r| RegionInfo { addr: r.addr, len: r.len, rkey: r.rkey.clone(), memory: r.memory }).collect(),
         layout: local.layout.clone(),
         fingerprint: config.fingerprint.clone(),
-        same_host: identity,
+        same_host: Some(identity),
     }
 }
 
