@@ -121,8 +121,7 @@ fn a_replayed_same_host_identity_cannot_bring_its_own_layout() {
     layout.segment_bases[0] += 100;
     layout.num_blocks -= 1;
     let server = serve(meta, None);
-    let refused = reader.connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5)).err().expect("refused");
-    let refused = refused.to_string();
+    let refused = reader.connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5)).expect_err("refused").to_string();
     // Engines of one process: caught where the owner's worker address is checked, with the
     // same proof; across processes where the identity is.
     assert!(refused.contains("did not vouch") || refused.contains("without that engine's proof"), "{refused}");

@@ -288,7 +288,6 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
     let refused = |error: String| EngineError::ConnectFailed { address: key.to_owned(), error: format!("peer {:?} refused: {error}", meta.engine_id) };
     check_not_this_process(&meta.worker_address, claim.as_ref()).map_err(refused)?;
     let same_host = open_same_host(shared, &meta, claim.as_ref(), &regions).map_err(refused)?;
-    drop(claim);
     Ok(Handshaken { link, meta, regions, same_host })
 }
 
