@@ -29,11 +29,16 @@ fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) 
 
 /// An engine over `buf` cut into `buf.len() / block` blocks of `block` bytes.
 fn engine_paged(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block: usize) -> Engine {
+    engine_at(id, dtype, buf, same_host_reads, block, 0)
+}
+
+/// [`engine_paged`] with its side channel on `port` (0: a free one).
+fn engine_at(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block: usize, port: u16) -> Engine {
     let engine = Engine::start(EngineConfig {
         engine_id: id.into(),
         fingerprint: fingerprint(dtype),
         host: "127.0.0.1".into(),
-        port: 0,
+        port,
         secret: None,
         ucx_lib_dir: None,
         heartbeat: Duration::from_millis(200),
@@ -439,4 +444,31 @@ fn a_second_engine_claiming_a_connected_peers_id_does_not_displace_it() {
     // The bare id is ambiguous now: refused, not guessed.
     let err = reader.read_blocks("owner", &[3], &[3], None, Duration::from_secs(5), None, None).err().expect("ambiguous");
     assert!(err.to_string().contains("all declare the id \"owner\""), "{err}");
+}
+
+#[test]
+fn a_handle_reads_only_the_connection_that_was_checked_not_its_replacement() {
+    let mut first_owned = vec![0x44u8; BLOCK * BLOCKS];
+    let mut second_owned = vec![0x55u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let reader = engine("reader", "f32", &mut local);
+    let mut first = engine("owner", "f32", &mut first_owned);
+    let port = first.side_channel_addr().unwrap().port();
+    let checked = reader.connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
+    // The owner restarts at the same address, under the same engine id, between the check and
+    // the read.
+    first.close();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reader.peer_alive(&checked) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let second = engine_at("owner", "f32", &mut second_owned, false, BLOCK, port);
+    let replacement = reader.connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
+    assert_ne!(checked, replacement);
+    let err = reader.read_blocks(&checked, &[1], &[1], None, Duration::from_secs(5), None, None).err().expect("the checked connection is gone");
+    assert!(matches!(err, EngineError::PeerNotConnected(_)), "{err}");
+    assert!(local.iter().all(|&b| b == 0), "nothing was read from the replacement");
+    reader.read_blocks(&replacement, &[1], &[1], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+    assert!(local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x55));
+    drop(second);
 }
