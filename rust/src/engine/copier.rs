@@ -12,6 +12,30 @@ use std::time::{Duration, Instant};
 use super::lock;
 use crate::ucx::SameHostCopy;
 
+/// How long a copy thread keeps looking for its peer's next batch before it sleeps: batches
+/// posted back to back (a layer-by-layer pull, a burst of requests) then skip the wake-up of a
+/// sleeping thread, which costs about as much as copying a small batch.
+const SPIN_FOR_NEXT: Duration = Duration::from_micros(200);
+
+/// A copy thread: runs its peer's batches in order until the queue closes.
+fn copy_loop(queue: mpsc::Receiver<SameHostCopy>) {
+    loop {
+        let spin_until = Instant::now() + SPIN_FOR_NEXT;
+        let next = loop {
+            match queue.try_recv() {
+                Ok(copy) => break Some(copy),
+                Err(mpsc::TryRecvError::Disconnected) => break None,
+                Err(mpsc::TryRecvError::Empty) if Instant::now() < spin_until => std::thread::yield_now(),
+                Err(mpsc::TryRecvError::Empty) => break queue.recv().ok(),
+            }
+        };
+        match next {
+            Some(copy) => copy.run(),
+            None => return,
+        }
+    }
+}
+
 /// A peer's copy queue: started by its first batch, closed when the peer goes.
 #[derive(Default)]
 pub(super) enum CopyQueue {
@@ -30,7 +54,7 @@ impl CopyQueue {
             let (sender, queue) = mpsc::channel::<SameHostCopy>();
             let thread = std::thread::Builder::new()
                 .name("kvduplex-copy".into())
-                .spawn(move || queue.into_iter().for_each(SameHostCopy::run))
+                .spawn(move || copy_loop(queue))
                 .map_err(|e| format!("cannot start a copy thread for peer {peer}: {e}"))?;
             lock(&threads.running).push((peer.to_owned(), thread));
             *self = CopyQueue::Open(sender);
