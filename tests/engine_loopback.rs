@@ -29,11 +29,16 @@ fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) 
 
 /// An engine over `buf` cut into `buf.len() / block` blocks of `block` bytes.
 fn engine_paged(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block: usize) -> Engine {
+    engine_at(id, dtype, buf, same_host_reads, block, 0)
+}
+
+/// [`engine_paged`] with its side channel on `port` (0: a free one).
+fn engine_at(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block: usize, port: u16) -> Engine {
     let engine = Engine::start(EngineConfig {
         engine_id: id.into(),
         fingerprint: fingerprint(dtype),
         host: "127.0.0.1".into(),
-        port: 0,
+        port,
         secret: None,
         ucx_lib_dir: None,
         heartbeat: Duration::from_millis(200),
@@ -62,7 +67,7 @@ fn read_copies_blocks_and_notifies_the_owner_once() {
 }
 
 #[test]
-fn a_same_host_read_copies_blocks_before_returning_and_notifies_the_owner_once() {
+fn a_same_host_read_copies_blocks_and_notifies_the_owner_once() {
     read_and_notify(true);
 }
 
@@ -72,12 +77,9 @@ fn read_and_notify(same_host_reads: bool) {
     let owner = engine("owner", "f32", &mut owned);
     let reader = engine_reading("reader", "f32", &mut local, same_host_reads);
     let peer = connect(&reader, &owner).unwrap();
-    assert_eq!(peer, "owner");
+    assert!(peer.starts_with("owner@127.0.0.1:"), "{peer}");
     let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10), None, None).unwrap();
     assert_eq!(transfer.same_host(), same_host_reads);
-    if same_host_reads {
-        assert!(transfer.poll().unwrap(), "a same-host batch is complete when read_blocks returns");
-    }
     transfer.wait(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(transfer.num_descriptors, 2);
     for (l, r) in [(1, 10), (2, 11), (3, 12), (9, 40)] {
@@ -255,7 +257,7 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     let target = vec![("127.0.0.1".to_string(), owner_addr.port())];
     let ask = |fingerprints: Vec<u64>| {
         let (owner_id, found) = only_answer(&reader.start_lookup(target.clone(), fingerprints, None, Duration::from_secs(5)));
-        assert_eq!(owner_id, peer);
+        assert_eq!(owner_id, "owner");
         found
     };
     let found = ask(vec![11, 12, 99]).expect("held");
@@ -376,24 +378,25 @@ fn peer_status_connects_once_checks_identity_and_backs_off_after_a_failure() {
 
     // The first call starts the one handshake; callers meanwhile see it under way.
     assert_eq!(reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)), PeerStatus::Connecting);
-    assert_eq!(status_until_settled(&reader, &host, port, Some("owner")), PeerStatus::Ready("owner".into()));
+    let handle = format!("owner@{host}:{port}#1");
+    assert_eq!(status_until_settled(&reader, &host, port, Some("owner")), PeerStatus::Ready(handle.clone()));
     // A blocking connect uses the same connection.
-    assert_eq!(reader.connect(&host, port, Duration::from_secs(1)).unwrap(), "owner");
+    assert_eq!(reader.connect(&host, port, Duration::from_secs(1)).unwrap(), handle);
     // Another engine id than the params named is refused, without touching the connection.
     match reader.peer_status(&host, port, Some("someone-else"), Duration::from_secs(2)) {
         PeerStatus::Failed(reason) => assert!(reason.contains("\"owner\", not \"someone-else\""), "{reason}"),
         other => panic!("{other:?}"),
     }
-    assert!(reader.peer_alive("owner"));
+    assert!(reader.peer_alive("owner") && reader.peer_alive(&handle));
 
     // The owner goes away: its link dies, the next status connects afresh and fails, and
     // until the backoff passes every caller is told at once, without a new attempt.
     owner.close();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while reader.peer_alive("owner") && Instant::now() < deadline {
+    while reader.peer_alive(&handle) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(!reader.peer_alive("owner"));
+    assert!(!reader.peer_alive(&handle) && !reader.peer_alive("owner"));
     let failed = status_until_settled(&reader, &host, port, Some("owner"));
     assert!(matches!(failed, PeerStatus::Failed(_)), "{failed:?}");
     assert_eq!(reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)), failed);
@@ -426,4 +429,52 @@ fn a_connect_to_a_mute_peer_never_delays_reads_from_another() {
         assert!(err.to_string().contains("timed out"), "{err}");
     });
     assert_eq!(local[BLOCK..2 * BLOCK], owned[BLOCK..2 * BLOCK]);
+}
+
+#[test]
+fn a_second_engine_claiming_a_connected_peers_id_does_not_displace_it() {
+    let mut owned = vec![0x11u8; BLOCK * BLOCKS];
+    let mut impostor_owned = vec![0x22u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let owner = engine("owner", "f32", &mut owned);
+    let impostor = engine("owner", "f32", &mut impostor_owned);
+    let reader = engine("reader", "f32", &mut local);
+    let real = connect(&reader, &owner).unwrap();
+    // Another server, at another address, declares the same engine id.
+    let fake = connect(&reader, &impostor).unwrap();
+    reader.read_blocks(&real, &[1], &[1], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+    assert!(local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x11), "read from the engine that claimed the id last, not the one that was checked");
+    reader.read_blocks(&fake, &[2], &[2], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+    assert!(local[2 * BLOCK..3 * BLOCK].iter().all(|&b| b == 0x22));
+    assert_ne!(real, fake, "each connection has its own handle");
+    // The bare id is ambiguous now: refused, not guessed.
+    let err = reader.read_blocks("owner", &[3], &[3], None, Duration::from_secs(5), None, None).err().expect("ambiguous");
+    assert!(err.to_string().contains("all declare the id \"owner\""), "{err}");
+}
+
+#[test]
+fn a_handle_reads_only_the_connection_that_was_checked_not_its_replacement() {
+    let mut first_owned = vec![0x44u8; BLOCK * BLOCKS];
+    let mut second_owned = vec![0x55u8; BLOCK * BLOCKS];
+    let mut local = vec![0u8; BLOCK * BLOCKS];
+    let reader = engine("reader", "f32", &mut local);
+    let mut first = engine("owner", "f32", &mut first_owned);
+    let port = first.side_channel_addr().unwrap().port();
+    let checked = reader.connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
+    // The owner restarts at the same address, under the same engine id, between the check and
+    // the read.
+    first.close();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reader.peer_alive(&checked) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let second = engine_at("owner", "f32", &mut second_owned, false, BLOCK, port);
+    let replacement = reader.connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
+    assert_ne!(checked, replacement);
+    let err = reader.read_blocks(&checked, &[1], &[1], None, Duration::from_secs(5), None, None).err().expect("the checked connection is gone");
+    assert!(matches!(err, EngineError::PeerNotConnected(_)), "{err}");
+    assert!(local.iter().all(|&b| b == 0), "nothing was read from the replacement");
+    reader.read_blocks(&replacement, &[1], &[1], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+    assert!(local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x55));
+    drop(second);
 }

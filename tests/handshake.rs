@@ -6,7 +6,7 @@ use kvduplex::descriptors::BlockLayout;
 use kvduplex::handshake::auth::{self, Direction, FrameAuth};
 use kvduplex::handshake::peers::{Liveness, LivenessAction};
 use kvduplex::handshake::wire::{
-    self, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, FRAME_HEADER_LEN,
+    self, ClientHello, Frame, FrameBuffer, FrameKind, Refusal, ServerHello, FRAME_HEADER_LEN,
     MAX_CONTROL_FRAME_LEN, MAX_METADATA_FRAME_LEN,
 };
 use kvduplex::handshake::{
@@ -58,7 +58,7 @@ fn metadata() -> EngineMetadata {
             boot_id: "0d5c8f4e-1b2a-4c3d-9e8f-7a6b5c4d3e2f".to_owned(),
             pid: 4242,
             probe_addr: 0x5555_0000_1000,
-            probe: [9; 16],
+            proof: [9; 32],
         }),
     }
 }
@@ -351,7 +351,7 @@ proptest! {
         at in any::<prop::sample::Index>(),
         bits in 1u8..=255,
     ) {
-        let auth = || FrameAuth::new(b"secret", Direction::ClientToServer, &[1; 32], &[2; 32]).unwrap();
+        let auth = || FrameAuth::new(b"secret", Direction::ClientToServer, &[1; 32]).unwrap();
         let frame = Frame::Notify(payload);
         let mut bytes = wire::encode_frame(&frame).unwrap();
         let tag = auth().tag(&bytes);
@@ -440,59 +440,27 @@ fn refusals_are_mirrored_to_the_receivers_view() {
 }
 
 #[test]
-fn proofs_verify_only_with_the_same_secret_nonces_and_direction() {
-    let (client_nonce, server_nonce) = (auth::new_nonce().unwrap(), auth::new_nonce().unwrap());
-    assert_ne!(client_nonce, server_nonce);
+fn proofs_verify_only_with_the_same_secret_transcript_and_direction() {
+    let hello = |nonce| ClientHello { engine_id: "r".into(), fingerprint: Fingerprint::default(), nonce, has_secret: true, heartbeat_ms: 50, side_channel: None };
+    let server = ServerHello { nonce: auth::new_nonce().unwrap(), has_secret: true, heartbeat_ms: 50 };
+    let client = hello(auth::new_nonce().unwrap());
+    let transcript = wire::transcript(&client, &server);
     let secret = b"correct horse";
-    let proof = auth::prove(
-        secret,
-        Direction::ClientToServer,
-        &client_nonce,
-        &server_nonce,
-    )
-    .unwrap();
-    assert!(auth::verify(
-        secret,
-        Direction::ClientToServer,
-        &client_nonce,
-        &server_nonce,
-        &proof
-    )
-    .is_ok());
+    let proof = auth::prove(secret, Direction::ClientToServer, &transcript).unwrap();
+    assert!(auth::verify(secret, Direction::ClientToServer, &transcript, &proof).is_ok());
 
     let fails = |r: Result<(), HandshakeError>| matches!(r, Err(HandshakeError::AuthFailed));
-    assert!(fails(auth::verify(
-        b"wrong",
-        Direction::ClientToServer,
-        &client_nonce,
-        &server_nonce,
-        &proof
-    )));
+    assert!(fails(auth::verify(b"wrong", Direction::ClientToServer, &transcript, &proof)));
     // Reflection: the client's proof is not a valid server proof.
-    assert!(fails(auth::verify(
-        secret,
-        Direction::ServerToClient,
-        &client_nonce,
-        &server_nonce,
-        &proof
-    )));
-    // Replay on another connection: other nonces.
-    assert!(fails(auth::verify(
-        secret,
-        Direction::ClientToServer,
-        &server_nonce,
-        &client_nonce,
-        &proof
-    )));
+    assert!(fails(auth::verify(secret, Direction::ServerToClient, &transcript, &proof)));
+    // Replay on another connection (other nonces), or hellos a man in the middle changed.
+    let other = wire::transcript(&hello(auth::new_nonce().unwrap()), &server);
+    assert!(fails(auth::verify(secret, Direction::ClientToServer, &other, &proof)));
+    let rewritten = wire::transcript(&client, &ServerHello { heartbeat_ms: 60_000, ..server.clone() });
+    assert!(fails(auth::verify(secret, Direction::ClientToServer, &rewritten, &proof)));
     let mut tampered = proof;
     tampered[31] ^= 1;
-    assert!(fails(auth::verify(
-        secret,
-        Direction::ClientToServer,
-        &client_nonce,
-        &server_nonce,
-        &tampered
-    )));
+    assert!(fails(auth::verify(secret, Direction::ClientToServer, &transcript, &tampered)));
 }
 
 #[test]
@@ -594,14 +562,15 @@ fn failed_connects_back_off_and_are_never_given_up() {
         table.begin_connect(key, later),
         ConnectDecision::Connect { .. }
     ));
-    table.on_ready(key, &metadata());
+    let connection = table.on_ready(key, &metadata()).connection;
     assert_eq!(
         table.begin_connect(key, later),
         ConnectDecision::Ready {
-            engine_id: metadata().engine_id
+            engine_id: metadata().engine_id,
+            connection,
         }
     );
-    table.mark_dead(key);
+    assert!(table.mark_dead(key, connection));
     assert_eq!(
         table.begin_connect(key, later),
         ConnectDecision::Connect { attempt: 1 }
@@ -623,49 +592,50 @@ fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
         table.begin_connect(key, now),
         ConnectDecision::Connect { attempt: 1 }
     );
-    assert!(
-        !table.on_ready(key, &m),
-        "a first connection is not a restart"
-    );
+    let first = table.on_ready(key, &m);
+    assert!(!first.restarted, "a first connection is not a restart");
     assert_eq!(
         table.state(key),
         &PeerState::Ready {
             engine_id: m.engine_id.clone(),
-            generation: m.generation
+            generation: m.generation,
+            connection: first.connection,
         }
     );
     assert_eq!(
         table.begin_connect(key, now),
         ConnectDecision::Ready {
-            engine_id: m.engine_id.clone()
+            engine_id: m.engine_id.clone(),
+            connection: first.connection,
         }
     );
 
-    table.mark_dead(key);
+    assert!(table.mark_dead(key, first.connection));
     assert_eq!(table.state(key), &PeerState::Unknown);
     assert_eq!(
         table.begin_connect(key, now),
         ConnectDecision::Connect { attempt: 1 }
     );
-    assert!(
-        !table.on_ready(key, &m),
-        "same generation: the peer only reconnected"
-    );
+    let second = table.on_ready(key, &m);
+    assert!(!second.restarted, "same generation: the peer only reconnected");
+    assert_ne!(second.connection, first.connection, "every connection has its own number");
+    // The first connection's death, reported late, does not end the second.
+    assert!(!table.mark_dead(key, first.connection));
+    assert!(table.is_current(key, second.connection) && !table.is_current(key, first.connection));
 
-    table.mark_dead(key);
+    assert!(table.mark_dead(key, second.connection));
     m.generation += 1;
     assert_eq!(
         table.begin_connect(key, now),
         ConnectDecision::Connect { attempt: 1 }
     );
-    assert!(
-        table.on_ready(key, &m),
-        "new generation: the peer restarted"
-    );
+    let third = table.on_ready(key, &m);
+    assert!(third.restarted, "new generation: the peer restarted");
 
-    // Other peers are independent.
+    // Other peers are independent: a connection number of one address means nothing at another.
     assert_eq!(table.state("other:1"), &PeerState::Unknown);
-    table.mark_dead("never-seen:1");
+    assert!(!table.is_current("other:1", third.connection));
+    assert!(!table.mark_dead("never-seen:1", third.connection));
     assert_eq!(table.state("never-seen:1"), &PeerState::Unknown);
 }
 

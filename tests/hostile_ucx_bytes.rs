@@ -1,10 +1,13 @@
 //! A fake owner that speaks the side channel hands a real reader engine a worker address or
 //! remote keys that UCX would parse past their end (or abort on): the reader refuses them at
 //! the handshake, naming the field, and never hands them to UCX. Each case runs in a child
-//! process, so a UCX abort fails the test instead of killing the test runner.
+//! process, so a UCX abort fails the test instead of killing the test runner; the real owner
+//! whose bytes the fake serves runs in a process of its own (a reader refuses a peer that hands
+//! it the worker address of an engine of its own process).
 
 use std::collections::BTreeMap;
-use std::process::Command;
+use std::io::{BufRead, BufReader, Read as _};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use kvduplex::descriptors::BlockLayout;
@@ -15,6 +18,7 @@ use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 16;
 const CASE_VAR: &str = "KVDUPLEX_HOSTILE_UCX_CASE";
+const OWNER_VAR: &str = "KVDUPLEX_HOSTILE_UCX_OWNER";
 
 fn fingerprint() -> Fingerprint {
     Fingerprint(BTreeMap::from([("model".to_string(), "tiny".to_string())]))
@@ -61,15 +65,42 @@ fn in_child(test: &str, case: fn()) {
     );
 }
 
+/// Not a case: in the process `owner_process` starts, an owner engine that prints its side
+/// channel's port and serves until its stdin closes.
+#[test]
+fn serve_as_owner() {
+    if std::env::var_os(OWNER_VAR).is_none() {
+        return;
+    }
+    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect();
+    let owner = engine("owner", &mut owned);
+    println!("port {}", owner.side_channel_addr().unwrap().port());
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+}
+
+/// An owner engine in a process of its own, and its side channel's port.
+fn owner_process() -> (Child, u16) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["serve_as_owner", "--exact", "--nocapture", "--test-threads=1"])
+        .env(OWNER_VAR, "1")
+        .env_remove(CASE_VAR)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // The test harness may print "test serve_as_owner ... " first on the same line.
+    let port = lines.find_map(|line| line.ok()?.rsplit_once("port ")?.1.trim().parse().ok()).expect("the owner's port");
+    (child, port)
+}
+
 /// A real owner's metadata changed by `tamper`, served by a fake owner; a real reader
 /// connects to it and reads. Returns the error the reader got, from connect or the read.
 fn read_through_a_fake_owner(tamper: impl FnOnce(&mut EngineMetadata)) -> String {
-    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect();
+    let (_owner, owner_port) = owner_process();
     let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", &mut owned);
     let reader = engine("reader", &mut local);
-    let at = owner.side_channel_addr().unwrap();
-    let (link, mut meta) = PeerLink::connect("127.0.0.1", at.port(), "probe", None, &fingerprint(), None, Duration::from_secs(5), Duration::from_secs(1)).unwrap();
+    let (link, mut meta) = PeerLink::connect("127.0.0.1", owner_port, "probe", None, &fingerprint(), None, Duration::from_secs(5), Duration::from_secs(1)).unwrap();
     drop(link);
     tamper(&mut meta);
     let fake = SideChannelServer::start(SideChannelConfig { host: "127.0.0.1".into(), ..SideChannelConfig::default() }, meta).unwrap();

@@ -56,6 +56,8 @@ fn server_logged(parts: &[&str]) -> bool {
 struct RawClient {
     stream: TcpStream,
     frames: FrameBuffer,
+    /// Both hellos' hash, once the server answered ours.
+    transcript: [u8; 32],
 }
 
 impl RawClient {
@@ -65,6 +67,7 @@ impl RawClient {
         Self {
             stream,
             frames: FrameBuffer::new(),
+            transcript: [0; 32],
         }
     }
 
@@ -94,14 +97,15 @@ impl RawClient {
     /// carry their tags. Returns the authenticator to tag our frames with.
     fn authenticate(&mut self, engine_id: &str, secret: &[u8]) -> FrameAuth {
         let nonce = [7; 32];
-        let server_hello = self.hello(engine_id, fingerprint("bf16"), true, nonce);
-        let mac = auth::prove(secret, Direction::ClientToServer, &nonce, &server_hello.nonce).unwrap();
+        self.hello(engine_id, fingerprint("bf16"), true, nonce);
+        let mac = auth::prove(secret, Direction::ClientToServer, &self.transcript).unwrap();
         self.send(&Frame::AuthProof(AuthProof { mac }));
         assert!(matches!(self.receive(), Some(Ok(Frame::AuthProof(_)))));
-        assert!(matches!(self.receive(), Some(Ok(Frame::Metadata(_)))));
-        let ours = FrameAuth::new(secret, Direction::ClientToServer, &nonce, &server_hello.nonce).unwrap();
-        let theirs = FrameAuth::new(secret, Direction::ServerToClient, &nonce, &server_hello.nonce).unwrap();
+        let ours = FrameAuth::new(secret, Direction::ClientToServer, &self.transcript).unwrap();
+        let theirs = FrameAuth::new(secret, Direction::ServerToClient, &self.transcript).unwrap();
+        // The metadata is the server's first tagged frame.
         self.frames.authenticate(theirs);
+        assert!(matches!(self.receive(), Some(Ok(Frame::Metadata(_)))));
         ours
     }
 
@@ -119,16 +123,20 @@ impl RawClient {
         has_secret: bool,
         nonce: [u8; 32],
     ) -> ServerHello {
-        self.send(&Frame::ClientHello(ClientHello {
+        let client_hello = ClientHello {
             engine_id: engine_id.to_owned(),
             fingerprint: fp,
             nonce,
             has_secret,
             heartbeat_ms: 50,
             side_channel: None,
-        }));
+        };
+        self.send(&Frame::ClientHello(client_hello.clone()));
         match self.receive() {
-            Some(Ok(Frame::ServerHello(hello))) => hello,
+            Some(Ok(Frame::ServerHello(hello))) => {
+                self.transcript = wire::transcript(&client_hello, &hello);
+                hello
+            }
             other => panic!("expected a server hello, got {other:?}"),
         }
     }
@@ -239,14 +247,8 @@ fn a_wrong_secret_fails_on_both_sides() {
     // What the server sends a client with a wrong proof.
     let mut raw = RawClient::connect(&server);
     let nonce = [5; 32];
-    let server_hello = raw.hello("raw", fingerprint("bf16"), true, nonce);
-    let mac = auth::prove(
-        b"guess",
-        Direction::ClientToServer,
-        &nonce,
-        &server_hello.nonce,
-    )
-    .unwrap();
+    raw.hello("raw", fingerprint("bf16"), true, nonce);
+    let mac = auth::prove(b"guess", Direction::ClientToServer, &raw.transcript).unwrap();
     raw.send(&Frame::AuthProof(AuthProof { mac }));
     assert!(matches!(
         raw.receive(),
@@ -422,6 +424,7 @@ fn on_death_fires_after_three_silent_heartbeats() {
         let mut raw = RawClient {
             stream,
             frames: FrameBuffer::new(),
+            transcript: [0; 32],
         };
         assert!(matches!(raw.receive(), Some(Ok(Frame::ClientHello(_)))));
         raw.send(&Frame::ServerHello(ServerHello {

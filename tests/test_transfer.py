@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def owner_reader(read_path):
 def test_scattered_and_contiguous_reads_verify_every_byte(owner_reader, read_path):
     owner, reader = owner_reader
     peer = reader.engine.connect("127.0.0.1", owner.port)
-    assert peer == "owner"
+    assert peer.startswith(f"owner@127.0.0.1:{owner.port}#"), peer
     rng = np.random.default_rng(1)
     remote = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()
     local = rng.choice(np.arange(1, NUM_BLOCKS), size=200, replace=False).tolist()
@@ -295,7 +296,8 @@ def test_a_same_host_read_of_a_frozen_owner_completes_and_a_dead_one_fails_clean
         peer = reader.engine.connect("127.0.0.1", owner.port)
         owner.proc.send_signal(signal.SIGSTOP)
         small = reader.engine.read_blocks(peer, [1, 2], [3, 4], timeout_s=5)
-        assert small.same_host and small.done(), "a small batch is read before read_blocks returns"
+        small.wait(timeout_s=5)
+        assert small.same_host
         ids = list(range(1, 400))
         transfer = reader.engine.read_blocks(peer, ids, ids, timeout_s=5)
         transfer.wait(timeout_s=5)
@@ -434,3 +436,48 @@ def test_a_non_loopback_side_channel_without_a_secret_is_refused_unless_allowed(
         Engine("open", {"m": "x"}, host="0.0.0.0")
     Engine("open", {"m": "x"}, host="0.0.0.0", allow_unauthenticated=True).close()
     Engine("closed", {"m": "x"}, host="0.0.0.0", secret=b"s").close()
+
+
+def _userfaultfd_available() -> bool:
+    sys.path.insert(0, str(HERE))
+    from transfer_peer import userfaultfd
+
+    fd = userfaultfd()
+    if fd >= 0:
+        os.close(fd)
+    return fd >= 0
+
+
+@pytest.mark.skipif(not _userfaultfd_available(), reason="userfaultfd needs root or vm.unprivileged_userfaultfd=1")
+def test_a_same_host_read_that_never_returns_stalls_only_its_peer_and_close_gives_up_on_it():
+    """An owner whose memory never arrives (userfaultfd; FUSE blocks alike) keeps a same-host
+    copy waiting in the kernel for good: another owner's batches still complete meanwhile, and
+    the reader's close returns."""
+    half = NUM_BLOCKS // 2
+    stuck = Owner("stuck", TRANSPORTS["shm"], stall_from_block=half)
+    healthy = Owner("healthy", TRANSPORTS["shm"], seed=9)
+    reader = Reader("reader", TRANSPORTS["shm"])
+    closer = threading.Thread(target=reader.engine.close)
+    try:
+        stuck_peer = reader.engine.connect("127.0.0.1", stuck.port)
+        healthy_peer = reader.engine.connect("127.0.0.1", healthy.port)
+        # 2 MiB from the stalled half.
+        hung = reader.engine.read_blocks(stuck_peer, list(range(128)), list(range(half, half + 128)), timeout_s=60)
+        assert hung.same_host
+        time.sleep(0.5)
+        assert not hung.done()
+        ids = list(range(128, 256))
+        for size in (1, len(ids)):  # a small batch and a 2 MiB one
+            reader.engine.read_blocks(healthy_peer, ids[:size], ids[:size], timeout_s=10).wait(timeout_s=10)
+        for block_id in ids:
+            np.testing.assert_array_equal(reader.block(block_id), healthy.expected_block(block_id))
+        started = time.monotonic()
+        closer.start()
+        closer.join(timeout=30)
+        assert not closer.is_alive(), "close is still waiting for the stuck copy"
+        print(f"close returned after {time.monotonic() - started:.1f} s with a copy stuck")
+    finally:
+        stuck.kill()  # ends the stuck copy (the memory it waits for is gone)
+        healthy.kill()
+        if closer.ident is not None:
+            closer.join()

@@ -113,7 +113,8 @@ class Engine:
         [segment_bases[s] + b*block_stride, +block_len). Must lie in registered regions."""
     def connect(self, host: str, port: int, timeout_s: float = 10.0) -> str:
         """Handshake with the engine at host:port (blocking, GIL released; cached, retried
-        with backoff until the deadline). Returns the peer's engine id."""
+        with backoff until the deadline). Returns the connection's handle,
+        "engine-id@host:port#n", which `read_blocks`, `notify` and `peer_alive` take."""
     def peer_status(
         self,
         host: str,
@@ -122,11 +123,14 @@ class Engine:
         expected_engine_id: str | None = None,
         timeout_s: float = 10.0,
     ) -> tuple[Literal["ready", "connecting", "failed"], str | None]:
-        """Non-blocking: ("ready", engine_id), ("connecting", None) or ("failed", reason).
-        Starts a handshake (at most timeout_s, on a thread of the core) when none is under
-        way and the backoff after the last failure passed; with expected_engine_id, a peer of
-        another id is a failure."""
-    def peer_alive(self, peer_engine_id: str) -> bool: ...
+        """Non-blocking: ("ready", handle), ("connecting", None) or ("failed", reason).
+        The handle ("engine-id@host:port#n") names this connection: a read through it fails,
+        rather than go elsewhere, once the connection died or was replaced. Starts a handshake
+        (at most timeout_s, on a thread of the core) when none is under way and the backoff
+        after the last failure passed; with expected_engine_id, a peer of another id is a
+        failure."""
+    def peer_alive(self, peer_engine_id: str) -> bool:
+        """Whether the handle (or bare engine id) names a live connection."""
     def read_blocks(
         self,
         peer_engine_id: str,
@@ -150,8 +154,10 @@ class Engine:
         bounds-checked before anything is posted. `notify` is delivered to
         the peer after the last byte was read. Fails after `timeout_s`, once none of its reads can
         still land (without peer error handling a read to a frozen peer may keep it pending).
-        A same-host peer (`same_host_reads`) is read directly: a batch up to 1 MiB before this
-        returns (GIL released), a larger one by the engine's copy thread."""
+        A same-host peer (`same_host_reads`) is read directly, by a copy thread of that peer's
+        own (a peer whose reads never return stalls only its own batches). `peer_engine_id` is
+        a connection's handle (`peer_status`, `connect`), or a bare engine id that exactly one
+        live connection declared (PeerNotConnectedError while several do)."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:
         """Queue a notification without reading (e.g. 'not pulling; free your blocks'). The
         engine's notifier thread sends it, in order after the read-done notifications of

@@ -10,6 +10,10 @@
 //! [`Engine::release_hold`] / [`Engine::expire_holds`] / [`Engine::evict_holds`]) and answer
 //! other engines' [`Engine::lookup`]s of offered holds over the side channel.
 
+mod copier;
+mod lookup;
+mod peer;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,11 +21,15 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError, RegionBounds, RegionIndex};
-use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
-use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind, LookupMatch, LookupReply};
-use crate::side_channel::{KnownPeer, LookupOutcome, Notification, PeerLink, SideChannelConfig, SideChannelServer};
-use crate::ucx::{packed, boot_id, ucx_tls_allows_cma, BatchState, Endpoint, MemRegion, Probe, Read, SameHostCopy, SameHostPeer, UcxError, Worker};
+use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError, RegionBounds};
+use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
+use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
+use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
+use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, UcxError, Worker};
+use copier::CopyThreads;
+use lookup::{lookup_handler, LookupQuestion};
+pub use lookup::{LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY};
+use peer::{abort_peer, attempt_connect, begin_connect, connect_blocking, connect_for_lookup, ready_peer, resolve, Peer, PostError};
 
 
 #[derive(Debug, thiserror::Error)]
@@ -32,8 +40,10 @@ pub enum EngineError {
     Handshake(#[from] HandshakeError),
     #[error(transparent)]
     Plan(#[from] PlanError),
-    #[error("no connection to peer engine {0:?} (connect first; it may have died or restarted)")]
+    #[error("no connection to peer engine {0:?} (connect first; it may have died, restarted or been replaced)")]
     PeerNotConnected(String),
+    #[error("the engines at {addresses} all declare the id {engine_id:?}: name the connection by the handle `peer_status` or `connect` returned")]
+    AmbiguousPeer { engine_id: String, addresses: String },
     #[error("cannot connect to {address}: {error}")]
     ConnectFailed { address: String, error: String },
     #[error("transfer failed: {0}")]
@@ -78,70 +88,11 @@ struct LocalMemory {
 /// Where the connection to one peer's side channel stands ([`Engine::peer_status`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PeerStatus {
-    /// Connected to the engine with this id.
+    /// Connected: the connection's handle (`engine-id@host:port#n`), which reads name.
     Ready(String),
     Connecting,
     /// The last attempt failed; the next one starts after the table's backoff.
     Failed(String),
-}
-
-/// A ready connection to one peer engine.
-struct Peer {
-    /// The side channel ("host:port") it was connected through: its key in the peer table.
-    address: String,
-    meta: EngineMetadata,
-    /// The peer's registered regions, every remote range is checked against (by the
-    /// planner here, and by the transport that reads them, which shares them).
-    regions: Arc<[RegionBounds]>,
-    /// `regions`, indexed for those checks.
-    region_index: RegionIndex,
-    /// Opened by the first read (an engine connected only to look up, or connected back to,
-    /// holds no UCX endpoint); taken (and aborted) when the peer dies or a batch to it passes
-    /// its deadline.
-    endpoint: Mutex<Option<Endpoint>>,
-    /// The endpoint was opened once; it is never reopened (a new `connect` makes a new peer).
-    endpoint_opened: AtomicBool,
-    link: PeerLink,
-    alive: AtomicBool,
-    /// Set when the peer runs on this host and proved which process it is: its host memory is
-    /// then read directly, not through the endpoint.
-    same_host: Option<Arc<SameHostPeer>>,
-}
-
-impl Peer {
-    /// Starts `reads`, whose batch the engine tracks already: with `direct` (the peer on this
-    /// host, every local range host memory) on the engine's copy thread, else posted on the
-    /// peer's endpoint, opened on first use. A peer that died after the caller found it alive,
-    /// and before the batch was tracked (unseen by `abort_peer`), is seen here: `abort_peer`
-    /// clears `alive` and takes the endpoint first.
-    fn start_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>, direct: Option<&Arc<SameHostPeer>>) -> Result<(), PostError> {
-        if let Some(direct) = direct {
-            if !self.alive.load(Ordering::Acquire) {
-                return Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id)));
-            }
-            let copy = direct.prepare(reads, batch).map_err(PostError::NothingPosted)?;
-            start_copy(shared, copy);
-            return Ok(());
-        }
-        let mut endpoint = lock(&self.endpoint);
-        if endpoint.is_none() && self.alive.load(Ordering::Acquire) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
-            let rkeys: Vec<(&[u8], MemoryType)> = self.meta.regions.iter().map(|r| (r.rkey.as_slice(), r.memory)).collect();
-            let opened = shared.worker.connect(&self.meta.worker_address, Arc::clone(&self.regions), &rkeys, shared.config.peer_error_handling);
-            let opened = opened.map_err(|e| PostError::NothingPosted(format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id)))?;
-            *endpoint = Some(opened);
-        }
-        match endpoint.as_ref() {
-            Some(endpoint) => endpoint.post_reads(reads, batch).map_err(|e| PostError::MaybePartial(e.to_string())),
-            None => Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id))),
-        }
-    }
-}
-
-/// Why a batch could not be posted, and whether some of its reads may be in flight anyway.
-enum PostError {
-    NothingPosted(String),
-    /// A post failed after earlier reads of the batch were posted: they may still write.
-    MaybePartial(String),
 }
 
 /// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
@@ -161,23 +112,24 @@ struct Inflight {
 struct Shared {
     config: EngineConfig,
     generation: u64,
-    /// Proves this process to same-host readers; its address is in our metadata.
+    /// Proves this process to same-host readers (its key, through our side channel); its
+    /// address is in our metadata.
     probe: Probe,
     /// This host's boot id (`None` where it cannot be read: no same-host reads either way).
     boot_id: Option<String>,
     /// Whether we read same-host peers directly: the config allows it and `UCX_TLS` does not
     /// rule out UCX's cma, which these reads replace.
     same_host_reads: bool,
-    /// Same-host batches too large to copy on the caller's thread, for the copy thread;
-    /// `None` once the engine closes.
-    copies: Mutex<Option<mpsc::Sender<SameHostCopy>>>,
+    /// Every same-host peer's copy thread ([`copier`]).
+    copy_threads: CopyThreads,
     worker: Arc<Worker>,
     server: Mutex<Option<SideChannelServer>>,
     local: RwLock<LocalMemory>,
-    /// Ready peers by engine id.
-    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// Ready connections by the number the table gave them (see [`peer`]); whether one is
+    /// live is the table's to say.
+    peers: Mutex<HashMap<u64, Arc<Peer>>>,
     /// The one owner of connection state by side-channel address: connect, wait, back off,
-    /// or use the ready peer. Lock order: `table`, then `peers`.
+    /// or use the live connection. Lock order: `table`, then `peers`.
     table: Mutex<PeerTable>,
     /// Signalled whenever a connection attempt ends.
     table_changed: Condvar,
@@ -203,7 +155,6 @@ pub struct Engine {
     shared: Arc<Shared>,
     progress_thread: Option<JoinHandle<()>>,
     notifier_thread: Option<JoinHandle<()>>,
-    copy_thread: Option<JoinHandle<()>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -218,7 +169,7 @@ impl Engine {
         }
         let worker = Worker::new(&config.engine_id, config.ucx_lib_dir.as_deref())?;
         let generation = new_generation()?;
-        let probe = Probe::new().map_err(EngineError::InvalidArgument)?;
+        let probe = Probe::new(worker.address()).map_err(EngineError::InvalidArgument)?;
         let boot_id = boot_id();
         let same_host_reads = config.same_host_reads && boot_id.is_some() && ucx_tls_allows_cma(std::env::var("UCX_TLS").ok().as_deref());
         let meta = metadata(&config, generation, &worker, boot_id.as_deref(), &probe, &LocalMemory { regions: Vec::new(), layout: None });
@@ -229,6 +180,7 @@ impl Engine {
                 secret: config.secret.clone(),
                 heartbeat: config.heartbeat,
                 allow_unauthenticated: config.allow_unauthenticated,
+                same_host_key: Some(probe.key()),
             },
             meta,
         )?;
@@ -236,7 +188,6 @@ impl Engine {
         log::info!("engine {} (generation {generation:#x}) serving its side channel on {side_channel}", config.engine_id);
         let holds = Arc::new(Mutex::new(HoldBook::new()));
         let (outbox, queue) = mpsc::channel();
-        let (copies, copy_queue) = mpsc::channel::<SameHostCopy>();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
         let shared = Arc::new(Shared {
             config,
@@ -244,7 +195,7 @@ impl Engine {
             probe,
             boot_id,
             same_host_reads,
-            copies: Mutex::new(Some(copies)),
+            copy_threads: CopyThreads::default(),
             worker,
             server: Mutex::new(Some(server)),
             local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
@@ -262,16 +213,12 @@ impl Engine {
             .name("kvduplex-notify".into())
             .spawn(move || send_notifications(&queue))
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start the notifier thread: {e}")))?;
-        let copy_thread = std::thread::Builder::new()
-            .name("kvduplex-copy".into())
-            .spawn(move || copy_queue.into_iter().for_each(SameHostCopy::run))
-            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the copy thread: {e}")))?;
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
             .spawn(move || progress_loop(weak))
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start the progress thread: {e}")))?;
-        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread), copy_thread: Some(copy_thread) })
+        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread) })
     }
 
     pub fn engine_id(&self) -> &str {
@@ -319,7 +266,7 @@ impl Engine {
     }
 
     /// Handshakes with the engine whose side channel is `host:port` (unless a live connection
-    /// exists) and returns its engine id. Waits for an attempt another caller started, and
+    /// exists) and returns the connection's handle (`engine-id@host:port#n`). Waits for an attempt another caller started, and
     /// retries unreachable peers with the peer table's backoff, until `timeout`; refusals
     /// (incompatible, authentication) fail at once.
     pub fn connect(&self, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
@@ -336,12 +283,10 @@ impl Engine {
             return PeerStatus::Failed(EngineError::Closed.to_string());
         }
         match begin_connect(&self.shared, &key, Instant::now()) {
-            ConnectDecision::Ready { engine_id } => match expected_engine_id {
-                Some(expected) if expected != engine_id => {
-                    PeerStatus::Failed(format!("the engine at {key} is {engine_id:?}, not {expected:?}"))
-                }
-                _ => PeerStatus::Ready(engine_id),
-            },
+            ConnectDecision::Ready { engine_id, .. } if expected_engine_id.is_some_and(|expected| expected != engine_id) => {
+                PeerStatus::Failed(format!("the engine at {key} is {engine_id:?}, not {:?}", expected_engine_id.unwrap_or_default()))
+            }
+            ConnectDecision::Ready { engine_id, connection } => PeerStatus::Ready(format!("{engine_id}@{key}#{connection}")),
             ConnectDecision::InProgress => PeerStatus::Connecting,
             ConnectDecision::RetryAt { error, .. } => PeerStatus::Failed(error),
             ConnectDecision::Connect { .. } => {
@@ -368,195 +313,36 @@ impl Engine {
         }
     }
 
-    pub fn peer_alive(&self, peer_id: &str) -> bool {
-        lock(&self.shared.peers).get(peer_id).is_some_and(|p| p.alive.load(Ordering::Acquire))
+    /// Whether `peer` (a handle, or a bare engine id) names a live connection.
+    pub fn peer_alive(&self, peer: &str) -> bool {
+        resolve(&self.shared, peer).is_ok()
     }
 }
 
-/// The peer table's decision for `key`; a ready entry whose peer died, or was replaced by a
-/// connection through another address, counts as gone and is connected afresh.
-fn begin_connect(shared: &Shared, key: &str, now: Instant) -> ConnectDecision {
-    let mut table = lock(&shared.table);
-    let decision = table.begin_connect(key, now);
-    if let ConnectDecision::Ready { engine_id } = &decision {
-        if live_peer(shared, engine_id, key).is_none() {
-            table.mark_dead(key);
-            return table.begin_connect(key, now);
-        }
-    }
-    decision
-}
-
-/// [`Engine::connect`]; also run by the lookup threads ([`Engine::start_lookup`]).
-fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
-    let key = format!("{host}:{port}");
-    let deadline = deadline_after(timeout);
-    loop {
-        if shared.stop.load(Ordering::Acquire) {
-            return Err(EngineError::Closed);
-        }
-        let now = Instant::now();
-        // Wait for another caller's attempt to end, or for the backoff to pass.
-        let (wait_until, for_other_attempt) = match begin_connect(shared, &key, now) {
-            ConnectDecision::Ready { engine_id } => return Ok(engine_id),
-            ConnectDecision::Connect { .. } => {
-                let left = deadline.saturating_duration_since(now).max(Duration::from_millis(1));
-                match attempt_connect(shared, &key, host, port, left) {
-                    Ok(engine_id) => return Ok(engine_id),
-                    // The table spaces the next attempt.
-                    Err(e) if is_retryable_engine_error(&e) && Instant::now() < deadline => continue,
-                    Err(e) => return Err(e),
-                }
-            }
-            ConnectDecision::InProgress => (deadline, true),
-            ConnectDecision::RetryAt { at, error, retryable } => {
-                if !retryable || at >= deadline {
-                    return Err(EngineError::ConnectFailed { address: key, error });
-                }
-                (at, false)
-            }
-        };
-        let table = lock(&shared.table);
-        // An attempt that ended before this lock was taken was signalled already: look again.
-        if for_other_attempt && !matches!(table.state(&key), PeerState::Connecting { .. }) {
-            continue;
-        }
-        let left = wait_until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            if for_other_attempt {
-                return Err(HandshakeError::Timeout { waiting_for: "another caller's handshake", after: timeout }.into());
-            }
-            continue;
-        }
-        drop(shared.table_changed.wait_timeout(table, left).unwrap_or_else(|p| p.into_inner()));
-    }
-}
-
-/// What this engine publishes to readers; the probe vouches for it from here on.
+/// What this engine publishes to readers; the side channel adds each connection's same-host
+/// proof. The identity is published even where the boot id is unknown (empty: no reader reads
+/// us directly then), so that engines of one process can still prove themselves to each other
+/// (see `check_not_this_process`).
 fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Option<&str>, probe: &Probe, local: &LocalMemory) -> EngineMetadata {
-    let identity = boot_id.map(|boot_id| SameHostIdentity { boot_id: boot_id.to_owned(), pid: std::process::id(), probe_addr: probe.addr(), probe: probe.nonce() });
-    let meta = EngineMetadata {
+    let identity = SameHostIdentity { boot_id: boot_id.unwrap_or_default().to_owned(), pid: std::process::id(), probe_addr: probe.addr(), proof: [0; 32] };
+    EngineMetadata {
         engine_id: config.engine_id.clone(),
         generation,
         worker_address: worker.address().to_vec(),
         regions: local.regions.iter().map(|r| RegionInfo { addr: r.addr, len: r.len, rkey: r.rkey.clone(), memory: r.memory }).collect(),
         layout: local.layout.clone(),
         fingerprint: config.fingerprint.clone(),
-        same_host: identity,
-    };
-    probe.publish(meta.digest());
-    meta
-}
-
-/// Checks the peer's worker address and remote keys as UCX will parse them (see
-/// [`crate::ucx::packed`]), so that a malformed one is refused at the handshake, with the
-/// field named, rather than when the first read opens the endpoint.
-fn check_packed_for_ucx(meta: &EngineMetadata) -> Result<(), String> {
-    packed::check_worker_address(&meta.worker_address, packed::unified_mode()).map_err(|e| format!("a malformed worker_address: {e}"))?;
-    for (index, region) in meta.regions.iter().enumerate() {
-        packed::check_rkey(&region.rkey, region.memory).map_err(|e| format!("a malformed rkey for regions[{index}]: {e}"))?;
+        same_host: Some(identity),
     }
-    Ok(())
-}
-
-/// The identity of a peer to read directly, if any: same-host reads on, the peer on this host
-/// (same boot id) and all its memory host memory.
-fn same_host_candidate<'a>(our_boot_id: Option<&str>, enabled: bool, meta: &'a EngineMetadata) -> Option<&'a SameHostIdentity> {
-    let theirs = meta.same_host.as_ref()?;
-    let on_this_host = our_boot_id == Some(theirs.boot_id.as_str());
-    (enabled && on_this_host && meta.regions.iter().all(|r| r.memory == MemoryType::Host)).then_some(theirs)
-}
-
-/// Opens a peer that runs on this host for direct reads; `None` (UCX reads it) when it is
-/// elsewhere, has memory other than host memory, or cannot be proven to be the process it
-/// names.
-fn open_same_host(shared: &Shared, meta: &EngineMetadata, regions: &Arc<[RegionBounds]>) -> Option<Arc<SameHostPeer>> {
-    let theirs = same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta)?;
-    match SameHostPeer::open(theirs.pid, theirs.probe_addr, theirs.probe, meta.digest(), Arc::clone(regions)) {
-        Ok(peer) => {
-            log::info!("peer {} is process {} on this host: its blocks are read directly, not through UCX", meta.engine_id, peer.pid());
-            Some(Arc::new(peer))
-        }
-        Err(e) => {
-            log::info!("peer {} claims to run on this host but is read through UCX: {e}", meta.engine_id);
-            None
-        }
-    }
-}
-
-/// One handshake with the side channel at `key`, its outcome recorded in the peer table.
-fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
-    let result = handshake_with(shared, key, host, port, timeout);
-    let mut table = lock(&shared.table);
-    match &result {
-        Ok(peer) => {
-            if table.on_ready(key, &peer.meta) {
-                log::info!("peer {} at {key} restarted (now generation {:#x}); its old endpoint and keys are gone", peer.meta.engine_id, peer.meta.generation);
-            }
-        }
-        Err(e) => {
-            log::debug!("connecting to {key} failed: {e}");
-            table.on_failed(key, &e.to_string(), is_retryable_engine_error(e), Instant::now());
-        }
-    }
-    drop(table);
-    shared.table_changed.notify_all();
-    result.map(|peer| peer.meta.engine_id.clone())
-}
-
-fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<Arc<Peer>, EngineError> {
-    if shared.stop.load(Ordering::Acquire) {
-        return Err(EngineError::Closed);
-    }
-    let (link, meta) = PeerLink::connect(
-        host,
-        port,
-        &shared.config.engine_id,
-        Some(shared.side_channel.clone()),
-        &shared.config.fingerprint,
-        shared.config.secret.as_deref(),
-        timeout,
-        shared.config.heartbeat,
-    )?;
-    if shared.stop.load(Ordering::Acquire) {
-        return Err(EngineError::Closed);
-    }
-    let layout = meta.layout.as_ref().ok_or_else(|| {
-        EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
-    })?;
-    let regions: Arc<[RegionBounds]> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
-    layout.validate_within(&regions)?;
-    check_packed_for_ucx(&meta).map_err(|e| EngineError::InvalidArgument(format!("peer {} at {key} sent {e}", meta.engine_id)))?;
-    let id = meta.engine_id.clone();
-    let same_host = open_same_host(shared, &meta, &regions);
-    let peer = Arc::new(Peer {
-        address: key.to_owned(),
-        same_host,
-        meta,
-        region_index: RegionIndex::new(&regions),
-        regions,
-        endpoint: Mutex::new(None),
-        endpoint_opened: AtomicBool::new(false),
-        link,
-        alive: AtomicBool::new(true),
-    });
-    let weak_shared = Arc::downgrade(shared);
-    let weak_peer = Arc::downgrade(&peer);
-    peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
-    let previous = lock(&shared.peers).insert(id.clone(), Arc::clone(&peer));
-    if let Some(old) = &previous {
-        // Its reads must be cancelled before its keys and endpoint go (not merely dropped).
-        abort_peer(shared, old, &format!("peer {id} was replaced by a new connection"));
-    }
-    log::info!("connected to peer {id} at {key} ({} regions)", peer.meta.regions.len());
-    Ok(peer)
 }
 
 impl Engine {
     /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`: whole blocks,
     /// or with `slice` only that sub-range of every block (see [`crate::descriptors`]). A peer
-    /// on this host is read directly ([`Transfer::same_host`]): a small batch before this
-    /// returns, a larger one by the engine's copy thread.
+    /// on this host is read directly ([`Transfer::same_host`]), by that peer's own copy
+    /// thread. `peer_id` is the handle of the
+    /// connection to read through ([`Engine::peer_status`]; fails if that connection died or
+    /// was replaced), or a bare engine id that one live connection declared.
     #[allow(clippy::too_many_arguments)]
     pub fn read_blocks(
         &self,
@@ -571,11 +357,7 @@ impl Engine {
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(EngineError::Closed);
         }
-        let peer = lock(&self.shared.peers)
-            .get(peer_id)
-            .filter(|p| p.alive.load(Ordering::Acquire))
-            .cloned()
-            .ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        let peer = resolve(&self.shared, peer_id)?;
         let local = self.shared.local.read().unwrap_or_else(|p| p.into_inner());
         let local_layout = local
             .layout
@@ -633,7 +415,7 @@ impl Engine {
     /// thread, in order with the read-done notifications of batches that finished before
     /// this call; a send that fails later is logged there.
     pub fn notify(&self, peer_id: &str, payload: &[u8]) -> Result<(), EngineError> {
-        let peer = lock(&self.shared.peers).get(peer_id).cloned().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        let peer = resolve(&self.shared, peer_id)?;
         if !peer.link.is_alive() {
             return Err(EngineError::PeerNotConnected(peer_id.to_string()));
         }
@@ -747,13 +529,12 @@ impl Engine {
         for peer in &peers {
             abort_peer(&self.shared, peer, "engine closed");
         }
-        // Its batches were just failed, so each stops at its next call; none may outlive the
-        // engine's memory.
-        drop(lock(&self.shared.copies).take());
-        if let Some(t) = self.copy_thread.take() {
-            let _ = t.join();
-        }
-        let drained = drain_reads(&self.shared);
+        // Their batches were just failed and their copy queues closed, so each copy stops at
+        // its next call; one blocked in the kernel is given up on after CLOSE_DRAIN (its batch
+        // stays unfinished, so the memory stays registered below).
+        let drain_deadline = Instant::now() + CLOSE_DRAIN;
+        self.shared.copy_threads.join_until(drain_deadline);
+        let drained = drain_reads(&self.shared, drain_deadline);
         lock(&self.shared.inflight).clear();
         drop(peers);
         lock(&self.shared.table).clear();
@@ -789,14 +570,14 @@ impl Drop for Engine {
     }
 }
 
-/// How long `close` progresses UCX for reads its aborts did not cancel; past it the memory
-/// they target stays registered (leaked) instead of being unmapped under them.
+/// How long `close` waits for same-host copies and progresses UCX for reads its aborts did not
+/// cancel; past it the memory they target stays registered (leaked) instead of being unmapped
+/// under them.
 const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 
-/// Progresses until no in-flight batch has a read outstanding (true), or [`CLOSE_DRAIN`]
-/// passes (false).
-fn drain_reads(shared: &Shared) -> bool {
-    let deadline = Instant::now() + CLOSE_DRAIN;
+/// Progresses until no in-flight batch has a read outstanding (true), or `deadline` passes
+/// (false).
+fn drain_reads(shared: &Shared, deadline: Instant) -> bool {
     loop {
         shared.worker.progress();
         let outstanding: usize = lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
@@ -804,7 +585,7 @@ fn drain_reads(shared: &Shared) -> bool {
             return true;
         }
         if Instant::now() >= deadline {
-            log::error!("closing with {outstanding} reads UCX has not completed after {CLOSE_DRAIN:?}");
+            log::error!("closing with {outstanding} reads (UCX or same-host) not completed after {CLOSE_DRAIN:?}");
             return false;
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -831,37 +612,6 @@ fn is_retryable_engine_error(e: &EngineError) -> bool {
     matches!(e, EngineError::Handshake(h) if is_retryable(h))
 }
 
-fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
-    let (Some(shared), Some(peer)) = (shared.upgrade(), peer.upgrade()) else { return };
-    log::warn!("peer {} is gone ({reason}); failing its in-flight transfers", peer.meta.engine_id);
-    abort_peer(&shared, &peer, &format!("peer {} is gone: {reason}", peer.meta.engine_id));
-}
-
-/// Marks the peer unusable, force-closes its endpoint (UCX completes every outstanding read on
-/// it as cancelled, after which none of them writes) and then fails its batches. A batch
-/// settles only when its last read has completed, so one whose reads UCX has not released
-/// (a close that timed out) stays pending rather than be reported while bytes may land.
-fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
-    if !peer.alive.swap(false, Ordering::AcqRel) && lock(&peer.endpoint).is_none() {
-        return;
-    }
-    let victims: Vec<Arc<Inflight>> = lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, peer)).cloned().collect();
-    for inflight in &victims {
-        lock(&inflight.abort_reason).get_or_insert_with(|| reason.to_string());
-    }
-    let endpoint = lock(&peer.endpoint).take();
-    if let Some(endpoint) = endpoint {
-        endpoint.abort();
-    }
-    for inflight in &victims {
-        inflight.batch.fail(reason.to_string());
-        let unfinished = inflight.batch.unfinished_reads();
-        if unfinished > 0 && !inflight.same_host {
-            log::error!("{unfinished} reads from peer {} are still outstanding after closing its endpoint; their batch stays pending until they complete", peer.meta.engine_id);
-        }
-    }
-}
-
 /// Fails a batch that passed its deadline. A UCX batch's reads may still be in flight, so the
 /// peer's endpoint is aborted first (failing every batch to that peer); the next `connect`
 /// re-handshakes. A same-host batch is failed alone: its copy stops at its next call.
@@ -874,7 +624,7 @@ fn expire(shared: &Shared, inflight: &Inflight) {
         log::warn!("{reason}");
         lock(&inflight.abort_reason).get_or_insert_with(|| reason.clone());
         inflight.batch.fail(reason);
-    } else if inflight.peer.alive.load(Ordering::Acquire) {
+    } else if inflight.peer.is_live(shared) {
         log::warn!("{reason}; aborting the connection to it");
         abort_peer(shared, &inflight.peer, &reason);
     }
@@ -928,27 +678,6 @@ fn settle_all(shared: &Shared) -> bool {
         }
     }
     !lock(&shared.inflight).is_empty()
-}
-
-/// Batches up to this size are copied on the caller's thread: less than a thread hand-off
-/// costs on a busy host (a woken thread waited tens of milliseconds for a core here). Larger
-/// ones go to the copy thread, so `read_blocks` stays a post.
-const INLINE_COPY_BYTES: usize = 1 << 20;
-
-/// Runs a same-host batch now (small) or on the copy thread.
-fn start_copy(shared: &Shared, copy: SameHostCopy) {
-    if copy.nbytes() <= INLINE_COPY_BYTES {
-        return copy.run();
-    }
-    let rejected = match lock(&shared.copies).as_ref() {
-        Some(queue) => queue.send(copy).err().map(|e| e.0),
-        None => Some(copy),
-    };
-    // The engine is closing: copy on the caller's thread, which holds the local regions
-    // meanwhile (a batch that close failed already stops at once).
-    if let Some(copy) = rejected {
-        copy.run();
-    }
 }
 
 /// Queues the batch's notification (once, only on success) and stops tracking it. Called on
@@ -1058,209 +787,4 @@ impl Transfer {
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600))).unwrap_or(now)
-}
-
-/// One owner's answer to a lookup: `(owner engine id, its match)`, or why there is none.
-#[derive(Clone, Debug)]
-pub struct LookupAnswer {
-    /// The side channel asked ("host:port").
-    pub address: String,
-    pub outcome: Result<(String, Option<LookupMatch>), String>,
-}
-
-/// How long after its deadline a lookup still takes an owner's reply: the caller reports the
-/// lookup at its deadline and keeps polling, to hand back the claim of a reply that came late.
-pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
-
-/// A grant of a hold the owner has not taken yet is asked again after 2 ms, then after twice
-/// the previous wait up to 64 ms, until the grant's timeout (an owner takes a hold one engine
-/// step after answering its request, and a busy engine's step can take long: its workers were
-/// seen without a core for seconds on an overloaded host, where a shorter window missed pulls).
-pub const NOT_YET_FIRST_RETRY: Duration = Duration::from_millis(2);
-pub const NOT_YET_MAX_RETRY: Duration = Duration::from_millis(64);
-
-/// What a lookup asks every target.
-struct LookupQuestion {
-    fingerprints: Vec<BlockFingerprint>,
-    request_id: Option<String>,
-    /// A "not yet" is asked again until then.
-    retry_until: Instant,
-}
-
-/// A lookup sent to several owners at once; answers arrive as the owners reply.
-#[derive(Clone)]
-pub struct LookupFanOut {
-    /// The side channels asked ("host:port"), by target.
-    addresses: Arc<Vec<String>>,
-    question: Arc<LookupQuestion>,
-    answers: Arc<Mutex<Vec<Option<LookupAnswer>>>>,
-    /// Replies are taken until then; an owner silent past it never answers.
-    gives_up_at: Instant,
-}
-
-impl LookupFanOut {
-    fn new(addresses: Vec<String>, question: Arc<LookupQuestion>, gives_up_at: Instant) -> Self {
-        let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
-        Self { addresses: Arc::new(addresses), question, answers, gives_up_at }
-    }
-
-    /// Answers so far, by target; `None` where the owner may still answer.
-    pub fn answers(&self) -> Vec<Option<LookupAnswer>> {
-        self.answers_at(Instant::now())
-    }
-
-    fn answers_at(&self, now: Instant) -> Vec<Option<LookupAnswer>> {
-        let mut answers = lock(&self.answers);
-        if now >= self.gives_up_at {
-            for (address, answer) in self.addresses.iter().zip(answers.iter_mut()) {
-                answer.get_or_insert_with(|| LookupAnswer { address: address.clone(), outcome: Err("the owner did not reply".to_owned()) });
-            }
-        }
-        answers.clone()
-    }
-
-    /// Target `index`'s answer, unless it has one already.
-    fn answer(&self, index: usize, outcome: Result<(String, Option<LookupMatch>), String>) {
-        lock(&self.answers)[index].get_or_insert_with(|| LookupAnswer { address: self.addresses[index].clone(), outcome });
-    }
-
-    /// Sends the lookup to `peer`, target `index`, without waiting for its reply; a "not yet"
-    /// is asked again (from the link's thread, after `retry`, see [`NOT_YET_FIRST_RETRY`])
-    /// until `retry_until`.
-    fn ask(&self, index: usize, peer: &Arc<Peer>, retry: Duration) {
-        let (fan_out, again) = (self.clone(), Arc::downgrade(peer));
-        let owner = peer.meta.engine_id.clone();
-        let on_reply = Box::new(move |outcome: LookupOutcome| match outcome {
-            Ok(reply) if reply.not_yet && Instant::now() + retry < fan_out.question.retry_until => {
-                std::thread::sleep(retry);
-                match again.upgrade() {
-                    Some(peer) => fan_out.ask(index, &peer, (retry * 2).min(NOT_YET_MAX_RETRY)),
-                    None => fan_out.answer(index, Err("the owner went away".to_owned())),
-                }
-            }
-            outcome => fan_out.answer(index, outcome.map(|reply| (owner, reply.found)).map_err(|e| e.to_string())),
-        });
-        let question = &self.question;
-        let timeout = self.gives_up_at.saturating_duration_since(Instant::now());
-        peer.link.send_lookup(question.fingerprints.clone(), question.request_id.clone(), timeout, on_reply);
-    }
-}
-
-/// The live peer connected through `key`, if the peer table has one ready.
-fn ready_peer(shared: &Shared, key: &str) -> Option<Arc<Peer>> {
-    let table = lock(&shared.table);
-    let PeerState::Ready { engine_id, .. } = table.state(key) else { return None };
-    live_peer(shared, engine_id, key)
-}
-
-/// Peer `engine_id`, unless it died or is now connected through another address than `key`.
-fn live_peer(shared: &Shared, engine_id: &str, key: &str) -> Option<Arc<Peer>> {
-    lock(&shared.peers).get(engine_id).filter(|peer| peer.alive.load(Ordering::Acquire) && peer.address == key).cloned()
-}
-
-fn connect_for_lookup(shared: &Arc<Shared>, host: &str, port: u16, deadline: Instant) -> Result<Arc<Peer>, String> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err("no time left to connect".to_owned());
-    }
-    let peer_id = connect_blocking(shared, host, port, left).map_err(|e| e.to_string())?;
-    lock(&shared.peers).get(&peer_id).cloned().ok_or_else(|| format!("peer {peer_id} went away"))
-}
-
-/// Answers side-channel lookups and grants from the hold book, claiming what matches for
-/// the asking engine.
-fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_channel::LookupHandler {
-    Arc::new(move |reader, request| {
-        let Some(holds) = holds.upgrade() else {
-            return LookupReply { id: request.id, found: None, not_yet: false };
-        };
-        let asked = request.fingerprints.len();
-        match &request.request_id {
-            Some(name) if name.len() > crate::holds::MAX_REQUEST_ID_BYTES => {
-                log::warn!("grant refused to {reader}: a request id of {} bytes", name.len());
-                LookupReply { id: request.id, found: None, not_yet: false }
-            }
-            Some(name) => {
-                // The book's lock ends with this statement: logging (through Python) never
-                // holds it.
-                let granted = lock(&holds).grant(reader, name, &request.fingerprints, claim, Instant::now());
-                match granted {
-                    Ok(m) => {
-                        log::debug!("granted {reader} {} of {asked} blocks of request {name} (claim {})", m.matched_blocks, m.claim_id);
-                        LookupReply { id: request.id, found: Some(m), not_yet: false }
-                    }
-                    Err(refusal) => {
-                        let not_yet = refusal == crate::holds::Refusal::NotHeldYet;
-                        if not_yet {
-                            log::debug!("grant of request {name} to {reader}: not held (yet)");
-                        } else {
-                            log::info!("grant of request {name}'s blocks refused to {reader}: {refusal}");
-                        }
-                        LookupReply { id: request.id, found: None, not_yet }
-                    }
-                }
-            }
-            None => {
-                let found = lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now());
-                match &found {
-                    Some(m) => log::debug!("lookup from {reader}: {} of {asked} blocks held by request {} (claim {})", m.matched_blocks, m.owner_request_id, m.claim_id),
-                    None => log::debug!("lookup from {reader}: none of {asked} blocks held"),
-                }
-                LookupReply { id: request.id, found, not_yet: false }
-            }
-        }
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_fan_out_takes_each_targets_first_answer_and_gives_up_on_the_silent_at_its_time() {
-        let t0 = Instant::now();
-        let gives_up_at = t0 + Duration::from_secs(10);
-        let question = Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
-        let fan_out = LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], question, gives_up_at);
-        assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
-        fan_out.answer(0, Ok(("A".to_owned(), None)));
-        // A later outcome for the same target (e.g. the link dying afterwards) changes nothing.
-        fan_out.answer(0, Err("gone".to_owned()));
-        let answers = fan_out.answers_at(gives_up_at - Duration::from_millis(1));
-        let first = answers[0].as_ref().unwrap();
-        assert_eq!((first.address.as_str(), first.outcome.as_ref().unwrap().0.as_str()), ("a:1", "A"));
-        assert!(answers[1].is_none());
-        let answers = fan_out.answers_at(gives_up_at);
-        assert!(answers[0].as_ref().unwrap().outcome.is_ok());
-        let silent = answers[1].as_ref().unwrap();
-        assert_eq!((silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()), ("b:2", "the owner did not reply"));
-    }
-
-    #[test]
-    fn only_a_host_memory_peer_on_this_host_is_read_directly() {
-        let region = |memory| RegionInfo { addr: 0x1000, len: 4096, rkey: vec![1; 8], memory };
-        let identity = SameHostIdentity { boot_id: "boot-a".to_owned(), pid: 42, probe_addr: 0x10, probe: [3; 16] };
-        let meta = EngineMetadata {
-            engine_id: "d".to_owned(),
-            generation: 1,
-            worker_address: vec![1; 64],
-            regions: vec![region(MemoryType::Host)],
-            layout: None,
-            fingerprint: Fingerprint::default(),
-            same_host: Some(identity.clone()),
-        };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &meta), Some(&identity));
-        assert_eq!(same_host_candidate(Some("boot-a"), false, &meta), None, "turned off");
-        assert_eq!(same_host_candidate(Some("boot-b"), true, &meta), None, "another host");
-        assert_eq!(same_host_candidate(None, true, &meta), None, "our boot id unknown");
-        let cuda = EngineMetadata { regions: vec![region(MemoryType::Host), region(MemoryType::Cuda)], ..meta.clone() };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &cuda), None, "device memory goes through UCX");
-        let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &elsewhere), None, "no identity published");
-        // The digest a process vouches for covers its id, generation and regions.
-        let moved = EngineMetadata { regions: vec![RegionInfo { addr: 0x2000, ..region(MemoryType::Host) }], ..meta.clone() };
-        assert_ne!(meta.digest(), moved.digest());
-        assert_ne!(meta.digest(), EngineMetadata { generation: 2, ..meta.clone() }.digest());
-        assert_eq!(meta.digest(), EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest());
-    }
 }

@@ -43,7 +43,7 @@ fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
             Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
             None => PyValueError::new_err(msg),
         },
-        EngineError::PeerNotConnected(_) => PeerNotConnectedError::new_err(msg),
+        EngineError::PeerNotConnected(_) | EngineError::AmbiguousPeer { .. } => PeerNotConnectedError::new_err(msg),
         EngineError::ConnectFailed { .. } => HandshakeError::new_err(msg),
         EngineError::Transfer(_) | EngineError::Closed => TransferError::new_err(msg),
         EngineError::WaitTimeout(_) => PyTimeoutError::new_err(msg),

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use log::{info, warn};
 
-use crate::handshake::auth::{self, Direction, FrameAuth, Nonce};
+use crate::handshake::auth::{self, Direction, FrameAuth};
 use crate::handshake::peers::{Liveness, LivenessAction};
 use crate::handshake::wire::{
     self, AuthProof, ClientHello, Frame, FrameBuffer, Refusal, ServerHello,
@@ -63,6 +63,9 @@ pub struct SideChannelConfig {
     pub heartbeat: Duration,
     /// Listen on a non-loopback address without a shared secret (trusted networks only).
     pub allow_unauthenticated: bool,
+    /// The probe key this process keeps at the metadata's `same_host.probe_addr`: with it,
+    /// each connection's metadata carries [`auth::same_host_proof`] for that connection.
+    pub same_host_key: Option<[u8; 32]>,
 }
 
 impl Default for SideChannelConfig {
@@ -73,6 +76,7 @@ impl Default for SideChannelConfig {
             secret: None,
             heartbeat: Duration::from_secs(1),
             allow_unauthenticated: false,
+            same_host_key: None,
         }
     }
 }
@@ -85,6 +89,7 @@ impl fmt::Debug for SideChannelConfig {
             .field("port", &self.port)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("heartbeat", &self.heartbeat)
+            .field("same_host_key", &self.same_host_key.map(|_| "<redacted>"))
             .finish()
     }
 }
@@ -119,6 +124,7 @@ pub struct KnownPeer {
 /// What the server's threads share.
 struct ServerState {
     secret: Option<Vec<u8>>,
+    same_host_key: Option<[u8; 32]>,
     heartbeat: Duration,
     metadata: Mutex<Arc<EngineMetadata>>,
     notifications: Mutex<NotificationQueue>,
@@ -186,6 +192,7 @@ impl SideChannelServer {
         let local_addr = listener.local_addr().map_err(bind_error)?;
         let state = Arc::new(ServerState {
             secret: config.secret,
+            same_host_key: config.same_host_key,
             heartbeat: config.heartbeat,
             metadata: Mutex::new(Arc::new(metadata)),
             notifications: Mutex::new(NotificationQueue::default()),
@@ -383,11 +390,17 @@ struct Client {
     engine_id: String,
     heartbeat: Duration,
     side_channel: Option<String>,
-    /// With a shared secret: (ours, theirs), which tag and check the frames from now on.
-    frame_auth: Option<(FrameAuth, FrameAuth)>,
 }
 
 fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr: SocketAddr) {
+    // Tags what it sends once the handshake is authenticated (the metadata on), a refusal too.
+    let writer = match stream.try_clone() {
+        Ok(stream) => RefCell::new(FrameWriter::new(stream)),
+        Err(e) => {
+            warn!("side channel: dropped {client_addr}: {e}");
+            return;
+        }
+    };
     let mut reader = FrameReader::new(stream);
     // Until the client is authenticated it may send hellos and proofs only: nothing larger.
     reader.frames.set_limit(Some(wire::MAX_CONTROL_FRAME_LEN));
@@ -396,7 +409,7 @@ fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr
     let mut who = client_addr.to_string();
     let handshake = read_client_hello(&mut reader, &deadline).and_then(|hello| {
         who = format!("engine {:?} at {client_addr}", hello.engine_id);
-        answer_client(state, &mut reader, hello, &deadline)
+        answer_client(state, &mut reader, &mut writer.borrow_mut(), hello, &deadline)
     });
     lock(&state.pending).retain(|pending| *pending != id);
     let client = match handshake {
@@ -407,24 +420,13 @@ fn serve_connection(state: &ServerState, id: u64, stream: TcpStream, client_addr
             }
             if !matches!(e, HandshakeError::Io(_) | HandshakeError::Timeout { .. }) {
                 // Best effort: the client may have gone already.
-                let _ = write_frame(reader.stream(), &Frame::Refused(Refusal::from_error(&e)));
+                let _ = writer.borrow_mut().send(&Frame::Refused(Refusal::from_error(&e)));
             }
             return;
         }
     };
     reader.frames.set_limit(None);
-    let Client { engine_id, heartbeat, side_channel, frame_auth } = client;
-    let writer = match reader.stream().try_clone() {
-        Ok(stream) => RefCell::new(FrameWriter::new(stream)),
-        Err(e) => {
-            warn!("side channel: dropped {who}: {e}");
-            return;
-        }
-    };
-    if let Some((ours, theirs)) = frame_auth {
-        reader.frames.authenticate(theirs);
-        writer.borrow_mut().authenticate(ours);
-    }
+    let Client { engine_id, heartbeat, side_channel } = client;
     let sender = sender_name(&engine_id, id);
     info!("side channel: {who} connected");
     if let Some(side_channel) = side_channel {
@@ -468,11 +470,13 @@ fn read_client_hello(
     }
 }
 
-/// The server's part of the handshake after the client's hello: hello, proofs, then the
-/// compatibility check and the metadata.
+/// The server's part of the handshake after the client's hello: hello, proofs over both
+/// hellos, then the compatibility check and the metadata, the first tagged frame (with a
+/// secret) and with this connection's same-host proof.
 fn answer_client(
     state: &ServerState,
     reader: &mut FrameReader,
+    writer: &mut FrameWriter,
     hello: ClientHello,
     deadline: &Deadline,
 ) -> Result<Client, HandshakeError> {
@@ -482,51 +486,44 @@ fn answer_client(
         has_secret: state.secret.is_some(),
         heartbeat_ms: wire::heartbeat_ms(state.heartbeat)?,
     };
-    write_frame(reader.stream(), &Frame::ServerHello(server_hello))?;
+    writer.send(&Frame::ServerHello(server_hello.clone()))?;
+    let transcript = wire::transcript(&hello, &server_hello);
     let secret = auth::negotiate_auth(state.secret.as_deref(), hello.has_secret)?;
     if let Some(secret) = secret {
         let proof = match reader.read_frame_by(deadline, "the client's proof")? {
             Frame::AuthProof(proof) => proof,
             other => return Err(unexpected("AuthProof", &other)),
         };
-        auth::verify(
-            secret,
-            Direction::ClientToServer,
-            &hello.nonce,
-            &nonce,
-            &proof.mac,
-        )?;
-        let mac = auth::prove(secret, Direction::ServerToClient, &hello.nonce, &nonce)?;
-        write_frame(reader.stream(), &Frame::AuthProof(AuthProof { mac }))?;
+        auth::verify(secret, Direction::ClientToServer, &transcript, &proof.mac)?;
+        let mac = auth::prove(secret, Direction::ServerToClient, &transcript)?;
+        writer.send(&Frame::AuthProof(AuthProof { mac }))?;
+        let (ours, theirs) = frame_auths(secret, Direction::ServerToClient, &transcript)?;
+        reader.frames.authenticate(theirs);
+        writer.authenticate(ours);
     }
-    let metadata = Arc::clone(&lock(&state.metadata));
+    let mut metadata = EngineMetadata::clone(&lock(&state.metadata));
     metadata.fingerprint.check_compatible(&hello.fingerprint)?;
-    let frame = wire::encode_metadata_frame(&metadata)?;
-    reader.stream().write_all(&frame)?;
-    let frame_auth = secret.map(|secret| frame_auths(secret, Direction::ServerToClient, &hello.nonce, &nonce)).transpose()?;
+    if let Some(key) = &state.same_host_key {
+        let digest = metadata.digest();
+        if let Some(identity) = &mut metadata.same_host {
+            identity.proof = auth::same_host_proof(key, &transcript, &digest);
+        }
+    }
+    writer.send_bytes(wire::encode_metadata_frame(&metadata)?)?;
     Ok(Client {
         engine_id: hello.engine_id,
         heartbeat: Duration::from_millis(hello.heartbeat_ms.into()),
         side_channel: hello.side_channel,
-        frame_auth,
     })
 }
 
 /// (ours, theirs): the authenticators of the frames we send in `ours` and of the peer's.
-fn frame_auths(
-    secret: &[u8],
-    ours: Direction,
-    client_nonce: &Nonce,
-    server_nonce: &Nonce,
-) -> Result<(FrameAuth, FrameAuth), HandshakeError> {
+fn frame_auths(secret: &[u8], ours: Direction, transcript: &auth::Transcript) -> Result<(FrameAuth, FrameAuth), HandshakeError> {
     let theirs = match ours {
         Direction::ClientToServer => Direction::ServerToClient,
         Direction::ServerToClient => Direction::ClientToServer,
     };
-    Ok((
-        FrameAuth::new(secret, ours, client_nonce, server_nonce)?,
-        FrameAuth::new(secret, theirs, client_nonce, server_nonce)?,
-    ))
+    Ok((FrameAuth::new(secret, ours, transcript)?, FrameAuth::new(secret, theirs, transcript)?))
 }
 
 fn queue_notification(state: &ServerState, sender: &str, payload: Vec<u8>) {
@@ -564,6 +561,8 @@ pub struct PeerLink {
     /// For shutting the socket down without waiting on `writer`.
     socket: TcpStream,
     lookups: Arc<PendingLookups>,
+    /// Both hellos' hash, which the owner's same-host proof is bound to.
+    transcript: auth::Transcript,
 }
 
 /// What becomes of a lookup sent on a link: the owner's reply, or why none will come.
@@ -670,31 +669,26 @@ impl PeerLink {
             heartbeat_ms,
             side_channel: our_side_channel,
         };
-        write_frame(&stream, &Frame::ClientHello(hello))?;
+        write_frame(&stream, &Frame::ClientHello(hello.clone()))?;
         let server_hello = match reader.read_frame_by(&deadline, "the server's hello")? {
             Frame::ServerHello(hello) => hello,
             other => return Err(unexpected("ServerHello", &other)),
         };
+        let transcript = wire::transcript(&hello, &server_hello);
         let secret = auth::negotiate_auth(secret, server_hello.has_secret)?;
+        let mut writer = FrameWriter::new(stream.try_clone()?);
         if let Some(secret) = secret {
-            let mac = auth::prove(
-                secret,
-                Direction::ClientToServer,
-                &nonce,
-                &server_hello.nonce,
-            )?;
+            let mac = auth::prove(secret, Direction::ClientToServer, &transcript)?;
             write_frame(&stream, &Frame::AuthProof(AuthProof { mac }))?;
             let proof = match reader.read_frame_by(&deadline, "the server's proof")? {
                 Frame::AuthProof(proof) => proof,
                 other => return Err(unexpected("AuthProof", &other)),
             };
-            auth::verify(
-                secret,
-                Direction::ServerToClient,
-                &nonce,
-                &server_hello.nonce,
-                &proof.mac,
-            )?;
+            auth::verify(secret, Direction::ServerToClient, &transcript, &proof.mac)?;
+            // The metadata is the server's first tagged frame.
+            let (ours, theirs) = frame_auths(secret, Direction::ClientToServer, &transcript)?;
+            reader.frames.authenticate(theirs);
+            writer.authenticate(ours);
         }
         let metadata = match reader.read_frame_by(&deadline, "the server's metadata")? {
             Frame::Metadata(metadata) => metadata,
@@ -704,12 +698,6 @@ impl PeerLink {
         // handing us blocks we cannot interpret.
         our_fingerprint.check_compatible(&metadata.fingerprint)?;
         metadata.validate()?;
-        let mut writer = FrameWriter::new(stream.try_clone()?);
-        if let Some(secret) = secret {
-            let (ours, theirs) = frame_auths(secret, Direction::ClientToServer, &nonce, &server_hello.nonce)?;
-            reader.frames.authenticate(theirs);
-            writer.authenticate(ours);
-        }
 
         let status = Arc::new(Mutex::new(LinkStatus::Alive {
             on_death: Vec::new(),
@@ -748,9 +736,15 @@ impl PeerLink {
                 writer,
                 socket: stream,
                 lookups,
+                transcript,
             },
             metadata,
         ))
+    }
+
+    /// The hash of this connection's hellos ([`wire::transcript`]).
+    pub fn transcript(&self) -> &auth::Transcript {
+        &self.transcript
     }
 
     pub fn is_alive(&self) -> bool {
@@ -926,10 +920,6 @@ impl FrameReader {
         }
     }
 
-    fn stream(&self) -> &TcpStream {
-        &self.stream
-    }
-
     /// The next frame, or `None` if none completed within `wait` (which must be non-zero).
     fn read_frame_within(&mut self, wait: Duration) -> Result<Option<Frame>, HandshakeError> {
         if let Some(frame) = self.frames.next_frame()? {
@@ -1021,7 +1011,11 @@ impl FrameWriter {
 
     /// One write per frame (and its tag); a failed write leaves the stream unusable.
     fn send(&mut self, frame: &Frame) -> Result<(), HandshakeError> {
-        let mut bytes = wire::encode_frame(frame)?;
+        self.send_bytes(wire::encode_frame(frame)?)
+    }
+
+    /// [`FrameWriter::send`] of an encoded frame.
+    fn send_bytes(&mut self, mut bytes: Vec<u8>) -> Result<(), HandshakeError> {
         if let Some(auth) = &mut self.auth {
             let tag = auth.tag(&bytes);
             bytes.extend_from_slice(&tag);

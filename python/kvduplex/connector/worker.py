@@ -465,8 +465,9 @@ class DuplexWorker:
     # ------------------------------------------------------------ reader side
 
     def _peer_status(self, peer: md.PeerAddress, rank: int = 0) -> tuple[str, str | None]:
-        """("ready", engine id), ("connecting", None) or ("failed", why) for the peer's engine
-        of TP rank `rank`. The transfer core owns the connection: it starts the handshake when
+        """("ready", connection handle), ("connecting", None) or ("failed", why) for the peer's
+        engine of TP rank `rank`: reads and releases go through the handle, so they reach the
+        connection that was checked or fail. The transfer core owns the connection: it starts the handshake when
         none is under way, backs off after a failure, and refuses an engine other than the
         one the params named (e.g. restarted at the same address)."""
         if self._engine is None:

@@ -1,14 +1,17 @@
 //! Mutual challenge/response over an optional shared secret.
 //!
 //! Each side sends a fresh random nonce in its hello; each then proves it holds the secret
-//! with HMAC-SHA256(secret, direction label || client nonce || server nonce). Both nonces make
-//! a proof useless on any other connection; the direction label stops a proof received from
-//! the peer being reflected back to it as our own. The secret itself never crosses the wire.
+//! with HMAC-SHA256(secret, direction label || transcript), where the [`Transcript`] is the
+//! hash of both hellos as this side sent or received them (so both nonces, and every other
+//! field a man in the middle could rewrite). Both nonces make a proof useless on any other
+//! connection; the direction label stops a proof received from the peer being reflected back
+//! to it as our own. The secret itself never crosses the wire.
 //!
-//! Every frame after an authenticated handshake is bound to it by a [`FrameAuth`]: a tag of
-//! HMAC-SHA256(frame key, sequence number || frame) follows the frame, where each direction's
-//! frame key is derived from the secret and both nonces. A frame injected into the connection,
-//! replayed (on it or on another), reordered, dropped or reflected fails the next check.
+//! Every frame after the proofs, starting with the owner's metadata, is bound to the
+//! handshake by a [`FrameAuth`]: a tag of HMAC-SHA256(frame key, sequence number || frame)
+//! follows the frame, where each direction's frame key is derived from the secret and the
+//! transcript. A frame injected into the connection, replayed (on it or on another),
+//! reordered, dropped or reflected fails the next check.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -18,6 +21,8 @@ use super::HandshakeError;
 pub const NONCE_LEN: usize = 32;
 pub type Nonce = [u8; NONCE_LEN];
 pub type Proof = [u8; 32];
+/// SHA-256 of both hellos (see [`super::wire::transcript`]).
+pub type Transcript = [u8; 32];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
@@ -54,18 +59,12 @@ pub struct FrameAuth {
 }
 
 impl FrameAuth {
-    /// The frame authenticator for `direction` of the connection whose handshake used these
-    /// nonces. Both ends derive the same one for each direction.
-    pub fn new(
-        secret: &[u8],
-        direction: Direction,
-        client_nonce: &Nonce,
-        server_nonce: &Nonce,
-    ) -> Result<Self, HandshakeError> {
+    /// The frame authenticator for `direction` of the connection whose hellos hash to
+    /// `transcript`. Both ends derive the same one for each direction.
+    pub fn new(secret: &[u8], direction: Direction, transcript: &Transcript) -> Result<Self, HandshakeError> {
         let mut derive = hmac_with(secret)?;
         derive.update(direction.frame_key_label());
-        derive.update(client_nonce);
-        derive.update(server_nonce);
+        derive.update(transcript);
         let frame_key = derive.finalize().into_bytes();
         Ok(Self { key: hmac_with(&frame_key)?, direction, next_seq: 0 })
     }
@@ -126,13 +125,8 @@ pub fn negotiate_auth(
     }
 }
 
-pub fn prove(
-    secret: &[u8],
-    direction: Direction,
-    client_nonce: &Nonce,
-    server_nonce: &Nonce,
-) -> Result<Proof, HandshakeError> {
-    Ok(keyed(secret, direction, client_nonce, server_nonce)?
+pub fn prove(secret: &[u8], direction: Direction, transcript: &Transcript) -> Result<Proof, HandshakeError> {
+    Ok(keyed(secret, direction, transcript)?
         .finalize()
         .into_bytes()
         .into())
@@ -140,29 +134,29 @@ pub fn prove(
 
 /// `AuthFailed` unless `proof` is what a holder of `secret` sends in `direction`; the
 /// comparison takes the same time wherever the first differing byte is.
-pub fn verify(
-    secret: &[u8],
-    direction: Direction,
-    client_nonce: &Nonce,
-    server_nonce: &Nonce,
-    proof: &Proof,
-) -> Result<(), HandshakeError> {
-    keyed(secret, direction, client_nonce, server_nonce)?
+pub fn verify(secret: &[u8], direction: Direction, transcript: &Transcript, proof: &Proof) -> Result<(), HandshakeError> {
+    keyed(secret, direction, transcript)?
         .verify_slice(proof)
         .map_err(|_| HandshakeError::AuthFailed)
 }
 
-fn keyed(
-    secret: &[u8],
-    direction: Direction,
-    client_nonce: &Nonce,
-    server_nonce: &Nonce,
-) -> Result<Hmac<Sha256>, HandshakeError> {
+fn keyed(secret: &[u8], direction: Direction, transcript: &Transcript) -> Result<Hmac<Sha256>, HandshakeError> {
     let mut mac = hmac_with(secret)?;
     mac.update(direction.label());
-    mac.update(client_nonce);
-    mac.update(server_nonce);
+    mac.update(transcript);
     Ok(mac)
+}
+
+/// What an engine's process proves to a reader on its host: HMAC-SHA256(its probe key,
+/// transcript || digest of the metadata it sends on this connection). The key never crosses
+/// the wire; the reader reads it out of the process the metadata names, so only that process
+/// (or one that can read its memory) can make the proof, and only for this connection.
+pub fn same_host_proof(probe_key: &[u8; 32], transcript: &Transcript, digest: &[u8; 32]) -> Proof {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(probe_key).expect("HMAC takes a key of any length");
+    mac.update(b"kvduplex same-host proof v1");
+    mac.update(transcript);
+    mac.update(digest);
+    mac.finalize().into_bytes().into()
 }
 
 fn hmac_with(key: &[u8]) -> Result<Hmac<Sha256>, HandshakeError> {
@@ -175,8 +169,7 @@ mod tests {
     use super::*;
 
     fn pair(direction: Direction) -> (FrameAuth, FrameAuth) {
-        let (client, server) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let make = || FrameAuth::new(b"secret", direction, &client, &server).unwrap();
+        let make = || FrameAuth::new(b"secret", direction, &[1u8; 32]).unwrap();
         (make(), make())
     }
 
@@ -203,8 +196,8 @@ mod tests {
         // A frame reflected back to its sender (the other direction's key).
         let (_, mut reflected) = pair(Direction::ServerToClient);
         assert!(reflected.check(b"frame", &tag).is_err());
-        // The same frame on another connection (other nonces).
-        let mut other = FrameAuth::new(b"secret", Direction::ClientToServer, &[3; NONCE_LEN], &[2; NONCE_LEN]).unwrap();
+        // The same frame on another connection (other hellos).
+        let mut other = FrameAuth::new(b"secret", Direction::ClientToServer, &[3; 32]).unwrap();
         assert!(other.check(b"frame", &tag).is_err());
         // The unspoiled receiver still takes the real one.
         receiver.check(b"frame", &tag).unwrap();

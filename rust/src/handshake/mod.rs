@@ -14,14 +14,16 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use peers::{ConnectDecision, PeerState, PeerTable, RetryPolicy};
+pub use peers::{ConnectDecision, Connected, PeerState, PeerTable, RetryPolicy};
 use wire::{Frame, FrameKind};
 
 /// Version of the side-channel protocol. The frame header's magic and version fields keep
 /// their place in every future version so that a mismatch is always reported as one.
 /// 2: lookups of held turns (Lookup/LookupReply frames, the client's side channel in its hello).
 /// 3: after a handshake with a shared secret every frame carries its tag (`auth::FrameAuth`).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: proofs cover both hellos and the metadata frame is tagged; the same-host identity carries
+///    a proof bound to the connection instead of a static probe value.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Where a registered region lives; the reader needs it to pick a UCX memory type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,32 +92,30 @@ pub struct EngineMetadata {
 }
 
 /// An engine's process as a reader on the same host reads it without UCX: the host's boot id,
-/// the pid, and where the process keeps 16 random bytes that prove it is that process.
+/// the pid, where the process keeps its 32-byte probe key (never sent), and this connection's
+/// [`auth::same_host_proof`] made with that key.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SameHostIdentity {
     pub boot_id: String,
     pub pid: u32,
     pub probe_addr: u64,
-    /// The probe's first 16 bytes; the 32 after them are [`EngineMetadata::digest`].
-    pub probe: [u8; 16],
+    /// Made per connection by the owner's side channel; zero in the metadata it publishes.
+    pub proof: auth::Proof,
 }
 
 impl EngineMetadata {
-    /// What the engine's process vouches for to same-host readers: its id, generation and
-    /// regions (SHA-256), so a peer cannot replay another process's identity with regions of
-    /// its choosing.
+    /// What the engine's process vouches for to same-host readers: all of the metadata except
+    /// the proof itself (SHA-256 of its canonical encoding with the proof zeroed): id,
+    /// generation, worker address, regions and their rkeys, layout, compatibility fingerprint
+    /// and the identity's pid and probe address. A peer replaying another process's identity
+    /// can change none of them.
     pub fn digest(&self) -> [u8; 32] {
         use sha2::{Digest, Sha256};
-        let mut h = Sha256::new();
-        h.update((self.engine_id.len() as u64).to_le_bytes());
-        h.update(self.engine_id.as_bytes());
-        h.update(self.generation.to_le_bytes());
-        for r in &self.regions {
-            h.update(r.addr.to_le_bytes());
-            h.update(r.len.to_le_bytes());
-            h.update([r.memory as u8]);
+        let mut unproven = self.clone();
+        if let Some(identity) = &mut unproven.same_host {
+            identity.proof = [0; 32];
         }
-        h.finalize().into()
+        Sha256::digest(wire::metadata_body(&unproven)).into()
     }
 
     /// Refuses metadata that UCX would read past: UCX takes a worker address and packed rkeys

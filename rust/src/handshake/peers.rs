@@ -1,5 +1,10 @@
 //! What we know about each remote engine, and when a link counts as dead. Time is passed in,
 //! so every transition is reproducible in tests.
+//!
+//! The [`PeerTable`] is the one owner of peer liveness: each ready connection gets a number
+//! from it, and a connection counts as live exactly while the table's entry for its address is
+//! ready with that number. A death reported for an older connection never ends a newer one,
+//! and a caller holding a number can check that it still names the live connection.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -45,6 +50,8 @@ pub enum PeerState {
     Ready {
         engine_id: String,
         generation: u64,
+        /// Numbers this connection among all the table handed out.
+        connection: u64,
     },
     Failed {
         error: String,
@@ -68,6 +75,7 @@ pub enum ConnectDecision {
     InProgress,
     Ready {
         engine_id: String,
+        connection: u64,
     },
     /// Backing off after a failure.
     RetryAt {
@@ -90,6 +98,16 @@ struct Peer {
 pub struct PeerTable {
     policy: RetryPolicy,
     peers: HashMap<String, Peer>,
+    /// The last connection number handed out.
+    connections: u64,
+}
+
+/// A connection made ready by [`PeerTable::on_ready`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Connected {
+    pub connection: u64,
+    /// The peer's generation changed since it was last ready: everything cached for it is stale.
+    pub restarted: bool,
 }
 
 static UNKNOWN: PeerState = PeerState::Unknown;
@@ -99,6 +117,7 @@ impl PeerTable {
         Self {
             policy,
             peers: HashMap::new(),
+            connections: 0,
         }
     }
 
@@ -111,9 +130,10 @@ impl PeerTable {
         let attempt = match &peer.state {
             PeerState::Unknown => 1,
             PeerState::Connecting { .. } => return ConnectDecision::InProgress,
-            PeerState::Ready { engine_id, .. } => {
+            PeerState::Ready { engine_id, connection, .. } => {
                 return ConnectDecision::Ready {
                     engine_id: engine_id.clone(),
+                    connection: *connection,
                 }
             }
             PeerState::Failed {
@@ -134,12 +154,15 @@ impl PeerTable {
         ConnectDecision::Connect { attempt }
     }
 
-    /// Records the handshake's result. Returns whether the peer restarted since it was last
-    /// ready (its generation changed), in which case everything cached for it is stale.
-    pub fn on_ready(&mut self, key: &str, metadata: &EngineMetadata) -> bool {
+    /// Records the handshake's result: the connection's number, and whether the peer
+    /// restarted since it was last ready (its generation changed).
+    pub fn on_ready(&mut self, key: &str, metadata: &EngineMetadata) -> Connected {
+        self.connections += 1;
+        let connection = self.connections;
         let ready = PeerState::Ready {
             engine_id: metadata.engine_id.clone(),
             generation: metadata.generation,
+            connection,
         };
         let peer = peer_entry(&mut self.peers, key);
         let restarted = peer
@@ -147,7 +170,12 @@ impl PeerTable {
             .is_some_and(|g| g != metadata.generation);
         peer.state = ready;
         peer.ready_generation = Some(metadata.generation);
-        restarted
+        Connected { connection, restarted }
+    }
+
+    /// Whether `connection` is the live connection to `key`.
+    pub fn is_current(&self, key: &str, connection: u64) -> bool {
+        matches!(self.state(key), PeerState::Ready { connection: c, .. } if *c == connection)
     }
 
     /// Records a failed attempt and when the next one may start.
@@ -167,13 +195,14 @@ impl PeerTable {
         };
     }
 
-    /// The link to a ready peer died: the next `begin_connect` connects afresh.
-    pub fn mark_dead(&mut self, key: &str) {
-        if let Some(peer) = self.peers.get_mut(key) {
-            if matches!(peer.state, PeerState::Ready { .. }) {
-                peer.state = PeerState::Unknown;
-            }
+    /// Connection `connection` to `key` died: the next `begin_connect` connects afresh.
+    /// Returns whether it was the live one (a newer connection is left alone).
+    pub fn mark_dead(&mut self, key: &str, connection: u64) -> bool {
+        let current = self.is_current(key, connection);
+        if let (true, Some(peer)) = (current, self.peers.get_mut(key)) {
+            peer.state = PeerState::Unknown;
         }
+        current
     }
 
     /// Forgets every peer (the engine closes).

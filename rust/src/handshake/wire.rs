@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::auth::{FrameAuth, Nonce, Proof, TAG_LEN};
+use super::auth::{FrameAuth, Nonce, Proof, Transcript, TAG_LEN};
 use crate::holds::{LookupReply, LookupRequest};
 use super::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
 
@@ -83,6 +83,19 @@ pub struct ClientHello {
     /// later (a prefill node looks up held turns on the decode nodes that read from it).
     #[serde(default)]
     pub side_channel: Option<String>,
+}
+
+/// The hash both sides prove over: the two hellos as this side sent or received them, in
+/// their canonical encoding (a re-encoding of what was decoded, so a field a man in the middle
+/// changed, added or dropped changes it).
+pub fn transcript(client: &ClientHello, server: &ServerHello) -> Transcript {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for body in [msgpack(client), msgpack(server)] {
+        h.update((body.len() as u64).to_le_bytes());
+        h.update(&body);
+    }
+    h.finalize().into()
 }
 
 /// The server's answer to a [`ClientHello`].
@@ -245,6 +258,11 @@ pub(super) fn encode_metadata(metadata: &EngineMetadata) -> Vec<u8> {
     let body = msgpack(metadata);
     let len = u32::try_from(body.len()).unwrap_or(u32::MAX);
     with_header(FrameKind::Metadata, len, &body)
+}
+
+/// The metadata's canonical encoding (a metadata frame's body).
+pub(super) fn metadata_body(metadata: &EngineMetadata) -> Vec<u8> {
+    msgpack(metadata)
 }
 
 fn with_header(kind: FrameKind, len: u32, body: &[u8]) -> Vec<u8> {

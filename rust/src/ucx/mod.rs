@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
-pub use same_host::{boot_id, ucx_tls_allows_cma, Probe, SameHostCopy, SameHostPeer};
+pub use same_host::{boot_id, check_not_this_process, ucx_tls_allows_cma, OpenError, Probe, SameHostClaim, SameHostCopy, SameHostPeer};
 use sys::{Api, StatusPtr};
 
 #[derive(Debug, thiserror::Error)]

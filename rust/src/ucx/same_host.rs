@@ -3,13 +3,18 @@
 //! small blocks the per-call cost (finding the process, the ptrace access check) is most of
 //! the time, so this is what makes such batches faster than UCX itself.
 //!
-//! Host memory only, and only for a peer whose process vouches for what the peer published:
-//! each engine keeps a [`Probe`] at a fixed address (16 random bytes, then a digest of its
-//! published engine id, generation and regions), and a reader reads it out of the process the
-//! metadata names before reading anything else from it. A peer can therefore only point a
-//! reader at regions that process itself published. The reader keeps a pidfd to the process
-//! and reports a read good only if the process was still alive after it, so a pid reused by
-//! another process after the owner exited can never go unnoticed.
+//! Host memory only, and only for a peer whose process vouches for what the peer sent on this
+//! very connection: each engine keeps a [`Probe`] key (32 random bytes that never leave the
+//! process) at a fixed address, and its side channel sends, with each connection's metadata,
+//! an HMAC under that key of the connection's hellos and the metadata's digest
+//! ([`crate::handshake::auth::same_host_proof`]). A reader reads the key out of the process the
+//! metadata names and checks the proof before reading anything else from it. A peer can
+//! therefore only point a reader at regions that process itself published, on this
+//! connection. The reader's own process is never opened this way: a process can always read
+//! itself, whatever its memory holds at the named address, so this process counts only
+//! through the probes of its own live engines ([`Probe`]'s registry). The reader keeps a pidfd
+//! to the process and reports a read good only if the process was still alive after it, so a
+//! pid reused by another process after the owner exited can never go unnoticed.
 
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -27,40 +32,85 @@ const MAX_RANGES_PER_CALL: usize = 1024;
 /// meanwhile (deadline, dead peer) stops within a few tens of milliseconds.
 const MAX_BYTES_PER_CALL: usize = 64 << 20;
 
-const NONCE_LEN: usize = 16;
-const DIGEST_LEN: usize = 32;
-const PROBE_LEN: usize = NONCE_LEN + DIGEST_LEN;
+const KEY_LEN: usize = 32;
 
-/// What an engine keeps at a fixed address for same-host readers: random bytes that name this
-/// process, then the digest of the metadata it publishes now.
+/// An engine of this process, as the registry of live probes knows it.
+struct LocalEngine {
+    probe_addr: u64,
+    key: [u8; KEY_LEN],
+    worker_address: Vec<u8>,
+}
+
+/// Every live [`Probe`] of this process: how a reader tells an engine of its own process (which
+/// may be read) from a peer naming this process (which may not).
+static LOCAL_ENGINES: Mutex<Vec<LocalEngine>> = Mutex::new(Vec::new());
+
+fn local_engines() -> std::sync::MutexGuard<'static, Vec<LocalEngine>> {
+    LOCAL_ENGINES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What an engine keeps at a fixed address for same-host readers: a random key that never
+/// leaves this process (its side channel proves each connection with it). Registered, with the
+/// engine's UCX worker address, as an engine of this process until dropped.
 pub struct Probe {
-    bytes: Mutex<Box<[u8; PROBE_LEN]>>,
-    addr: u64,
-    nonce: [u8; NONCE_LEN],
+    key: Box<[u8; KEY_LEN]>,
 }
 
 impl Probe {
-    pub fn new() -> Result<Probe, String> {
-        let mut nonce = [0u8; NONCE_LEN];
-        getrandom::fill(&mut nonce).map_err(|e| format!("no random bytes for the same-host probe: {e}"))?;
-        let mut bytes = Box::new([0u8; PROBE_LEN]);
-        bytes[..NONCE_LEN].copy_from_slice(&nonce);
-        let addr = bytes.as_ptr() as u64;
-        Ok(Probe { bytes: Mutex::new(bytes), addr, nonce })
+    pub fn new(worker_address: &[u8]) -> Result<Probe, String> {
+        let mut key = Box::new([0u8; KEY_LEN]);
+        getrandom::fill(&mut key[..]).map_err(|e| format!("no random bytes for the same-host probe: {e}"))?;
+        let probe = Probe { key };
+        local_engines().push(LocalEngine { probe_addr: probe.addr(), key: *probe.key, worker_address: worker_address.to_vec() });
+        Ok(probe)
     }
 
     pub fn addr(&self) -> u64 {
-        self.addr
+        self.key.as_ptr() as u64
     }
 
-    pub fn nonce(&self) -> [u8; NONCE_LEN] {
-        self.nonce
+    pub fn key(&self) -> [u8; KEY_LEN] {
+        *self.key
     }
+}
 
-    /// Vouches for newly published metadata (a reader reading meanwhile sees a mismatch and
-    /// falls back to UCX).
-    pub fn publish(&self, digest: [u8; DIGEST_LEN]) {
-        self.bytes.lock().unwrap_or_else(|p| p.into_inner())[NONCE_LEN..].copy_from_slice(&digest);
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let addr = self.addr();
+        local_engines().retain(|e| e.probe_addr != addr);
+    }
+}
+
+/// What a same-host peer claims on one connection: the process, where its probe key is, and
+/// the proof it sent for `digest` on the connection whose hellos hash to `transcript`.
+pub struct SameHostClaim<'a> {
+    pub pid: u32,
+    pub probe_addr: u64,
+    pub transcript: &'a [u8; 32],
+    pub digest: [u8; 32],
+    pub proof: [u8; 32],
+}
+
+impl SameHostClaim<'_> {
+    /// Whether `key` makes this claim's proof (in constant time).
+    fn proven_by(&self, key: &[u8; KEY_LEN]) -> bool {
+        let expected = crate::handshake::auth::same_host_proof(key, self.transcript, &self.digest);
+        expected.iter().zip(&self.proof).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+/// Refuses metadata that hands us the UCX worker address of an engine of this process (ours,
+/// or a sibling's) unless that engine vouched for it on this connection (`claim`): UCX's cma
+/// and tcp transports read any address of the process a worker address names, so such
+/// metadata would make us copy our own memory. Addresses of other processes pass.
+pub fn check_not_this_process(worker_address: &[u8], claim: Option<&SameHostClaim<'_>>) -> Result<(), String> {
+    let engines = local_engines();
+    let Some(engine) = engines.iter().find(|e| e.worker_address == worker_address) else { return Ok(()) };
+    let vouched = claim.is_some_and(|c| c.pid == std::process::id() && c.probe_addr == engine.probe_addr && c.proven_by(&engine.key));
+    if vouched {
+        Ok(())
+    } else {
+        Err("it hands us the UCX worker address of an engine of this very process without that engine's proof".to_owned())
     }
 }
 
@@ -87,6 +137,24 @@ pub fn ucx_tls_allows_cma(ucx_tls: Option<&str>) -> bool {
     names_cma != excluding
 }
 
+/// Why a same-host peer is not read directly.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OpenError {
+    /// The claim is false: a peer that makes one is lying about who it is.
+    Forged(String),
+    /// The process cannot be opened or read (gone, or the kernel does not let us): UCX may
+    /// still read the peer.
+    Unreadable(String),
+}
+
+impl std::fmt::Display for OpenError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Forged(why) | Self::Unreadable(why) => f.write_str(why),
+        }
+    }
+}
+
 /// A process on this host whose memory is read directly.
 pub struct SameHostPeer {
     pid: libc::pid_t,
@@ -106,27 +174,37 @@ struct Range {
 }
 
 impl SameHostPeer {
-    /// Opens `pid` and checks that it holds `nonce` followed by `digest` at `probe_addr`: the
-    /// process vouches for the metadata that named it, whose regions are `remote`.
-    pub fn open(pid: u32, probe_addr: u64, nonce: [u8; NONCE_LEN], digest: [u8; DIGEST_LEN], remote: Arc<[RegionBounds]>) -> Result<SameHostPeer, String> {
-        let pid = libc::pid_t::try_from(pid).map_err(|_| format!("pid {pid} is out of range"))?;
+    /// Opens the claim's process and checks the claim's proof with the key it keeps at the
+    /// claim's probe address: the process vouches for the metadata that named it on this
+    /// connection, whose regions are `remote`. This process itself is refused unless the
+    /// probe address is one of its live engines' probes.
+    pub fn open(claim: &SameHostClaim<'_>, remote: Arc<[RegionBounds]>) -> Result<SameHostPeer, OpenError> {
+        let pid = libc::pid_t::try_from(claim.pid).map_err(|_| OpenError::Forged(format!("pid {} is out of range", claim.pid)))?;
+        let ours = claim.pid == std::process::id();
+        if ours && !local_engines().iter().any(|e| e.probe_addr == claim.probe_addr) {
+            return Err(OpenError::Forged(format!("it names this very process ({pid}) but no engine of this process keeps its probe at {:#x}", claim.probe_addr)));
+        }
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
         if fd < 0 {
-            return Err(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error()));
+            return Err(OpenError::Unreadable(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error())));
         }
         // SAFETY: fd is a descriptor pidfd_open just returned, owned by nobody else.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         let peer = SameHostPeer { pid, pidfd, remote };
-        let mut seen = [0u8; PROBE_LEN];
-        let range = Range { local: seen.as_mut_ptr() as u64, remote: probe_addr, len: PROBE_LEN };
-        // SAFETY: the only local range is `seen`, a buffer of this frame, PROBE_LEN bytes long.
-        unsafe { peer.read_ranges(&[range]) }?;
-        if seen[..NONCE_LEN] != nonce {
-            return Err(format!("process {pid} does not hold the peer's probe: it is another process"));
-        }
-        if seen[NONCE_LEN..] != digest {
-            return Err(format!("process {pid} does not vouch for the regions the peer published"));
+        let key = if ours {
+            // Read under the registry's lock, so the engine cannot drop its probe meanwhile.
+            let engines = local_engines();
+            engines.iter().find(|e| e.probe_addr == claim.probe_addr).map(|e| e.key).ok_or_else(|| OpenError::Unreadable(format!("the engine of this process at {:#x} closed", claim.probe_addr)))?
+        } else {
+            let mut key = [0u8; KEY_LEN];
+            let range = Range { local: key.as_mut_ptr() as u64, remote: claim.probe_addr, len: KEY_LEN };
+            // SAFETY: the only local range is `key`, a buffer of this frame, KEY_LEN bytes long.
+            unsafe { peer.read_ranges(&[range]) }.map_err(OpenError::Unreadable)?;
+            key
+        };
+        if !claim.proven_by(&key) {
+            return Err(OpenError::Forged(format!("process {pid} did not vouch for what the peer sent on this connection (another process, or a replayed identity)")));
         }
         Ok(peer)
     }
@@ -236,8 +314,8 @@ impl SameHostPeer {
     }
 }
 
-/// A checked same-host batch, to be copied once by [`SameHostCopy::run`] (on the caller's
-/// thread or the engine's copy thread); the batch settles when it has run, or failed when it
+/// A checked same-host batch, to be copied once by [`SameHostCopy::run`] (on its peer's copy
+/// thread); the batch settles when it has run, or failed when it
 /// is dropped without running (so that it never stays pending).
 pub struct SameHostCopy {
     peer: Arc<SameHostPeer>,
@@ -251,10 +329,6 @@ pub struct SameHostCopy {
 }
 
 impl SameHostCopy {
-    pub fn nbytes(&self) -> usize {
-        self.ranges.iter().map(|r| r.len).sum()
-    }
-
     /// Copies the batch, or as much of it as it takes to notice that the batch was failed
     /// meanwhile (its deadline passed, its peer died, the engine closes), and settles it.
     pub fn run(mut self) {
@@ -306,31 +380,54 @@ mod tests {
         }
     }
 
+    use crate::handshake::auth::same_host_proof;
+
+    fn claim<'a>(pid: u32, probe_addr: u64, transcript: &'a [u8; 32], digest: [u8; 32], proof: [u8; 32]) -> SameHostClaim<'a> {
+        SameHostClaim { pid, probe_addr, transcript, digest, proof }
+    }
+
     #[test]
-    fn the_probe_proves_the_process_and_what_it_published() {
-        let probe = Probe::new().unwrap();
-        let digest = [7u8; DIGEST_LEN];
-        probe.publish(digest);
+    fn the_proof_binds_the_process_the_connection_and_what_it_sent() {
+        let probe = Probe::new(b"worker").unwrap();
+        let (transcript, digest) = ([5u8; 32], [7u8; 32]);
+        let proof = same_host_proof(&probe.key(), &transcript, &digest);
         let pid = std::process::id();
-        assert!(SameHostPeer::open(pid, probe.addr(), probe.nonce(), digest, Arc::from([])).is_ok());
-        let mut wrong = probe.nonce();
-        wrong[0] ^= 1;
-        let err = SameHostPeer::open(pid, probe.addr(), wrong, digest, Arc::from([])).err().unwrap();
-        assert!(err.contains("another process"), "{err}");
-        // The right process, but not the regions it published (a replayed identity).
-        let err = SameHostPeer::open(pid, probe.addr(), probe.nonce(), [8u8; DIGEST_LEN], Arc::from([])).err().unwrap();
-        assert!(err.contains("does not vouch"), "{err}");
-        // A probe address the process does not map fails the read, not this process.
-        let err = SameHostPeer::open(pid, 8, probe.nonce(), digest, Arc::from([])).err().unwrap();
-        assert!(err.contains("process_vm_readv"), "{err}");
-        let err = SameHostPeer::open(u32::MAX, probe.addr(), probe.nonce(), digest, Arc::from([])).err().unwrap();
+        assert!(SameHostPeer::open(&claim(pid, probe.addr(), &transcript, digest, proof), Arc::from([])).is_ok());
+        // Another connection (a replayed proof), or other metadata (a replayed identity).
+        let err = SameHostPeer::open(&claim(pid, probe.addr(), &[6u8; 32], digest, proof), Arc::from([])).err().unwrap().to_string();
+        assert!(err.contains("did not vouch"), "{err}");
+        let err = SameHostPeer::open(&claim(pid, probe.addr(), &transcript, [8u8; 32], proof), Arc::from([])).err().unwrap().to_string();
+        assert!(err.contains("did not vouch"), "{err}");
+        // This process, but no engine's probe there: bytes a peer chose, at an address it
+        // chose, prove nothing.
+        let planted = [9u8; 32];
+        let forged = same_host_proof(&planted, &transcript, &digest);
+        let err = SameHostPeer::open(&claim(pid, planted.as_ptr() as u64, &transcript, digest, forged), Arc::from([])).err().unwrap().to_string();
+        assert!(err.contains("this very process"), "{err}");
+        let err = SameHostPeer::open(&claim(u32::MAX, probe.addr(), &transcript, digest, proof), Arc::from([])).err().unwrap().to_string();
         assert!(err.contains("out of range") || err.contains("pidfd_open"), "{err}");
+        drop(probe);
+        let err = SameHostPeer::open(&claim(pid, planted.as_ptr() as u64, &transcript, digest, proof), Arc::from([])).err().unwrap().to_string();
+        assert!(err.contains("this very process"), "a closed engine's probe no longer counts: {err}");
+    }
+
+    #[test]
+    fn a_worker_address_of_this_process_passes_only_with_its_engines_proof() {
+        let probe = Probe::new(b"this process's worker").unwrap();
+        let (transcript, digest) = ([1u8; 32], [2u8; 32]);
+        let proof = same_host_proof(&probe.key(), &transcript, &digest);
+        let pid = std::process::id();
+        assert!(check_not_this_process(b"another process's worker", None).is_ok());
+        assert!(check_not_this_process(b"this process's worker", None).is_err());
+        assert!(check_not_this_process(b"this process's worker", Some(&claim(pid, probe.addr(), &transcript, digest, [0; 32]))).is_err());
+        assert!(check_not_this_process(b"this process's worker", Some(&claim(pid, probe.addr(), &transcript, digest, proof))).is_ok());
     }
 
     fn own_process() -> SameHostPeer {
-        let probe = Probe::new().unwrap();
-        probe.publish([0; DIGEST_LEN]);
-        SameHostPeer::open(std::process::id(), probe.addr(), probe.nonce(), [0; DIGEST_LEN], Arc::from([])).unwrap()
+        let probe = Probe::new(b"own").unwrap();
+        let (transcript, digest) = ([0u8; 32], [0u8; 32]);
+        let proof = same_host_proof(&probe.key(), &transcript, &digest);
+        SameHostPeer::open(&claim(std::process::id(), probe.addr(), &transcript, digest, proof), Arc::from([])).unwrap()
     }
 
     #[test]

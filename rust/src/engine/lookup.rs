@@ -1,0 +1,167 @@
+//! Lookups of held turns: one question fanned out to several owners at once, their answers
+//! collected as they come ([`LookupFanOut`]), and the owner's side that answers them from its
+//! hold book ([`lookup_handler`]).
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::lock;
+use super::peer::Peer;
+use crate::holds::{BlockFingerprint, HoldBook, LookupMatch, LookupReply};
+use crate::side_channel::LookupOutcome;
+
+/// One owner's answer to a lookup: `(owner engine id, its match)`, or why there is none.
+#[derive(Clone, Debug)]
+pub struct LookupAnswer {
+    /// The side channel asked ("host:port").
+    pub address: String,
+    pub outcome: Result<(String, Option<LookupMatch>), String>,
+}
+
+/// How long after its deadline a lookup still takes an owner's reply: the caller reports the
+/// lookup at its deadline and keeps polling, to hand back the claim of a reply that came late.
+pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
+
+/// A grant of a hold the owner has not taken yet is asked again after 2 ms, then after twice
+/// the previous wait up to 64 ms, until the grant's timeout (an owner takes a hold one engine
+/// step after answering its request, and a busy engine's step can take long: its workers were
+/// seen without a core for seconds on an overloaded host, where a shorter window missed pulls).
+pub const NOT_YET_FIRST_RETRY: Duration = Duration::from_millis(2);
+pub const NOT_YET_MAX_RETRY: Duration = Duration::from_millis(64);
+
+/// What a lookup asks every target.
+pub(super) struct LookupQuestion {
+    pub(super) fingerprints: Vec<BlockFingerprint>,
+    pub(super) request_id: Option<String>,
+    /// A "not yet" is asked again until then.
+    pub(super) retry_until: Instant,
+}
+
+/// A lookup sent to several owners at once; answers arrive as the owners reply.
+#[derive(Clone)]
+pub struct LookupFanOut {
+    /// The side channels asked ("host:port"), by target.
+    pub(super) addresses: Arc<Vec<String>>,
+    question: Arc<LookupQuestion>,
+    answers: Arc<Mutex<Vec<Option<LookupAnswer>>>>,
+    /// Replies are taken until then; an owner silent past it never answers.
+    gives_up_at: Instant,
+}
+
+impl LookupFanOut {
+    pub(super) fn new(addresses: Vec<String>, question: Arc<LookupQuestion>, gives_up_at: Instant) -> Self {
+        let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
+        Self { addresses: Arc::new(addresses), question, answers, gives_up_at }
+    }
+
+    /// Answers so far, by target; `None` where the owner may still answer.
+    pub fn answers(&self) -> Vec<Option<LookupAnswer>> {
+        self.answers_at(Instant::now())
+    }
+
+    fn answers_at(&self, now: Instant) -> Vec<Option<LookupAnswer>> {
+        let mut answers = lock(&self.answers);
+        if now >= self.gives_up_at {
+            for (address, answer) in self.addresses.iter().zip(answers.iter_mut()) {
+                answer.get_or_insert_with(|| LookupAnswer { address: address.clone(), outcome: Err("the owner did not reply".to_owned()) });
+            }
+        }
+        answers.clone()
+    }
+
+    /// Target `index`'s answer, unless it has one already.
+    pub(super) fn answer(&self, index: usize, outcome: Result<(String, Option<LookupMatch>), String>) {
+        lock(&self.answers)[index].get_or_insert_with(|| LookupAnswer { address: self.addresses[index].clone(), outcome });
+    }
+
+    /// Sends the lookup to `peer`, target `index`, without waiting for its reply; a "not yet"
+    /// is asked again (from the link's thread, after `retry`, see [`NOT_YET_FIRST_RETRY`])
+    /// until `retry_until`.
+    pub(super) fn ask(&self, index: usize, peer: &Arc<Peer>, retry: Duration) {
+        let (fan_out, again) = (self.clone(), Arc::downgrade(peer));
+        let owner = peer.meta.engine_id.clone();
+        let on_reply = Box::new(move |outcome: LookupOutcome| match outcome {
+            Ok(reply) if reply.not_yet && Instant::now() + retry < fan_out.question.retry_until => {
+                std::thread::sleep(retry);
+                match again.upgrade() {
+                    Some(peer) => fan_out.ask(index, &peer, (retry * 2).min(NOT_YET_MAX_RETRY)),
+                    None => fan_out.answer(index, Err("the owner went away".to_owned())),
+                }
+            }
+            outcome => fan_out.answer(index, outcome.map(|reply| (owner, reply.found)).map_err(|e| e.to_string())),
+        });
+        let question = &self.question;
+        let timeout = self.gives_up_at.saturating_duration_since(Instant::now());
+        peer.link.send_lookup(question.fingerprints.clone(), question.request_id.clone(), timeout, on_reply);
+    }
+}
+
+/// Answers side-channel lookups and grants from the hold book, claiming what matches for
+/// the asking engine.
+pub(super) fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_channel::LookupHandler {
+    Arc::new(move |reader, request| {
+        let Some(holds) = holds.upgrade() else {
+            return LookupReply { id: request.id, found: None, not_yet: false };
+        };
+        let asked = request.fingerprints.len();
+        match &request.request_id {
+            Some(name) if name.len() > crate::holds::MAX_REQUEST_ID_BYTES => {
+                log::warn!("grant refused to {reader}: a request id of {} bytes", name.len());
+                LookupReply { id: request.id, found: None, not_yet: false }
+            }
+            Some(name) => {
+                // The book's lock ends with this statement: logging (through Python) never
+                // holds it.
+                let granted = lock(&holds).grant(reader, name, &request.fingerprints, claim, Instant::now());
+                match granted {
+                    Ok(m) => {
+                        log::debug!("granted {reader} {} of {asked} blocks of request {name} (claim {})", m.matched_blocks, m.claim_id);
+                        LookupReply { id: request.id, found: Some(m), not_yet: false }
+                    }
+                    Err(refusal) => {
+                        let not_yet = refusal == crate::holds::Refusal::NotHeldYet;
+                        if not_yet {
+                            log::debug!("grant of request {name} to {reader}: not held (yet)");
+                        } else {
+                            log::info!("grant of request {name}'s blocks refused to {reader}: {refusal}");
+                        }
+                        LookupReply { id: request.id, found: None, not_yet }
+                    }
+                }
+            }
+            None => {
+                let found = lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now());
+                match &found {
+                    Some(m) => log::debug!("lookup from {reader}: {} of {asked} blocks held by request {} (claim {})", m.matched_blocks, m.owner_request_id, m.claim_id),
+                    None => log::debug!("lookup from {reader}: none of {asked} blocks held"),
+                }
+                LookupReply { id: request.id, found, not_yet: false }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fan_out_takes_each_targets_first_answer_and_gives_up_on_the_silent_at_its_time() {
+        let t0 = Instant::now();
+        let gives_up_at = t0 + Duration::from_secs(10);
+        let question = Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
+        let fan_out = LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], question, gives_up_at);
+        assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
+        fan_out.answer(0, Ok(("A".to_owned(), None)));
+        // A later outcome for the same target (e.g. the link dying afterwards) changes nothing.
+        fan_out.answer(0, Err("gone".to_owned()));
+        let answers = fan_out.answers_at(gives_up_at - Duration::from_millis(1));
+        let first = answers[0].as_ref().unwrap();
+        assert_eq!((first.address.as_str(), first.outcome.as_ref().unwrap().0.as_str()), ("a:1", "A"));
+        assert!(answers[1].is_none());
+        let answers = fan_out.answers_at(gives_up_at);
+        assert!(answers[0].as_ref().unwrap().outcome.is_ok());
+        let silent = answers[1].as_ref().unwrap();
+        assert_eq!((silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()), ("b:2", "the owner did not reply"));
+    }
+}
