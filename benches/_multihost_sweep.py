@@ -126,6 +126,8 @@ def main() -> int:
                     answers[(length, rate_label(gbit))] = second
                     rows.append(row)
                     logger.info("%d tokens, link %s: %s", length, rate_label(gbit), json.dumps(row))
+    partial = args.out / "multihost_sweep.partial.json"  # kept if recompute fails
+    partial.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     for host in ("p", "d"):
         fabric.set_rate(host, None)
     # No connector; its prefix cache is reset before each length's first turn 2.
@@ -150,6 +152,7 @@ def main() -> int:
               "single_host_reference": SINGLE_HOST.name, "table": table, "rows": rows}
     path = args.out / "multihost_sweep.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
+    partial.unlink()
     print(format_table(table))
     print(f"wrote {path}")
     return 0 if all(r.get("matches_recompute") for r in rows) else 1

@@ -12,7 +12,8 @@ engine step polls once per step) until all N are in, and hands the hit's claim b
 of every size run in turn, `--cycles` times (reversed every other cycle), so load drifts
 touch every size alike.
 
-Per size: the lookup's latency p50/p90/p99 (start_lookup until the last answer), P's CPU per
+Per size: the lookup's latency p50/p90/p99 (start_lookup until the last answer), how long
+start_lookup itself takes (it sends to every connected target on the caller's thread), P's CPU per
 lookup (this process, all threads, CLOCK_PROCESS_CPUTIME_ID) split by thread (Python's main
 thread: start_lookup, polling, the answers; the transfer core's threads by name), and the
 asked D's CPU per lookup (their processes' threads, from /proc). The idle CPU of P and of the
@@ -94,10 +95,11 @@ def percentiles(samples: list[float]) -> dict[str, float]:
             "mean_us": round(statistics.fmean(ordered) * 1e6, 1)}
 
 
-def run_block(reader, targets, size: int, first_round: int, args) -> tuple[list[float], float]:
-    """`args.rounds` lookups of the first `size` targets; (latencies, P's CPU seconds)."""
+def run_block(reader, targets, size: int, first_round: int, args) -> tuple[list, list, float]:
+    """`args.rounds` lookups of the first `size` targets; (latencies, start_lookup's own
+    times: sending to every target on the caller's thread, P's CPU seconds)."""
     poll_s = args.poll_us / 1e6
-    latencies = []
+    latencies, sends = [], []
     cpu_before = time.process_time()
     for r in range(first_round, first_round + args.rounds):
         holder = r % size
@@ -105,6 +107,7 @@ def run_block(reader, targets, size: int, first_round: int, args) -> tuple[list[
         wanted = fingerprints(conversation, args.blocks)
         started = time.perf_counter()
         lookup = reader.start_lookup(targets[:size], wanted, 5.0)
+        sends.append(time.perf_counter() - started)
         answers = lookup.answers()
         while any(a is None for a in answers):
             time.sleep(poll_s)
@@ -116,7 +119,7 @@ def run_block(reader, targets, size: int, first_round: int, args) -> tuple[list[
             raise RuntimeError(f"lookup of conversation {conversation} on {size} D's: {answers}")
         _, owner_id, found, _ = hits[0]
         reader.notify(owner_id, protocol.encode_release(found[0], found[2]))
-    return latencies, time.process_time() - cpu_before
+    return latencies, sends, time.process_time() - cpu_before
 
 
 def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -169,6 +172,7 @@ def main() -> None:
                 "d_cpu_per_s_each": statistics.fmean(
                     process_cpu(d["pid"]) - b for d, b in zip(ds, idle_d)) / args.idle_s}
         latencies: dict[int, list[float]] = defaultdict(list)
+        sends: dict[int, list[float]] = defaultdict(list)
         p_cpu: dict[int, float] = defaultdict(float)
         p_threads: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         d_cpu: dict[int, float] = defaultdict(float)
@@ -177,13 +181,14 @@ def main() -> None:
             for size in (args.sizes if cycle % 2 == 0 else args.sizes[::-1]):
                 d_before = [process_cpu(d["pid"]) for d in ds[:size]]
                 threads_before = thread_cpu()
-                got, cpu = run_block(reader, targets, size, round_no, args)
+                got, sent, cpu = run_block(reader, targets, size, round_no, args)
                 threads_after = thread_cpu()
                 d_cpu[size] += sum(process_cpu(d["pid"]) - b for d, b in zip(ds[:size], d_before))
                 round_no += args.rounds
                 for name, seconds in diff(threads_after, threads_before).items():
                     p_threads[size][name] += seconds
                 latencies[size] += got
+                sends[size] += sent
                 p_cpu[size] += cpu
                 print(f"cycle {cycle + 1}, {size} D's: p50 {statistics.median(got) * 1e6:.0f} us, "
                       f"P CPU {cpu / args.rounds * 1e6:.0f} us/lookup", file=sys.stderr, flush=True)
@@ -198,6 +203,7 @@ def main() -> None:
     for size in args.sizes:
         rows.append({
             "d_count": size, "lookups": lookups, **percentiles(latencies[size]),
+            "start_lookup_p50_us": round(statistics.median(sends[size]) * 1e6, 1),
             "p_cpu_us_per_lookup": round(p_cpu[size] / lookups * 1e6, 1),
             "p_cpu_us_per_lookup_by_thread": {
                 k: round(v / lookups * 1e6, 1)
@@ -214,11 +220,12 @@ def main() -> None:
               "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
               "cpus": os.cpu_count(), "seconds": round(time.monotonic() - started_at),
               "rows": rows}
-    print(f"{'Ds':>3}{'p50 us':>9}{'p99 us':>9}{'P CPU us':>10}{'Ds CPU us':>10}"
+    print(f"{'Ds':>3}{'p50 us':>9}{'p99 us':>9}{'send us':>9}{'P CPU us':>10}{'Ds CPU us':>10}"
           f"{'p50 x':>7}{'p99 x':>7}{'CPU x':>7}  P threads (us/lookup)")
     for row in rows:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(row["p_cpu_us_per_lookup_by_thread"].items())[:4])
         print(f"{row['d_count']:>3}{row['p50_us']:>9.0f}{row['p99_us']:>9.0f}"
+              f"{row['start_lookup_p50_us']:>9.0f}"
               f"{row['p_cpu_us_per_lookup']:>10.0f}{row['asked_d_cpu_us_per_lookup']:>10.0f}"
               f"{row['p50_vs_1']:>7}{row['p99_vs_1']:>7}{row['p_cpu_vs_1']:>7}  {top}")
     print(f"idle: P {idle['p_cpu_per_s'] * 1e3:.1f} ms CPU/s, each D "
