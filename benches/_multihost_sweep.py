@@ -26,7 +26,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, read_metrics, read_metrics_after  # noqa: E402
-from kvduplex.servers import VllmServer, complete, complete_streamed, node_cpu_sets, start_many  # noqa: E402
+from kvduplex.servers import (  # noqa: E402
+    ServerError,
+    VllmServer,
+    complete,
+    complete_streamed,
+    node_cpu_sets,
+    start_many,
+)
 from kvduplex.tiny_model import REALISTIC_MODEL_CONFIG, build_realistic_chat_model  # noqa: E402
 
 from _netns import Fabric  # noqa: E402
@@ -48,12 +55,28 @@ SINGLE_HOST = HERE / "results" / "history_sweep_pinned.json"
 
 
 def launcher(fabric: Fabric, host: str, tmp: Path) -> str:
-    """An executable that runs the Python interpreter on `host` (VllmServer's `python`)."""
+    """An executable that runs the Python interpreter on `host` (VllmServer's `python`). On
+    SIGTERM it kills `unshare` (which ignores SIGTERM), whose child, and so the whole pid
+    namespace, goes with it; VllmServer would otherwise wait 30 s before its SIGKILL."""
     path = tmp / f"python-on-{host}"
-    path.write_text("#!/bin/sh\nexec " + " ".join(fabric.exec_prefix(host))
-                    + f" {sys.executable} \"$@\"\n")
+    path.write_text(
+        "#!/bin/sh\n"
+        + " ".join(fabric.exec_prefix(host)) + f" {sys.executable} \"$@\" &\n"
+        + "child=$!\ntrap 'kill -KILL $child' TERM INT\nwait $child\nwait $child\n")
     path.chmod(0o755)
     return str(path)
+
+
+def reset_p(server: VllmServer) -> None:
+    """history_sweep's reset, tried for longer: a block P holds for D's read of a prompt too
+    short to pull stays held until its lease ends (kv_lease_ttl_s, 30 s)."""
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            return reset_prefix_cache(server)
+        except ServerError:
+            if time.monotonic() > deadline:
+                raise
 
 
 def main() -> int:
@@ -98,7 +121,8 @@ def main() -> int:
         fabric.set_rate(host, None)
     with start_many([make("prefill", "p", p_cpus, config), make("decode", "d", d_cpus, config)]) as (p, d):
         with ProxyThread([p.base_url], [d.base_url]) as proxy:
-            complete_streamed(proxy.base_url, prompt(8, seed=-2), 2, timeout_s=900)
+            # Long enough for D to pull (its read releases P's lease at once).
+            complete_streamed(proxy.base_url, prompt(256, seed=-2), 2, timeout_s=900)
             for length in args.lengths:
                 for host in ("p", "d"):
                     fabric.set_rate(host, None)
@@ -110,7 +134,7 @@ def main() -> int:
                         fabric.set_rate(host, gbit)
                     ids = turn1 + first.token_ids + prompt(args.new, seed=length * 1000 + i + 7)
                     turn2_prompts[(length, rate_label(gbit))] = ids
-                    reset_prefix_cache(p)
+                    reset_p(p)
                     time.sleep(args.think)
                     p_before, d_before = read_metrics(p.base_url), read_metrics(d.base_url)
                     link_before = fabric.link_bytes("p")
@@ -134,7 +158,7 @@ def main() -> int:
     with start_many([make("recompute", "p", p_cpus, None)]) as (plain,):
         complete(plain.base_url, prompt(8, seed=-1), 2)
         for length in args.lengths:
-            reset_prefix_cache(plain)
+            reset_p(plain)
             for i, gbit in enumerate(rates):
                 ids = turn2_prompts[(length, rate_label(gbit))]
                 got = complete_streamed(plain.base_url, ids, args.answer, timeout_s=1800)
