@@ -21,6 +21,9 @@ D's (heartbeats, the D's notification polls) over `--idle-s` before the run is r
 beside it, not subtracted.
 
     UCX_NET_DEVICES=lo PYTHONPATH=python .venv/bin/python benches/fleet.py --json OUT
+
+With $KVDUPLEX_SECRET set every engine authenticates its peers and tags every side-channel
+frame (as between hosts, where the secret is required).
 """
 
 from __future__ import annotations
@@ -46,13 +49,18 @@ def fingerprints(conversation: int, blocks: int) -> list[str]:
     return [f"{(conversation << 20) | (i + 1):016x}" for i in range(blocks)]
 
 
+def secret() -> bytes | None:
+    value = os.environ.get("KVDUPLEX_SECRET")
+    return value.encode() if value else None
+
+
 def owner(index: int, fleet: int, turns: int, blocks: int) -> None:
     import ctypes
 
     from kvduplex._core import Engine
 
     buffer = ctypes.create_string_buffer(4096 * 4)
-    engine = Engine(f"fleet-d{index}", FINGERPRINT, host=HOST)
+    engine = Engine(f"fleet-d{index}", FINGERPRINT, host=HOST, secret=secret())
     engine.register_region(ctypes.addressof(buffer), len(buffer))
     engine.set_layout([ctypes.addressof(buffer)], 4096, 4096, 4)
     for t in range(turns):
@@ -157,7 +165,7 @@ def main() -> None:
     try:
         ds = [json.loads(p.stdout.readline()) for p in procs]
         buffer = ctypes.create_string_buffer(4096 * 4)
-        reader = Engine("fleet-p", FINGERPRINT, host=HOST)
+        reader = Engine("fleet-p", FINGERPRINT, host=HOST, secret=secret())
         reader.register_region(ctypes.addressof(buffer), len(buffer))
         reader.set_layout([ctypes.addressof(buffer)], 4096, 4096, 4)
         targets = [(HOST, d["port"]) for d in ds]
@@ -215,7 +223,7 @@ def main() -> None:
         row["p50_vs_1"] = round(row["p50_us"] / base["p50_us"], 2)
         row["p99_vs_1"] = round(row["p99_us"] / base["p99_us"], 2)
         row["p_cpu_vs_1"] = round(row["p_cpu_us_per_lookup"] / base["p_cpu_us_per_lookup"], 2)
-    report = {"blocks": args.blocks, "turns_per_d": args.turns, "rounds_per_block": args.rounds,
+    report = {"authenticated": secret() is not None, "blocks": args.blocks, "turns_per_d": args.turns, "rounds_per_block": args.rounds,
               "cycles": args.cycles, "poll_us": args.poll_us, "idle": idle,
               "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
               "cpus": os.cpu_count(), "seconds": round(time.monotonic() - started_at),
