@@ -7,8 +7,11 @@ region as one segment of blocks of the pattern's size (stride = block size), and
 the reader's destination region. Engine start, registration and the handshake are untimed; a
 timed batch is read_blocks (plan, bounds checks, posting; for a same-host owner and a batch up
 to 1 MiB, the reads themselves) plus Transfer.wait. `same_host_reads` in the config turns same-host reads off
-(kvduplex-ucx).
+(kvduplex-ucx). Each engine listens on the config's `host` and authenticates its peers with
+$KVDUPLEX_SECRET when that is set (a non-loopback host needs it).
 """
+
+import os
 
 from _bench_common import (
     Channel,
@@ -20,17 +23,18 @@ from _bench_common import (
     timed_batches,
 )
 
-HOST = "127.0.0.1"
-
 
 def fingerprint(block_bytes: int) -> dict[str, str]:
     return {"model": "compare_transfer", "dtype": "uint8", "block_bytes": str(block_bytes)}
 
 
-def start_engine(name: str, region: Region, block_bytes: int, same_host_reads: bool = True):
+def start_engine(name: str, region: Region, block_bytes: int, host: str,
+                 same_host_reads: bool = True):
     from kvduplex._core import Engine
 
-    engine = Engine(name, fingerprint(block_bytes), host=HOST, same_host_reads=same_host_reads)
+    secret = os.environ.get("KVDUPLEX_SECRET")
+    engine = Engine(name, fingerprint(block_bytes), host=host, same_host_reads=same_host_reads,
+                    secret=secret.encode() if secret else None)
     engine.register_region(region.addr, region.nbytes)
     engine.set_layout([region.addr], block_bytes, block_bytes, region.nbytes // block_bytes)
     return engine
@@ -39,13 +43,14 @@ def start_engine(name: str, region: Region, block_bytes: int, same_host_reads: b
 def owner(chan: Channel, config: dict) -> None:
     region = Region(config["region_bytes"], config["hugepages"])
     region.fill_pattern()
-    chan.send(event="ready", memory=region.describe(), info={"host": HOST})
+    chan.send(event="ready", memory=region.describe(), info={"host": config["host"]})
     engine = None
 
     def setup(cmd: dict) -> None:
         nonlocal engine
         pattern = pattern_from_dict(cmd["pattern"])
-        engine = start_engine(f"kvd-owner-{pattern.name}", region, pattern.block_bytes)
+        engine = start_engine(f"kvd-owner-{pattern.name}", region, pattern.block_bytes,
+                              config["host"])
         chan.send(event="setup", info={"port": engine.side_channel_port})
 
     def teardown(cmd: dict) -> None:
@@ -68,12 +73,12 @@ def reader(chan: Channel, config: dict) -> None:
         chan.send(event="connect", info={})
 
     def run(cmd: dict) -> None:
-        chan.send(event="result", **run_pattern(region, cmd, config["same_host_reads"]))
+        chan.send(event="result", **run_pattern(region, cmd, config))
 
     serve_commands(chan, "kvduplex-reader", {"connect": connect, "run": run})
 
 
-def run_pattern(region: Region, cmd: dict, same_host_reads: bool) -> dict:
+def run_pattern(region: Region, cmd: dict, config: dict) -> dict:
     pattern = pattern_from_dict(cmd["pattern"])
     num_slots = region.nbytes // pattern.block_bytes
     local_ids = block_ids(pattern, num_slots, "local")
@@ -81,7 +86,7 @@ def run_pattern(region: Region, cmd: dict, same_host_reads: bool) -> dict:
     local_list, remote_list = local_ids.tolist(), remote_ids.tolist()
     timeout_s = cmd["batch_timeout_s"]
     engine = start_engine(f"kvd-reader-{pattern.name}", region, pattern.block_bytes,
-                          same_host_reads)
+                          config["host"], config["same_host_reads"])
     try:
         peer = engine.connect(cmd["owner"]["host"], cmd["owner"]["port"], timeout_s=timeout_s)
         last = []

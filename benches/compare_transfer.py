@@ -47,6 +47,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -75,6 +77,20 @@ DEFAULT_TOOLS = HERE.parent.parent / "shared" / "tools"
 ERROR_LINE = re.compile(r" ERROR |^E\d{4} ")
 
 
+@dataclass(frozen=True)
+class Side:
+    """Where an owner or reader process runs: a command prefix (benches/multihost.py enters a
+    simulated host's namespaces with it), environment laid over the run's, and the address its
+    engine listens on (kvduplex; NIXL's side processes ignore it)."""
+
+    prefix: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: {"UCX_NET_DEVICES": "lo"})
+    host: str = "127.0.0.1"
+
+
+LOOPBACK = {"owner": Side(), "reader": Side()}
+
+
 def progress(msg: str) -> None:
     print(f"[compare_transfer] {msg}", file=sys.stderr, flush=True)
 
@@ -91,12 +107,13 @@ class SideProcess:
     """An owner or reader process of one system, driven over JSON lines on stdin/stdout.
     Its stderr goes to a log file whose tail is quoted when it fails."""
 
-    def __init__(self, system: str, role: str, env: dict, log_dir: Path, verbose: bool):
+    def __init__(self, system: str, role: str, env: dict, log_dir: Path, verbose: bool,
+                 prefix: tuple[str, ...] = ()):
         self.name = f"{system}-{role}"
         self.log_path = log_dir / f"{self.name}.log"
         self._log = None if verbose else open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, str(SIDE_SCRIPTS[system]), role],
+            [*prefix, sys.executable, str(SIDE_SCRIPTS[system]), role],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
             cwd=HERE,
         )
@@ -176,10 +193,10 @@ def failed_row(system, pattern, transport, error, **extra) -> dict:
     return row
 
 
-def run_side_system(system, transport, patterns, args, log_dir) -> list[dict]:
-    """Owner + reader processes of kvduplex or NIXL, all patterns of one transport."""
+def run_side_system(system, transport, patterns, args, log_dir, sides=LOOPBACK) -> list[dict]:
+    """Owner + reader processes of kvduplex or NIXL, all patterns of one transport, placed
+    as `sides` says (by role)."""
     tls = args.ucx_tls[transport]
-    env = dict(os.environ, UCX_TLS=tls, UCX_NET_DEVICES="lo")
     config = {"region_bytes": args.region_mib * MiB, "hugepages": not args.no_thp,
               "owner_poll": args.owner_poll[transport],
               "same_host_reads": system != "kvduplex-ucx"}
@@ -188,12 +205,17 @@ def run_side_system(system, transport, patterns, args, log_dir) -> list[dict]:
     rows = []
     owner = reader = None
     todo = list(patterns)
+    def start(role: str) -> SideProcess:
+        side = sides[role]
+        env = {**os.environ, "UCX_TLS": tls, **side.env}
+        process = SideProcess(system, role, env, log_dir, args.verbose, side.prefix)
+        process.send(**config, host=side.host)
+        return process
+
     try:
-        owner = SideProcess(system, "owner", env, log_dir, args.verbose)
-        owner.send(**config)
+        owner = start("owner")
         owner_ready = owner.expect("ready", args.timeout)
-        reader = SideProcess(system, "reader", env, log_dir, args.verbose)
-        reader.send(**config)
+        reader = start("reader")
         reader_ready = reader.expect("ready", args.timeout)
         common["memory"] = owner_ready["memory"]["memory"]
         common["hugepage_fraction"] = {

@@ -45,7 +45,9 @@ def stalling_buffer(data: np.ndarray, stall_from: int) -> tuple[mmap.mmap, np.nd
     buf[:stall_from] = data[:stall_from]
     uffd = userfaultfd()
     api = (ctypes.c_uint64 * 3)(UFFD_API, 0, 0)
-    register = (ctypes.c_uint64 * 4)(buf.ctypes.data + stall_from, data.nbytes - stall_from, UFFDIO_REGISTER_MODE_MISSING, 0)
+    register = (ctypes.c_uint64 * 4)(
+        buf.ctypes.data + stall_from, data.nbytes - stall_from, UFFDIO_REGISTER_MODE_MISSING, 0
+    )
     for request, arg in ((UFFDIO_API, api), (UFFDIO_REGISTER, register)):
         if uffd < 0 or libc.ioctl(uffd, ctypes.c_ulong(request), ctypes.byref(arg)) != 0:
             raise OSError(ctypes.get_errno(), "userfaultfd setup failed")
