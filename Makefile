@@ -32,9 +32,8 @@ test-rust: $(DEPS_STAMP)
 test-python: build
 	$(PY) -m pytest -q tests
 
-# Static checks, run first by `make test`. The Rust ones (check-rust) join `check` once the tree
-# is rustfmt- and clippy-clean; until then run them by hand.
-check: lint
+# Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors.
+check: lint check-rust
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check .

@@ -16,9 +16,7 @@ const BLOCK_LEN: u64 = 32 * 1024;
 fn layout(first_base: u64) -> BlockLayout {
     let segment_bytes = BLOCKS * BLOCK_LEN + 2 * 1024 * 1024;
     BlockLayout {
-        segment_bases: (0..SEGMENTS)
-            .map(|s| first_base + s * segment_bytes)
-            .collect(),
+        segment_bases: (0..SEGMENTS).map(|s| first_base + s * segment_bytes).collect(),
         block_stride: BLOCK_LEN,
         block_len: BLOCK_LEN,
         num_blocks: BLOCKS,
@@ -27,11 +25,7 @@ fn layout(first_base: u64) -> BlockLayout {
 
 fn regions(layout: &BlockLayout) -> Vec<RegionBounds> {
     let len = layout.num_blocks * layout.block_stride;
-    layout
-        .segment_bases
-        .iter()
-        .map(|&addr| RegionBounds { addr, len })
-        .collect()
+    layout.segment_bases.iter().map(|&addr| RegionBounds { addr, len }).collect()
 }
 
 /// splitmix64: a fixed-seed generator so every run benches the same ids.
@@ -66,16 +60,8 @@ fn bench_plan(c: &mut Criterion) {
     let remote = layout(0x5500_0000_0000);
     let mut rng = SplitMix(42);
     let cases = [
-        (
-            "scattered",
-            shuffled_runs(&mut rng, 1),
-            shuffled_runs(&mut rng, 1),
-        ),
-        (
-            "runs_of_50",
-            shuffled_runs(&mut rng, 50),
-            shuffled_runs(&mut rng, 50),
-        ),
+        ("scattered", shuffled_runs(&mut rng, 1), shuffled_runs(&mut rng, 1)),
+        ("runs_of_50", shuffled_runs(&mut rng, 50), shuffled_runs(&mut rng, 50)),
         (
             "contiguous",
             shuffled_runs(&mut rng, BLOCKS as usize),

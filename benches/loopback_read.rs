@@ -29,7 +29,12 @@ fn engine(id: &str, buf: &mut [u8], block: usize) -> Engine {
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;
     engine.register_region(base, buf.len() as u64).unwrap();
-    let layout = BlockLayout { segment_bases: vec![base], block_stride: block as u64, block_len: block as u64, num_blocks: (buf.len() / block) as u64 };
+    let layout = BlockLayout {
+        segment_bases: vec![base],
+        block_stride: block as u64,
+        block_len: block as u64,
+        num_blocks: (buf.len() / block) as u64,
+    };
     engine.set_layout(layout).unwrap();
     engine
 }
@@ -46,13 +51,16 @@ fn bench_reads(c: &mut Criterion) {
         let owner = engine("owner", &mut owned, block);
         let reader = engine("reader", &mut local, block);
         let addr = owner.side_channel_addr().unwrap();
-        let peer = reader.connect(&addr.ip().to_string(), addr.port(), Duration::from_secs(5)).unwrap();
+        let peer =
+            reader.connect(&addr.ip().to_string(), addr.port(), Duration::from_secs(5)).unwrap();
         let ids = scattered(count);
         let mut group = c.benchmark_group("loopback_read");
         group.throughput(Throughput::Bytes((block * count) as u64));
         group.bench_function(name, |b| {
             b.iter(|| {
-                let t = reader.read_blocks(&peer, &ids, &ids, None, Duration::from_secs(10), None, None).unwrap();
+                let t = reader
+                    .read_blocks(&peer, &ids, &ids, None, Duration::from_secs(10), None, None)
+                    .unwrap();
                 t.wait(Some(Duration::from_secs(10))).unwrap();
             })
         });

@@ -102,12 +102,7 @@ fn layout(segments: usize, block_len: u64) -> impl Strategy<Value = BlockLayout>
                     this
                 })
                 .collect();
-            BlockLayout {
-                segment_bases,
-                block_stride,
-                block_len,
-                num_blocks,
-            }
+            BlockLayout { segment_bases, block_stride, block_len, num_blocks }
         })
 }
 
@@ -139,15 +134,13 @@ fn case(
     (1usize..8, 1u64..9, 0usize..40).prop_flat_map(move |(segments, unit, units)| {
         // Round the unit count to a multiple of the larger block's unit count.
         let units = units / (local_k * remote_k) as usize * (local_k * remote_k) as usize;
-        (
-            layout(segments, unit * local_k),
-            layout(segments, unit * remote_k),
-        )
-            .prop_flat_map(move |(local, remote)| {
+        (layout(segments, unit * local_k), layout(segments, unit * remote_k)).prop_flat_map(
+            move |(local, remote)| {
                 let local_ids = ids(units / local_k as usize, local.num_blocks);
                 let remote_ids = ids(units / remote_k as usize, remote.num_blocks);
                 (Just(local), Just(remote), local_ids, remote_ids)
-            })
+            },
+        )
     })
 }
 
@@ -236,12 +229,7 @@ proptest! {
 }
 
 fn contiguous(segment_bases: Vec<u64>, block_len: u64, num_blocks: u64) -> BlockLayout {
-    BlockLayout {
-        segment_bases,
-        block_stride: block_len,
-        block_len,
-        num_blocks,
-    }
+    BlockLayout { segment_bases, block_stride: block_len, block_len, num_blocks }
 }
 
 fn err_text(result: Result<Vec<Descriptor>, PlanError>) -> String {
@@ -252,20 +240,14 @@ fn err_text(result: Result<Vec<Descriptor>, PlanError>) -> String {
 fn negative_ids_are_rejected_on_both_sides() {
     let l = contiguous(vec![0], 64, 16);
     let r = contiguous(vec![1 << 20], 64, 16);
-    assert_eq!(
-        err_text(plan_reads(&l, &r, &[1, -3], &[1, 2], None)),
-        "negative local block id -3"
-    );
+    assert_eq!(err_text(plan_reads(&l, &r, &[1, -3], &[1, 2], None)), "negative local block id -3");
     assert_eq!(
         err_text(plan_reads(&l, &r, &[1, 2], &[-7, 2], None)),
         "negative remote block id -7"
     );
     assert_eq!(
         plan_reads(&l, &r, &[i64::MIN], &[0], None),
-        Err(PlanError::NegativeBlockId {
-            side: Side::Local,
-            id: i64::MIN
-        })
+        Err(PlanError::NegativeBlockId { side: Side::Local, id: i64::MIN })
     );
 }
 
@@ -287,10 +269,7 @@ fn out_of_range_ids_are_rejected_on_both_sides() {
     );
     assert_eq!(
         err_text(plan_reads(&l, &r, &[i64::MAX], &[0], None)),
-        format!(
-            "local block id {} out of range (this engine has 1024 blocks)",
-            i64::MAX
-        )
+        format!("local block id {} out of range (this engine has 1024 blocks)", i64::MAX)
     );
 }
 
@@ -396,11 +375,7 @@ fn vllm_style_runs_become_one_read_per_run_per_segment() {
     assert_eq!(plan.len(), 2 * 8);
     assert_eq!(
         plan[0],
-        Descriptor {
-            local_addr: 100 * 4096,
-            remote_addr: (1 << 40) + 7 * 4096,
-            len: 50 * 4096
-        }
+        Descriptor { local_addr: 100 * 4096, remote_addr: (1 << 40) + 7 * 4096, len: 50 * 4096 }
     );
     assert_eq!(plan[1].local_addr, 300 * 4096);
     assert_eq!(plan[2].local_addr, (1 << 24) + 100 * 4096);
@@ -414,11 +389,7 @@ fn adjacent_segments_merge_into_one_read() {
     let all: Vec<i64> = (0..1024).collect();
     assert_eq!(
         plan_reads(&l, &r, &all, &all, None),
-        Ok(vec![Descriptor {
-            local_addr: 0,
-            remote_addr: 1 << 40,
-            len: 4 * whole
-        }])
+        Ok(vec![Descriptor { local_addr: 0, remote_addr: 1 << 40, len: 4 * whole }])
     );
 }
 
@@ -427,36 +398,12 @@ fn reads_merged_across_touching_segments_need_one_region_for_both() {
     let l = contiguous(vec![0, 64], 64, 1);
     let r = contiguous(vec![1 << 30, (1 << 30) + 64], 64, 1);
     let plan = plan_reads(&l, &r, &[0], &[0], None).unwrap();
-    assert_eq!(
-        plan,
-        vec![Descriptor {
-            local_addr: 0,
-            remote_addr: 1 << 30,
-            len: 128
-        }]
-    );
-    let separate = [
-        RegionBounds {
-            addr: 1 << 30,
-            len: 64,
-        },
-        RegionBounds {
-            addr: (1 << 30) + 64,
-            len: 64,
-        },
-    ];
+    assert_eq!(plan, vec![Descriptor { local_addr: 0, remote_addr: 1 << 30, len: 128 }]);
+    let separate =
+        [RegionBounds { addr: 1 << 30, len: 64 }, RegionBounds { addr: (1 << 30) + 64, len: 64 }];
     assert_eq!(r.validate_within(&separate), Ok(()));
     assert!(holding_regions(&plan, &separate).is_err());
-    assert_eq!(
-        holding_regions(
-            &plan,
-            &[RegionBounds {
-                addr: 1 << 30,
-                len: 128
-            }]
-        ),
-        Ok(vec![0])
-    );
+    assert_eq!(holding_regions(&plan, &[RegionBounds { addr: 1 << 30, len: 128 }]), Ok(vec![0]));
 }
 
 #[test]
@@ -467,16 +414,8 @@ fn id_order_is_kept_even_when_sorting_would_merge() {
     assert_eq!(
         plan,
         vec![
-            Descriptor {
-                local_addr: 3 * 64,
-                remote_addr: (1 << 30) + 3 * 64,
-                len: 64
-            },
-            Descriptor {
-                local_addr: 2 * 64,
-                remote_addr: (1 << 30) + 2 * 64,
-                len: 64
-            },
+            Descriptor { local_addr: 3 * 64, remote_addr: (1 << 30) + 3 * 64, len: 64 },
+            Descriptor { local_addr: 2 * 64, remote_addr: (1 << 30) + 2 * 64, len: 64 },
         ]
     );
 }
@@ -491,16 +430,8 @@ fn larger_remote_block_is_split_across_consecutive_local_ids() {
     assert_eq!(
         plan,
         vec![
-            Descriptor {
-                local_addr: 5 * 64,
-                remote_addr: rb,
-                len: 128
-            },
-            Descriptor {
-                local_addr: 9 * 64,
-                remote_addr: rb + 128,
-                len: 128
-            },
+            Descriptor { local_addr: 5 * 64, remote_addr: rb, len: 128 },
+            Descriptor { local_addr: 9 * 64, remote_addr: rb + 128, len: 128 },
         ]
     );
 }
@@ -515,47 +446,19 @@ fn validate_within_accepts_exact_fit_and_rejects_one_byte_overrun() {
         num_blocks: 10,
     };
     let span = 9 * 96 + 64;
-    let exact = [
-        RegionBounds {
-            addr: 0x10_0000,
-            len: span,
-        },
-        RegionBounds {
-            addr: 0x1000,
-            len: span,
-        },
-    ];
+    let exact =
+        [RegionBounds { addr: 0x10_0000, len: span }, RegionBounds { addr: 0x1000, len: span }];
     assert_eq!(layout.validate_within(&exact), Ok(()));
 
-    let short = [
-        exact[0],
-        RegionBounds {
-            addr: 0x1000,
-            len: span - 1,
-        },
-    ];
+    let short = [exact[0], RegionBounds { addr: 0x1000, len: span - 1 }];
     assert_eq!(
         layout.validate_within(&short).unwrap_err().to_string(),
-        format!(
-            "segment 0 block 9 at {:#x}+64 is outside the registered regions",
-            0x1000 + 9 * 96
-        )
+        format!("segment 0 block 9 at {:#x}+64 is outside the registered regions", 0x1000 + 9 * 96)
     );
-    let late = [
-        exact[0],
-        RegionBounds {
-            addr: 0x1001,
-            len: span,
-        },
-    ];
+    let late = [exact[0], RegionBounds { addr: 0x1001, len: span }];
     assert_eq!(
         layout.validate_within(&late),
-        Err(PlanError::BlockOutsideRegions {
-            segment: 0,
-            block: 0,
-            addr: 0x1000,
-            len: 64
-        })
+        Err(PlanError::BlockOutsideRegions { segment: 0, block: 0, addr: 0x1000, len: 64 })
     );
     assert!(layout.validate_within(&[]).is_err());
 }
@@ -564,26 +467,14 @@ fn validate_within_accepts_exact_fit_and_rejects_one_byte_overrun() {
 fn validate_within_allows_a_segment_split_between_regions_at_block_boundaries() {
     let layout = contiguous(vec![0x1000], 64, 10);
     let split = [
-        RegionBounds {
-            addr: 0x1000,
-            len: 4 * 64,
-        },
-        RegionBounds {
-            addr: 0x1000 + 4 * 64,
-            len: 6 * 64,
-        },
+        RegionBounds { addr: 0x1000, len: 4 * 64 },
+        RegionBounds { addr: 0x1000 + 4 * 64, len: 6 * 64 },
     ];
     assert_eq!(layout.validate_within(&split), Ok(()));
     // A block straddling the two regions is not readable with either key.
     let straddle = [
-        RegionBounds {
-            addr: 0x1000,
-            len: 4 * 64 + 1,
-        },
-        RegionBounds {
-            addr: 0x1000 + 4 * 64 + 1,
-            len: 6 * 64 - 1,
-        },
+        RegionBounds { addr: 0x1000, len: 4 * 64 + 1 },
+        RegionBounds { addr: 0x1000 + 4 * 64 + 1, len: 6 * 64 - 1 },
     ];
     assert_eq!(
         layout.validate_within(&straddle),
@@ -601,10 +492,7 @@ fn validate_within_reports_malformed_layouts() {
     let mut layout = contiguous(vec![0], 64, 10);
     layout.block_stride = 32;
     assert_eq!(
-        layout.validate_within(&[RegionBounds {
-            addr: 0,
-            len: u64::MAX
-        }]),
+        layout.validate_within(&[RegionBounds { addr: 0, len: u64::MAX }]),
         Err(PlanError::Layout(LayoutError::BlockLenExceedsStride {
             block_len: 64,
             block_stride: 32
@@ -614,32 +502,12 @@ fn validate_within_reports_malformed_layouts() {
 
 #[test]
 fn check_remote_bounds_accepts_exact_fit() {
-    let regions = [
-        RegionBounds {
-            addr: 0x2000,
-            len: 0x1000,
-        },
-        RegionBounds {
-            addr: 0x1000,
-            len: 0x1000,
-        },
-    ];
+    let regions =
+        [RegionBounds { addr: 0x2000, len: 0x1000 }, RegionBounds { addr: 0x1000, len: 0x1000 }];
     let plan = [
-        Descriptor {
-            local_addr: 0,
-            remote_addr: 0x1000,
-            len: 0x1000,
-        },
-        Descriptor {
-            local_addr: 0,
-            remote_addr: 0x2000,
-            len: 0x1000,
-        },
-        Descriptor {
-            local_addr: 0,
-            remote_addr: 0x1800,
-            len: 0x800,
-        },
+        Descriptor { local_addr: 0, remote_addr: 0x1000, len: 0x1000 },
+        Descriptor { local_addr: 0, remote_addr: 0x2000, len: 0x1000 },
+        Descriptor { local_addr: 0, remote_addr: 0x1800, len: 0x800 },
     ];
     assert_eq!(holding_regions(&plan, &regions), Ok(vec![1, 0, 1]));
     assert_eq!(holding_regions(&[], &[]), Ok(vec![]));
@@ -647,27 +515,11 @@ fn check_remote_bounds_accepts_exact_fit() {
 
 #[test]
 fn check_remote_bounds_rejects_range_straddling_two_regions() {
-    let regions = [
-        RegionBounds {
-            addr: 0x1000,
-            len: 0x1000,
-        },
-        RegionBounds {
-            addr: 0x2000,
-            len: 0x1000,
-        },
-    ];
+    let regions =
+        [RegionBounds { addr: 0x1000, len: 0x1000 }, RegionBounds { addr: 0x2000, len: 0x1000 }];
     let plan = [
-        Descriptor {
-            local_addr: 0,
-            remote_addr: 0x1000,
-            len: 0x100,
-        },
-        Descriptor {
-            local_addr: 0,
-            remote_addr: 0x1f00,
-            len: 0x200,
-        },
+        Descriptor { local_addr: 0, remote_addr: 0x1000, len: 0x100 },
+        Descriptor { local_addr: 0, remote_addr: 0x1f00, len: 0x200 },
     ];
     assert_eq!(
         holding_regions(&plan, &regions).unwrap_err().to_string(),
@@ -677,27 +529,13 @@ fn check_remote_bounds_rejects_range_straddling_two_regions() {
 
 #[test]
 fn check_remote_bounds_rejects_range_just_past_the_end() {
-    let regions = [RegionBounds {
-        addr: 0x1000,
-        len: 0x1000,
-    }];
-    let plan = [Descriptor {
-        local_addr: 0,
-        remote_addr: 0x1f00,
-        len: 0x101,
-    }];
+    let regions = [RegionBounds { addr: 0x1000, len: 0x1000 }];
+    let plan = [Descriptor { local_addr: 0, remote_addr: 0x1f00, len: 0x101 }];
     assert_eq!(
         holding_regions(&plan, &regions),
-        Err(PlanError::RemoteRangeOutsideRegions {
-            addr: 0x1f00,
-            len: 0x101
-        })
+        Err(PlanError::RemoteRangeOutsideRegions { addr: 0x1f00, len: 0x101 })
     );
-    let before = [Descriptor {
-        local_addr: 0,
-        remote_addr: 0xfff,
-        len: 1,
-    }];
+    let before = [Descriptor { local_addr: 0, remote_addr: 0xfff, len: 1 }];
     assert!(holding_regions(&before, &regions).is_err());
 }
 
@@ -705,38 +543,17 @@ fn check_remote_bounds_rejects_range_just_past_the_end() {
 fn check_remote_bounds_handles_overlapping_regions_and_the_top_of_memory() {
     // A big region starting first still covers ranges past a small region nested inside it.
     let regions = [
-        RegionBounds {
-            addr: 0x1000,
-            len: 0x10000,
-        },
-        RegionBounds {
-            addr: 0x2000,
-            len: 0x10,
-        },
-        RegionBounds {
-            addr: u64::MAX - 0xff,
-            len: 0x100,
-        },
+        RegionBounds { addr: 0x1000, len: 0x10000 },
+        RegionBounds { addr: 0x2000, len: 0x10 },
+        RegionBounds { addr: u64::MAX - 0xff, len: 0x100 },
     ];
     let plan = [
-        Descriptor {
-            local_addr: 0,
-            remote_addr: 0x2008,
-            len: 0x100,
-        },
-        Descriptor {
-            local_addr: 0,
-            remote_addr: u64::MAX - 0xff,
-            len: 0x100,
-        },
+        Descriptor { local_addr: 0, remote_addr: 0x2008, len: 0x100 },
+        Descriptor { local_addr: 0, remote_addr: u64::MAX - 0xff, len: 0x100 },
     ];
     // The big region holds the range past the nested one's end.
     assert_eq!(holding_regions(&plan, &regions), Ok(vec![0, 2]));
-    let wrap = [Descriptor {
-        local_addr: 0,
-        remote_addr: u64::MAX - 0xff,
-        len: 0x101,
-    }];
+    let wrap = [Descriptor { local_addr: 0, remote_addr: u64::MAX - 0xff, len: 0x101 }];
     assert!(holding_regions(&wrap, &regions).is_err());
 }
 
@@ -765,25 +582,19 @@ fn naive_sliced_plan(
 
 /// Two layouts of independent block lengths, equally long id lists, and a slice that fits
 /// both (sometimes touching a block's end, sometimes the whole of the smaller block).
-fn sliced_case(
-) -> impl Strategy<Value = (BlockLayout, BlockLayout, Vec<i64>, Vec<i64>, BlockSlice)> {
+fn sliced_case() -> impl Strategy<Value = (BlockLayout, BlockLayout, Vec<i64>, Vec<i64>, BlockSlice)>
+{
     (1usize..6, 1u64..48, 1u64..48, 0usize..30).prop_flat_map(|(segments, ll, rl, n)| {
         let max_len = ll.min(rl);
-        (
-            layout(segments, ll),
-            layout(segments, rl),
-            prop_oneof![Just(max_len), 1..=max_len],
-        )
+        (layout(segments, ll), layout(segments, rl), prop_oneof![Just(max_len), 1..=max_len])
             .prop_flat_map(move |(local, remote, len)| {
-                let slice = (
-                    prop_oneof![Just(rl - len), 0..=rl - len],
-                    prop_oneof![Just(0), 0..=ll - len],
-                )
-                    .prop_map(move |(remote_offset, local_offset)| BlockSlice {
-                        remote_offset,
-                        local_offset,
-                        len,
-                    });
+                let slice =
+                    (prop_oneof![Just(rl - len), 0..=rl - len], prop_oneof![Just(0), 0..=ll - len])
+                        .prop_map(move |(remote_offset, local_offset)| BlockSlice {
+                            remote_offset,
+                            local_offset,
+                            len,
+                        });
                 let local_ids = ids(n, local.num_blocks);
                 let remote_ids = ids(n, remote.num_blocks);
                 (Just(local), Just(remote), local_ids, remote_ids, slice)
@@ -792,11 +603,7 @@ fn sliced_case(
 }
 
 fn whole(layout: &BlockLayout) -> BlockSlice {
-    BlockSlice {
-        remote_offset: 0,
-        local_offset: 0,
-        len: layout.block_len,
-    }
+    BlockSlice { remote_offset: 0, local_offset: 0, len: layout.block_len }
 }
 
 proptest! {
@@ -881,11 +688,7 @@ proptest! {
 }
 
 fn half(remote_offset: u64, local_offset: u64, len: u64) -> Option<BlockSlice> {
-    Some(BlockSlice {
-        remote_offset,
-        local_offset,
-        len,
-    })
+    Some(BlockSlice { remote_offset, local_offset, len })
 }
 
 #[test]
@@ -896,11 +699,7 @@ fn slices_that_fit_exactly_are_accepted_and_one_byte_more_is_not() {
     let plan = plan_reads(&l, &r, &[3], &[5], half(64, 0, 64)).unwrap();
     assert_eq!(
         plan,
-        vec![Descriptor {
-            local_addr: 3 * 64,
-            remote_addr: (1 << 20) + 5 * 128 + 64,
-            len: 64
-        }]
+        vec![Descriptor { local_addr: 3 * 64, remote_addr: (1 << 20) + 5 * 128 + 64, len: 64 }]
     );
     assert_eq!(
         plan_reads(&l, &r, &[3], &[5], half(65, 0, 64)),
@@ -915,10 +714,7 @@ fn slices_that_fit_exactly_are_accepted_and_one_byte_more_is_not() {
         err_text(plan_reads(&l, &r, &[3], &[5], half(0, 1, 64))),
         "block slice 1+64 does not fit in a local block of block_len 64"
     );
-    assert_eq!(
-        err_text(plan_reads(&l, &r, &[3], &[5], half(0, 0, 0))),
-        "block slice len is 0"
-    );
+    assert_eq!(err_text(plan_reads(&l, &r, &[3], &[5], half(0, 0, 0))), "block slice len is 0");
 }
 
 #[test]
@@ -959,13 +755,24 @@ fn a_slice_pairs_ids_one_to_one_whatever_the_block_sizes() {
         vec![
             Descriptor { local_addr: 64, remote_addr: (1 << 20) + 7 * 128 + 64, len: 64 },
             Descriptor { local_addr: 128, remote_addr: (1 << 20) + 8 * 128 + 64, len: 64 },
-            Descriptor { local_addr: (1 << 16) + 64, remote_addr: (1 << 20) + (1 << 16) + 7 * 128 + 64, len: 64 },
-            Descriptor { local_addr: (1 << 16) + 128, remote_addr: (1 << 20) + (1 << 16) + 8 * 128 + 64, len: 64 },
+            Descriptor {
+                local_addr: (1 << 16) + 64,
+                remote_addr: (1 << 20) + (1 << 16) + 7 * 128 + 64,
+                len: 64
+            },
+            Descriptor {
+                local_addr: (1 << 16) + 128,
+                remote_addr: (1 << 20) + (1 << 16) + 8 * 128 + 64,
+                len: 64
+            },
         ]
     );
     // TP=2 -> TP=1: a whole 64-byte page into the second half of a 128-byte one.
     let plan = plan_reads(&r, &l, &[7], &[1], half(0, 64, 64)).unwrap();
-    assert_eq!(plan[0], Descriptor { local_addr: (1 << 20) + 7 * 128 + 64, remote_addr: 64, len: 64 });
+    assert_eq!(
+        plan[0],
+        Descriptor { local_addr: (1 << 20) + 7 * 128 + 64, remote_addr: 64, len: 64 }
+    );
     // Block sizes that are no multiple of each other are fine with a slice, not without.
     let odd = contiguous(vec![1 << 20, (1 << 20) + (1 << 16)], 48, 16);
     assert!(plan_reads(&l, &odd, &[1], &[1], None).is_err());

@@ -14,7 +14,10 @@ const BLOCK: usize = 4096;
 const BLOCKS: usize = 64;
 
 fn fingerprint(dtype: &str) -> Fingerprint {
-    Fingerprint(BTreeMap::from([("model".to_string(), "tiny".to_string()), ("dtype".to_string(), dtype.to_string())]))
+    Fingerprint(BTreeMap::from([
+        ("model".to_string(), "tiny".to_string()),
+        ("dtype".to_string(), dtype.to_string()),
+    ]))
 }
 
 /// An engine over `buf` that reads its peers through UCX (every engine here shares one
@@ -28,12 +31,25 @@ fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) 
 }
 
 /// An engine over `buf` cut into `buf.len() / block` blocks of `block` bytes.
-fn engine_paged(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block: usize) -> Engine {
+fn engine_paged(
+    id: &str,
+    dtype: &str,
+    buf: &mut [u8],
+    same_host_reads: bool,
+    block: usize,
+) -> Engine {
     engine_at(id, dtype, buf, same_host_reads, block, 0)
 }
 
 /// [`engine_paged`] with its side channel on `port` (0: a free one).
-fn engine_at(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block: usize, port: u16) -> Engine {
+fn engine_at(
+    id: &str,
+    dtype: &str,
+    buf: &mut [u8],
+    same_host_reads: bool,
+    block: usize,
+    port: u16,
+) -> Engine {
     let engine = Engine::start(EngineConfig {
         engine_id: id.into(),
         fingerprint: fingerprint(dtype),
@@ -51,7 +67,12 @@ fn engine_at(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool, block
     let base = buf.as_mut_ptr() as u64;
     engine.register_region(base, buf.len() as u64).unwrap();
     engine
-        .set_layout(BlockLayout { segment_bases: vec![base], block_stride: block as u64, block_len: block as u64, num_blocks: (buf.len() / block) as u64 })
+        .set_layout(BlockLayout {
+            segment_bases: vec![base],
+            block_stride: block as u64,
+            block_len: block as u64,
+            num_blocks: (buf.len() / block) as u64,
+        })
         .unwrap();
     engine
 }
@@ -78,7 +99,17 @@ fn read_and_notify(same_host_reads: bool) {
     let reader = engine_reading("reader", "f32", &mut local, same_host_reads);
     let peer = connect(&reader, &owner).unwrap();
     assert!(peer.starts_with("owner@127.0.0.1:"), "{peer}");
-    let transfer = reader.read_blocks(&peer, &[1, 2, 3, 9], &[10, 11, 12, 40], Some(b"req-1".to_vec()), Duration::from_secs(10), None, None).unwrap();
+    let transfer = reader
+        .read_blocks(
+            &peer,
+            &[1, 2, 3, 9],
+            &[10, 11, 12, 40],
+            Some(b"req-1".to_vec()),
+            Duration::from_secs(10),
+            None,
+            None,
+        )
+        .unwrap();
     assert_eq!(transfer.same_host(), same_host_reads);
     transfer.wait(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(transfer.num_descriptors, 2);
@@ -100,7 +131,11 @@ fn read_and_notify(same_host_reads: bool) {
 }
 
 fn slice(remote_offset: usize, local_offset: usize, len: usize) -> Option<BlockSlice> {
-    Some(BlockSlice { remote_offset: remote_offset as u64, local_offset: local_offset as u64, len: len as u64 })
+    Some(BlockSlice {
+        remote_offset: remote_offset as u64,
+        local_offset: local_offset as u64,
+        len: len as u64,
+    })
 }
 
 #[test]
@@ -109,7 +144,8 @@ fn a_sliced_read_copies_the_second_half_of_each_remote_block_into_the_first_half
 }
 
 #[test]
-fn a_same_host_sliced_read_copies_the_second_half_of_each_remote_block_into_the_first_half_of_local_ones() {
+fn a_same_host_sliced_read_copies_the_second_half_of_each_remote_block_into_the_first_half_of_local_ones(
+) {
     sliced_read(true);
 }
 
@@ -122,19 +158,39 @@ fn sliced_read(same_host_reads: bool) {
     let peer = connect(&reader, &owner).unwrap();
     // Runs on both sides, which whole blocks would read as two descriptors.
     let (lids, rids) = ([1i64, 2, 3, 9], [10i64, 11, 12, 40]);
-    let transfer = reader.read_blocks(&peer, &lids, &rids, Some(b"sliced".to_vec()), Duration::from_secs(10), None, slice(half, 0, half)).unwrap();
+    let transfer = reader
+        .read_blocks(
+            &peer,
+            &lids,
+            &rids,
+            Some(b"sliced".to_vec()),
+            Duration::from_secs(10),
+            None,
+            slice(half, 0, half),
+        )
+        .unwrap();
     assert_eq!(transfer.same_host(), same_host_reads);
     transfer.wait(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(transfer.num_descriptors, 4, "sliced reads are never coalesced");
     assert_eq!(transfer.nbytes, 4 * half as u64);
     for (&l, &r) in lids.iter().zip(&rids) {
         let (l, r) = (l as usize, r as usize);
-        assert_eq!(local[l * BLOCK..l * BLOCK + half], owned[r * BLOCK + half..(r + 1) * BLOCK], "block {l} <- {r}");
-        assert!(local[l * BLOCK + half..(l + 1) * BLOCK].iter().all(|&b| b == 0), "second half of local block {l} was written");
+        assert_eq!(
+            local[l * BLOCK..l * BLOCK + half],
+            owned[r * BLOCK + half..(r + 1) * BLOCK],
+            "block {l} <- {r}"
+        );
+        assert!(
+            local[l * BLOCK + half..(l + 1) * BLOCK].iter().all(|&b| b == 0),
+            "second half of local block {l} was written"
+        );
     }
     let touched: Vec<usize> = lids.iter().map(|&l| l as usize).collect();
     for b in (0..BLOCKS).filter(|b| !touched.contains(b)) {
-        assert!(local[b * BLOCK..(b + 1) * BLOCK].iter().all(|&x| x == 0), "untouched local block {b} was written");
+        assert!(
+            local[b * BLOCK..(b + 1) * BLOCK].iter().all(|&x| x == 0),
+            "untouched local block {b} was written"
+        );
     }
 }
 
@@ -151,11 +207,25 @@ fn sliced_reads_between_engines_of_different_page_sizes() {
         let mut rank1 = vec![0u8; small * BLOCKS];
         let reader = engine_paged("rank1", "f32", &mut rank1, same_host_reads, small);
         let peer = connect(&reader, &owner).unwrap();
-        let transfer = reader.read_blocks(&peer, &[0, 5, 6], &[3, 4, 63], None, Duration::from_secs(10), None, slice(small, 0, small)).unwrap();
+        let transfer = reader
+            .read_blocks(
+                &peer,
+                &[0, 5, 6],
+                &[3, 4, 63],
+                None,
+                Duration::from_secs(10),
+                None,
+                slice(small, 0, small),
+            )
+            .unwrap();
         assert_eq!(transfer.same_host(), same_host_reads);
         transfer.wait(Some(Duration::from_secs(10))).unwrap();
         for (l, r) in [(0usize, 3usize), (5, 4), (6, 63)] {
-            assert_eq!(rank1[l * small..(l + 1) * small], owned[r * BLOCK + small..(r + 1) * BLOCK], "{same_host_reads}: {l} <- {r}");
+            assert_eq!(
+                rank1[l * small..(l + 1) * small],
+                owned[r * BLOCK + small..(r + 1) * BLOCK],
+                "{same_host_reads}: {l} <- {r}"
+            );
         }
         drop(reader);
 
@@ -164,14 +234,34 @@ fn sliced_reads_between_engines_of_different_page_sizes() {
         let reader = engine_paged("tp1", "f32", &mut merged, same_host_reads, big);
         let peer = connect(&reader, &owner).unwrap();
         // Without a slice, an 8 KiB local block takes two 4 KiB remote ones.
-        let err = reader.read_blocks(&peer, &[2], &[7], None, Duration::from_secs(1), None, None).err().expect("refused");
+        let err = reader
+            .read_blocks(&peer, &[2], &[7], None, Duration::from_secs(1), None, None)
+            .err()
+            .expect("refused");
         assert!(matches!(err, EngineError::Plan(PlanError::IdCountMismatch { .. })), "{err}");
-        let transfer = reader.read_blocks(&peer, &[2, 31], &[7, 8], None, Duration::from_secs(10), None, slice(0, BLOCK, BLOCK)).unwrap();
+        let transfer = reader
+            .read_blocks(
+                &peer,
+                &[2, 31],
+                &[7, 8],
+                None,
+                Duration::from_secs(10),
+                None,
+                slice(0, BLOCK, BLOCK),
+            )
+            .unwrap();
         assert_eq!(transfer.same_host(), same_host_reads);
         transfer.wait(Some(Duration::from_secs(10))).unwrap();
         for (l, r) in [(2usize, 7usize), (31, 8)] {
-            assert!(merged[l * big..l * big + BLOCK].iter().all(|&b| b == 0), "{same_host_reads}: first half of {l} was written");
-            assert_eq!(merged[l * big + BLOCK..(l + 1) * big], owned[r * BLOCK..(r + 1) * BLOCK], "{same_host_reads}: {l} <- {r}");
+            assert!(
+                merged[l * big..l * big + BLOCK].iter().all(|&b| b == 0),
+                "{same_host_reads}: first half of {l} was written"
+            );
+            assert_eq!(
+                merged[l * big + BLOCK..(l + 1) * big],
+                owned[r * BLOCK..(r + 1) * BLOCK],
+                "{same_host_reads}: {l} <- {r}"
+            );
         }
         drop(reader);
         drop(owner);
@@ -185,9 +275,20 @@ fn slices_outside_a_block_are_refused_before_posting() {
     let owner = engine("owner", "f32", &mut owned);
     let reader = engine("reader", "f32", &mut local);
     let peer = connect(&reader, &owner).unwrap();
-    let refused = |s: Option<BlockSlice>| reader.read_blocks(&peer, &[1], &[1], None, Duration::from_secs(1), None, s).err().expect("refused");
-    assert!(matches!(refused(slice(1, 0, BLOCK)), EngineError::Plan(PlanError::SliceOutsideBlock { side: Side::Remote, .. })));
-    assert!(matches!(refused(slice(0, BLOCK, 1)), EngineError::Plan(PlanError::SliceOutsideBlock { side: Side::Local, .. })));
+    let refused = |s: Option<BlockSlice>| {
+        reader
+            .read_blocks(&peer, &[1], &[1], None, Duration::from_secs(1), None, s)
+            .err()
+            .expect("refused")
+    };
+    assert!(matches!(
+        refused(slice(1, 0, BLOCK)),
+        EngineError::Plan(PlanError::SliceOutsideBlock { side: Side::Remote, .. })
+    ));
+    assert!(matches!(
+        refused(slice(0, BLOCK, 1)),
+        EngineError::Plan(PlanError::SliceOutsideBlock { side: Side::Local, .. })
+    ));
     assert!(matches!(refused(slice(0, 0, 0)), EngineError::Plan(PlanError::EmptySlice)));
     let wrapping = Some(BlockSlice { remote_offset: u64::MAX, local_offset: 0, len: 2 });
     assert!(matches!(refused(wrapping), EngineError::Plan(PlanError::SliceOutsideBlock { .. })));
@@ -202,7 +303,10 @@ fn out_of_range_ids_are_refused_before_posting() {
     let reader = engine("reader", "f32", &mut local);
     let peer = connect(&reader, &owner).unwrap();
     for (l, r) in [(vec![1], vec![BLOCKS as i64]), (vec![-1], vec![1]), (vec![1, 2], vec![1])] {
-        let err = reader.read_blocks(&peer, &l, &r, None, Duration::from_secs(1), None, None).err().expect("refused");
+        let err = reader
+            .read_blocks(&peer, &l, &r, None, Duration::from_secs(1), None, None)
+            .err()
+            .expect("refused");
         assert!(matches!(err, EngineError::Plan(_)), "{err}");
     }
     assert!(local.iter().all(|&b| b == 0));
@@ -215,7 +319,10 @@ fn incompatible_fingerprint_is_refused_naming_the_field() {
     let owner = engine("owner", "f16", &mut owned);
     let reader = engine("reader", "f32", &mut local);
     let err = connect(&reader, &owner).unwrap_err();
-    assert!(matches!(err, EngineError::Handshake(HandshakeError::Incompatible { ref field, .. }) if field == "dtype"), "{err}");
+    assert!(
+        matches!(err, EngineError::Handshake(HandshakeError::Incompatible { ref field, .. }) if field == "dtype"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -230,7 +337,10 @@ fn close_is_prompt_and_idempotent_with_a_connected_peer() {
     reader.close();
     reader.close();
     assert!(start.elapsed() < Duration::from_secs(10), "close hung for {:?}", start.elapsed());
-    assert!(matches!(reader.register_region(local.as_mut_ptr() as u64, 8), Err(EngineError::Closed)));
+    assert!(matches!(
+        reader.register_region(local.as_mut_ptr() as u64, 8),
+        Err(EngineError::Closed)
+    ));
 }
 
 #[test]
@@ -239,7 +349,16 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     let mut local = vec![0u8; BLOCK * BLOCKS];
     let owner = engine("owner", "f32", &mut owned);
     let reader = engine("reader", "f32", &mut local);
-    owner.hold("turn-1", HoldKind::Turn, 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap();
+    owner
+        .hold(
+            "turn-1",
+            HoldKind::Turn,
+            3,
+            vec![11, 12, 13],
+            b"params".to_vec(),
+            Duration::from_secs(60),
+        )
+        .unwrap();
     assert!(owner.known_peers().is_empty());
     let peer = connect(&reader, &owner).unwrap();
     // The owner's directory now names the reader and its own side channel (the owner's
@@ -256,7 +375,12 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
     let owner_addr = owner.side_channel_addr().unwrap();
     let target = vec![("127.0.0.1".to_string(), owner_addr.port())];
     let ask = |fingerprints: Vec<u64>| {
-        let (owner_id, found) = only_answer(&reader.start_lookup(target.clone(), fingerprints, None, Duration::from_secs(5)));
+        let (owner_id, found) = only_answer(&reader.start_lookup(
+            target.clone(),
+            fingerprints,
+            None,
+            Duration::from_secs(5),
+        ));
         assert_eq!(owner_id, "owner");
         found
     };
@@ -291,7 +415,13 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
     let reader = engine("reader", "f32", &mut local);
     let target = vec![("127.0.0.1".to_string(), owner.side_channel_addr().unwrap().port())];
     let ask = |fingerprints: Vec<u64>, name: &str| {
-        only_answer(&reader.start_lookup(target.clone(), fingerprints, Some(name.to_owned()), Duration::from_secs(5))).1
+        only_answer(&reader.start_lookup(
+            target.clone(),
+            fingerprints,
+            Some(name.to_owned()),
+            Duration::from_secs(5),
+        ))
+        .1
     };
     // The grant is asked before the owner holds the prompt (its engine takes a hold one step
     // after answering the request, and a starved engine's step was seen to take seconds):
@@ -299,20 +429,44 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
     std::thread::scope(|scope| {
         scope.spawn(|| {
             std::thread::sleep(Duration::from_millis(2500));
-            owner.hold("p-1", HoldKind::ForDecode, 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap();
+            owner
+                .hold(
+                    "p-1",
+                    HoldKind::ForDecode,
+                    3,
+                    vec![11, 12, 13],
+                    b"params".to_vec(),
+                    Duration::from_secs(60),
+                )
+                .unwrap();
         });
         let granted = ask(vec![11, 12, 13], "p-1").expect("granted once held");
-        assert_eq!((granted.owner_request_id.as_str(), granted.matched_blocks, granted.offer.as_slice()), ("p-1", 3, &b"params"[..]));
+        assert_eq!(
+            (granted.owner_request_id.as_str(), granted.matched_blocks, granted.offer.as_slice()),
+            ("p-1", 3, &b"params"[..])
+        );
     });
     // Another prompt's tokens naming the hold: refused at once. A prompt held for a decode
     // node is not found by content.
     let refused_at = Instant::now();
     assert!(ask(vec![99, 12, 13], "p-1").is_none());
     assert!(refused_at.elapsed() < Duration::from_millis(500), "a refusal is not retried");
-    assert!(only_answer(&reader.start_lookup(target.clone(), vec![11], None, Duration::from_secs(5))).1.is_none());
+    assert!(only_answer(&reader.start_lookup(
+        target.clone(),
+        vec![11],
+        None,
+        Duration::from_secs(5)
+    ))
+    .1
+    .is_none());
     // A hold that is never taken: asked for until the grant's timeout, then nothing.
     let asked_at = Instant::now();
-    let never = reader.start_lookup(target, vec![11], Some("p-never".to_owned()), Duration::from_millis(600));
+    let never = reader.start_lookup(
+        target,
+        vec![11],
+        Some("p-never".to_owned()),
+        Duration::from_millis(600),
+    );
     assert!(only_answer(&never).1.is_none());
     assert!(asked_at.elapsed() >= Duration::from_millis(500), "gave up before its timeout");
 }
@@ -335,7 +489,16 @@ fn a_lookup_connects_to_an_owner_it_does_not_know_yet_and_reports_one_it_cannot_
     let mut local = vec![0u8; BLOCK * BLOCKS];
     let owner = engine("owner", "f32", &mut owned);
     let reader = engine("reader", "f32", &mut local);
-    owner.hold("turn-1", HoldKind::Turn, 3, vec![11, 12, 13], b"params".to_vec(), Duration::from_secs(60)).unwrap();
+    owner
+        .hold(
+            "turn-1",
+            HoldKind::Turn,
+            3,
+            vec![11, 12, 13],
+            b"params".to_vec(),
+            Duration::from_secs(60),
+        )
+        .unwrap();
     let owner_port = owner.side_channel_addr().unwrap().port();
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let targets = vec![("127.0.0.1".to_string(), owner_port), ("127.0.0.1".to_string(), nobody)];
@@ -356,7 +519,12 @@ fn a_lookup_connects_to_an_owner_it_does_not_know_yet_and_reports_one_it_cannot_
     assert!(unreachable.outcome.is_err(), "{unreachable:?}");
 }
 
-fn status_until_settled(reader: &Engine, host: &str, port: u16, expected: Option<&str>) -> PeerStatus {
+fn status_until_settled(
+    reader: &Engine,
+    host: &str,
+    port: u16,
+    expected: Option<&str>,
+) -> PeerStatus {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let status = reader.peer_status(host, port, expected, Duration::from_secs(2));
@@ -377,14 +545,22 @@ fn peer_status_connects_once_checks_identity_and_backs_off_after_a_failure() {
     let (host, port) = (addr.ip().to_string(), addr.port());
 
     // The first call starts the one handshake; callers meanwhile see it under way.
-    assert_eq!(reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)), PeerStatus::Connecting);
+    assert_eq!(
+        reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)),
+        PeerStatus::Connecting
+    );
     let handle = format!("owner@{host}:{port}#1");
-    assert_eq!(status_until_settled(&reader, &host, port, Some("owner")), PeerStatus::Ready(handle.clone()));
+    assert_eq!(
+        status_until_settled(&reader, &host, port, Some("owner")),
+        PeerStatus::Ready(handle.clone())
+    );
     // A blocking connect uses the same connection.
     assert_eq!(reader.connect(&host, port, Duration::from_secs(1)).unwrap(), handle);
     // Another engine id than the params named is refused, without touching the connection.
     match reader.peer_status(&host, port, Some("someone-else"), Duration::from_secs(2)) {
-        PeerStatus::Failed(reason) => assert!(reason.contains("\"owner\", not \"someone-else\""), "{reason}"),
+        PeerStatus::Failed(reason) => {
+            assert!(reason.contains("\"owner\", not \"someone-else\""), "{reason}")
+        }
         other => panic!("{other:?}"),
     }
     assert!(reader.peer_alive("owner") && reader.peer_alive(&handle));
@@ -400,7 +576,10 @@ fn peer_status_connects_once_checks_identity_and_backs_off_after_a_failure() {
     let failed = status_until_settled(&reader, &host, port, Some("owner"));
     assert!(matches!(failed, PeerStatus::Failed(_)), "{failed:?}");
     assert_eq!(reader.peer_status(&host, port, Some("owner"), Duration::from_secs(2)), failed);
-    assert!(matches!(reader.connect(&host, port, Duration::from_millis(10)), Err(EngineError::ConnectFailed { .. })));
+    assert!(matches!(
+        reader.connect(&host, port, Duration::from_millis(10)),
+        Err(EngineError::ConnectFailed { .. })
+    ));
 }
 
 #[test]
@@ -416,12 +595,18 @@ fn a_connect_to_a_mute_peer_never_delays_reads_from_another() {
     std::thread::scope(|scope| {
         let stuck = scope.spawn(|| reader.connect("127.0.0.1", mute_port, Duration::from_secs(5)));
         // peer_status answers at once while that handshake waits.
-        while reader.peer_status("127.0.0.1", mute_port, None, Duration::from_secs(5)) != PeerStatus::Connecting {
+        while reader.peer_status("127.0.0.1", mute_port, None, Duration::from_secs(5))
+            != PeerStatus::Connecting
+        {
             std::thread::sleep(Duration::from_millis(1));
         }
         for round in 0..20u64 {
             let id = (round % (BLOCKS as u64 - 1)) as i64 + 1;
-            reader.read_blocks(&peer, &[id], &[id], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+            reader
+                .read_blocks(&peer, &[id], &[id], None, Duration::from_secs(5), None, None)
+                .unwrap()
+                .wait(Some(Duration::from_secs(5)))
+                .unwrap();
         }
         // Twenty reads done while the connect to the mute peer is still waiting.
         assert!(!stuck.is_finished(), "the mute peer's handshake ended before the reads did");
@@ -442,13 +627,27 @@ fn a_second_engine_claiming_a_connected_peers_id_does_not_displace_it() {
     let real = connect(&reader, &owner).unwrap();
     // Another server, at another address, declares the same engine id.
     let fake = connect(&reader, &impostor).unwrap();
-    reader.read_blocks(&real, &[1], &[1], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
-    assert!(local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x11), "read from the engine that claimed the id last, not the one that was checked");
-    reader.read_blocks(&fake, &[2], &[2], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+    reader
+        .read_blocks(&real, &[1], &[1], None, Duration::from_secs(5), None, None)
+        .unwrap()
+        .wait(Some(Duration::from_secs(5)))
+        .unwrap();
+    assert!(
+        local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x11),
+        "read from the engine that claimed the id last, not the one that was checked"
+    );
+    reader
+        .read_blocks(&fake, &[2], &[2], None, Duration::from_secs(5), None, None)
+        .unwrap()
+        .wait(Some(Duration::from_secs(5)))
+        .unwrap();
     assert!(local[2 * BLOCK..3 * BLOCK].iter().all(|&b| b == 0x22));
     assert_ne!(real, fake, "each connection has its own handle");
     // The bare id is ambiguous now: refused, not guessed.
-    let err = reader.read_blocks("owner", &[3], &[3], None, Duration::from_secs(5), None, None).err().expect("ambiguous");
+    let err = reader
+        .read_blocks("owner", &[3], &[3], None, Duration::from_secs(5), None, None)
+        .err()
+        .expect("ambiguous");
     assert!(err.to_string().contains("all declare the id \"owner\""), "{err}");
 }
 
@@ -471,10 +670,17 @@ fn a_handle_reads_only_the_connection_that_was_checked_not_its_replacement() {
     let second = engine_at("owner", "f32", &mut second_owned, false, BLOCK, port);
     let replacement = reader.connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
     assert_ne!(checked, replacement);
-    let err = reader.read_blocks(&checked, &[1], &[1], None, Duration::from_secs(5), None, None).err().expect("the checked connection is gone");
+    let err = reader
+        .read_blocks(&checked, &[1], &[1], None, Duration::from_secs(5), None, None)
+        .err()
+        .expect("the checked connection is gone");
     assert!(matches!(err, EngineError::PeerNotConnected(_)), "{err}");
     assert!(local.iter().all(|&b| b == 0), "nothing was read from the replacement");
-    reader.read_blocks(&replacement, &[1], &[1], None, Duration::from_secs(5), None, None).unwrap().wait(Some(Duration::from_secs(5))).unwrap();
+    reader
+        .read_blocks(&replacement, &[1], &[1], None, Duration::from_secs(5), None, None)
+        .unwrap()
+        .wait(Some(Duration::from_secs(5)))
+        .unwrap();
     assert!(local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x55));
     drop(second);
 }

@@ -11,17 +11,12 @@ use kvduplex::handshake::wire::{
 };
 use kvduplex::handshake::{
     decode_metadata, encode_metadata, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError,
-    MemoryType, SameHostIdentity, PeerState, PeerTable, RegionInfo, RetryPolicy, PROTOCOL_VERSION,
+    MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
 
 fn fingerprint(fields: &[(&str, &str)]) -> Fingerprint {
-    Fingerprint(
-        fields
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    )
+    Fingerprint(fields.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
 }
 
 fn metadata() -> EngineMetadata {
@@ -36,12 +31,7 @@ fn metadata() -> EngineMetadata {
                 rkey: vec![1, 2, 3],
                 memory: MemoryType::Cuda,
             },
-            RegionInfo {
-                addr: 0x1000,
-                len: 4096,
-                rkey: vec![],
-                memory: MemoryType::Host,
-            },
+            RegionInfo { addr: 0x1000, len: 4096, rkey: vec![], memory: MemoryType::Host },
         ],
         layout: Some(BlockLayout {
             segment_bases: vec![0x7f00_0000_0000, 0x7f00_4000_0000],
@@ -77,16 +67,8 @@ fn raw_frame(version: u16, kind: u8, body: &[u8]) -> Vec<u8> {
 fn metadata_round_trips() {
     let m = metadata();
     assert_eq!(decode_metadata(&encode_metadata(&m)).unwrap(), m);
-    let no_layout = EngineMetadata {
-        layout: None,
-        regions: vec![],
-        same_host: None,
-        ..m
-    };
-    assert_eq!(
-        decode_metadata(&encode_metadata(&no_layout)).unwrap(),
-        no_layout
-    );
+    let no_layout = EngineMetadata { layout: None, regions: vec![], same_host: None, ..m };
+    assert_eq!(decode_metadata(&encode_metadata(&no_layout)).unwrap(), no_layout);
 }
 
 #[test]
@@ -100,7 +82,11 @@ fn every_frame_kind_round_trips() {
             heartbeat_ms: 1000,
             side_channel: Some("10.0.0.3:5600".to_owned()),
         }),
-        Frame::Lookup(kvduplex::holds::LookupRequest { id: 7, fingerprints: vec![1, u64::MAX, 3], request_id: Some("req-1".into()) }),
+        Frame::Lookup(kvduplex::holds::LookupRequest {
+            id: 7,
+            fingerprints: vec![1, u64::MAX, 3],
+            request_id: Some("req-1".into()),
+        }),
         Frame::LookupReply(kvduplex::holds::LookupReply {
             id: 7,
             found: Some(kvduplex::holds::LookupMatch {
@@ -155,10 +141,7 @@ fn version_mismatch_names_both_versions_before_parsing_the_body() {
     // A stream reports it as soon as the header is complete, before any body byte.
     let mut buffer = FrameBuffer::new();
     buffer.extend(&bytes[..FRAME_HEADER_LEN]);
-    assert!(matches!(
-        buffer.next_frame(),
-        Err(HandshakeError::ProtocolVersion { .. })
-    ));
+    assert!(matches!(buffer.next_frame(), Err(HandshakeError::ProtocolVersion { .. })));
 }
 
 #[test]
@@ -169,49 +152,28 @@ fn oversized_frames_are_refused_from_the_header() {
     buffer.extend(&header);
     assert!(matches!(
         buffer.next_frame(),
-        Err(HandshakeError::FrameTooLarge {
-            kind: FrameKind::Ping,
-            ..
-        })
+        Err(HandshakeError::FrameTooLarge { kind: FrameKind::Ping, .. })
     ));
 
     let mut header = raw_frame(PROTOCOL_VERSION, FrameKind::Metadata as u8, &[]);
     header[7..11].copy_from_slice(&(MAX_METADATA_FRAME_LEN + 1).to_be_bytes());
-    assert!(matches!(
-        decode_metadata(&header),
-        Err(HandshakeError::FrameTooLarge { .. })
-    ));
+    assert!(matches!(decode_metadata(&header), Err(HandshakeError::FrameTooLarge { .. })));
 
     let notify = Frame::Notify(vec![0; wire::MAX_NOTIFY_FRAME_LEN as usize + 1]);
-    assert!(matches!(
-        wire::encode_frame(&notify),
-        Err(HandshakeError::FrameTooLarge { .. })
-    ));
+    assert!(matches!(wire::encode_frame(&notify), Err(HandshakeError::FrameTooLarge { .. })));
 }
 
 #[test]
 fn malformed_input_is_named() {
     let err = decode_metadata(b"GET / HTTP/1.1\r\n\r\n").unwrap_err();
-    assert!(
-        matches!(err, HandshakeError::Malformed(ref m) if m.contains("magic")),
-        "{err:?}"
-    );
+    assert!(matches!(err, HandshakeError::Malformed(ref m) if m.contains("magic")), "{err:?}");
     let err = decode_metadata(&raw_frame(PROTOCOL_VERSION, 99, &[])).unwrap_err();
-    assert!(
-        matches!(err, HandshakeError::Malformed(ref m) if m.contains("99")),
-        "{err:?}"
-    );
+    assert!(matches!(err, HandshakeError::Malformed(ref m) if m.contains("99")), "{err:?}");
     let err = decode_metadata(&wire::encode_frame(&Frame::Ping).unwrap()).unwrap_err();
-    assert!(
-        matches!(err, HandshakeError::Malformed(ref m) if m.contains("Ping")),
-        "{err:?}"
-    );
+    assert!(matches!(err, HandshakeError::Malformed(ref m) if m.contains("Ping")), "{err:?}");
     let mut trailing = encode_metadata(&metadata());
     trailing.push(0);
-    assert!(matches!(
-        decode_metadata(&trailing),
-        Err(HandshakeError::Malformed(_))
-    ));
+    assert!(matches!(decode_metadata(&trailing), Err(HandshakeError::Malformed(_))));
     let zero_heartbeat = ClientHello {
         engine_id: String::new(),
         fingerprint: Fingerprint::default(),
@@ -242,16 +204,9 @@ fn every_truncation_of_a_valid_encoding_is_an_error() {
 
 #[test]
 fn frame_buffer_reassembles_frames_split_anywhere() {
-    let frames = vec![
-        Frame::Ping,
-        Frame::Metadata(metadata()),
-        Frame::Notify(b"x".to_vec()),
-        Frame::Ping,
-    ];
-    let stream: Vec<u8> = frames
-        .iter()
-        .flat_map(|f| wire::encode_frame(f).unwrap())
-        .collect();
+    let frames =
+        vec![Frame::Ping, Frame::Metadata(metadata()), Frame::Notify(b"x".to_vec()), Frame::Ping];
+    let stream: Vec<u8> = frames.iter().flat_map(|f| wire::encode_frame(f).unwrap()).collect();
     for chunk in [1, 2, 7, 11, 64, stream.len()] {
         let mut buffer = FrameBuffer::new();
         let mut got = Vec::new();
@@ -271,12 +226,7 @@ fn arb_metadata() -> impl Strategy<Value = EngineMetadata> {
         any::<u64>(),
         prop::collection::vec(any::<u8>(), 0..64),
         prop::collection::vec(
-            (
-                any::<u64>(),
-                any::<u64>(),
-                prop::collection::vec(any::<u8>(), 0..16),
-                any::<bool>(),
-            ),
+            (any::<u64>(), any::<u64>(), prop::collection::vec(any::<u8>(), 0..16), any::<bool>()),
             0..4,
         ),
         prop::option::of((
@@ -287,8 +237,8 @@ fn arb_metadata() -> impl Strategy<Value = EngineMetadata> {
         )),
         prop::collection::btree_map(".{0,8}", ".{0,8}", 0..4),
     )
-        .prop_map(
-            |(engine_id, generation, worker_address, regions, layout, fields)| EngineMetadata {
+        .prop_map(|(engine_id, generation, worker_address, regions, layout, fields)| {
+            EngineMetadata {
                 engine_id,
                 generation,
                 worker_address,
@@ -298,25 +248,16 @@ fn arb_metadata() -> impl Strategy<Value = EngineMetadata> {
                         addr,
                         len,
                         rkey,
-                        memory: if cuda {
-                            MemoryType::Cuda
-                        } else {
-                            MemoryType::Host
-                        },
+                        memory: if cuda { MemoryType::Cuda } else { MemoryType::Host },
                     })
                     .collect(),
                 layout: layout.map(|(segment_bases, block_stride, block_len, num_blocks)| {
-                    BlockLayout {
-                        segment_bases,
-                        block_stride,
-                        block_len,
-                        num_blocks,
-                    }
+                    BlockLayout { segment_bases, block_stride, block_len, num_blocks }
                 }),
                 fingerprint: Fingerprint(fields),
                 same_host: None,
-            },
-        )
+            }
+        })
 }
 
 proptest! {
@@ -423,26 +364,25 @@ fn refusals_are_mirrored_to_the_receivers_view() {
         "{received:?}"
     );
     let mirrored = |e: HandshakeError| Refusal::from_error(&e).into_peer_error();
-    assert!(matches!(
-        mirrored(HandshakeError::AuthFailed),
-        HandshakeError::AuthFailed
-    ));
-    assert!(matches!(
-        mirrored(HandshakeError::PeerNotAuthenticated),
-        HandshakeError::AuthRequired
-    ));
-    assert!(matches!(
-        mirrored(HandshakeError::AuthRequired),
-        HandshakeError::PeerNotAuthenticated
-    ));
+    assert!(matches!(mirrored(HandshakeError::AuthFailed), HandshakeError::AuthFailed));
+    assert!(matches!(mirrored(HandshakeError::PeerNotAuthenticated), HandshakeError::AuthRequired));
+    assert!(matches!(mirrored(HandshakeError::AuthRequired), HandshakeError::PeerNotAuthenticated));
     let version = HandshakeError::ProtocolVersion { ours: 1, theirs: 2 };
     assert!(matches!(mirrored(version), HandshakeError::Refused(m) if m.contains("version")));
 }
 
 #[test]
 fn proofs_verify_only_with_the_same_secret_transcript_and_direction() {
-    let hello = |nonce| ClientHello { engine_id: "r".into(), fingerprint: Fingerprint::default(), nonce, has_secret: true, heartbeat_ms: 50, side_channel: None };
-    let server = ServerHello { nonce: auth::new_nonce().unwrap(), has_secret: true, heartbeat_ms: 50 };
+    let hello = |nonce| ClientHello {
+        engine_id: "r".into(),
+        fingerprint: Fingerprint::default(),
+        nonce,
+        has_secret: true,
+        heartbeat_ms: 50,
+        side_channel: None,
+    };
+    let server =
+        ServerHello { nonce: auth::new_nonce().unwrap(), has_secret: true, heartbeat_ms: 50 };
     let client = hello(auth::new_nonce().unwrap());
     let transcript = wire::transcript(&client, &server);
     let secret = b"correct horse";
@@ -456,7 +396,8 @@ fn proofs_verify_only_with_the_same_secret_transcript_and_direction() {
     // Replay on another connection (other nonces), or hellos a man in the middle changed.
     let other = wire::transcript(&hello(auth::new_nonce().unwrap()), &server);
     assert!(fails(auth::verify(secret, Direction::ClientToServer, &other, &proof)));
-    let rewritten = wire::transcript(&client, &ServerHello { heartbeat_ms: 60_000, ..server.clone() });
+    let rewritten =
+        wire::transcript(&client, &ServerHello { heartbeat_ms: 60_000, ..server.clone() });
     assert!(fails(auth::verify(secret, Direction::ClientToServer, &rewritten, &proof)));
     let mut tampered = proof;
     tampered[31] ^= 1;
@@ -466,26 +407,17 @@ fn proofs_verify_only_with_the_same_secret_transcript_and_direction() {
 #[test]
 fn auth_is_negotiated_only_when_both_sides_have_a_secret() {
     let secret: &[u8] = b"s";
-    assert_eq!(
-        auth::negotiate_auth(Some(secret), true).unwrap(),
-        Some(secret)
-    );
+    assert_eq!(auth::negotiate_auth(Some(secret), true).unwrap(), Some(secret));
     assert_eq!(auth::negotiate_auth(None, false).unwrap(), None);
     assert!(matches!(
         auth::negotiate_auth(Some(secret), false),
         Err(HandshakeError::PeerNotAuthenticated)
     ));
-    assert!(matches!(
-        auth::negotiate_auth(None, true),
-        Err(HandshakeError::AuthRequired)
-    ));
+    assert!(matches!(auth::negotiate_auth(None, true), Err(HandshakeError::AuthRequired)));
 }
 
 fn policy() -> RetryPolicy {
-    RetryPolicy {
-        first_backoff: Duration::from_millis(100),
-        max_backoff: Duration::from_secs(5),
-    }
+    RetryPolicy { first_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(5) }
 }
 
 #[test]
@@ -502,10 +434,7 @@ fn failed_connects_back_off_and_are_never_given_up() {
     let t0 = Instant::now();
     let key = "10.0.0.2:5600";
     assert_eq!(table.state(key), &PeerState::Unknown);
-    assert_eq!(
-        table.begin_connect(key, t0),
-        ConnectDecision::Connect { attempt: 1 }
-    );
+    assert_eq!(table.begin_connect(key, t0), ConnectDecision::Connect { attempt: 1 });
     assert_eq!(table.begin_connect(key, t0), ConnectDecision::InProgress);
     table.on_failed(key, "connection refused", true, t0);
     let retry_at = t0 + Duration::from_millis(100);
@@ -532,10 +461,7 @@ fn failed_connects_back_off_and_are_never_given_up() {
     let mut now = retry_at;
     let mut expected_wait = Duration::from_millis(200);
     for attempt in 2..=12 {
-        assert_eq!(
-            table.begin_connect(key, now),
-            ConnectDecision::Connect { attempt }
-        );
+        assert_eq!(table.begin_connect(key, now), ConnectDecision::Connect { attempt });
         table.on_failed(key, "refused", true, now);
         let PeerState::Failed { retry_at: at, attempts, .. } = table.state(key).clone() else {
             panic!("{:?}", table.state(key));
@@ -546,10 +472,7 @@ fn failed_connects_back_off_and_are_never_given_up() {
     }
 
     // A refusal (not retryable) backs off the same way; callers see it is not retryable.
-    assert!(matches!(
-        table.begin_connect(key, now),
-        ConnectDecision::Connect { .. }
-    ));
+    assert!(matches!(table.begin_connect(key, now), ConnectDecision::Connect { .. }));
     table.on_failed(key, "incompatible", false, now);
     assert!(matches!(
         table.begin_connect(key, now),
@@ -558,28 +481,16 @@ fn failed_connects_back_off_and_are_never_given_up() {
 
     // A success resets the count; a dead link makes the next caller connect afresh.
     let later = now + Duration::from_secs(60);
-    assert!(matches!(
-        table.begin_connect(key, later),
-        ConnectDecision::Connect { .. }
-    ));
+    assert!(matches!(table.begin_connect(key, later), ConnectDecision::Connect { .. }));
     let connection = table.on_ready(key, &metadata()).connection;
     assert_eq!(
         table.begin_connect(key, later),
-        ConnectDecision::Ready {
-            engine_id: metadata().engine_id,
-            connection,
-        }
+        ConnectDecision::Ready { engine_id: metadata().engine_id, connection }
     );
     assert!(table.mark_dead(key, connection));
-    assert_eq!(
-        table.begin_connect(key, later),
-        ConnectDecision::Connect { attempt: 1 }
-    );
+    assert_eq!(table.begin_connect(key, later), ConnectDecision::Connect { attempt: 1 });
     table.on_failed(key, "refused", true, later);
-    assert!(matches!(
-        table.state(key),
-        PeerState::Failed { attempts: 1, .. }
-    ));
+    assert!(matches!(table.state(key), PeerState::Failed { attempts: 1, .. }));
 }
 
 #[test]
@@ -588,10 +499,7 @@ fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
     let now = Instant::now();
     let key = "owner:5600";
     let mut m = metadata();
-    assert_eq!(
-        table.begin_connect(key, now),
-        ConnectDecision::Connect { attempt: 1 }
-    );
+    assert_eq!(table.begin_connect(key, now), ConnectDecision::Connect { attempt: 1 });
     let first = table.on_ready(key, &m);
     assert!(!first.restarted, "a first connection is not a restart");
     assert_eq!(
@@ -604,18 +512,12 @@ fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
     );
     assert_eq!(
         table.begin_connect(key, now),
-        ConnectDecision::Ready {
-            engine_id: m.engine_id.clone(),
-            connection: first.connection,
-        }
+        ConnectDecision::Ready { engine_id: m.engine_id.clone(), connection: first.connection }
     );
 
     assert!(table.mark_dead(key, first.connection));
     assert_eq!(table.state(key), &PeerState::Unknown);
-    assert_eq!(
-        table.begin_connect(key, now),
-        ConnectDecision::Connect { attempt: 1 }
-    );
+    assert_eq!(table.begin_connect(key, now), ConnectDecision::Connect { attempt: 1 });
     let second = table.on_ready(key, &m);
     assert!(!second.restarted, "same generation: the peer only reconnected");
     assert_ne!(second.connection, first.connection, "every connection has its own number");
@@ -625,10 +527,7 @@ fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
 
     assert!(table.mark_dead(key, second.connection));
     m.generation += 1;
-    assert_eq!(
-        table.begin_connect(key, now),
-        ConnectDecision::Connect { attempt: 1 }
-    );
+    assert_eq!(table.begin_connect(key, now), ConnectDecision::Connect { attempt: 1 });
     let third = table.on_ready(key, &m);
     assert!(third.restarted, "new generation: the peer restarted");
 
@@ -653,10 +552,5 @@ fn liveness_pings_every_heartbeat_and_declares_death_after_three_silent_ones() {
     liveness.on_ping_sent(t0 + ms(700));
     // Silence is measured against the peer's heartbeat: 3 × 200 ms after the last frame.
     assert_eq!(liveness.poll(t0 + ms(740)), LivenessAction::Wait(ms(10)));
-    assert_eq!(
-        liveness.poll(t0 + ms(750)),
-        LivenessAction::Dead {
-            silent_for: ms(600)
-        }
-    );
+    assert_eq!(liveness.poll(t0 + ms(750)), LivenessAction::Dead { silent_for: ms(600) });
 }

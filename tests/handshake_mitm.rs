@@ -41,7 +41,11 @@ fn pump(mut from: TcpStream, mut to: TcpStream, frames: usize, rewrite: impl Fn(
 /// A relay in front of `server_port`: returns its port. Rewrites the client's first two frames
 /// (hello, proof) with `client_side` and the server's first three (hello, proof, metadata) with
 /// `server_side`.
-fn relay(server_port: u16, client_side: fn(Frame) -> Frame, server_side: fn(Frame) -> Frame) -> u16 {
+fn relay(
+    server_port: u16,
+    client_side: fn(Frame) -> Frame,
+    server_side: fn(Frame) -> Frame,
+) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     thread::spawn(move || {
@@ -54,7 +58,10 @@ fn relay(server_port: u16, client_side: fn(Frame) -> Frame, server_side: fn(Fram
     port
 }
 
-fn connect_through(client_side: fn(Frame) -> Frame, server_side: fn(Frame) -> Frame) -> Result<kvduplex::handshake::EngineMetadata, HandshakeError> {
+fn connect_through(
+    client_side: fn(Frame) -> Frame,
+    server_side: fn(Frame) -> Frame,
+) -> Result<kvduplex::handshake::EngineMetadata, HandshakeError> {
     let server = start(Some(SECRET));
     let port = relay(server.local_addr().port(), client_side, server_side);
     connect_to(port, "reader", &fingerprint("bf16"), Some(SECRET), TIMEOUT).map(|(_, meta)| meta)
@@ -68,38 +75,47 @@ fn an_untouched_relay_passes() {
 
 #[test]
 fn a_rewritten_metadata_frame_is_refused() {
-    let got = connect_through(|f| f, |f| match f {
-        Frame::Metadata(mut m) => {
-            m.generation += 1;
-            m.worker_address = vec![6; 64];
-            Frame::Metadata(m)
-        }
-        other => other,
-    });
+    let got = connect_through(
+        |f| f,
+        |f| match f {
+            Frame::Metadata(mut m) => {
+                m.generation += 1;
+                m.worker_address = vec![6; 64];
+                Frame::Metadata(m)
+            }
+            other => other,
+        },
+    );
     assert!(got.is_err(), "the reader took metadata the man in the middle wrote: {got:?}");
 }
 
 #[test]
 fn a_rewritten_server_hello_is_refused() {
-    let got = connect_through(|f| f, |f| match f {
-        Frame::ServerHello(mut h) => {
-            h.heartbeat_ms = 60_000;
-            Frame::ServerHello(h)
-        }
-        other => other,
-    });
+    let got = connect_through(
+        |f| f,
+        |f| match f {
+            Frame::ServerHello(mut h) => {
+                h.heartbeat_ms = 60_000;
+                Frame::ServerHello(h)
+            }
+            other => other,
+        },
+    );
     assert!(got.is_err(), "the reader took a server hello the man in the middle wrote: {got:?}");
 }
 
 #[test]
 fn a_rewritten_client_hello_is_refused() {
-    let got = connect_through(|f| match f {
-        Frame::ClientHello(mut h) => {
-            h.engine_id = "someone-else".into();
-            h.side_channel = Some("10.9.9.9:1".into());
-            Frame::ClientHello(h)
-        }
-        other => other,
-    }, |f| f);
+    let got = connect_through(
+        |f| match f {
+            Frame::ClientHello(mut h) => {
+                h.engine_id = "someone-else".into();
+                h.side_channel = Some("10.9.9.9:1".into());
+                Frame::ClientHello(h)
+            }
+            other => other,
+        },
+        |f| f,
+    );
     assert!(got.is_err(), "the owner took a client hello the man in the middle wrote: {got:?}");
 }

@@ -35,7 +35,14 @@ fn reader(buf: &mut [u8], same_host_reads: bool) -> Engine {
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;
     engine.register_region(base, buf.len() as u64).unwrap();
-    engine.set_layout(BlockLayout { segment_bases: vec![base], block_stride: BLOCK as u64, block_len: BLOCK as u64, num_blocks: BLOCKS as u64 }).unwrap();
+    engine
+        .set_layout(BlockLayout {
+            segment_bases: vec![base],
+            block_stride: BLOCK as u64,
+            block_len: BLOCK as u64,
+            num_blocks: BLOCKS as u64,
+        })
+        .unwrap();
     engine
 }
 
@@ -47,22 +54,41 @@ fn fake_metadata(target: &[u8], worker_address: Vec<u8>, rkey: Vec<u8>) -> Engin
         engine_id: "fake-owner".into(),
         generation: 7,
         worker_address,
-        regions: vec![RegionInfo { addr: base, len: target.len() as u64, rkey, memory: MemoryType::Host }],
-        layout: Some(BlockLayout { segment_bases: vec![base], block_stride: BLOCK as u64, block_len: BLOCK as u64, num_blocks: BLOCKS as u64 }),
+        regions: vec![RegionInfo {
+            addr: base,
+            len: target.len() as u64,
+            rkey,
+            memory: MemoryType::Host,
+        }],
+        layout: Some(BlockLayout {
+            segment_bases: vec![base],
+            block_stride: BLOCK as u64,
+            block_len: BLOCK as u64,
+            num_blocks: BLOCKS as u64,
+        }),
         fingerprint: fingerprint(),
         same_host: None,
     }
 }
 
 fn serve(meta: EngineMetadata, same_host_key: Option<[u8; 32]>) -> SideChannelServer {
-    let config = SideChannelConfig { host: "127.0.0.1".into(), heartbeat: Duration::from_millis(200), same_host_key, ..SideChannelConfig::default() };
+    let config = SideChannelConfig {
+        host: "127.0.0.1".into(),
+        heartbeat: Duration::from_millis(200),
+        same_host_key,
+        ..SideChannelConfig::default()
+    };
     SideChannelServer::start(config, meta).unwrap()
 }
 
 /// Connects `reader` to `server` and reads block 0 into its block 0; what landed there.
 fn attack(reader: &Engine, local: &[u8], server: &SideChannelServer) -> Result<Vec<u8>, String> {
-    let peer = reader.connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5)).map_err(|e| e.to_string())?;
-    let transfer = reader.read_blocks(&peer, &[0], &[0], None, Duration::from_secs(5), None, None).map_err(|e| e.to_string())?;
+    let peer = reader
+        .connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
+    let transfer = reader
+        .read_blocks(&peer, &[0], &[0], None, Duration::from_secs(5), None, None)
+        .map_err(|e| e.to_string())?;
     transfer.wait(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
     Ok(local[..BLOCK].to_vec())
 }
@@ -81,10 +107,18 @@ fn a_peer_cannot_point_same_host_reads_at_the_readers_own_memory() {
     // peer's input), names the reader's own pid, and proves each connection with that key.
     let planted = Box::new([9u8; 32]);
     let mut meta = fake_metadata(&secret, vec![1; 64], vec![1; 8]);
-    meta.same_host = Some(SameHostIdentity { boot_id: boot_id(), pid: std::process::id(), probe_addr: planted.as_ptr() as u64, proof: [0; 32] });
+    meta.same_host = Some(SameHostIdentity {
+        boot_id: boot_id(),
+        pid: std::process::id(),
+        probe_addr: planted.as_ptr() as u64,
+        proof: [0; 32],
+    });
     let server = serve(meta, Some(*planted));
     let outcome = attack(&reader, &local, &server);
-    assert!(!matches!(&outcome, Ok(bytes) if bytes.iter().all(|&b| b == SECRET)), "the reader copied its own unregistered memory into its KV block");
+    assert!(
+        !matches!(&outcome, Ok(bytes) if bytes.iter().all(|&b| b == SECRET)),
+        "the reader copied its own unregistered memory into its KV block"
+    );
     let refusal = outcome.unwrap_err();
     assert!(refusal.contains("this very process"), "{refusal}");
 }
@@ -96,11 +130,25 @@ fn a_peer_cannot_hand_the_reader_its_own_worker_address_and_rkey() {
     let reader = reader(&mut local, false);
     // Anyone may fetch the reader's metadata from its side channel: its worker address and rkey.
     let reader_port = reader.side_channel_addr().unwrap().port();
-    let (_link, theirs) = PeerLink::connect("127.0.0.1", reader_port, "fake-owner", None, &fingerprint(), None, Duration::from_secs(5), Duration::from_millis(200)).unwrap();
-    let meta = fake_metadata(&secret, theirs.worker_address.clone(), theirs.regions[0].rkey.clone());
+    let (_link, theirs) = PeerLink::connect(
+        "127.0.0.1",
+        reader_port,
+        "fake-owner",
+        None,
+        &fingerprint(),
+        None,
+        Duration::from_secs(5),
+        Duration::from_millis(200),
+    )
+    .unwrap();
+    let meta =
+        fake_metadata(&secret, theirs.worker_address.clone(), theirs.regions[0].rkey.clone());
     let server = serve(meta, None);
     let outcome = attack(&reader, &local, &server);
-    assert!(!matches!(&outcome, Ok(bytes) if bytes.iter().all(|&b| b == SECRET)), "UCX copied the reader's own unregistered memory into its KV block");
+    assert!(
+        !matches!(&outcome, Ok(bytes) if bytes.iter().all(|&b| b == SECRET)),
+        "UCX copied the reader's own unregistered memory into its KV block"
+    );
     let refusal = outcome.unwrap_err();
     assert!(refusal.contains("worker address of an engine of this very process"), "{refusal}");
 }
@@ -113,7 +161,17 @@ fn a_replayed_same_host_identity_cannot_bring_its_own_layout() {
     let reader = reader(&mut local, true);
     // The fake fetches the real owner's metadata, identity and proof included...
     let port = owner.side_channel_addr().unwrap().port();
-    let (_link, mut meta) = PeerLink::connect("127.0.0.1", port, "fake", None, &fingerprint(), None, Duration::from_secs(5), Duration::from_millis(200)).unwrap();
+    let (_link, mut meta) = PeerLink::connect(
+        "127.0.0.1",
+        port,
+        "fake",
+        None,
+        &fingerprint(),
+        None,
+        Duration::from_secs(5),
+        Duration::from_millis(200),
+    )
+    .unwrap();
     assert!(meta.same_host.is_some());
     // ...and serves it with a layout of its own choosing over the same regions (blocks that
     // straddle the owner's, say).
@@ -121,8 +179,14 @@ fn a_replayed_same_host_identity_cannot_bring_its_own_layout() {
     layout.segment_bases[0] += 100;
     layout.num_blocks -= 1;
     let server = serve(meta, None);
-    let refused = reader.connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5)).expect_err("refused").to_string();
+    let refused = reader
+        .connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5))
+        .expect_err("refused")
+        .to_string();
     // Engines of one process: caught where the owner's worker address is checked, with the
     // same proof; across processes where the identity is.
-    assert!(refused.contains("did not vouch") || refused.contains("without that engine's proof"), "{refused}");
+    assert!(
+        refused.contains("did not vouch") || refused.contains("without that engine's proof"),
+        "{refused}"
+    );
 }

@@ -41,7 +41,14 @@ fn engine(id: &str, buf: &mut [u8]) -> Engine {
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;
     engine.register_region(base, buf.len() as u64).unwrap();
-    engine.set_layout(BlockLayout { segment_bases: vec![base], block_stride: BLOCK as u64, block_len: BLOCK as u64, num_blocks: BLOCKS as u64 }).unwrap();
+    engine
+        .set_layout(BlockLayout {
+            segment_bases: vec![base],
+            block_stride: BLOCK as u64,
+            block_len: BLOCK as u64,
+            num_blocks: BLOCKS as u64,
+        })
+        .unwrap();
     engine
 }
 
@@ -90,7 +97,9 @@ fn owner_process() -> (Child, u16) {
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     // The test harness may print "test serve_as_owner ... " first on the same line.
-    let port = lines.find_map(|line| line.ok()?.rsplit_once("port ")?.1.trim().parse().ok()).expect("the owner's port");
+    let port = lines
+        .find_map(|line| line.ok()?.rsplit_once("port ")?.1.trim().parse().ok())
+        .expect("the owner's port");
     (child, port)
 }
 
@@ -100,18 +109,36 @@ fn read_through_a_fake_owner(tamper: impl FnOnce(&mut EngineMetadata)) -> String
     let (_owner, owner_port) = owner_process();
     let mut local = vec![0u8; BLOCK * BLOCKS];
     let reader = engine("reader", &mut local);
-    let (link, mut meta) = PeerLink::connect("127.0.0.1", owner_port, "probe", None, &fingerprint(), None, Duration::from_secs(5), Duration::from_secs(1)).unwrap();
+    let (link, mut meta) = PeerLink::connect(
+        "127.0.0.1",
+        owner_port,
+        "probe",
+        None,
+        &fingerprint(),
+        None,
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    )
+    .unwrap();
     drop(link);
     tamper(&mut meta);
-    let fake = SideChannelServer::start(SideChannelConfig { host: "127.0.0.1".into(), ..SideChannelConfig::default() }, meta).unwrap();
+    let fake = SideChannelServer::start(
+        SideChannelConfig { host: "127.0.0.1".into(), ..SideChannelConfig::default() },
+        meta,
+    )
+    .unwrap();
     let port = fake.local_addr().port();
     let peer = match reader.connect("127.0.0.1", port, Duration::from_secs(5)) {
         Ok(peer) => peer,
         Err(e) => return e.to_string(),
     };
-    let read = reader.read_blocks(&peer, &[0, 1], &[2, 3], None, Duration::from_secs(5), None, None);
+    let read =
+        reader.read_blocks(&peer, &[0, 1], &[2, 3], None, Duration::from_secs(5), None, None);
     match read.and_then(|transfer| transfer.wait(Some(Duration::from_secs(5)))) {
-        Ok(()) => panic!("the reader read through a tampered {peer}: {} bytes copied", local.iter().filter(|&&b| b != 0).count()),
+        Ok(()) => panic!(
+            "the reader read through a tampered {peer}: {} bytes copied",
+            local.iter().filter(|&&b| b != 0).count()
+        ),
         Err(e) => e.to_string(),
     }
 }
@@ -119,7 +146,9 @@ fn read_through_a_fake_owner(tamper: impl FnOnce(&mut EngineMetadata)) -> String
 #[test]
 fn a_full_length_garbage_worker_address_is_refused_without_reaching_ucx() {
     in_child("a_full_length_garbage_worker_address_is_refused_without_reaching_ucx", || {
-        let error = read_through_a_fake_owner(|meta| meta.worker_address = vec![0xff; meta.worker_address.len()]);
+        let error = read_through_a_fake_owner(|meta| {
+            meta.worker_address = vec![0xff; meta.worker_address.len()]
+        });
         assert!(error.contains("worker_address") && error.contains("version 15"), "{error}");
     });
 }
@@ -152,7 +181,8 @@ fn the_untampered_owner_reads_through_the_fake_one() {
     // for their tampering, not for the fake owner).
     in_child("the_untampered_owner_reads_through_the_fake_one", || {
         let result = std::panic::catch_unwind(|| read_through_a_fake_owner(|_| {}));
-        let message = result.err().and_then(|p| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+        let message =
+            result.err().and_then(|p| p.downcast_ref::<String>().cloned()).unwrap_or_default();
         assert!(message.contains("the reader read through"), "{message}");
     });
 }

@@ -10,7 +10,11 @@ use proptest::prelude::*;
 
 /// `validate_within` on its own thread: the verdict, or `None` when it took over `limit`
 /// (a check that hangs fails the test instead of hanging it).
-fn validate_within_bounded(layout: BlockLayout, regions: Vec<RegionBounds>, limit: Duration) -> Option<Result<(), PlanError>> {
+fn validate_within_bounded(
+    layout: BlockLayout,
+    regions: Vec<RegionBounds>,
+    limit: Duration,
+) -> Option<Result<(), PlanError>> {
     let (sender, verdict) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = sender.send(layout.validate_within(&regions));
@@ -21,24 +25,49 @@ fn validate_within_bounded(layout: BlockLayout, regions: Vec<RegionBounds>, limi
 #[test]
 fn two_adjacent_huge_regions_and_a_segment_of_one_byte_blocks_are_checked_at_once() {
     // The reproduction: 2^41 one-byte blocks over two adjacent 2^40-byte regions.
-    let regions = vec![RegionBounds { addr: 1 << 40, len: 1 << 40 }, RegionBounds { addr: 2 << 40, len: 1 << 40 }];
-    let layout = BlockLayout { segment_bases: vec![1 << 40], block_stride: 1, block_len: 1, num_blocks: 2 << 40 };
+    let regions = vec![
+        RegionBounds { addr: 1 << 40, len: 1 << 40 },
+        RegionBounds { addr: 2 << 40, len: 1 << 40 },
+    ];
+    let layout = BlockLayout {
+        segment_bases: vec![1 << 40],
+        block_stride: 1,
+        block_len: 1,
+        num_blocks: 2 << 40,
+    };
     let verdict = validate_within_bounded(layout.clone(), regions.clone(), Duration::from_secs(5));
     assert_eq!(verdict, Some(Ok(())), "every block lies in one of the two regions");
     // One byte past the second region: the very last block is outside.
     let over = BlockLayout { num_blocks: (2 << 40) + 1, ..layout };
     let verdict = validate_within_bounded(over, regions, Duration::from_secs(5));
-    assert_eq!(verdict, Some(Err(PlanError::BlockOutsideRegions { segment: 0, block: 2 << 40, addr: 3 << 40, len: 1 })));
+    assert_eq!(
+        verdict,
+        Some(Err(PlanError::BlockOutsideRegions {
+            segment: 0,
+            block: 2 << 40,
+            addr: 3 << 40,
+            len: 1
+        }))
+    );
 }
 
 #[test]
 fn segments_piled_over_many_region_boundaries_are_refused_not_walked() {
     // 2,000 one-block-apart regions and 2,000 segments spanning all of them: four million
     // boundary checks, over the per-entry budget.
-    let regions: Vec<RegionBounds> = (0..2000u64).map(|i| RegionBounds { addr: 0x1000 + i * 64, len: 64 }).collect();
-    let layout = BlockLayout { segment_bases: vec![0x1000; 2000], block_stride: 64, block_len: 64, num_blocks: 2000 };
+    let regions: Vec<RegionBounds> =
+        (0..2000u64).map(|i| RegionBounds { addr: 0x1000 + i * 64, len: 64 }).collect();
+    let layout = BlockLayout {
+        segment_bases: vec![0x1000; 2000],
+        block_stride: 64,
+        block_len: 64,
+        num_blocks: 2000,
+    };
     let verdict = validate_within_bounded(layout.clone(), regions.clone(), Duration::from_secs(5));
-    assert_eq!(verdict, Some(Err(PlanError::LayoutTooFragmented { segments: 2000, regions: 2000 })));
+    assert_eq!(
+        verdict,
+        Some(Err(PlanError::LayoutTooFragmented { segments: 2000, regions: 2000 }))
+    );
     // The same regions with a few segments are fine: the budget grows with the input.
     let few = BlockLayout { segment_bases: vec![0x1000; 8], ..layout };
     assert_eq!(validate_within_bounded(few, regions, Duration::from_secs(5)), Some(Ok(())));

@@ -27,9 +27,7 @@ impl log::Log for Capture {
         true
     }
     fn log(&self, record: &log::Record) {
-        LOGS.lock()
-            .unwrap()
-            .push(format!("{} {}", record.level(), record.args()));
+        LOGS.lock().unwrap().push(format!("{} {}", record.level(), record.args()));
     }
     fn flush(&self) {}
 }
@@ -45,10 +43,7 @@ fn capture_logs() {
 /// Waits for a server log line containing every one of `parts`.
 fn server_logged(parts: &[&str]) -> bool {
     wait_until(Duration::from_secs(2), || {
-        LOGS.lock()
-            .unwrap()
-            .iter()
-            .any(|line| parts.iter().all(|part| line.contains(part)))
+        LOGS.lock().unwrap().iter().any(|line| parts.iter().all(|part| line.contains(part)))
     })
 }
 
@@ -64,17 +59,11 @@ impl RawClient {
     fn connect(server: &SideChannelServer) -> Self {
         let stream = TcpStream::connect(server.local_addr()).unwrap();
         stream.set_read_timeout(Some(TIMEOUT)).unwrap();
-        Self {
-            stream,
-            frames: FrameBuffer::new(),
-            transcript: [0; 32],
-        }
+        Self { stream, frames: FrameBuffer::new(), transcript: [0; 32] }
     }
 
     fn send(&mut self, frame: &Frame) {
-        self.stream
-            .write_all(&wire::encode_frame(frame).unwrap())
-            .unwrap();
+        self.stream.write_all(&wire::encode_frame(frame).unwrap()).unwrap();
     }
 
     /// The next frame, or `None` once the server closed the connection.
@@ -212,9 +201,7 @@ fn matching_secrets_authenticate() {
         connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
     assert_eq!(meta.engine_id, "owner");
     link.notify(b"hi").unwrap();
-    assert!(wait_until(TIMEOUT, || !server
-        .take_notifications()
-        .is_empty()));
+    assert!(wait_until(TIMEOUT, || !server.take_notifications().is_empty()));
 }
 
 #[test]
@@ -230,19 +217,10 @@ fn a_client_without_the_secret_gets_auth_required() {
 fn a_wrong_secret_fails_on_both_sides() {
     capture_logs();
     let server = start(Some(b"s3cret"));
-    let err = connect_as(
-        &server,
-        "wrong-secret-reader",
-        &fingerprint("bf16"),
-        Some(b"guess"),
-    )
-    .unwrap_err();
+    let err = connect_as(&server, "wrong-secret-reader", &fingerprint("bf16"), Some(b"guess"))
+        .unwrap_err();
     assert!(matches!(err, HandshakeError::AuthFailed), "{err:?}");
-    assert!(server_logged(&[
-        "WARN",
-        "wrong-secret-reader",
-        "authentication failed"
-    ]));
+    assert!(server_logged(&["WARN", "wrong-secret-reader", "authentication failed"]));
 
     // What the server sends a client with a wrong proof.
     let mut raw = RawClient::connect(&server);
@@ -250,32 +228,17 @@ fn a_wrong_secret_fails_on_both_sides() {
     raw.hello("raw", fingerprint("bf16"), true, nonce);
     let mac = auth::prove(b"guess", Direction::ClientToServer, &raw.transcript).unwrap();
     raw.send(&Frame::AuthProof(AuthProof { mac }));
-    assert!(matches!(
-        raw.receive(),
-        Some(Ok(Frame::Refused(Refusal::AuthFailed)))
-    ));
+    assert!(matches!(raw.receive(), Some(Ok(Frame::Refused(Refusal::AuthFailed)))));
 }
 
 #[test]
 fn a_client_with_a_secret_refuses_a_server_without_one() {
     capture_logs();
     let server = start(None);
-    let err = connect_as(
-        &server,
-        "secret-reader",
-        &fingerprint("bf16"),
-        Some(b"s3cret"),
-    )
-    .unwrap_err();
-    assert!(
-        matches!(err, HandshakeError::PeerNotAuthenticated),
-        "{err:?}"
-    );
-    assert!(server_logged(&[
-        "WARN",
-        "secret-reader",
-        "requires a shared secret"
-    ]));
+    let err =
+        connect_as(&server, "secret-reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap_err();
+    assert!(matches!(err, HandshakeError::PeerNotAuthenticated), "{err:?}");
+    assert!(server_logged(&["WARN", "secret-reader", "requires a shared secret"]));
 }
 
 #[test]
@@ -288,11 +251,7 @@ fn incompatible_fingerprints_are_refused_on_both_sides_naming_the_field() {
         "{err:?}"
     );
     assert!(err.to_string().contains("dtype"));
-    assert!(server_logged(&[
-        "WARN",
-        "fp8-reader",
-        "`dtype` is bf16 here but fp8 on the peer"
-    ]));
+    assert!(server_logged(&["WARN", "fp8-reader", "`dtype` is bf16 here but fp8 on the peer"]));
 }
 
 #[test]
@@ -301,9 +260,7 @@ fn garbage_and_truncated_clients_leave_the_server_serving() {
     let (survivor, _) = connect_as(&server, "survivor", &fingerprint("bf16"), None).unwrap();
 
     let mut garbage = TcpStream::connect(server.local_addr()).unwrap();
-    garbage
-        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
+    garbage.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     let mut reply = Vec::new();
     garbage.set_read_timeout(Some(TIMEOUT)).unwrap();
     let _ = garbage.read_to_end(&mut reply);
@@ -391,22 +348,11 @@ fn on_death_fires_when_the_server_shuts_down() {
     link.on_death(Box::new(move |reason| sender.send(reason).unwrap()));
     let killed_at = Instant::now();
     server.shutdown();
-    let reason = deaths
-        .recv_timeout(3 * HEARTBEAT + Duration::from_millis(500))
-        .unwrap();
-    assert!(
-        killed_at.elapsed() < 3 * HEARTBEAT + Duration::from_millis(500),
-        "{reason}"
-    );
+    let reason = deaths.recv_timeout(3 * HEARTBEAT + Duration::from_millis(500)).unwrap();
+    assert!(killed_at.elapsed() < 3 * HEARTBEAT + Duration::from_millis(500), "{reason}");
     assert!(!link.is_alive());
-    assert!(
-        deaths.recv_timeout(3 * HEARTBEAT).is_err(),
-        "called once only"
-    );
-    assert!(matches!(
-        link.notify(b"late"),
-        Err(HandshakeError::PeerGone(_))
-    ));
+    assert!(deaths.recv_timeout(3 * HEARTBEAT).is_err(), "called once only");
+    assert!(matches!(link.notify(b"late"), Err(HandshakeError::PeerGone(_))));
 
     // Registered after the death: runs at once.
     let (sender, late) = mpsc::channel();
@@ -421,11 +367,7 @@ fn on_death_fires_after_three_silent_heartbeats() {
     let port = listener.local_addr().unwrap().port();
     let owner = thread::spawn(move || {
         let (stream, _) = listener.accept().unwrap();
-        let mut raw = RawClient {
-            stream,
-            frames: FrameBuffer::new(),
-            transcript: [0; 32],
-        };
+        let mut raw = RawClient { stream, frames: FrameBuffer::new(), transcript: [0; 32] };
         assert!(matches!(raw.receive(), Some(Ok(Frame::ClientHello(_)))));
         raw.send(&Frame::ServerHello(ServerHello {
             nonce: [1; 32],
@@ -443,10 +385,7 @@ fn on_death_fires_after_three_silent_heartbeats() {
     link.on_death(Box::new(move |reason| sender.send(reason).unwrap()));
     let reason = deaths.recv_timeout(Duration::from_secs(2)).unwrap();
     let silent = connected_at.elapsed();
-    assert!(
-        silent >= Duration::from_millis(150),
-        "declared dead after {silent:?}: {reason}"
-    );
+    assert!(silent >= Duration::from_millis(150), "declared dead after {silent:?}: {reason}");
     assert!(reason.contains("no frame"), "{reason}");
     drop(link);
     owner.join().unwrap();
@@ -476,14 +415,7 @@ fn shutdown_joins_promptly_with_clients_connected() {
     let mut server = start(Some(b"k"));
     let links: Vec<PeerLink> = (0..4)
         .map(|i| {
-            connect_as(
-                &server,
-                &format!("reader-{i}"),
-                &fingerprint("bf16"),
-                Some(b"k"),
-            )
-            .unwrap()
-            .0
+            connect_as(&server, &format!("reader-{i}"), &fingerprint("bf16"), Some(b"k")).unwrap().0
         })
         .collect();
     // One that connected and said nothing, one stuck mid-handshake.
@@ -494,11 +426,7 @@ fn shutdown_joins_promptly_with_clients_connected() {
 
     let started = Instant::now();
     server.shutdown();
-    assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "shutdown took {:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() < Duration::from_secs(1), "shutdown took {:?}", started.elapsed());
     assert!(wait_until(TIMEOUT, || links.iter().all(|l| !l.is_alive())));
     assert!(TcpStream::connect(server.local_addr()).is_err());
     drop(server); // a second shutdown is a no-op
@@ -520,34 +448,22 @@ fn closing_a_link_does_not_report_a_death() {
 
 #[test]
 fn bad_configurations_and_unreachable_servers_are_errors() {
-    let zero = SideChannelConfig {
-        heartbeat: Duration::ZERO,
-        ..SideChannelConfig::default()
-    };
+    let zero = SideChannelConfig { heartbeat: Duration::ZERO, ..SideChannelConfig::default() };
     assert!(matches!(
         SideChannelServer::start(zero, metadata("x")),
         Err(HandshakeError::Config(_))
     ));
-    let empty = SideChannelConfig {
-        secret: Some(Vec::new()),
-        ..SideChannelConfig::default()
-    };
+    let empty = SideChannelConfig { secret: Some(Vec::new()), ..SideChannelConfig::default() };
     assert!(matches!(
         SideChannelServer::start(empty, metadata("x")),
         Err(HandshakeError::Config(_))
     ));
-    let config = SideChannelConfig {
-        secret: Some(b"hidden".to_vec()),
-        ..SideChannelConfig::default()
-    };
+    let config =
+        SideChannelConfig { secret: Some(b"hidden".to_vec()), ..SideChannelConfig::default() };
     assert!(!format!("{config:?}").contains("hidden"));
 
     // A port nobody listens on.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let err = connect_to(port, "r", &Fingerprint::default(), None, TIMEOUT).unwrap_err();
     assert!(
         matches!(&err, HandshakeError::Unreachable { address, .. } if address.ends_with(&port.to_string())),
@@ -558,14 +474,8 @@ fn bad_configurations_and_unreachable_servers_are_errors() {
     let mute = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = mute.local_addr().unwrap().port();
     let started = Instant::now();
-    let err = connect_to(
-        port,
-        "r",
-        &Fingerprint::default(),
-        None,
-        Duration::from_millis(200),
-    )
-    .unwrap_err();
+    let err = connect_to(port, "r", &Fingerprint::default(), None, Duration::from_millis(200))
+        .unwrap_err();
     assert!(
         matches!(err, HandshakeError::Timeout { waiting_for, .. } if waiting_for.contains("hello")),
         "{err:?}"
@@ -612,7 +522,11 @@ fn lookups_are_served_only_after_authentication_and_echo_their_id() {
 fn after_an_authenticated_handshake_untagged_replayed_or_forged_frames_end_the_connection() {
     capture_logs();
     let server = start(Some(b"s3cret"));
-    server.set_lookup_handler(Arc::new(|_: &str, request: &LookupRequest| LookupReply { id: request.id, found: None, not_yet: false }));
+    server.set_lookup_handler(Arc::new(|_: &str, request: &LookupRequest| LookupReply {
+        id: request.id,
+        found: None,
+        not_yet: false,
+    }));
     let lookup = |id| Frame::Lookup(LookupRequest { id, fingerprints: vec![1], request_id: None });
 
     // A correctly tagged lookup is answered with a tagged reply (the buffer checks its tag).
@@ -663,20 +577,40 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
     // owner does meanwhile.
     let (tx, outcomes) = mpsc::channel();
     let first = tx.clone();
-    link.send_lookup(vec![1], None, Duration::from_millis(50), Box::new(move |outcome| drop(first.send(("first", outcome)))));
+    link.send_lookup(
+        vec![1],
+        None,
+        Duration::from_millis(50),
+        Box::new(move |outcome| drop(first.send(("first", outcome)))),
+    );
     thread::sleep(Duration::from_millis(60));
-    link.send_lookup(vec![1], None, TIMEOUT, Box::new(move |outcome| drop(tx.send(("second", outcome)))));
-    let (which, outcome) = outcomes.try_recv().expect("the first lookup ended when the second was sent");
-    assert!(which == "first" && matches!(outcome, Err(HandshakeError::Timeout { .. })), "{which}: {outcome:?}");
+    link.send_lookup(
+        vec![1],
+        None,
+        TIMEOUT,
+        Box::new(move |outcome| drop(tx.send(("second", outcome)))),
+    );
+    let (which, outcome) =
+        outcomes.try_recv().expect("the first lookup ended when the second was sent");
+    assert!(
+        which == "first" && matches!(outcome, Err(HandshakeError::Timeout { .. })),
+        "{which}: {outcome:?}"
+    );
     // The link keeps working: the second lookup gets its reply.
     let (which, outcome) = outcomes.recv_timeout(TIMEOUT).unwrap();
-    assert!(which == "second" && matches!(outcome, Ok(LookupReply { found: None, .. })), "{which}: {outcome:?}");
+    assert!(
+        which == "second" && matches!(outcome, Ok(LookupReply { found: None, .. })),
+        "{which}: {outcome:?}"
+    );
     // A lookup waiting when the owner goes fails with it, and so does one sent afterwards.
     let (tx, outcome) = mpsc::channel();
     link.send_lookup(vec![1], None, Duration::from_secs(60), Box::new(move |o| drop(tx.send(o))));
     drop(server);
     let outcome = outcome.recv_timeout(TIMEOUT).unwrap();
-    assert!(matches!(outcome, Err(HandshakeError::PeerGone(_)) | Ok(LookupReply { found: None, .. })), "{outcome:?}");
+    assert!(
+        matches!(outcome, Err(HandshakeError::PeerGone(_)) | Ok(LookupReply { found: None, .. })),
+        "{outcome:?}"
+    );
     assert!(wait_until(TIMEOUT, || !link.is_alive()));
     assert!(matches!(ask(&link, vec![1], TIMEOUT), Err(HandshakeError::PeerGone(_))));
 }

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use kvduplex::handshake::wire::{self, FrameKind};
 use kvduplex::handshake::PROTOCOL_VERSION;
-use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer, MAX_CONNECTIONS_PER_ADDRESS, MAX_QUEUED_NOTIFICATION_BYTES};
+use kvduplex::side_channel::{
+    PeerLink, SideChannelConfig, SideChannelServer, MAX_CONNECTIONS_PER_ADDRESS,
+    MAX_QUEUED_NOTIFICATION_BYTES,
+};
 
 mod common;
 use common::*;
@@ -29,9 +32,8 @@ fn idle_sockets_keep_threads_bounded_and_never_lock_out_a_real_peer() {
     let server = start(Some(b"s3cret"));
     let before = threads_of_this_process();
     // 2,000 sockets that never say hello (the process allows 20,000 descriptors here).
-    let idle: Vec<TcpStream> = (0..2000)
-        .map(|_| TcpStream::connect(server.local_addr()).unwrap())
-        .collect();
+    let idle: Vec<TcpStream> =
+        (0..2000).map(|_| TcpStream::connect(server.local_addr()).unwrap()).collect();
     thread::sleep(Duration::from_millis(500));
     let during = threads_of_this_process();
     assert!(
@@ -79,9 +81,14 @@ fn clients_that_never_finish_a_hello_keep_memory_and_threads_bounded() {
     }
     let threads_growth = threads_peak.saturating_sub(threads_before);
     let rss_growth = rss_peak.saturating_sub(rss_before);
-    println!("1,000 unfinished hellos: +{threads_growth} threads, +{rss_growth} MiB resident at most");
+    println!(
+        "1,000 unfinished hellos: +{threads_growth} threads, +{rss_growth} MiB resident at most"
+    );
     // At most MAX_PENDING_HANDSHAKES connections wait, each with under one frame buffered.
-    assert!(threads_growth <= kvduplex::side_channel::MAX_PENDING_HANDSHAKES + 8, "+{threads_growth} threads");
+    assert!(
+        threads_growth <= kvduplex::side_channel::MAX_PENDING_HANDSHAKES + 8,
+        "+{threads_growth} threads"
+    );
     assert!(rss_growth <= 32, "+{rss_growth} MiB resident for clients that never said hello");
     // A real peer is still served.
     let (link, _) = connect_as(&server, "reader", &fingerprint("bf16"), Some(b"s3cret")).unwrap();
@@ -90,17 +97,33 @@ fn clients_that_never_finish_a_hello_keep_memory_and_threads_bounded() {
     drop(clients);
 }
 
-
 /// A server and its clients with slow heartbeats: the links of the tests below stay alive on a
 /// busy machine whatever they send or however long they idle.
 const SLOW: Duration = Duration::from_secs(10);
 
 fn slow_server() -> SideChannelServer {
-    SideChannelServer::start(SideChannelConfig { heartbeat: SLOW, ..Default::default() }, metadata("owner")).unwrap()
+    SideChannelServer::start(
+        SideChannelConfig { heartbeat: SLOW, ..Default::default() },
+        metadata("owner"),
+    )
+    .unwrap()
 }
 
-fn slow_connect(server: &SideChannelServer, id: &str) -> Result<PeerLink, kvduplex::handshake::HandshakeError> {
-    PeerLink::connect("127.0.0.1", server.local_addr().port(), id, None, &fingerprint("bf16"), None, TIMEOUT, SLOW).map(|(link, _)| link)
+fn slow_connect(
+    server: &SideChannelServer,
+    id: &str,
+) -> Result<PeerLink, kvduplex::handshake::HandshakeError> {
+    PeerLink::connect(
+        "127.0.0.1",
+        server.local_addr().port(),
+        id,
+        None,
+        &fingerprint("bf16"),
+        None,
+        TIMEOUT,
+        SLOW,
+    )
+    .map(|(link, _)| link)
 }
 
 #[test]
@@ -116,10 +139,18 @@ fn a_flood_of_large_notifications_is_bounded_in_bytes_dropped_and_counted() {
     }
     let bound = MAX_QUEUED_NOTIFICATION_BYTES;
     let fits = (bound / payload.len()) as u64;
-    assert!(wait_until(Duration::from_secs(30), || server.dropped_notifications() == 500 - fits), "{} dropped", server.dropped_notifications());
+    assert!(
+        wait_until(Duration::from_secs(30), || server.dropped_notifications() == 500 - fits),
+        "{} dropped",
+        server.dropped_notifications()
+    );
     let grew = resident_mib().saturating_sub(rss_before);
     assert_eq!(server.queued_notification_bytes(), fits as usize * payload.len());
-    assert!(grew < (bound >> 20) as u64 + 64, "the process grew by {grew} MiB with a {} MiB bound", bound >> 20);
+    assert!(
+        grew < (bound >> 20) as u64 + 64,
+        "the process grew by {grew} MiB with a {} MiB bound",
+        bound >> 20
+    );
     // Taking them frees the room: new ones are queued again.
     assert_eq!(server.take_notifications().len() as u64, fits);
     link.notify(b"req-1").unwrap();
@@ -131,7 +162,9 @@ fn one_address_cannot_take_every_connection_slot() {
     let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
     let server = slow_server();
     // Unauthenticated clients (no secret: loopback) that finish the handshake and then idle.
-    let mut links: Vec<_> = (0..MAX_CONNECTIONS_PER_ADDRESS).map(|i| slow_connect(&server, &format!("idler-{i}")).unwrap()).collect();
+    let mut links: Vec<_> = (0..MAX_CONNECTIONS_PER_ADDRESS)
+        .map(|i| slow_connect(&server, &format!("idler-{i}")).unwrap())
+        .collect();
     let err = slow_connect(&server, "one-too-many").unwrap_err();
     assert!(err.to_string().contains("connections from one address"), "{err}");
     // One leaving frees its slot for the next.

@@ -115,7 +115,9 @@ pub struct RegionBounds {
 impl RegionBounds {
     /// Whether `[addr, addr+len)` lies entirely inside this region (overflow counts as outside).
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        let (Some(end), Some(region_end)) = (addr.checked_add(len), self.addr.checked_add(self.len)) else {
+        let (Some(end), Some(region_end)) =
+            (addr.checked_add(len), self.addr.checked_add(self.len))
+        else {
             return false;
         };
         addr >= self.addr && end <= region_end
@@ -158,12 +160,7 @@ pub enum LayoutError {
     #[error(
         "layout overflows u64: segment {segment} at {base:#x} holds {num_blocks} blocks of stride {block_stride}"
     )]
-    Overflow {
-        segment: usize,
-        base: u64,
-        num_blocks: u64,
-        block_stride: u64,
-    },
+    Overflow { segment: usize, base: u64, num_blocks: u64, block_stride: u64 },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -186,23 +183,11 @@ pub enum PlanError {
         "block id lists differ in length: {local} local ids, {remote} remote ids \
          (block_len local {local_block_len}, remote {remote_block_len})"
     )]
-    IdCountMismatch {
-        local: usize,
-        remote: usize,
-        local_block_len: u64,
-        remote_block_len: u64,
-    },
+    IdCountMismatch { local: usize, remote: usize, local_block_len: u64, remote_block_len: u64 },
     #[error("block slice len is 0")]
     EmptySlice,
-    #[error(
-        "block slice {offset}+{len} does not fit in a {side} block of block_len {block_len}"
-    )]
-    SliceOutsideBlock {
-        side: Side,
-        offset: u64,
-        len: u64,
-        block_len: u64,
-    },
+    #[error("block slice {offset}+{len} does not fit in a {side} block of block_len {block_len}")]
+    SliceOutsideBlock { side: Side, offset: u64, len: u64, block_len: u64 },
     #[error(
         "a block slice pairs block ids one to one, but there are {local} local ids and {remote} remote ids"
     )]
@@ -210,20 +195,11 @@ pub enum PlanError {
     #[error("negative {side} block id {id}")]
     NegativeBlockId { side: Side, id: i64 },
     #[error("{side} block id {id} out of range ({owner} has {num_blocks} blocks)", owner = .side.owner())]
-    BlockIdOutOfRange {
-        side: Side,
-        id: i64,
-        num_blocks: u64,
-    },
+    BlockIdOutOfRange { side: Side, id: i64, num_blocks: u64 },
     #[error(
         "segment {segment} block {block} at {addr:#x}+{len} is outside the registered regions"
     )]
-    BlockOutsideRegions {
-        segment: usize,
-        block: u64,
-        addr: u64,
-        len: u64,
-    },
+    BlockOutsideRegions { segment: usize, block: u64, addr: u64, len: u64 },
     #[error("range {addr:#x}+{len} is outside the peer's registered regions")]
     RemoteRangeOutsideRegions { addr: u64, len: u64 },
     #[error(
@@ -287,7 +263,9 @@ impl BlockLayout {
         };
         let gaps = RegionIndex::new(regions).block_start_gaps(self.block_len);
         let entries = self.segment_bases.len() as u128 + regions.len() as u128;
-        let limit = entries.saturating_mul(MAX_GAP_CHECKS_PER_ENTRY.into()).max(MAX_GAP_CHECKS_PER_ENTRY.into());
+        let limit = entries
+            .saturating_mul(MAX_GAP_CHECKS_PER_ENTRY.into())
+            .max(MAX_GAP_CHECKS_PER_ENTRY.into());
         let mut checks = 0u128;
         let stride = u128::from(self.block_stride);
         for (segment, &base) in self.segment_bases.iter().enumerate() {
@@ -298,7 +276,10 @@ impl BlockLayout {
             for &(start, end) in gaps[from..].iter().take_while(|&&(start, _)| start <= last) {
                 checks += 1;
                 if checks > limit {
-                    return Err(PlanError::LayoutTooFragmented { segments: self.segment_bases.len(), regions: regions.len() });
+                    return Err(PlanError::LayoutTooFragmented {
+                        segments: self.segment_bases.len(),
+                        regions: regions.len(),
+                    });
                 }
                 let block = start.saturating_sub(first).div_ceil(stride);
                 let addr = first + block * stride;
@@ -325,11 +306,7 @@ impl BlockLayout {
     fn block_offset(&self, id: i64, side: Side) -> Result<u64, PlanError> {
         let block = u64::try_from(id).map_err(|_| PlanError::NegativeBlockId { side, id })?;
         if block >= self.num_blocks {
-            return Err(PlanError::BlockIdOutOfRange {
-                side,
-                id,
-                num_blocks: self.num_blocks,
-            });
+            return Err(PlanError::BlockIdOutOfRange { side, id, num_blocks: self.num_blocks });
         }
         Ok(block * self.block_stride)
     }
@@ -354,14 +331,7 @@ pub fn plan_reads(
     remote_ids: &[i64],
     slice: Option<BlockSlice>,
 ) -> Result<Vec<Descriptor>, PlanError> {
-    plan_segment_reads(
-        local,
-        remote,
-        local_ids,
-        remote_ids,
-        0..local.segment_bases.len(),
-        slice,
-    )
+    plan_segment_reads(local, remote, local_ids, remote_ids, 0..local.segment_bases.len(), slice)
 }
 
 /// [`plan_reads`] restricted to the segments `segments` (e.g. one layer's KV cache, for a
@@ -380,14 +350,8 @@ pub fn plan_segment_reads(
             remote: remote.segment_bases.len(),
         });
     }
-    local.validate().map_err(|reason| PlanError::SideLayout {
-        side: Side::Local,
-        reason,
-    })?;
-    remote.validate().map_err(|reason| PlanError::SideLayout {
-        side: Side::Remote,
-        reason,
-    })?;
+    local.validate().map_err(|reason| PlanError::SideLayout { side: Side::Local, reason })?;
+    remote.validate().map_err(|reason| PlanError::SideLayout { side: Side::Remote, reason })?;
 
     // Checked before any id is looked at. A slice of both whole blocks reads what no slice
     // reads, so it is planned (and merged) the same way.
@@ -528,10 +492,8 @@ pub fn check_remote_bounds(
     plan.iter()
         .map(|d| {
             let len = u128::from(d.len);
-            let outside = || PlanError::RemoteRangeOutsideRegions {
-                addr: d.remote_addr,
-                len: d.len,
-            };
+            let outside =
+                || PlanError::RemoteRangeOutsideRegions { addr: d.remote_addr, len: d.len };
             let i = match hint.filter(|&i| remote.covers(i, d.remote_addr, len)) {
                 Some(i) => i,
                 None => remote.find(d.remote_addr, len).ok_or_else(outside)?,
@@ -610,10 +572,7 @@ impl RegionIndex {
 
     /// The index that witnesses the range fitting, usable later as a hint for [`Self::covers`].
     fn find(&self, addr: u64, len: u128) -> Option<usize> {
-        let i = self
-            .starts
-            .partition_point(|&start| start <= addr)
-            .checked_sub(1)?;
+        let i = self.starts.partition_point(|&start| start <= addr).checked_sub(1)?;
         self.covers(i, addr, len).then_some(i)
     }
 

@@ -21,16 +21,28 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError, RegionBounds};
-use crate::handshake::{new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity};
+use crate::descriptors::{
+    check_remote_bounds, plan_reads, plan_segment_reads, BlockLayout, BlockSlice, PlanError,
+    RegionBounds,
+};
+use crate::handshake::{
+    new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType,
+    PeerTable, RegionInfo, RetryPolicy, SameHostIdentity,
+};
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, UcxError, Worker};
+use crate::ucx::{
+    boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, UcxError, Worker,
+};
 use copier::CopyThreads;
 use lookup::{lookup_handler, LookupQuestion};
-pub use lookup::{LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY};
-use peer::{abort_peer, attempt_connect, begin_connect, connect_blocking, connect_for_lookup, ready_peer, resolve, Peer, PostError};
-
+pub use lookup::{
+    LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
+};
+use peer::{
+    abort_peer, attempt_connect, begin_connect, connect_blocking, connect_for_lookup, ready_peer,
+    resolve, Peer, PostError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -161,7 +173,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-
 impl Engine {
     pub fn start(config: EngineConfig) -> Result<Engine, EngineError> {
         if config.engine_id.is_empty() {
@@ -171,8 +182,17 @@ impl Engine {
         let generation = new_generation()?;
         let probe = Probe::new(worker.address()).map_err(EngineError::InvalidArgument)?;
         let boot_id = boot_id();
-        let same_host_reads = config.same_host_reads && boot_id.is_some() && ucx_tls_allows_cma(std::env::var("UCX_TLS").ok().as_deref());
-        let meta = metadata(&config, generation, &worker, boot_id.as_deref(), &probe, &LocalMemory { regions: Vec::new(), layout: None });
+        let same_host_reads = config.same_host_reads
+            && boot_id.is_some()
+            && ucx_tls_allows_cma(std::env::var("UCX_TLS").ok().as_deref());
+        let meta = metadata(
+            &config,
+            generation,
+            &worker,
+            boot_id.as_deref(),
+            &probe,
+            &LocalMemory { regions: Vec::new(), layout: None },
+        );
         let server = SideChannelServer::start(
             SideChannelConfig {
                 host: config.host.clone(),
@@ -185,7 +205,10 @@ impl Engine {
             meta,
         )?;
         let side_channel = format!("{}:{}", config.host, server.local_addr().port());
-        log::info!("engine {} (generation {generation:#x}) serving its side channel on {side_channel}", config.engine_id);
+        log::info!(
+            "engine {} (generation {generation:#x}) serving its side channel on {side_channel}",
+            config.engine_id
+        );
         let holds = Arc::new(Mutex::new(HoldBook::new()));
         let (outbox, queue) = mpsc::channel();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
@@ -212,13 +235,21 @@ impl Engine {
         let notifier_thread = std::thread::Builder::new()
             .name("kvduplex-notify".into())
             .spawn(move || send_notifications(&queue))
-            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the notifier thread: {e}")))?;
+            .map_err(|e| {
+                EngineError::InvalidArgument(format!("cannot start the notifier thread: {e}"))
+            })?;
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
             .spawn(move || progress_loop(weak))
-            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the progress thread: {e}")))?;
-        Ok(Engine { shared, progress_thread: Some(progress_thread), notifier_thread: Some(notifier_thread) })
+            .map_err(|e| {
+                EngineError::InvalidArgument(format!("cannot start the progress thread: {e}"))
+            })?;
+        Ok(Engine {
+            shared,
+            progress_thread: Some(progress_thread),
+            notifier_thread: Some(notifier_thread),
+        })
     }
 
     pub fn engine_id(&self) -> &str {
@@ -239,11 +270,19 @@ impl Engine {
     /// it rely on it staying so.
     pub fn register_region(&self, addr: u64, len: u64) -> Result<(), EngineError> {
         if addr == 0 || len == 0 {
-            return Err(EngineError::InvalidArgument(format!("cannot register region {addr:#x}+{len}: null address or zero length")));
+            return Err(EngineError::InvalidArgument(format!(
+                "cannot register region {addr:#x}+{len}: null address or zero length"
+            )));
         }
         let mut local = self.shared.local.write().unwrap_or_else(|p| p.into_inner());
-        if local.regions.iter().any(|r| addr < r.addr.saturating_add(r.len) && r.addr < addr.saturating_add(len)) {
-            return Err(EngineError::InvalidArgument(format!("region {addr:#x}+{len} overlaps a registered region")));
+        if local
+            .regions
+            .iter()
+            .any(|r| addr < r.addr.saturating_add(r.len) && r.addr < addr.saturating_add(len))
+        {
+            return Err(EngineError::InvalidArgument(format!(
+                "region {addr:#x}+{len} overlaps a registered region"
+            )));
         }
         let region = self.shared.worker.register(addr, len)?;
         log::info!("registered {:?} region {addr:#x}+{len}", region.memory);
@@ -260,7 +299,14 @@ impl Engine {
 
     fn publish(&self, local: &LocalMemory) -> Result<(), EngineError> {
         let shared = &self.shared;
-        let meta = metadata(&shared.config, shared.generation, &shared.worker, shared.boot_id.as_deref(), &shared.probe, local);
+        let meta = metadata(
+            &shared.config,
+            shared.generation,
+            &shared.worker,
+            shared.boot_id.as_deref(),
+            &shared.probe,
+            local,
+        );
         lock(&self.shared.server).as_ref().ok_or(EngineError::Closed)?.set_metadata(meta);
         Ok(())
     }
@@ -277,24 +323,38 @@ impl Engine {
     /// thread of its own, limited to `timeout`) when none is under way and the backoff allows.
     /// With `expected_engine_id`, a ready peer of another id is a failure (a restarted or
     /// misaddressed engine must not be read from).
-    pub fn peer_status(&self, host: &str, port: u16, expected_engine_id: Option<&str>, timeout: Duration) -> PeerStatus {
+    pub fn peer_status(
+        &self,
+        host: &str,
+        port: u16,
+        expected_engine_id: Option<&str>,
+        timeout: Duration,
+    ) -> PeerStatus {
         let key = format!("{host}:{port}");
         if self.shared.stop.load(Ordering::Acquire) {
             return PeerStatus::Failed(EngineError::Closed.to_string());
         }
         match begin_connect(&self.shared, &key, Instant::now()) {
-            ConnectDecision::Ready { engine_id, .. } if expected_engine_id.is_some_and(|expected| expected != engine_id) => {
-                PeerStatus::Failed(format!("the engine at {key} is {engine_id:?}, not {:?}", expected_engine_id.unwrap_or_default()))
+            ConnectDecision::Ready { engine_id, .. }
+                if expected_engine_id.is_some_and(|expected| expected != engine_id) =>
+            {
+                PeerStatus::Failed(format!(
+                    "the engine at {key} is {engine_id:?}, not {:?}",
+                    expected_engine_id.unwrap_or_default()
+                ))
             }
-            ConnectDecision::Ready { engine_id, connection } => PeerStatus::Ready(format!("{engine_id}@{key}#{connection}")),
+            ConnectDecision::Ready { engine_id, connection } => {
+                PeerStatus::Ready(format!("{engine_id}@{key}#{connection}"))
+            }
             ConnectDecision::InProgress => PeerStatus::Connecting,
             ConnectDecision::RetryAt { error, .. } => PeerStatus::Failed(error),
             ConnectDecision::Connect { .. } => {
                 let shared = Arc::clone(&self.shared);
                 let (host, thread_key) = (host.to_owned(), key.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("kvduplex-connect".into())
-                    .spawn(move || drop(attempt_connect(&shared, &thread_key, &host, port, timeout)));
+                let spawned =
+                    std::thread::Builder::new().name("kvduplex-connect".into()).spawn(move || {
+                        drop(attempt_connect(&shared, &thread_key, &host, port, timeout))
+                    });
                 match spawned {
                     Ok(handle) => {
                         let mut handles = lock(&self.shared.handshakes);
@@ -323,13 +383,34 @@ impl Engine {
 /// proof. The identity is published even where the boot id is unknown (empty: no reader reads
 /// us directly then), so that engines of one process can still prove themselves to each other
 /// (see `check_not_this_process`).
-fn metadata(config: &EngineConfig, generation: u64, worker: &Worker, boot_id: Option<&str>, probe: &Probe, local: &LocalMemory) -> EngineMetadata {
-    let identity = SameHostIdentity { boot_id: boot_id.unwrap_or_default().to_owned(), pid: std::process::id(), probe_addr: probe.addr(), proof: [0; 32] };
+fn metadata(
+    config: &EngineConfig,
+    generation: u64,
+    worker: &Worker,
+    boot_id: Option<&str>,
+    probe: &Probe,
+    local: &LocalMemory,
+) -> EngineMetadata {
+    let identity = SameHostIdentity {
+        boot_id: boot_id.unwrap_or_default().to_owned(),
+        pid: std::process::id(),
+        probe_addr: probe.addr(),
+        proof: [0; 32],
+    };
     EngineMetadata {
         engine_id: config.engine_id.clone(),
         generation,
         worker_address: worker.address().to_vec(),
-        regions: local.regions.iter().map(|r| RegionInfo { addr: r.addr, len: r.len, rkey: r.rkey.clone(), memory: r.memory }).collect(),
+        regions: local
+            .regions
+            .iter()
+            .map(|r| RegionInfo {
+                addr: r.addr,
+                len: r.len,
+                rkey: r.rkey.clone(),
+                memory: r.memory,
+            })
+            .collect(),
         layout: local.layout.clone(),
         fingerprint: config.fingerprint.clone(),
         same_host: Some(identity),
@@ -359,14 +440,24 @@ impl Engine {
         }
         let peer = resolve(&self.shared, peer_id)?;
         let local = self.shared.local.read().unwrap_or_else(|p| p.into_inner());
-        let local_layout = local
+        let local_layout = local.layout.as_ref().ok_or_else(|| {
+            EngineError::InvalidArgument("set_layout must be called before read_blocks".into())
+        })?;
+        let remote_layout = peer
+            .meta
             .layout
             .as_ref()
-            .ok_or_else(|| EngineError::InvalidArgument("set_layout must be called before read_blocks".into()))?;
-        let remote_layout = peer.meta.layout.as_ref().ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+            .ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
         let plan = match segments {
             None => plan_reads(local_layout, remote_layout, local_ids, remote_ids, slice)?,
-            Some(range) => plan_segment_reads(local_layout, remote_layout, local_ids, remote_ids, range, slice)?,
+            Some(range) => plan_segment_reads(
+                local_layout,
+                remote_layout,
+                local_ids,
+                remote_ids,
+                range,
+                slice,
+            )?,
         };
         // Both checks below look at each planned (possibly sliced) range itself, not at the
         // blocks it came from: every byte read and written lies in a registered region.
@@ -377,14 +468,28 @@ impl Engine {
         // previous one did: try that first.
         let mut local_hint = 0usize;
         for (d, &remote_region) in plan.iter().zip(&remote_regions) {
-            local_hint = find_region(&local.regions, local_hint, |r| r.contains(d.local_addr, d.len)).ok_or_else(|| {
-                EngineError::InvalidArgument(format!("local range {:#x}+{} is outside the registered regions", d.local_addr, d.len))
-            })?;
-            reads.push(Read { local_addr: d.local_addr, local: &local.regions[local_hint], remote_addr: d.remote_addr, remote_region, len: d.len });
+            local_hint =
+                find_region(&local.regions, local_hint, |r| r.contains(d.local_addr, d.len))
+                    .ok_or_else(|| {
+                        EngineError::InvalidArgument(format!(
+                            "local range {:#x}+{} is outside the registered regions",
+                            d.local_addr, d.len
+                        ))
+                    })?;
+            reads.push(Read {
+                local_addr: d.local_addr,
+                local: &local.regions[local_hint],
+                remote_addr: d.remote_addr,
+                remote_region,
+                len: d.len,
+            });
             nbytes += d.len;
         }
         let batch = BatchState::new(&self.shared.worker);
-        let same_host = peer.same_host.as_ref().filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
+        let same_host = peer
+            .same_host
+            .as_ref()
+            .filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
         let inflight = Arc::new(Inflight {
             batch: Arc::clone(&batch),
             peer: Arc::clone(&peer),
@@ -399,10 +504,17 @@ impl Engine {
             Err(PostError::NothingPosted(e)) => batch.fail(e),
             // Force-closing the endpoint cancels the posted reads; the batch fails when the
             // last of them has completed, so no byte lands in blocks the caller then reuses.
-            Err(PostError::MaybePartial(e)) => abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}")),
+            Err(PostError::MaybePartial(e)) => {
+                abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}"))
+            }
         }
         drop(local);
-        let transfer = Transfer { shared: Arc::clone(&self.shared), inflight, nbytes, num_descriptors: plan.len() };
+        let transfer = Transfer {
+            shared: Arc::clone(&self.shared),
+            inflight,
+            nbytes,
+            num_descriptors: plan.len(),
+        };
         // A batch that settled while posting (nothing posted, all done at once) is finished
         // here; a pending one cannot have passed its deadline yet.
         if transfer.inflight.batch.outcome().is_some() {
@@ -444,7 +556,15 @@ impl Engine {
         offer: Vec<u8>,
         ttl: Duration,
     ) -> Result<(), EngineError> {
-        Ok(lock(&self.shared.holds).hold(request_id, kind, num_blocks, fingerprints, offer, ttl, Instant::now())?)
+        Ok(lock(&self.shared.holds).hold(
+            request_id,
+            kind,
+            num_blocks,
+            fingerprints,
+            offer,
+            ttl,
+            Instant::now(),
+        )?)
     }
 
     /// `reader` is done with its claim `claim_id` on `request_id`'s blocks. Returns true when
@@ -479,11 +599,21 @@ impl Engine {
     /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
     /// returned [`LookupFanOut`]; an owner's reply is taken until [`LATE_REPLY_WINDOW`] after
     /// `timeout`, so that a late claim can still be handed back.
-    pub fn start_lookup(&self, targets: Vec<(String, u16)>, fingerprints: Vec<BlockFingerprint>, request_id: Option<String>, timeout: Duration) -> LookupFanOut {
+    pub fn start_lookup(
+        &self,
+        targets: Vec<(String, u16)>,
+        fingerprints: Vec<BlockFingerprint>,
+        request_id: Option<String>,
+        timeout: Duration,
+    ) -> LookupFanOut {
         let connect_deadline = deadline_after(timeout);
         let fan_out = LookupFanOut::new(
             targets.iter().map(|(host, port)| format!("{host}:{port}")).collect(),
-            Arc::new(LookupQuestion { fingerprints, request_id, retry_until: deadline_after(timeout) }),
+            Arc::new(LookupQuestion {
+                fingerprints,
+                request_id,
+                retry_until: deadline_after(timeout),
+            }),
             deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
         );
         for (index, (host, port)) in targets.into_iter().enumerate() {
@@ -502,7 +632,9 @@ impl Engine {
                     Err(e) => asking.answer(index, Err(e)),
                 }
             };
-            if let Err(e) = std::thread::Builder::new().name("kvduplex-lookup".into()).spawn(connect_and_ask) {
+            if let Err(e) =
+                std::thread::Builder::new().name("kvduplex-lookup".into()).spawn(connect_and_ask)
+            {
                 fan_out.answer(index, Err(format!("cannot start a lookup thread: {e}")));
             }
         }
@@ -551,13 +683,18 @@ impl Engine {
         if let Some(mut server) = lock(&self.shared.server).take() {
             server.shutdown();
         }
-        let regions = std::mem::take(&mut self.shared.local.write().unwrap_or_else(|p| p.into_inner()).regions);
+        let regions = std::mem::take(
+            &mut self.shared.local.write().unwrap_or_else(|p| p.into_inner()).regions,
+        );
         if drained {
             drop(regions);
         } else {
             // UCX may still write into them: leave them registered (and leaked) rather than
             // unmap memory under a read.
-            log::error!("leaving {} memory regions registered: reads into them are outstanding", regions.len());
+            log::error!(
+                "leaving {} memory regions registered: reads into them are outstanding",
+                regions.len()
+            );
             std::mem::forget(regions);
         }
         log::info!("engine {} closed", self.shared.config.engine_id);
@@ -580,7 +717,8 @@ const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 fn drain_reads(shared: &Shared, deadline: Instant) -> bool {
     loop {
         shared.worker.progress();
-        let outstanding: usize = lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
+        let outstanding: usize =
+            lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
         if outstanding == 0 {
             return true;
         }
@@ -605,7 +743,10 @@ fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Opti
 }
 
 fn is_retryable(e: &HandshakeError) -> bool {
-    matches!(e, HandshakeError::Io(_) | HandshakeError::Unreachable { .. } | HandshakeError::Timeout { .. })
+    matches!(
+        e,
+        HandshakeError::Io(_) | HandshakeError::Unreachable { .. } | HandshakeError::Timeout { .. }
+    )
 }
 
 fn is_retryable_engine_error(e: &EngineError) -> bool {
@@ -616,10 +757,16 @@ fn is_retryable_engine_error(e: &EngineError) -> bool {
 /// peer's endpoint is aborted first (failing every batch to that peer); the next `connect`
 /// re-handshakes. A same-host batch is failed alone: its copy stops at its next call.
 fn expire(shared: &Shared, inflight: &Inflight) {
-    if inflight.batch.outcome().is_some() || inflight.batch.has_failed() || Instant::now() < inflight.deadline {
+    if inflight.batch.outcome().is_some()
+        || inflight.batch.has_failed()
+        || Instant::now() < inflight.deadline
+    {
         return;
     }
-    let reason = format!("deadline passed before the last byte arrived from peer {}", inflight.peer.meta.engine_id);
+    let reason = format!(
+        "deadline passed before the last byte arrived from peer {}",
+        inflight.peer.meta.engine_id
+    );
     if inflight.same_host {
         log::warn!("{reason}");
         lock(&inflight.abort_reason).get_or_insert_with(|| reason.clone());
@@ -685,8 +832,13 @@ fn settle_all(shared: &Shared) -> bool {
 fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
     if let Some(Ok(())) = inflight.batch.outcome() {
         if let Some(payload) = lock(&inflight.notify).take() {
-            if let Err(e) = queue_notification(shared, Outgoing { peer: Arc::clone(&inflight.peer), payload }) {
-                log::warn!("read done but peer {} was not notified: {e}", inflight.peer.meta.engine_id);
+            if let Err(e) =
+                queue_notification(shared, Outgoing { peer: Arc::clone(&inflight.peer), payload })
+            {
+                log::warn!(
+                    "read done but peer {} was not notified: {e}",
+                    inflight.peer.meta.engine_id
+                );
             }
         }
     }
@@ -736,7 +888,9 @@ impl Transfer {
         expire(&self.shared, &self.inflight);
         let outcome = self.inflight.batch.outcome()?;
         finish_inflight(&self.shared, &self.inflight);
-        Some(outcome.map_err(|ucx_error| EngineError::Transfer(lock(&self.inflight.abort_reason).clone().unwrap_or(ucx_error))))
+        Some(outcome.map_err(|ucx_error| {
+            EngineError::Transfer(lock(&self.inflight.abort_reason).clone().unwrap_or(ucx_error))
+        }))
     }
 
     /// Non-blocking: `Ok(true)` when every byte arrived, `Ok(false)` while pending.
@@ -786,5 +940,7 @@ impl Transfer {
 /// as good as none, and must not panic).
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600))).unwrap_or(now)
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(now)
 }

@@ -207,7 +207,16 @@ impl HoldBook {
         let lease_ends = now.checked_add(ttl).unwrap_or_else(|| far_future(now));
         self.held.insert(
             request_id.to_owned(),
-            Held { kind, num_blocks, fingerprints, offer, lease_ends, ended: false, claims: HashMap::new(), last_used: now },
+            Held {
+                kind,
+                num_blocks,
+                fingerprints,
+                offer,
+                lease_ends,
+                ended: false,
+                claims: HashMap::new(),
+                last_used: now,
+            },
         );
         Ok(())
     }
@@ -228,12 +237,21 @@ impl HoldBook {
         }
         self.forget_old_ended(now);
         let Some(held) = self.held.get(request_id) else {
-            return Err(if self.ended_ids.contains(request_id) { Refusal::Ended } else { Refusal::NotHeldYet });
+            return Err(if self.ended_ids.contains(request_id) {
+                Refusal::Ended
+            } else {
+                Refusal::NotHeldYet
+            });
         };
         if held.ended {
             return Err(Refusal::Ended);
         }
-        let matched = held.fingerprints.iter().zip(fingerprints).take_while(|(held, asked)| held == asked).count();
+        let matched = held
+            .fingerprints
+            .iter()
+            .zip(fingerprints)
+            .take_while(|(held, asked)| held == asked)
+            .count();
         if matched == 0 {
             return Err(Refusal::Mismatch);
         }
@@ -279,7 +297,14 @@ impl HoldBook {
         Some(self.claim(reader, request_id, matched, claim_for, now))
     }
 
-    fn claim(&mut self, reader: &str, request_id: String, matched: usize, claim_for: Duration, now: Instant) -> LookupMatch {
+    fn claim(
+        &mut self,
+        reader: &str,
+        request_id: String,
+        matched: usize,
+        claim_for: Duration,
+        now: Instant,
+    ) -> LookupMatch {
         let claim_id = self.next_claim;
         self.next_claim += 1;
         let deadline = now.checked_add(claim_for).unwrap_or_else(|| far_future(now));
@@ -298,9 +323,15 @@ impl HoldBook {
 
     /// `reader` is done with its claim `claim_id` on `request_id`'s blocks; only the reader that
     /// made a claim can end it. Returns the request id when this freed the hold.
-    pub fn release(&mut self, reader: &str, request_id: &str, claim_id: u64, now: Instant) -> Option<String> {
+    pub fn release(
+        &mut self,
+        reader: &str,
+        request_id: &str,
+        claim_id: u64,
+        now: Instant,
+    ) -> Option<String> {
         let held = self.held.get_mut(request_id)?;
-        if !held.claims.get(&claim_id).is_some_and(|c| c.reader == reader) {
+        if held.claims.get(&claim_id).is_none_or(|c| c.reader != reader) {
             return None;
         }
         held.claims.remove(&claim_id);
@@ -341,7 +372,9 @@ impl HoldBook {
         let mut candidates: Vec<(Instant, String, usize)> = self
             .held
             .iter()
-            .filter(|(_, h)| h.claims.is_empty() && (which == Evict::AnyHold || h.kind == HoldKind::Turn))
+            .filter(|(_, h)| {
+                h.claims.is_empty() && (which == Evict::AnyHold || h.kind == HoldKind::Turn)
+            })
             .map(|(id, h)| (h.last_used, id.clone(), h.num_blocks))
             .collect();
         candidates.sort();
@@ -423,19 +456,26 @@ mod tests {
         let mut book = HoldBook::new();
         for (id, fps) in turns {
             let offer = format!("offer-{id}").into_bytes();
-            assert_eq!(book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, TTL, now), Ok(()));
+            assert_eq!(
+                book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, TTL, now),
+                Ok(())
+            );
         }
         book
     }
 
     fn prompt_hold(book: &mut HoldBook, id: &str, fps: &[u64], now: Instant) {
-        assert_eq!(book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], TTL, now), Ok(()));
+        assert_eq!(
+            book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], TTL, now),
+            Ok(())
+        );
     }
 
     #[test]
     fn lookup_finds_the_longest_held_prefix() {
         let t0 = Instant::now();
-        let mut book = book_with(&[("short", &[1, 2]), ("long", &[1, 2, 3, 4]), ("other", &[9])], t0);
+        let mut book =
+            book_with(&[("short", &[1, 2]), ("long", &[1, 2, 3, 4]), ("other", &[9])], t0);
         let found = book.lookup("P", &[1, 2, 3, 7, 8], CLAIM, t0).unwrap();
         assert_eq!(found.owner_request_id, "long");
         assert_eq!(found.matched_blocks, 3);
@@ -466,7 +506,10 @@ mod tests {
         assert!(book.is_empty());
         // Gone, and said so (not "not held yet"), while it is remembered.
         assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0), Err(Refusal::Ended));
-        assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0 + ENDED_KEEP), Err(Refusal::NotHeldYet));
+        assert_eq!(
+            book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0 + ENDED_KEEP),
+            Err(Refusal::NotHeldYet)
+        );
     }
 
     #[test]
@@ -552,7 +595,10 @@ mod tests {
         assert_eq!(book.ended_ids.len(), MAX_ENDED_KEPT);
         // The oldest were forgotten; the newest are known to be gone.
         assert_eq!(book.grant("D", "r0", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
-        assert_eq!(book.grant("D", &format!("r{}", MAX_ENDED_KEPT + 9), &[1], CLAIM, t0), Err(Refusal::Ended));
+        assert_eq!(
+            book.grant("D", &format!("r{}", MAX_ENDED_KEPT + 9), &[1], CLAIM, t0),
+            Err(Refusal::Ended)
+        );
     }
 
     #[test]
@@ -596,13 +642,25 @@ mod tests {
     fn holds_are_checked() {
         let t0 = Instant::now();
         let mut book = book_with(&[("a", &[1])], t0);
-        assert_eq!(book.hold("a", HoldKind::Turn, 1, vec![], vec![], TTL, t0), Err(HoldError::AlreadyHeld("a".into())));
+        assert_eq!(
+            book.hold("a", HoldKind::Turn, 1, vec![], vec![], TTL, t0),
+            Err(HoldError::AlreadyHeld("a".into()))
+        );
         let too_many = vec![0; MAX_FINGERPRINTS + 1];
-        assert!(matches!(book.hold("b", HoldKind::Turn, 1, too_many, vec![], TTL, t0), Err(HoldError::TooManyFingerprints(_))));
+        assert!(matches!(
+            book.hold("b", HoldKind::Turn, 1, too_many, vec![], TTL, t0),
+            Err(HoldError::TooManyFingerprints(_))
+        ));
         let huge = vec![0; MAX_OFFER_BYTES + 1];
-        assert!(matches!(book.hold("b", HoldKind::Turn, 1, vec![], huge, TTL, t0), Err(HoldError::OfferTooLarge(_))));
+        assert!(matches!(
+            book.hold("b", HoldKind::Turn, 1, vec![], huge, TTL, t0),
+            Err(HoldError::OfferTooLarge(_))
+        ));
         // A TTL that overflows Instant is a hold that lasts, not a panic.
-        assert_eq!(book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], Duration::MAX, t0), Ok(()));
+        assert_eq!(
+            book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], Duration::MAX, t0),
+            Ok(())
+        );
     }
 
     #[test]
@@ -611,7 +669,10 @@ mod tests {
         let mut book = HoldBook::new();
         // Many holds sharing a first block (a long common system prompt).
         for n in 0..(MAX_EXAMINED as u64 + 1) {
-            assert_eq!(book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], TTL, t0), Ok(()));
+            assert_eq!(
+                book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], TTL, t0),
+                Ok(())
+            );
         }
         assert!(book.lookup("P", &[1, 1, 1], CLAIM, t0).is_none());
         // The shared block alone examines every hold sharing it: more than allowed.

@@ -7,10 +7,10 @@
 //! requests' blocks for readers ([`holds`]) and answers *lookups* of held turns by content.
 
 pub mod descriptors;
+pub mod engine;
 pub mod handshake;
 pub mod holds;
 pub mod side_channel;
-pub mod engine;
 /// UCX and same-host reads: the crate's only `unsafe`. Crate-private: its safe functions lean
 /// on invariants the engine keeps (each says which), so only [`engine::Engine`] reaches them.
 mod ucx;

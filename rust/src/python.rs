@@ -16,13 +16,43 @@ use crate::engine::{self, EngineConfig, EngineError};
 use crate::handshake::{self, Fingerprint};
 use crate::holds::{Evict, HoldKind};
 
-create_exception!(kvduplex._core, KvDuplexError, PyException, "Base class of every kvduplex error.");
-create_exception!(kvduplex._core, UcxError, KvDuplexError, "UCX could not be loaded or a UCX call failed.");
-create_exception!(kvduplex._core, HandshakeError, KvDuplexError, "The side-channel handshake with a peer failed.");
-create_exception!(kvduplex._core, IncompatiblePeerError, HandshakeError, "Protocol version or compatibility fingerprint differs.");
-create_exception!(kvduplex._core, AuthenticationError, HandshakeError, "Shared-secret authentication failed.");
+create_exception!(
+    kvduplex._core,
+    KvDuplexError,
+    PyException,
+    "Base class of every kvduplex error."
+);
+create_exception!(
+    kvduplex._core,
+    UcxError,
+    KvDuplexError,
+    "UCX could not be loaded or a UCX call failed."
+);
+create_exception!(
+    kvduplex._core,
+    HandshakeError,
+    KvDuplexError,
+    "The side-channel handshake with a peer failed."
+);
+create_exception!(
+    kvduplex._core,
+    IncompatiblePeerError,
+    HandshakeError,
+    "Protocol version or compatibility fingerprint differs."
+);
+create_exception!(
+    kvduplex._core,
+    AuthenticationError,
+    HandshakeError,
+    "Shared-secret authentication failed."
+);
 create_exception!(kvduplex._core, TransferError, KvDuplexError, "A batch read failed.");
-create_exception!(kvduplex._core, PeerNotConnectedError, KvDuplexError, "No ready connection to the named peer.");
+create_exception!(
+    kvduplex._core,
+    PeerNotConnectedError,
+    KvDuplexError,
+    "No ready connection to the named peer."
+);
 
 /// `PlanError` must also be a `ValueError`, which `create_exception!` cannot express; it is
 /// built with `type()` at module init.
@@ -33,17 +63,20 @@ fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
     match err {
         EngineError::Ucx(_) => UcxError::new_err(msg),
         EngineError::Handshake(h) => match h {
-            handshake::HandshakeError::ProtocolVersion { .. } | handshake::HandshakeError::Incompatible { .. } => IncompatiblePeerError::new_err(msg),
-            handshake::HandshakeError::AuthRequired | handshake::HandshakeError::AuthFailed | handshake::HandshakeError::PeerNotAuthenticated => {
-                AuthenticationError::new_err(msg)
-            }
+            handshake::HandshakeError::ProtocolVersion { .. }
+            | handshake::HandshakeError::Incompatible { .. } => IncompatiblePeerError::new_err(msg),
+            handshake::HandshakeError::AuthRequired
+            | handshake::HandshakeError::AuthFailed
+            | handshake::HandshakeError::PeerNotAuthenticated => AuthenticationError::new_err(msg),
             _ => HandshakeError::new_err(msg),
         },
         EngineError::Plan(_) => match PLAN_ERROR.get(py) {
             Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
             None => PyValueError::new_err(msg),
         },
-        EngineError::PeerNotConnected(_) | EngineError::AmbiguousPeer { .. } => PeerNotConnectedError::new_err(msg),
+        EngineError::PeerNotConnected(_) | EngineError::AmbiguousPeer { .. } => {
+            PeerNotConnectedError::new_err(msg)
+        }
         EngineError::ConnectFailed { .. } => HandshakeError::new_err(msg),
         EngineError::Transfer(_) | EngineError::Closed => TransferError::new_err(msg),
         EngineError::WaitTimeout(_) => PyTimeoutError::new_err(msg),
@@ -52,19 +85,31 @@ fn to_py(py: Python<'_>, err: EngineError) -> PyErr {
 }
 
 fn seconds(name: &str, value: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(value).map_err(|_| PyValueError::new_err(format!("{name} must be a finite, non-negative number of seconds, got {value}")))
+    Duration::try_from_secs_f64(value).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be a finite, non-negative number of seconds, got {value}"
+        ))
+    })
 }
 
 /// `block_slice`: a `(remote_offset, local_offset, len)` sequence of three non-negative ints.
 /// Anything else is a `ValueError`; whether the slice fits the blocks is the planner's check.
 fn parse_block_slice(value: &Bound<'_, PyAny>) -> PyResult<BlockSlice> {
-    let bad = |why: String| PyValueError::new_err(format!("block_slice must be a (remote_offset, local_offset, len) tuple of non-negative ints: {why}"));
+    let bad = |why: String| {
+        PyValueError::new_err(format!("block_slice must be a (remote_offset, local_offset, len) tuple of non-negative ints: {why}"))
+    };
     let items: Vec<Bound<'_, PyAny>> = value.extract().map_err(|e: PyErr| bad(e.to_string()))?;
     let [remote_offset, local_offset, len] = items.as_slice() else {
         return Err(bad(format!("got {} items", items.len())));
     };
-    let field = |name: &str, item: &Bound<'_, PyAny>| item.extract::<u64>().map_err(|e| bad(format!("{name}: {e}")));
-    Ok(BlockSlice { remote_offset: field("remote_offset", remote_offset)?, local_offset: field("local_offset", local_offset)?, len: field("len", len)? })
+    let field = |name: &str, item: &Bound<'_, PyAny>| {
+        item.extract::<u64>().map_err(|e| bad(format!("{name}: {e}")))
+    };
+    Ok(BlockSlice {
+        remote_offset: field("remote_offset", remote_offset)?,
+        local_offset: field("local_offset", local_offset)?,
+        len: field("len", len)?,
+    })
 }
 
 #[pyclass(module = "kvduplex._core", frozen)]
@@ -109,7 +154,8 @@ struct Lookup {
 }
 
 /// One owner's answer: (address asked, owner engine id or None, match or None, error or None).
-type PyLookupAnswer<'py> = (String, Option<String>, Option<(String, u32, u64, f64, Bound<'py, PyBytes>)>, Option<String>);
+type PyLookupAnswer<'py> =
+    (String, Option<String>, Option<(String, u32, u64, f64, Bound<'py, PyBytes>)>, Option<String>);
 
 #[pymethods]
 impl Lookup {
@@ -121,7 +167,15 @@ impl Lookup {
             .map(|answer| {
                 answer.map(|a| match a.outcome {
                     Ok((peer, found)) => {
-                        let found = found.map(|m| (m.owner_request_id, m.matched_blocks, m.claim_id, m.claim_ms as f64 / 1000.0, PyBytes::new(py, &m.offer)));
+                        let found = found.map(|m| {
+                            (
+                                m.owner_request_id,
+                                m.matched_blocks,
+                                m.claim_id,
+                                m.claim_ms as f64 / 1000.0,
+                                PyBytes::new(py, &m.offer),
+                            )
+                        });
                         (a.address, Some(peer), found, None)
                     }
                     Err(e) => (a.address, None, None, Some(e)),
@@ -143,7 +197,11 @@ struct Engine {
 }
 
 impl Engine {
-    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&engine::Engine) -> Result<T, EngineError> + Send) -> PyResult<T>
+    fn with<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&engine::Engine) -> Result<T, EngineError> + Send,
+    ) -> PyResult<T>
     where
         T: Send,
     {
@@ -202,11 +260,29 @@ impl Engine {
         if heartbeat.is_zero() {
             return Err(PyValueError::new_err("heartbeat_s must be positive"));
         }
-        let config = EngineConfig { engine_id: engine_id.clone(), fingerprint: Fingerprint(fingerprint), host, port, secret, ucx_lib_dir, heartbeat, peer_error_handling, lookup_claim, allow_unauthenticated, same_host_reads };
+        let config = EngineConfig {
+            engine_id: engine_id.clone(),
+            fingerprint: Fingerprint(fingerprint),
+            host,
+            port,
+            secret,
+            ucx_lib_dir,
+            heartbeat,
+            peer_error_handling,
+            lookup_claim,
+            allow_unauthenticated,
+            same_host_reads,
+        };
         let engine = py.detach(|| engine::Engine::start(config)).map_err(|e| to_py(py, e))?;
         let addr = engine.side_channel_addr().map_err(|e| to_py(py, e))?;
         let generation = engine.generation();
-        Ok(Engine { inner: std::sync::RwLock::new(Some(engine)), engine_id, generation, host: addr.ip().to_string(), port: addr.port() })
+        Ok(Engine {
+            inner: std::sync::RwLock::new(Some(engine)),
+            engine_id,
+            generation,
+            host: addr.ip().to_string(),
+            port: addr.port(),
+        })
     }
 
     #[getter]
@@ -233,7 +309,14 @@ impl Engine {
         self.with(py, |e| e.register_region(addr, length))
     }
 
-    fn set_layout(&self, py: Python<'_>, segment_bases: Vec<u64>, block_len: u64, block_stride: u64, num_blocks: u64) -> PyResult<()> {
+    fn set_layout(
+        &self,
+        py: Python<'_>,
+        segment_bases: Vec<u64>,
+        block_len: u64,
+        block_stride: u64,
+        num_blocks: u64,
+    ) -> PyResult<()> {
         let layout = BlockLayout { segment_bases, block_stride, block_len, num_blocks };
         self.with(py, |e| e.set_layout(layout))
     }
@@ -258,7 +341,8 @@ impl Engine {
         timeout_s: f64,
     ) -> PyResult<(&'static str, Option<String>)> {
         let timeout = seconds("timeout_s", timeout_s)?;
-        let status = self.with(py, |e| Ok(e.peer_status(&host, port, expected_engine_id.as_deref(), timeout)))?;
+        let status = self
+            .with(py, |e| Ok(e.peer_status(&host, port, expected_engine_id.as_deref(), timeout)))?;
         Ok(match status {
             engine::PeerStatus::Ready(engine_id) => ("ready", Some(engine_id)),
             engine::PeerStatus::Connecting => ("connecting", None),
@@ -286,7 +370,17 @@ impl Engine {
         let timeout = seconds("timeout_s", timeout_s)?;
         let segments = segments.map(|(start, end)| start..end);
         let slice = block_slice.as_ref().map(parse_block_slice).transpose()?;
-        let inner = self.with(py, |e| e.read_blocks(&peer_engine_id, &local_block_ids, &remote_block_ids, notify, timeout, segments, slice))?;
+        let inner = self.with(py, |e| {
+            e.read_blocks(
+                &peer_engine_id,
+                &local_block_ids,
+                &remote_block_ids,
+                notify,
+                timeout,
+                segments,
+                slice,
+            )
+        })?;
         Ok(Transfer { inner })
     }
 
@@ -306,14 +400,29 @@ impl Engine {
     /// turn (also found by lookups, evictable).
     #[pyo3(signature = (request_id, num_blocks, ttl_s, *, fingerprints, turn, offer=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
-    fn hold(&self, py: Python<'_>, request_id: String, num_blocks: usize, ttl_s: f64, fingerprints: Vec<String>, turn: bool, offer: Vec<u8>) -> PyResult<()> {
+    fn hold(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_blocks: usize,
+        ttl_s: f64,
+        fingerprints: Vec<String>,
+        turn: bool,
+        offer: Vec<u8>,
+    ) -> PyResult<()> {
         let ttl = seconds("ttl_s", ttl_s)?;
         let fingerprints = parse_fingerprints(&fingerprints)?;
         let kind = if turn { HoldKind::Turn } else { HoldKind::ForDecode };
         self.with(py, |e| e.hold(&request_id, kind, num_blocks, fingerprints, offer, ttl))
     }
 
-    fn release_hold(&self, py: Python<'_>, reader: String, request_id: String, claim_id: u64) -> PyResult<bool> {
+    fn release_hold(
+        &self,
+        py: Python<'_>,
+        reader: String,
+        request_id: String,
+        claim_id: u64,
+    ) -> PyResult<bool> {
         self.with(py, |e| Ok(e.release_hold(&reader, &request_id, claim_id)))
     }
 
@@ -324,7 +433,12 @@ impl Engine {
     /// `prompts`: prompts held for decode nodes may go too (the engine is short of blocks),
     /// not only finished turns.
     #[pyo3(signature = (num_blocks, *, prompts=false))]
-    fn evict_holds(&self, py: Python<'_>, num_blocks: usize, prompts: bool) -> PyResult<Vec<String>> {
+    fn evict_holds(
+        &self,
+        py: Python<'_>,
+        num_blocks: usize,
+        prompts: bool,
+    ) -> PyResult<Vec<String>> {
         let which = if prompts { Evict::AnyHold } else { Evict::Turns };
         self.with(py, |e| Ok(e.evict_holds(num_blocks, which)))
     }
@@ -334,19 +448,29 @@ impl Engine {
         self.with(py, |e| Ok(e.hold_occupancy()))
     }
 
-
     /// Asks every `(host, port)` at once for the longest held turn starting with
     /// `fingerprints`, or with `request_id` for a grant of that hold's blocks that carry them,
     /// without waiting (see `engine::Engine::start_lookup`); poll the result.
     #[pyo3(signature = (targets, fingerprints, timeout_s=1.0, *, request_id=None))]
-    fn start_lookup(&self, py: Python<'_>, targets: Vec<(String, u16)>, fingerprints: Vec<String>, timeout_s: f64, request_id: Option<String>) -> PyResult<Lookup> {
+    fn start_lookup(
+        &self,
+        py: Python<'_>,
+        targets: Vec<(String, u16)>,
+        fingerprints: Vec<String>,
+        timeout_s: f64,
+        request_id: Option<String>,
+    ) -> PyResult<Lookup> {
         let timeout = seconds("timeout_s", timeout_s)?;
         let fingerprints = parse_fingerprints(&fingerprints)?;
-        let inner = self.with(py, |e| Ok(e.start_lookup(targets, fingerprints, request_id, timeout)))?;
+        let inner =
+            self.with(py, |e| Ok(e.start_lookup(targets, fingerprints, request_id, timeout)))?;
         Ok(Lookup { inner })
     }
 
-    fn take_notifications<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
+    fn take_notifications<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
         let notes = self.with(py, |e| Ok(e.take_notifications()))?;
         Ok(notes.into_iter().map(|n| (n.sender, PyBytes::new(py, &n.payload))).collect())
     }
@@ -376,8 +500,13 @@ impl Engine {
 fn parse_fingerprints(hex: &[String]) -> PyResult<Vec<u64>> {
     hex.iter()
         .map(|h| {
-            let valid = h.len() == 16 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-            valid.then(|| u64::from_str_radix(h, 16).ok()).flatten().ok_or_else(|| PyValueError::new_err(format!("a fingerprint must be 16 lowercase hex characters, got {h:?}")))
+            let valid = h.len() == 16
+                && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            valid.then(|| u64::from_str_radix(h, 16).ok()).flatten().ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "a fingerprint must be 16 lowercase hex characters, got {h:?}"
+                ))
+            })
         })
         .collect()
 }
@@ -397,7 +526,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let bases = (py.get_type::<KvDuplexError>(), py.get_type::<PyValueError>());
     let namespace = pyo3::types::PyDict::new(py);
     namespace.set_item("__module__", "kvduplex._core")?;
-    namespace.set_item("__doc__", "Block ids or layouts are invalid (negative, out of range, outside registered memory).")?;
+    namespace.set_item(
+        "__doc__",
+        "Block ids or layouts are invalid (negative, out of range, outside registered memory).",
+    )?;
     let plan_error = builtins.getattr("type")?.call1(("PlanError", bases, namespace))?;
     let plan_error = plan_error.cast_into::<pyo3::types::PyType>()?;
     m.add("PlanError", &plan_error)?;

@@ -7,12 +7,12 @@
 //! by a deadline and every established link by its peer's heartbeat, so no peer can pin a
 //! thread, and [`SideChannelServer::shutdown`] unblocks every thread by shutting its socket.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -182,10 +182,7 @@ impl SideChannelServer {
         }
         wire::encode_metadata_frame(&metadata)?;
         let address = format!("{}:{}", config.host, config.port);
-        let bind_error = |source| HandshakeError::Bind {
-            address: address.clone(),
-            source,
-        };
+        let bind_error = |source| HandshakeError::Bind { address: address.clone(), source };
         let listener =
             TcpListener::bind((config.host.as_str(), config.port)).map_err(bind_error)?;
         listener.set_nonblocking(true).map_err(bind_error)?;
@@ -210,11 +207,7 @@ impl SideChannelServer {
             .name("kvduplex-side-channel".to_owned())
             .spawn(move || accept_loop(&listener, &acceptor_state))?;
         info!("side channel listening on {local_addr}");
-        Ok(Self {
-            state,
-            local_addr,
-            acceptor: Some(acceptor),
-        })
+        Ok(Self { state, local_addr, acceptor: Some(acceptor) })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -322,7 +315,8 @@ fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) -> Vec<JoinHand
         next_id += 1;
         let evicted = {
             let mut pending = lock(&state.pending);
-            let evicted = (pending.len() >= MAX_PENDING_HANDSHAKES).then(|| pending.pop_front()).flatten();
+            let evicted =
+                (pending.len() >= MAX_PENDING_HANDSHAKES).then(|| pending.pop_front()).flatten();
             pending.push_back(next_id);
             evicted
         };
@@ -518,7 +512,11 @@ fn answer_client(
 }
 
 /// (ours, theirs): the authenticators of the frames we send in `ours` and of the peer's.
-fn frame_auths(secret: &[u8], ours: Direction, transcript: &auth::Transcript) -> Result<(FrameAuth, FrameAuth), HandshakeError> {
+fn frame_auths(
+    secret: &[u8],
+    ours: Direction,
+    transcript: &auth::Transcript,
+) -> Result<(FrameAuth, FrameAuth), HandshakeError> {
     let theirs = match ours {
         Direction::ClientToServer => Direction::ServerToClient,
         Direction::ServerToClient => Direction::ClientToServer,
@@ -528,7 +526,8 @@ fn frame_auths(secret: &[u8], ours: Direction, transcript: &auth::Transcript) ->
 
 fn queue_notification(state: &ServerState, sender: &str, payload: Vec<u8>) {
     let mut queue = lock(&state.notifications);
-    let full = queue.items.len() >= MAX_QUEUED_NOTIFICATIONS || queue.bytes + payload.len() > MAX_QUEUED_NOTIFICATION_BYTES;
+    let full = queue.items.len() >= MAX_QUEUED_NOTIFICATIONS
+        || queue.bytes + payload.len() > MAX_QUEUED_NOTIFICATION_BYTES;
     if full {
         let (waiting, bytes) = (queue.items.len(), queue.bytes);
         drop(queue);
@@ -596,7 +595,10 @@ impl PendingLookups {
         let waiting = lock(&self.waiting).remove(&reply.id);
         match waiting {
             Some((deadline, _, handler)) if now < deadline => handler(Ok(reply)),
-            Some((_, after, handler)) => handler(Err(HandshakeError::Timeout { waiting_for: "the owner's lookup reply", after })),
+            Some((_, after, handler)) => handler(Err(HandshakeError::Timeout {
+                waiting_for: "the owner's lookup reply",
+                after,
+            })),
             None => {}
         }
     }
@@ -613,11 +615,15 @@ impl PendingLookups {
     fn expire(&self, now: Instant) {
         let expired: Vec<_> = {
             let mut waiting = lock(&self.waiting);
-            let ids: Vec<u64> = waiting.iter().filter(|(_, (at, _, _))| *at <= now).map(|(id, _)| *id).collect();
+            let ids: Vec<u64> =
+                waiting.iter().filter(|(_, (at, _, _))| *at <= now).map(|(id, _)| *id).collect();
             ids.into_iter().filter_map(|id| waiting.remove(&id)).collect()
         };
         for (_, after, handler) in expired {
-            handler(Err(HandshakeError::Timeout { waiting_for: "the owner's lookup reply", after }));
+            handler(Err(HandshakeError::Timeout {
+                waiting_for: "the owner's lookup reply",
+                after,
+            }));
         }
     }
 
@@ -699,9 +705,7 @@ impl PeerLink {
         our_fingerprint.check_compatible(&metadata.fingerprint)?;
         metadata.validate()?;
 
-        let status = Arc::new(Mutex::new(LinkStatus::Alive {
-            on_death: Vec::new(),
-        }));
+        let status = Arc::new(Mutex::new(LinkStatus::Alive { on_death: Vec::new() }));
         let writer = Arc::new(Mutex::new(writer));
         let liveness = Liveness::new(
             Instant::now(),
@@ -711,35 +715,24 @@ impl PeerLink {
         let (thread_status, thread_writer) = (Arc::clone(&status), Arc::clone(&writer));
         let lookups = Arc::new(PendingLookups::default());
         let thread_lookups = Arc::clone(&lookups);
-        thread::Builder::new()
-            .name("kvduplex-peer-link".to_owned())
-            .spawn(move || {
-                let end = run_link(
-                    &mut reader,
-                    liveness,
-                    || lock(&thread_writer).send(&Frame::Ping),
-                    |frame| match frame {
-                        Frame::LookupReply(reply) => {
-                            thread_lookups.deliver(reply, Instant::now());
-                            Ok(())
-                        }
-                        other => Err(unexpected("Ping or LookupReply", &other)),
-                    },
-                );
-                let reason = end.to_string();
-                mark_dead(&thread_status, reason.clone());
-                thread_lookups.fail_all(&reason);
-            })?;
-        Ok((
-            PeerLink {
-                status,
-                writer,
-                socket: stream,
-                lookups,
-                transcript,
-            },
-            metadata,
-        ))
+        thread::Builder::new().name("kvduplex-peer-link".to_owned()).spawn(move || {
+            let end = run_link(
+                &mut reader,
+                liveness,
+                || lock(&thread_writer).send(&Frame::Ping),
+                |frame| match frame {
+                    Frame::LookupReply(reply) => {
+                        thread_lookups.deliver(reply, Instant::now());
+                        Ok(())
+                    }
+                    other => Err(unexpected("Ping or LookupReply", &other)),
+                },
+            );
+            let reason = end.to_string();
+            mark_dead(&thread_status, reason.clone());
+            thread_lookups.fail_all(&reason);
+        })?;
+        Ok((PeerLink { status, writer, socket: stream, lookups, transcript }, metadata))
     }
 
     /// The hash of this connection's hellos ([`wire::transcript`]).
@@ -779,12 +772,21 @@ impl PeerLink {
     /// then ends with `Timeout`, when that reply arrives, on a later `send_lookup`, or when
     /// the link ends, whichever is first. Callers that must know sooner keep their own
     /// deadline.
-    pub fn send_lookup(&self, fingerprints: Vec<u64>, request_id: Option<String>, timeout: Duration, on_reply: LookupReplyHandler) {
+    pub fn send_lookup(
+        &self,
+        fingerprints: Vec<u64>,
+        request_id: Option<String>,
+        timeout: Duration,
+        on_reply: LookupReplyHandler,
+    ) {
         let id = self.lookups.next_id.fetch_add(1, Ordering::Relaxed);
         self.lookups.add(id, timeout, on_reply);
         // Registered before sending, so a fast reply finds it.
         // A link that dies after this fails every waiting lookup, this one included.
-        if let Err(e) = self.send(&Frame::Lookup(LookupRequest { id, fingerprints, request_id }), "sending a lookup") {
+        if let Err(e) = self.send(
+            &Frame::Lookup(LookupRequest { id, fingerprints, request_id }),
+            "sending a lookup",
+        ) {
             self.lookups.fail(id, e);
         }
     }
@@ -821,9 +823,7 @@ impl fmt::Debug for PeerLink {
 impl Drop for PeerLink {
     fn drop(&mut self) {
         // Our own close is not the owner's death: drop the callbacks without running them.
-        let closed = LinkStatus::Dead {
-            reason: "closed locally".to_owned(),
-        };
+        let closed = LinkStatus::Dead { reason: "closed locally".to_owned() };
         let discarded = std::mem::replace(&mut *lock(&self.status), closed);
         drop(discarded);
         // Wakes the link thread, which then exits on its own; an error means already closed.
@@ -839,9 +839,7 @@ fn mark_dead(status: &Mutex<LinkStatus>, reason: String) {
             return;
         };
         let on_death = std::mem::take(on_death);
-        *status = LinkStatus::Dead {
-            reason: reason.clone(),
-        };
+        *status = LinkStatus::Dead { reason: reason.clone() };
         on_death
     };
     for callback in on_death {
@@ -851,10 +849,7 @@ fn mark_dead(status: &Mutex<LinkStatus>, reason: String) {
 
 fn connect_stream(host: &str, port: u16, deadline: &Deadline) -> Result<TcpStream, HandshakeError> {
     let address = format!("{host}:{port}");
-    let unreachable = |source| HandshakeError::Unreachable {
-        address: address.clone(),
-        source,
-    };
+    let unreachable = |source| HandshakeError::Unreachable { address: address.clone(), source };
     let mut last_error = None;
     for addr in (host, port).to_socket_addrs().map_err(unreachable)? {
         let left = deadline.left("a TCP connection")?;
@@ -913,11 +908,7 @@ struct FrameReader {
 
 impl FrameReader {
     fn new(stream: TcpStream) -> Self {
-        Self {
-            stream,
-            frames: FrameBuffer::new(),
-            chunk: vec![0; READ_CHUNK],
-        }
+        Self { stream, frames: FrameBuffer::new(), chunk: vec![0; READ_CHUNK] }
     }
 
     /// The next frame, or `None` if none completed within `wait` (which must be non-zero).
@@ -927,9 +918,7 @@ impl FrameReader {
         }
         self.stream.set_read_timeout(Some(wait))?;
         match self.stream.read(&mut self.chunk) {
-            Ok(0) => Err(HandshakeError::PeerGone(
-                "the connection was closed".to_owned(),
-            )),
+            Ok(0) => Err(HandshakeError::PeerGone("the connection was closed".to_owned())),
             Ok(n) => {
                 self.frames.extend(&self.chunk[..n]);
                 self.frames.next_frame()
@@ -978,10 +967,7 @@ impl Deadline {
     fn left(&self, waiting_for: &'static str) -> Result<Duration, HandshakeError> {
         let left = self.at.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(HandshakeError::Timeout {
-                waiting_for,
-                after: self.total,
-            });
+            return Err(HandshakeError::Timeout { waiting_for, after: self.total });
         }
         Ok(left)
     }
@@ -1032,10 +1018,7 @@ fn write_frame(mut stream: &TcpStream, frame: &Frame) -> Result<(), HandshakeErr
 }
 
 fn unexpected(expected: &str, got: &Frame) -> HandshakeError {
-    HandshakeError::Malformed(format!(
-        "expected a {expected} frame, got a {:?} frame",
-        got.kind()
-    ))
+    HandshakeError::Malformed(format!("expected a {expected} frame, got a {:?} frame", got.kind()))
 }
 
 /// Loopback addresses (and `localhost`) are reachable from this host only.
@@ -1049,9 +1032,7 @@ fn is_loopback(host: &str) -> bool {
 
 fn check_secret(secret: Option<&[u8]>) -> Result<(), HandshakeError> {
     match secret {
-        Some([]) => Err(HandshakeError::Config(
-            "the shared secret is empty".to_owned(),
-        )),
+        Some([]) => Err(HandshakeError::Config("the shared secret is empty".to_owned())),
         _ => Ok(()),
     }
 }

@@ -25,7 +25,9 @@ fn copy_loop(queue: mpsc::Receiver<SameHostCopy>) {
             match queue.try_recv() {
                 Ok(copy) => break Some(copy),
                 Err(mpsc::TryRecvError::Disconnected) => break None,
-                Err(mpsc::TryRecvError::Empty) if Instant::now() < spin_until => std::thread::yield_now(),
+                Err(mpsc::TryRecvError::Empty) if Instant::now() < spin_until => {
+                    std::thread::yield_now()
+                }
                 Err(mpsc::TryRecvError::Empty) => break queue.recv().ok(),
             }
         };
@@ -49,7 +51,12 @@ impl CopyQueue {
     /// Queues `copy` for this peer's thread, starting it (and recording it in `threads`) on
     /// first use; `Err` (the copy dropped, so its batch fails) once the queue is closed or
     /// no thread can be started.
-    pub(super) fn submit(&mut self, copy: SameHostCopy, threads: &CopyThreads, peer: &str) -> Result<(), String> {
+    pub(super) fn submit(
+        &mut self,
+        copy: SameHostCopy,
+        threads: &CopyThreads,
+        peer: &str,
+    ) -> Result<(), String> {
         if let CopyQueue::NotStarted = self {
             let (sender, queue) = mpsc::channel::<SameHostCopy>();
             let thread = std::thread::Builder::new()
@@ -60,7 +67,9 @@ impl CopyQueue {
             *self = CopyQueue::Open(sender);
         }
         match self {
-            CopyQueue::Open(sender) => sender.send(copy).map_err(|_| format!("the copy thread of peer {peer} is gone")),
+            CopyQueue::Open(sender) => {
+                sender.send(copy).map_err(|_| format!("the copy thread of peer {peer} is gone"))
+            }
             _ => Err(format!("peer {peer} was disconnected")),
         }
     }
@@ -85,7 +94,8 @@ impl CopyThreads {
     pub(super) fn join_until(&self, deadline: Instant) -> bool {
         loop {
             let mut running = lock(&self.running);
-            let (ended, left): (Vec<_>, Vec<_>) = running.drain(..).partition(|(_, t)| t.is_finished());
+            let (ended, left): (Vec<_>, Vec<_>) =
+                running.drain(..).partition(|(_, t)| t.is_finished());
             *running = left;
             drop(running);
             for (_, thread) in ended {

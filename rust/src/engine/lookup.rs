@@ -49,7 +49,11 @@ pub struct LookupFanOut {
 }
 
 impl LookupFanOut {
-    pub(super) fn new(addresses: Vec<String>, question: Arc<LookupQuestion>, gives_up_at: Instant) -> Self {
+    pub(super) fn new(
+        addresses: Vec<String>,
+        question: Arc<LookupQuestion>,
+        gives_up_at: Instant,
+    ) -> Self {
         let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
         Self { addresses: Arc::new(addresses), question, answers, gives_up_at }
     }
@@ -63,15 +67,25 @@ impl LookupFanOut {
         let mut answers = lock(&self.answers);
         if now >= self.gives_up_at {
             for (address, answer) in self.addresses.iter().zip(answers.iter_mut()) {
-                answer.get_or_insert_with(|| LookupAnswer { address: address.clone(), outcome: Err("the owner did not reply".to_owned()) });
+                answer.get_or_insert_with(|| LookupAnswer {
+                    address: address.clone(),
+                    outcome: Err("the owner did not reply".to_owned()),
+                });
             }
         }
         answers.clone()
     }
 
     /// Target `index`'s answer, unless it has one already.
-    pub(super) fn answer(&self, index: usize, outcome: Result<(String, Option<LookupMatch>), String>) {
-        lock(&self.answers)[index].get_or_insert_with(|| LookupAnswer { address: self.addresses[index].clone(), outcome });
+    pub(super) fn answer(
+        &self,
+        index: usize,
+        outcome: Result<(String, Option<LookupMatch>), String>,
+    ) {
+        lock(&self.answers)[index].get_or_insert_with(|| LookupAnswer {
+            address: self.addresses[index].clone(),
+            outcome,
+        });
     }
 
     /// Sends the lookup to `peer`, target `index`, without waiting for its reply; a "not yet"
@@ -88,17 +102,28 @@ impl LookupFanOut {
                     None => fan_out.answer(index, Err("the owner went away".to_owned())),
                 }
             }
-            outcome => fan_out.answer(index, outcome.map(|reply| (owner, reply.found)).map_err(|e| e.to_string())),
+            outcome => fan_out.answer(
+                index,
+                outcome.map(|reply| (owner, reply.found)).map_err(|e| e.to_string()),
+            ),
         });
         let question = &self.question;
         let timeout = self.gives_up_at.saturating_duration_since(Instant::now());
-        peer.link.send_lookup(question.fingerprints.clone(), question.request_id.clone(), timeout, on_reply);
+        peer.link.send_lookup(
+            question.fingerprints.clone(),
+            question.request_id.clone(),
+            timeout,
+            on_reply,
+        );
     }
 }
 
 /// Answers side-channel lookups and grants from the hold book, claiming what matches for
 /// the asking engine.
-pub(super) fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> crate::side_channel::LookupHandler {
+pub(super) fn lookup_handler(
+    holds: Weak<Mutex<HoldBook>>,
+    claim: Duration,
+) -> crate::side_channel::LookupHandler {
     Arc::new(move |reader, request| {
         let Some(holds) = holds.upgrade() else {
             return LookupReply { id: request.id, found: None, not_yet: false };
@@ -112,10 +137,15 @@ pub(super) fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> c
             Some(name) => {
                 // The book's lock ends with this statement: logging (through Python) never
                 // holds it.
-                let granted = lock(&holds).grant(reader, name, &request.fingerprints, claim, Instant::now());
+                let granted =
+                    lock(&holds).grant(reader, name, &request.fingerprints, claim, Instant::now());
                 match granted {
                     Ok(m) => {
-                        log::debug!("granted {reader} {} of {asked} blocks of request {name} (claim {})", m.matched_blocks, m.claim_id);
+                        log::debug!(
+                            "granted {reader} {} of {asked} blocks of request {name} (claim {})",
+                            m.matched_blocks,
+                            m.claim_id
+                        );
                         LookupReply { id: request.id, found: Some(m), not_yet: false }
                     }
                     Err(refusal) => {
@@ -123,16 +153,24 @@ pub(super) fn lookup_handler(holds: Weak<Mutex<HoldBook>>, claim: Duration) -> c
                         if not_yet {
                             log::debug!("grant of request {name} to {reader}: not held (yet)");
                         } else {
-                            log::info!("grant of request {name}'s blocks refused to {reader}: {refusal}");
+                            log::info!(
+                                "grant of request {name}'s blocks refused to {reader}: {refusal}"
+                            );
                         }
                         LookupReply { id: request.id, found: None, not_yet }
                     }
                 }
             }
             None => {
-                let found = lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now());
+                let found =
+                    lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now());
                 match &found {
-                    Some(m) => log::debug!("lookup from {reader}: {} of {asked} blocks held by request {} (claim {})", m.matched_blocks, m.owner_request_id, m.claim_id),
+                    Some(m) => log::debug!(
+                        "lookup from {reader}: {} of {asked} blocks held by request {} (claim {})",
+                        m.matched_blocks,
+                        m.owner_request_id,
+                        m.claim_id
+                    ),
                     None => log::debug!("lookup from {reader}: none of {asked} blocks held"),
                 }
                 LookupReply { id: request.id, found, not_yet: false }
@@ -149,19 +187,27 @@ mod tests {
     fn a_fan_out_takes_each_targets_first_answer_and_gives_up_on_the_silent_at_its_time() {
         let t0 = Instant::now();
         let gives_up_at = t0 + Duration::from_secs(10);
-        let question = Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
-        let fan_out = LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], question, gives_up_at);
+        let question =
+            Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
+        let fan_out =
+            LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], question, gives_up_at);
         assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
         fan_out.answer(0, Ok(("A".to_owned(), None)));
         // A later outcome for the same target (e.g. the link dying afterwards) changes nothing.
         fan_out.answer(0, Err("gone".to_owned()));
         let answers = fan_out.answers_at(gives_up_at - Duration::from_millis(1));
         let first = answers[0].as_ref().unwrap();
-        assert_eq!((first.address.as_str(), first.outcome.as_ref().unwrap().0.as_str()), ("a:1", "A"));
+        assert_eq!(
+            (first.address.as_str(), first.outcome.as_ref().unwrap().0.as_str()),
+            ("a:1", "A")
+        );
         assert!(answers[1].is_none());
         let answers = fan_out.answers_at(gives_up_at);
         assert!(answers[0].as_ref().unwrap().outcome.is_ok());
         let silent = answers[1].as_ref().unwrap();
-        assert_eq!((silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()), ("b:2", "the owner did not reply"));
+        assert_eq!(
+            (silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()),
+            ("b:2", "the owner did not reply")
+        );
     }
 }

@@ -16,13 +16,18 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::copier::CopyQueue;
-use super::{deadline_after, is_retryable_engine_error, lock, EngineError, Inflight, Shared};
 #[allow(unused_imports)] // rustdoc links
 use super::Engine;
+use super::{deadline_after, is_retryable_engine_error, lock, EngineError, Inflight, Shared};
 use crate::descriptors::{RegionBounds, RegionIndex};
-use crate::handshake::{ConnectDecision, EngineMetadata, HandshakeError, MemoryType, PeerState, SameHostIdentity};
+use crate::handshake::{
+    ConnectDecision, EngineMetadata, HandshakeError, MemoryType, PeerState, SameHostIdentity,
+};
 use crate::side_channel::PeerLink;
-use crate::ucx::{check_not_this_process, packed, BatchState, Endpoint, OpenError, Read, SameHostClaim, SameHostPeer};
+use crate::ucx::{
+    check_not_this_process, packed, BatchState, Endpoint, OpenError, Read, SameHostClaim,
+    SameHostPeer,
+};
 
 /// A ready connection to one peer engine.
 pub(super) struct Peer {
@@ -70,25 +75,55 @@ impl Peer {
     /// peer's endpoint, opened on first use. A peer that died after the caller found it live,
     /// and before the batch was tracked (unseen by `abort_peer`), is seen here: `abort_peer`
     /// ends the connection in the table and takes the endpoint first.
-    pub(super) fn start_reads(&self, shared: &Shared, reads: &[Read<'_>], batch: &Arc<BatchState>, direct: Option<&Arc<SameHostPeer>>) -> Result<(), PostError> {
+    pub(super) fn start_reads(
+        &self,
+        shared: &Shared,
+        reads: &[Read<'_>],
+        batch: &Arc<BatchState>,
+        direct: Option<&Arc<SameHostPeer>>,
+    ) -> Result<(), PostError> {
         if let Some(direct) = direct {
             if !self.is_live(shared) {
-                return Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id)));
+                return Err(PostError::NothingPosted(format!(
+                    "peer {} was disconnected",
+                    self.meta.engine_id
+                )));
             }
             let copy = direct.prepare(reads, batch).map_err(PostError::NothingPosted)?;
             // A copy the queue refuses is dropped, which fails its batch.
-            return lock(&self.copies).submit(copy, &shared.copy_threads, &self.meta.engine_id).map_err(PostError::NothingPosted);
+            return lock(&self.copies)
+                .submit(copy, &shared.copy_threads, &self.meta.engine_id)
+                .map_err(PostError::NothingPosted);
         }
         let mut endpoint = lock(&self.endpoint);
-        if endpoint.is_none() && self.is_live(shared) && !self.endpoint_opened.swap(true, Ordering::AcqRel) {
-            let rkeys: Vec<(&[u8], MemoryType)> = self.meta.regions.iter().map(|r| (r.rkey.as_slice(), r.memory)).collect();
-            let opened = shared.worker.connect(&self.meta.worker_address, Arc::clone(&self.regions), &rkeys, shared.config.peer_error_handling);
-            let opened = opened.map_err(|e| PostError::NothingPosted(format!("cannot open an endpoint to peer {}: {e}", self.meta.engine_id)))?;
+        if endpoint.is_none()
+            && self.is_live(shared)
+            && !self.endpoint_opened.swap(true, Ordering::AcqRel)
+        {
+            let rkeys: Vec<(&[u8], MemoryType)> =
+                self.meta.regions.iter().map(|r| (r.rkey.as_slice(), r.memory)).collect();
+            let opened = shared.worker.connect(
+                &self.meta.worker_address,
+                Arc::clone(&self.regions),
+                &rkeys,
+                shared.config.peer_error_handling,
+            );
+            let opened = opened.map_err(|e| {
+                PostError::NothingPosted(format!(
+                    "cannot open an endpoint to peer {}: {e}",
+                    self.meta.engine_id
+                ))
+            })?;
             *endpoint = Some(opened);
         }
         match endpoint.as_ref() {
-            Some(endpoint) => endpoint.post_reads(reads, batch).map_err(|e| PostError::MaybePartial(e.to_string())),
-            None => Err(PostError::NothingPosted(format!("peer {} was disconnected", self.meta.engine_id))),
+            Some(endpoint) => endpoint
+                .post_reads(reads, batch)
+                .map_err(|e| PostError::MaybePartial(e.to_string())),
+            None => Err(PostError::NothingPosted(format!(
+                "peer {} was disconnected",
+                self.meta.engine_id
+            ))),
         }
     }
 }
@@ -105,7 +140,10 @@ pub(super) enum PostError {
 pub(super) fn resolve(shared: &Shared, peer: &str) -> Result<Arc<Peer>, EngineError> {
     let table = lock(&shared.table);
     let peers = lock(&shared.peers);
-    let numbered = peer.rsplit_once('#').and_then(|(_, n)| n.parse::<u64>().ok()).filter(|_| peer.contains('@'));
+    let numbered = peer
+        .rsplit_once('#')
+        .and_then(|(_, n)| n.parse::<u64>().ok())
+        .filter(|_| peer.contains('@'));
     if let Some(connection) = numbered {
         return peers
             .get(&connection)
@@ -113,11 +151,16 @@ pub(super) fn resolve(shared: &Shared, peer: &str) -> Result<Arc<Peer>, EngineEr
             .cloned()
             .ok_or_else(|| EngineError::PeerNotConnected(peer.to_owned()));
     }
-    let mut claiming = peers.values().filter(|p| p.meta.engine_id == peer && table.is_current(&p.address, p.connection));
+    let mut claiming = peers
+        .values()
+        .filter(|p| p.meta.engine_id == peer && table.is_current(&p.address, p.connection));
     match (claiming.next(), claiming.next()) {
         (Some(only), None) => Ok(Arc::clone(only)),
         (None, _) => Err(EngineError::PeerNotConnected(peer.to_owned())),
-        (Some(a), Some(b)) => Err(EngineError::AmbiguousPeer { engine_id: peer.to_owned(), addresses: format!("{} and {}", a.address, b.address) }),
+        (Some(a), Some(b)) => Err(EngineError::AmbiguousPeer {
+            engine_id: peer.to_owned(),
+            addresses: format!("{} and {}", a.address, b.address),
+        }),
     }
 }
 
@@ -137,7 +180,12 @@ pub(super) fn begin_connect(shared: &Shared, key: &str, now: Instant) -> Connect
 
 /// [`Engine::connect`]: the handle of the connection to `host:port`; also run by the lookup
 /// threads ([`Engine::start_lookup`]).
-pub(super) fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, timeout: Duration) -> Result<String, EngineError> {
+pub(super) fn connect_blocking(
+    shared: &Arc<Shared>,
+    host: &str,
+    port: u16,
+    timeout: Duration,
+) -> Result<String, EngineError> {
     let key = format!("{host}:{port}");
     let deadline = deadline_after(timeout);
     loop {
@@ -147,13 +195,17 @@ pub(super) fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, time
         let now = Instant::now();
         // Wait for another caller's attempt to end, or for the backoff to pass.
         let (wait_until, for_other_attempt) = match begin_connect(shared, &key, now) {
-            ConnectDecision::Ready { engine_id, connection } => return Ok(handle(&engine_id, &key, connection)),
+            ConnectDecision::Ready { engine_id, connection } => {
+                return Ok(handle(&engine_id, &key, connection))
+            }
             ConnectDecision::Connect { .. } => {
                 let left = deadline.saturating_duration_since(now).max(Duration::from_millis(1));
                 match attempt_connect(shared, &key, host, port, left) {
                     Ok(peer) => return Ok(peer.handle()),
                     // The table spaces the next attempt.
-                    Err(e) if is_retryable_engine_error(&e) && Instant::now() < deadline => continue,
+                    Err(e) if is_retryable_engine_error(&e) && Instant::now() < deadline => {
+                        continue
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -173,7 +225,11 @@ pub(super) fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, time
         let left = wait_until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             if for_other_attempt {
-                return Err(HandshakeError::Timeout { waiting_for: "another caller's handshake", after: timeout }.into());
+                return Err(HandshakeError::Timeout {
+                    waiting_for: "another caller's handshake",
+                    after: timeout,
+                }
+                .into());
             }
             continue;
         }
@@ -183,31 +239,61 @@ pub(super) fn connect_blocking(shared: &Arc<Shared>, host: &str, port: u16, time
 
 /// The identity of a peer to read directly, if any: same-host reads on, the peer on this host
 /// (same boot id) and all its memory host memory.
-fn same_host_candidate<'a>(our_boot_id: Option<&str>, enabled: bool, meta: &'a EngineMetadata) -> Option<&'a SameHostIdentity> {
+fn same_host_candidate<'a>(
+    our_boot_id: Option<&str>,
+    enabled: bool,
+    meta: &'a EngineMetadata,
+) -> Option<&'a SameHostIdentity> {
     let theirs = meta.same_host.as_ref()?;
     let on_this_host = our_boot_id == Some(theirs.boot_id.as_str());
-    (enabled && on_this_host && meta.regions.iter().all(|r| r.memory == MemoryType::Host)).then_some(theirs)
+    (enabled && on_this_host && meta.regions.iter().all(|r| r.memory == MemoryType::Host))
+        .then_some(theirs)
 }
 
 /// What the peer claims about its process on this connection, if it names one.
-fn same_host_claim<'a>(meta: &EngineMetadata, transcript: &'a [u8; 32]) -> Option<SameHostClaim<'a>> {
+fn same_host_claim<'a>(
+    meta: &EngineMetadata,
+    transcript: &'a [u8; 32],
+) -> Option<SameHostClaim<'a>> {
     let theirs = meta.same_host.as_ref()?;
-    Some(SameHostClaim { pid: theirs.pid, probe_addr: theirs.probe_addr, transcript, digest: meta.digest(), proof: theirs.proof })
+    Some(SameHostClaim {
+        pid: theirs.pid,
+        probe_addr: theirs.probe_addr,
+        transcript,
+        digest: meta.digest(),
+        proof: theirs.proof,
+    })
 }
 
 /// Opens a peer that runs on this host for direct reads; `Ok(None)` (UCX reads it) when it is
 /// elsewhere, has memory other than host memory, or its process cannot be read. A peer whose
 /// process does not vouch for what it sent, or that names this process without one of its
 /// engines' proof, is refused.
-fn open_same_host(shared: &Shared, meta: &EngineMetadata, claim: Option<&SameHostClaim<'_>>, regions: &Arc<[RegionBounds]>) -> Result<Option<Arc<SameHostPeer>>, String> {
-    let Some(claim) = claim.filter(|_| same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta).is_some()) else { return Ok(None) };
+fn open_same_host(
+    shared: &Shared,
+    meta: &EngineMetadata,
+    claim: Option<&SameHostClaim<'_>>,
+    regions: &Arc<[RegionBounds]>,
+) -> Result<Option<Arc<SameHostPeer>>, String> {
+    let Some(claim) = claim.filter(|_| {
+        same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta).is_some()
+    }) else {
+        return Ok(None);
+    };
     match SameHostPeer::open(claim, Arc::clone(regions)) {
         Ok(peer) => {
-            log::info!("peer {} is process {} on this host: its blocks are read directly, not through UCX", meta.engine_id, peer.pid());
+            log::info!(
+                "peer {} is process {} on this host: its blocks are read directly, not through UCX",
+                meta.engine_id,
+                peer.pid()
+            );
             Ok(Some(Arc::new(peer)))
         }
         Err(OpenError::Unreadable(e)) => {
-            log::info!("peer {} claims to run on this host but is read through UCX: {e}", meta.engine_id);
+            log::info!(
+                "peer {} claims to run on this host but is read through UCX: {e}",
+                meta.engine_id
+            );
             Ok(None)
         }
         Err(OpenError::Forged(e)) => Err(e),
@@ -216,7 +302,13 @@ fn open_same_host(shared: &Shared, meta: &EngineMetadata, claim: Option<&SameHos
 
 /// One handshake with the side channel at `key`, its outcome recorded in the peer table: a
 /// success becomes the live connection to `key`, numbered by the table.
-pub(super) fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<Arc<Peer>, EngineError> {
+pub(super) fn attempt_connect(
+    shared: &Arc<Shared>,
+    key: &str,
+    host: &str,
+    port: u16,
+    timeout: Duration,
+) -> Result<Arc<Peer>, EngineError> {
     let result = handshake_with(shared, key, host, port, timeout);
     let mut table = lock(&shared.table);
     let result = result.map(|parts| {
@@ -249,7 +341,12 @@ pub(super) fn attempt_connect(shared: &Arc<Shared>, key: &str, host: &str, port:
     // Runs at once if the link died meanwhile.
     let (weak_shared, weak_peer) = (Arc::downgrade(shared), Arc::downgrade(&peer));
     peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
-    log::info!("connected to peer {} at {key} as {} ({} regions)", peer.meta.engine_id, peer.handle(), peer.meta.regions.len());
+    log::info!(
+        "connected to peer {} at {key} as {} ({} regions)",
+        peer.meta.engine_id,
+        peer.handle(),
+        peer.meta.regions.len()
+    );
     Ok(peer)
 }
 
@@ -265,14 +362,22 @@ struct Handshaken {
 /// [`crate::ucx::packed`]), so that a malformed one is refused at the handshake, with the
 /// field named, rather than when the first read opens the endpoint.
 fn check_packed_for_ucx(meta: &EngineMetadata) -> Result<(), String> {
-    packed::check_worker_address(&meta.worker_address, packed::unified_mode()).map_err(|e| format!("a malformed worker_address: {e}"))?;
+    packed::check_worker_address(&meta.worker_address, packed::unified_mode())
+        .map_err(|e| format!("a malformed worker_address: {e}"))?;
     for (index, region) in meta.regions.iter().enumerate() {
-        packed::check_rkey(&region.rkey, region.memory).map_err(|e| format!("a malformed rkey for regions[{index}]: {e}"))?;
+        packed::check_rkey(&region.rkey, region.memory)
+            .map_err(|e| format!("a malformed rkey for regions[{index}]: {e}"))?;
     }
     Ok(())
 }
 
-fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeout: Duration) -> Result<Handshaken, EngineError> {
+fn handshake_with(
+    shared: &Arc<Shared>,
+    key: &str,
+    host: &str,
+    port: u16,
+    timeout: Duration,
+) -> Result<Handshaken, EngineError> {
     if shared.stop.load(Ordering::Acquire) {
         return Err(EngineError::Closed);
     }
@@ -290,18 +395,27 @@ fn handshake_with(shared: &Arc<Shared>, key: &str, host: &str, port: u16, timeou
         return Err(EngineError::Closed);
     }
     let layout = meta.layout.as_ref().ok_or_else(|| {
-        EngineError::InvalidArgument(format!("peer {} at {key} has not published a block layout yet", meta.engine_id))
+        EngineError::InvalidArgument(format!(
+            "peer {} at {key} has not published a block layout yet",
+            meta.engine_id
+        ))
     })?;
-    let regions: Arc<[RegionBounds]> = meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
+    let regions: Arc<[RegionBounds]> =
+        meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
     layout.validate_within(&regions)?;
     let transcript = *link.transcript();
     let claim = same_host_claim(&meta, &transcript);
-    let refused = |error: String| EngineError::ConnectFailed { address: key.to_owned(), error: format!("peer {:?} refused: {error}", meta.engine_id) };
+    let refused = |error: String| EngineError::ConnectFailed {
+        address: key.to_owned(),
+        error: format!("peer {:?} refused: {error}", meta.engine_id),
+    };
     // Who the peer claims to be first (nothing here hands its bytes to UCX), then whether UCX
     // could parse what it sent.
     check_not_this_process(&meta.worker_address, claim.as_ref()).map_err(refused)?;
     let same_host = open_same_host(shared, &meta, claim.as_ref(), &regions).map_err(refused)?;
-    check_packed_for_ucx(&meta).map_err(|e| EngineError::InvalidArgument(format!("peer {} at {key} sent {e}", meta.engine_id)))?;
+    check_packed_for_ucx(&meta).map_err(|e| {
+        EngineError::InvalidArgument(format!("peer {} at {key} sent {e}", meta.engine_id))
+    })?;
     Ok(Handshaken { link, meta, regions, same_host })
 }
 
@@ -322,7 +436,8 @@ pub(super) fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
     if !was_live && !was_known && lock(&peer.endpoint).is_none() {
         return;
     }
-    let victims: Vec<Arc<Inflight>> = lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, peer)).cloned().collect();
+    let victims: Vec<Arc<Inflight>> =
+        lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, peer)).cloned().collect();
     for inflight in &victims {
         lock(&inflight.abort_reason).get_or_insert_with(|| reason.to_string());
     }
@@ -347,7 +462,12 @@ pub(super) fn ready_peer(shared: &Shared, key: &str) -> Option<Arc<Peer>> {
     lock(&shared.peers).get(connection).cloned()
 }
 
-pub(super) fn connect_for_lookup(shared: &Arc<Shared>, host: &str, port: u16, deadline: Instant) -> Result<Arc<Peer>, String> {
+pub(super) fn connect_for_lookup(
+    shared: &Arc<Shared>,
+    host: &str,
+    port: u16,
+    deadline: Instant,
+) -> Result<Arc<Peer>, String> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err("no time left to connect".to_owned());
@@ -364,7 +484,12 @@ mod tests {
     #[test]
     fn only_a_host_memory_peer_on_this_host_is_read_directly() {
         let region = |memory| RegionInfo { addr: 0x1000, len: 4096, rkey: vec![1; 8], memory };
-        let identity = SameHostIdentity { boot_id: "boot-a".to_owned(), pid: 42, probe_addr: 0x10, proof: [3; 32] };
+        let identity = SameHostIdentity {
+            boot_id: "boot-a".to_owned(),
+            pid: 42,
+            probe_addr: 0x10,
+            proof: [3; 32],
+        };
         let meta = EngineMetadata {
             engine_id: "d".to_owned(),
             generation: 1,
@@ -378,23 +503,68 @@ mod tests {
         assert_eq!(same_host_candidate(Some("boot-a"), false, &meta), None, "turned off");
         assert_eq!(same_host_candidate(Some("boot-b"), true, &meta), None, "another host");
         assert_eq!(same_host_candidate(None, true, &meta), None, "our boot id unknown");
-        let cuda = EngineMetadata { regions: vec![region(MemoryType::Host), region(MemoryType::Cuda)], ..meta.clone() };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &cuda), None, "device memory goes through UCX");
+        let cuda = EngineMetadata {
+            regions: vec![region(MemoryType::Host), region(MemoryType::Cuda)],
+            ..meta.clone()
+        };
+        assert_eq!(
+            same_host_candidate(Some("boot-a"), true, &cuda),
+            None,
+            "device memory goes through UCX"
+        );
         let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &elsewhere), None, "no identity published");
+        assert_eq!(
+            same_host_candidate(Some("boot-a"), true, &elsewhere),
+            None,
+            "no identity published"
+        );
         // The digest a process vouches for covers all it sends but the proof itself.
-        let moved = EngineMetadata { regions: vec![RegionInfo { addr: 0x2000, ..region(MemoryType::Host) }], ..meta.clone() };
+        let moved = EngineMetadata {
+            regions: vec![RegionInfo { addr: 0x2000, ..region(MemoryType::Host) }],
+            ..meta.clone()
+        };
         assert_ne!(meta.digest(), moved.digest());
         assert_ne!(meta.digest(), EngineMetadata { generation: 2, ..meta.clone() }.digest());
-        assert_ne!(meta.digest(), EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest());
-        assert_ne!(meta.digest(), EngineMetadata { regions: vec![RegionInfo { rkey: vec![2; 8], ..region(MemoryType::Host) }], ..meta.clone() }.digest());
-        let layout = crate::descriptors::BlockLayout { segment_bases: vec![0x1000], block_stride: 64, block_len: 64, num_blocks: 64 };
-        assert_ne!(meta.digest(), EngineMetadata { layout: Some(layout), ..meta.clone() }.digest(), "the layout is covered");
-        let other_model = Fingerprint([("model".to_owned(), "other".to_owned())].into_iter().collect());
-        assert_ne!(meta.digest(), EngineMetadata { fingerprint: other_model, ..meta.clone() }.digest(), "the fingerprint is covered");
+        assert_ne!(
+            meta.digest(),
+            EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest()
+        );
+        assert_ne!(
+            meta.digest(),
+            EngineMetadata {
+                regions: vec![RegionInfo { rkey: vec![2; 8], ..region(MemoryType::Host) }],
+                ..meta.clone()
+            }
+            .digest()
+        );
+        let layout = crate::descriptors::BlockLayout {
+            segment_bases: vec![0x1000],
+            block_stride: 64,
+            block_len: 64,
+            num_blocks: 64,
+        };
+        assert_ne!(
+            meta.digest(),
+            EngineMetadata { layout: Some(layout), ..meta.clone() }.digest(),
+            "the layout is covered"
+        );
+        let other_model =
+            Fingerprint([("model".to_owned(), "other".to_owned())].into_iter().collect());
+        assert_ne!(
+            meta.digest(),
+            EngineMetadata { fingerprint: other_model, ..meta.clone() }.digest(),
+            "the fingerprint is covered"
+        );
         let moved_probe = SameHostIdentity { probe_addr: 0x20, ..identity.clone() };
-        assert_ne!(meta.digest(), EngineMetadata { same_host: Some(moved_probe), ..meta.clone() }.digest());
+        assert_ne!(
+            meta.digest(),
+            EngineMetadata { same_host: Some(moved_probe), ..meta.clone() }.digest()
+        );
         let reproven = SameHostIdentity { proof: [4; 32], ..identity.clone() };
-        assert_eq!(meta.digest(), EngineMetadata { same_host: Some(reproven), ..meta.clone() }.digest(), "the proof is not");
+        assert_eq!(
+            meta.digest(),
+            EngineMetadata { same_host: Some(reproven), ..meta.clone() }.digest(),
+            "the proof is not"
+        );
     }
 }

@@ -61,7 +61,11 @@ pub struct FrameAuth {
 impl FrameAuth {
     /// The frame authenticator for `direction` of the connection whose hellos hash to
     /// `transcript`. Both ends derive the same one for each direction.
-    pub fn new(secret: &[u8], direction: Direction, transcript: &Transcript) -> Result<Self, HandshakeError> {
+    pub fn new(
+        secret: &[u8],
+        direction: Direction,
+        transcript: &Transcript,
+    ) -> Result<Self, HandshakeError> {
         let mut derive = hmac_with(secret)?;
         derive.update(direction.frame_key_label());
         derive.update(transcript);
@@ -100,7 +104,10 @@ impl FrameAuth {
 
 impl std::fmt::Debug for FrameAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FrameAuth").field("direction", &self.direction).field("next_seq", &self.next_seq).finish_non_exhaustive()
+        f.debug_struct("FrameAuth")
+            .field("direction", &self.direction)
+            .field("next_seq", &self.next_seq)
+            .finish_non_exhaustive()
     }
 }
 
@@ -125,22 +132,32 @@ pub fn negotiate_auth(
     }
 }
 
-pub fn prove(secret: &[u8], direction: Direction, transcript: &Transcript) -> Result<Proof, HandshakeError> {
-    Ok(keyed(secret, direction, transcript)?
-        .finalize()
-        .into_bytes()
-        .into())
+pub fn prove(
+    secret: &[u8],
+    direction: Direction,
+    transcript: &Transcript,
+) -> Result<Proof, HandshakeError> {
+    Ok(keyed(secret, direction, transcript)?.finalize().into_bytes().into())
 }
 
 /// `AuthFailed` unless `proof` is what a holder of `secret` sends in `direction`; the
 /// comparison takes the same time wherever the first differing byte is.
-pub fn verify(secret: &[u8], direction: Direction, transcript: &Transcript, proof: &Proof) -> Result<(), HandshakeError> {
+pub fn verify(
+    secret: &[u8],
+    direction: Direction,
+    transcript: &Transcript,
+    proof: &Proof,
+) -> Result<(), HandshakeError> {
     keyed(secret, direction, transcript)?
         .verify_slice(proof)
         .map_err(|_| HandshakeError::AuthFailed)
 }
 
-fn keyed(secret: &[u8], direction: Direction, transcript: &Transcript) -> Result<Hmac<Sha256>, HandshakeError> {
+fn keyed(
+    secret: &[u8],
+    direction: Direction,
+    transcript: &Transcript,
+) -> Result<Hmac<Sha256>, HandshakeError> {
     let mut mac = hmac_with(secret)?;
     mac.update(direction.label());
     mac.update(transcript);
@@ -152,7 +169,8 @@ fn keyed(secret: &[u8], direction: Direction, transcript: &Transcript) -> Result
 /// the wire; the reader reads it out of the process the metadata names, so only that process
 /// (or one that can read its memory) can make the proof, and only for this connection.
 pub fn same_host_proof(probe_key: &[u8; 32], transcript: &Transcript, digest: &[u8; 32]) -> Proof {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(probe_key).expect("HMAC takes a key of any length");
+    let mut mac =
+        <Hmac<Sha256> as Mac>::new_from_slice(probe_key).expect("HMAC takes a key of any length");
     mac.update(b"kvduplex same-host proof v1");
     mac.update(transcript);
     mac.update(digest);
@@ -178,7 +196,10 @@ mod tests {
         let (mut sender, mut receiver) = pair(Direction::ClientToServer);
         let (a, b) = (sender.tag(b"frame a"), sender.tag(b"frame b"));
         // Reordered: b's tag is for sequence number 1, the receiver expects 0.
-        assert!(matches!(receiver.check(b"frame b", &b), Err(HandshakeError::ForgedFrame { seq: 0, .. })));
+        assert!(matches!(
+            receiver.check(b"frame b", &b),
+            Err(HandshakeError::ForgedFrame { seq: 0, .. })
+        ));
         receiver.check(b"frame a", &a).unwrap();
         // Replayed: a again is refused; then b, in order, passes.
         assert!(receiver.check(b"frame a", &a).is_err());

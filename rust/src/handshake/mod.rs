@@ -173,20 +173,11 @@ pub enum HandshakeError {
     #[error("side-channel I/O failed: {0}")]
     Io(#[from] std::io::Error),
     #[error("cannot listen for side-channel connections on {address}: {source}")]
-    Bind {
-        address: String,
-        source: std::io::Error,
-    },
+    Bind { address: String, source: std::io::Error },
     #[error("cannot reach the side channel at {address}: {source}")]
-    Unreachable {
-        address: String,
-        source: std::io::Error,
-    },
+    Unreachable { address: String, source: std::io::Error },
     #[error("timed out after {after:?} waiting for {waiting_for}")]
-    Timeout {
-        waiting_for: &'static str,
-        after: Duration,
-    },
+    Timeout { waiting_for: &'static str, after: Duration },
     #[error("truncated frame: {got} of {needed} bytes")]
     Truncated { got: usize, needed: usize },
     #[error("malformed frame: {0}")]
@@ -196,11 +187,7 @@ pub enum HandshakeError {
     #[error("protocol version mismatch: ours is {ours}, theirs is {theirs}")]
     ProtocolVersion { ours: u16, theirs: u16 },
     #[error("incompatible KV caches: `{field}` is {ours} here but {theirs} on the peer")]
-    Incompatible {
-        field: String,
-        ours: String,
-        theirs: String,
-    },
+    Incompatible { field: String, ours: String, theirs: String },
     #[error("the peer requires a shared secret and we have none")]
     AuthRequired,
     #[error("authentication failed: the peer's shared secret differs from ours")]

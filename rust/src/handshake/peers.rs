@@ -22,22 +22,15 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self {
-            first_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(5),
-        }
+        Self { first_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(5) }
     }
 }
 
 impl RetryPolicy {
     /// The wait after the `failures`-th consecutive failure (1-based).
     pub fn backoff(&self, failures: u32) -> Duration {
-        let factor = 1u32
-            .checked_shl(failures.saturating_sub(1))
-            .unwrap_or(u32::MAX);
-        self.first_backoff
-            .saturating_mul(factor)
-            .min(self.max_backoff)
+        let factor = 1u32.checked_shl(failures.saturating_sub(1)).unwrap_or(u32::MAX);
+        self.first_backoff.saturating_mul(factor).min(self.max_backoff)
     }
 }
 
@@ -114,11 +107,7 @@ static UNKNOWN: PeerState = PeerState::Unknown;
 
 impl PeerTable {
     pub fn new(policy: RetryPolicy) -> Self {
-        Self {
-            policy,
-            peers: HashMap::new(),
-            connections: 0,
-        }
+        Self { policy, peers: HashMap::new(), connections: 0 }
     }
 
     pub fn state(&self, key: &str) -> &PeerState {
@@ -136,12 +125,7 @@ impl PeerTable {
                     connection: *connection,
                 }
             }
-            PeerState::Failed {
-                retry_at,
-                error,
-                retryable,
-                ..
-            } if now < *retry_at => {
+            PeerState::Failed { retry_at, error, retryable, .. } if now < *retry_at => {
                 return ConnectDecision::RetryAt {
                     at: *retry_at,
                     error: error.clone(),
@@ -165,9 +149,7 @@ impl PeerTable {
             connection,
         };
         let peer = peer_entry(&mut self.peers, key);
-        let restarted = peer
-            .ready_generation
-            .is_some_and(|g| g != metadata.generation);
+        let restarted = peer.ready_generation.is_some_and(|g| g != metadata.generation);
         peer.state = ready;
         peer.ready_generation = Some(metadata.generation);
         Connected { connection, restarted }
@@ -212,10 +194,9 @@ impl PeerTable {
 }
 
 fn peer_entry<'a>(peers: &'a mut HashMap<String, Peer>, key: &str) -> &'a mut Peer {
-    peers.entry(key.to_owned()).or_insert(Peer {
-        state: PeerState::Unknown,
-        ready_generation: None,
-    })
+    peers
+        .entry(key.to_owned())
+        .or_insert(Peer { state: PeerState::Unknown, ready_generation: None })
 }
 
 /// When a kept-open link pings, and when silence means the other side is gone.

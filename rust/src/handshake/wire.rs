@@ -13,8 +13,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::auth::{FrameAuth, Nonce, Proof, Transcript, TAG_LEN};
-use crate::holds::{LookupReply, LookupRequest};
 use super::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
+use crate::holds::{LookupReply, LookupRequest};
 
 pub const MAGIC: [u8; 4] = *b"KVDX";
 pub const FRAME_HEADER_LEN: usize = 11;
@@ -118,11 +118,7 @@ pub enum Refusal {
     AuthRequired,
     AuthFailed,
     PeerNotAuthenticated,
-    Incompatible {
-        field: String,
-        ours: String,
-        theirs: String,
-    },
+    Incompatible { field: String, ours: String, theirs: String },
     Other(String),
 }
 
@@ -133,11 +129,7 @@ impl Refusal {
             HandshakeError::AuthRequired => Self::AuthRequired,
             HandshakeError::AuthFailed => Self::AuthFailed,
             HandshakeError::PeerNotAuthenticated => Self::PeerNotAuthenticated,
-            HandshakeError::Incompatible {
-                field,
-                ours,
-                theirs,
-            } => Self::Incompatible {
+            HandshakeError::Incompatible { field, ours, theirs } => Self::Incompatible {
                 field: field.clone(),
                 ours: ours.clone(),
                 theirs: theirs.clone(),
@@ -153,15 +145,9 @@ impl Refusal {
             Self::AuthRequired => HandshakeError::PeerNotAuthenticated,
             Self::PeerNotAuthenticated => HandshakeError::AuthRequired,
             Self::AuthFailed => HandshakeError::AuthFailed,
-            Self::Incompatible {
-                field,
-                ours,
-                theirs,
-            } => HandshakeError::Incompatible {
-                field,
-                ours: theirs,
-                theirs: ours,
-            },
+            Self::Incompatible { field, ours, theirs } => {
+                HandshakeError::Incompatible { field, ours: theirs, theirs: ours }
+            }
             Self::Other(reason) => HandshakeError::Refused(reason),
         }
     }
@@ -244,11 +230,9 @@ fn within_cap(kind: FrameKind, body: &[u8]) -> Result<Vec<u8>, HandshakeError> {
     let max = kind.max_body_len();
     match u32::try_from(body.len()) {
         Ok(len) if len <= max => Ok(with_header(kind, len, body)),
-        _ => Err(HandshakeError::FrameTooLarge {
-            kind,
-            len: body.len() as u64,
-            max: u64::from(max),
-        }),
+        _ => {
+            Err(HandshakeError::FrameTooLarge { kind, len: body.len() as u64, max: u64::from(max) })
+        }
     }
 }
 
@@ -284,17 +268,11 @@ fn msgpack(body: &impl Serialize) -> Vec<u8> {
 /// Parses exactly one frame; trailing bytes are an error.
 pub fn decode_frame(bytes: &[u8]) -> Result<Frame, HandshakeError> {
     let Some(header) = parse_header(bytes)? else {
-        return Err(HandshakeError::Truncated {
-            got: bytes.len(),
-            needed: FRAME_HEADER_LEN,
-        });
+        return Err(HandshakeError::Truncated { got: bytes.len(), needed: FRAME_HEADER_LEN });
     };
     let needed = header.frame_len();
     if bytes.len() < needed {
-        return Err(HandshakeError::Truncated {
-            got: bytes.len(),
-            needed,
-        });
+        return Err(HandshakeError::Truncated { got: bytes.len(), needed });
     }
     if bytes.len() > needed {
         return Err(HandshakeError::Malformed(format!(
@@ -388,10 +366,7 @@ fn parse_header(bytes: &[u8]) -> Result<Option<FrameHeader>, HandshakeError> {
     };
     let theirs = u16::from_be_bytes([header[4], header[5]]);
     if theirs != PROTOCOL_VERSION {
-        return Err(HandshakeError::ProtocolVersion {
-            ours: PROTOCOL_VERSION,
-            theirs,
-        });
+        return Err(HandshakeError::ProtocolVersion { ours: PROTOCOL_VERSION, theirs });
     }
     let kind = FrameKind::from_byte(header[6])
         .ok_or_else(|| HandshakeError::Malformed(format!("unknown frame kind {}", header[6])))?;

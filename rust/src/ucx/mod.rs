@@ -20,7 +20,10 @@ use std::time::{Duration, Instant};
 
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
-pub use same_host::{boot_id, check_not_this_process, ucx_tls_allows_cma, OpenError, Probe, SameHostClaim, SameHostCopy, SameHostPeer};
+pub use same_host::{
+    boot_id, check_not_this_process, ucx_tls_allows_cma, OpenError, Probe, SameHostClaim,
+    SameHostCopy, SameHostPeer,
+};
 use sys::{Api, StatusPtr};
 
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +71,9 @@ impl Worker {
         let name = CString::new(name.replace('\0', "")).unwrap_or_default();
         let mut config = ptr::null_mut();
         // SAFETY: out-pointer to a local; UCX allocates the config, released below.
-        check("ucp_config_read", unsafe { (api.ucp_config_read)(ptr::null(), ptr::null(), &mut config) })?;
+        check("ucp_config_read", unsafe {
+            (api.ucp_config_read)(ptr::null(), ptr::null(), &mut config)
+        })?;
         // SAFETY: all-zero is valid for the reserve space and unused fields.
         let mut params: sys::ucp_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME;
@@ -79,7 +84,13 @@ impl Worker {
         let mut context = ptr::null_mut();
         // SAFETY: params and config are valid for the call; context is an out-pointer.
         let status = unsafe {
-            (api.ucp_init_version)(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config, &mut context)
+            (api.ucp_init_version)(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut context,
+            )
         };
         // SAFETY: config came from ucp_config_read and is not used after this.
         unsafe { (api.ucp_config_release)(config) };
@@ -118,11 +129,22 @@ impl Worker {
         let event_fd = match unsafe { (api.ucp_worker_get_efd)(worker, &mut efd) } {
             sys::UCS_OK => Some(efd),
             status => {
-                log::info!("UCX worker has no event fd ({}); the progress thread will poll", api.status_text(status));
+                log::info!(
+                    "UCX worker has no event fd ({}); the progress thread will poll",
+                    api.status_text(status)
+                );
                 None
             }
         };
-        Ok(Arc::new(Worker { api, context, worker, lock: Mutex::new(()), address, event_fd, foreground: AtomicUsize::new(0) }))
+        Ok(Arc::new(Worker {
+            api,
+            context,
+            worker,
+            lock: Mutex::new(()),
+            address,
+            event_fd,
+            foreground: AtomicUsize::new(0),
+        }))
     }
 
     /// This worker's address, which peers need to create an endpoint to it.
@@ -241,39 +263,57 @@ impl Worker {
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
         let mut params: sys::ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
-        params.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        params.field_mask =
+            sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH;
         params.address = addr as *mut c_void;
         params.length = len as usize;
         let mut memh = ptr::null_mut();
         // SAFETY: the caller vouches that the range is mapped memory of this process (the engine
         // API documents it); UCX validates what it can and fails otherwise.
-        self.check("ucp_mem_map", unsafe { (self.api.ucp_mem_map)(self.context, &params, &mut memh) })?;
+        self.check("ucp_mem_map", unsafe {
+            (self.api.ucp_mem_map)(self.context, &params, &mut memh)
+        })?;
         let unmap = |memh| {
             // SAFETY: memh was just mapped on this context.
             unsafe { (self.api.ucp_mem_unmap)(self.context, memh) };
         };
-        let mut attr = sys::ucp_mem_attr_t { field_mask: sys::UCP_MEM_ATTR_FIELD_MEM_TYPE, address: ptr::null_mut(), length: 0, mem_type: 0 };
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: sys::UCP_MEM_ATTR_FIELD_MEM_TYPE,
+            address: ptr::null_mut(),
+            length: 0,
+            mem_type: 0,
+        };
         // SAFETY: memh is live; attr is a local out-struct.
-        if let Err(e) = self.check("ucp_mem_query", unsafe { (self.api.ucp_mem_query)(memh, &mut attr) }) {
+        if let Err(e) =
+            self.check("ucp_mem_query", unsafe { (self.api.ucp_mem_query)(memh, &mut attr) })
+        {
             unmap(memh);
             return Err(e);
         }
         let memory = match attr.mem_type {
             sys::UCS_MEMORY_TYPE_HOST if !host_range_is_mapped(addr, len) => {
                 unmap(memh);
-                return Err(UcxError::Call { call: "ucp_mem_map", status: format!("{addr:#x}+{len} is not mapped memory of this process") });
+                return Err(UcxError::Call {
+                    call: "ucp_mem_map",
+                    status: format!("{addr:#x}+{len} is not mapped memory of this process"),
+                });
             }
             sys::UCS_MEMORY_TYPE_HOST => MemoryType::Host,
             sys::UCS_MEMORY_TYPE_CUDA | sys::UCS_MEMORY_TYPE_CUDA_MANAGED => MemoryType::Cuda,
             other => {
                 unmap(memh);
-                return Err(UcxError::Call { call: "ucp_mem_query", status: format!("unsupported memory type {other}") });
+                return Err(UcxError::Call {
+                    call: "ucp_mem_query",
+                    status: format!("unsupported memory type {other}"),
+                });
             }
         };
         let mut rkey_buf = ptr::null_mut();
         let mut rkey_len = 0usize;
         // SAFETY: memh is live; out-pointers to locals.
-        if let Err(e) = self.check("ucp_rkey_pack", unsafe { (self.api.ucp_rkey_pack)(self.context, memh, &mut rkey_buf, &mut rkey_len) }) {
+        if let Err(e) = self.check("ucp_rkey_pack", unsafe {
+            (self.api.ucp_rkey_pack)(self.context, memh, &mut rkey_buf, &mut rkey_len)
+        }) {
             unmap(memh);
             return Err(e);
         }
@@ -295,24 +335,44 @@ impl Worker {
     /// completes that read, so no byte lands after the batch is reported.
     /// `regions` are the peer's registered regions and `rkeys` their packed remote keys, by the
     /// same index: every read posted on the endpoint is checked against `regions`.
-    pub fn connect(self: &Arc<Self>, peer_address: &[u8], regions: Arc<[RegionBounds]>, rkeys: &[(&[u8], MemoryType)], peer_error_handling: bool) -> Result<Endpoint, UcxError> {
+    pub fn connect(
+        self: &Arc<Self>,
+        peer_address: &[u8],
+        regions: Arc<[RegionBounds]>,
+        rkeys: &[(&[u8], MemoryType)],
+        peer_error_handling: bool,
+    ) -> Result<Endpoint, UcxError> {
         // UCX parses both without a length: only bytes it reads within their end reach it.
-        packed::check_worker_address(peer_address, packed::unified_mode()).map_err(|status| UcxError::Call { call: "ucp_ep_create", status })?;
+        packed::check_worker_address(peer_address, packed::unified_mode())
+            .map_err(|status| UcxError::Call { call: "ucp_ep_create", status })?;
         if rkeys.len() != regions.len() {
-            return Err(UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("{} remote keys for {} regions", rkeys.len(), regions.len()) });
+            return Err(UcxError::Call {
+                call: "ucp_ep_rkey_unpack",
+                status: format!("{} remote keys for {} regions", rkeys.len(), regions.len()),
+            });
         }
         for (i, (rkey, memory)) in rkeys.iter().enumerate() {
-            packed::check_rkey(rkey, *memory).map_err(|e| UcxError::Call { call: "ucp_ep_rkey_unpack", status: format!("the peer's region {i}: {e}") })?;
+            packed::check_rkey(rkey, *memory).map_err(|e| UcxError::Call {
+                call: "ucp_ep_rkey_unpack",
+                status: format!("the peer's region {i}: {e}"),
+            })?;
         }
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
         let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
-        params.field_mask = sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        params.field_mask =
+            sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
         params.address = peer_address.as_ptr() as *const c_void;
-        params.err_mode = if peer_error_handling { sys::UCP_ERR_HANDLING_MODE_PEER } else { sys::UCP_ERR_HANDLING_MODE_NONE };
+        params.err_mode = if peer_error_handling {
+            sys::UCP_ERR_HANDLING_MODE_PEER
+        } else {
+            sys::UCP_ERR_HANDLING_MODE_NONE
+        };
         let mut ep = ptr::null_mut();
         // SAFETY: the address bytes stay alive for the call; UCX copies what it needs.
-        self.check("ucp_ep_create", unsafe { (self.api.ucp_ep_create)(self.worker, &params, &mut ep) })?;
+        self.check("ucp_ep_create", unsafe {
+            (self.api.ucp_ep_create)(self.worker, &params, &mut ep)
+        })?;
         let mut endpoint = Endpoint {
             worker: Arc::clone(self),
             ep,
@@ -324,7 +384,9 @@ impl Worker {
         for (packed, _) in rkeys {
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key bytes are alive for the call.
-            let status = unsafe { (self.api.ucp_ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey) };
+            let status = unsafe {
+                (self.api.ucp_ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey)
+            };
             if let Err(e) = self.check("ucp_ep_rkey_unpack", status) {
                 drop(_g);
                 drop(endpoint);
@@ -411,7 +473,12 @@ impl Drop for MemRegion {
         // SAFETY: memh was mapped on this worker's context and is dropped once.
         let status = unsafe { (self.worker.api.ucp_mem_unmap)(self.worker.context, self.memh) };
         if status != sys::UCS_OK {
-            log::warn!("ucp_mem_unmap of {:#x}+{} failed: {}", self.addr, self.len, self.worker.api.status_text(status));
+            log::warn!(
+                "ucp_mem_unmap of {:#x}+{} failed: {}",
+                self.addr,
+                self.len,
+                self.worker.api.status_text(status)
+            );
         }
     }
 }
@@ -499,13 +566,21 @@ impl Endpoint {
     /// Posts `reads`, all counted in `batch` already: each one is ended here (done at once,
     /// failed, or never posted after a failure) or, when it goes pending, by [`read_done`].
     /// `in_flight` is the batch's reference that [`read_done`] is handed.
-    fn post_each(&self, api: &'static Api, reads: &[Read<'_>], batch: &BatchState, in_flight: *const BatchState) -> Result<(), UcxError> {
+    fn post_each(
+        &self,
+        api: &'static Api,
+        reads: &[Read<'_>],
+        batch: &BatchState,
+        in_flight: *const BatchState,
+    ) -> Result<(), UcxError> {
         let mut result = Ok(());
         for (i, read) in reads.iter().enumerate() {
             let rkey = self.rkeys[read.remote_region];
             let user_data = in_flight as *mut c_void;
             let param = sys::ucp_request_param_t {
-                op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMH | sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+                op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMH
+                    | sys::UCP_OP_ATTR_FIELD_CALLBACK
+                    | sys::UCP_OP_ATTR_FIELD_USER_DATA,
                 memh: read.local.memh,
                 cb: Some(read_done),
                 user_data,
@@ -518,7 +593,14 @@ impl Endpoint {
             // until the read ends: the in-flight reference is released only after the batch's
             // last read, and UCX calls read_done (once) only for a read that went pending.
             let sp = unsafe {
-                (api.ucp_get_nbx)(self.ep, read.local_addr as *mut c_void, read.len as usize, read.remote_addr, rkey, &param)
+                (api.ucp_get_nbx)(
+                    self.ep,
+                    read.local_addr as *mut c_void,
+                    read.len as usize,
+                    read.remote_addr,
+                    rkey,
+                    &param,
+                )
             };
             // Never the batch's last read here: the posting itself is still counted.
             match sys::status_ptr(sp) {
@@ -544,7 +626,9 @@ impl Endpoint {
 fn check_bounds(reads: &[Read<'_>], remote: &[RegionBounds]) -> Result<(), String> {
     let in_bounds = |read: &&Read<'_>| {
         read.local.contains(read.local_addr, read.len)
-            && remote.get(read.remote_region).is_some_and(|r| r.contains(read.remote_addr, read.len))
+            && remote
+                .get(read.remote_region)
+                .is_some_and(|r| r.contains(read.remote_addr, read.len))
             && usize::try_from(read.len).is_ok()
     };
     match reads.iter().find(|read| !in_bounds(read)) {
@@ -558,7 +642,11 @@ fn check_bounds(reads: &[Read<'_>], remote: &[RegionBounds]) -> Result<(), Strin
 
 /// UCX's completion callback of one pending read: runs exactly once, inside progress (or a
 /// forced close) on the thread holding the worker lock.
-unsafe extern "C" fn read_done(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+unsafe extern "C" fn read_done(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
     // SAFETY: user_data is the batch's in-flight reference (post_reads), released only once
     // the batch's last read has ended; this read has not, so the batch is alive.
     let batch = unsafe { &*(user_data as *const BatchState) };
@@ -748,5 +836,4 @@ impl BatchState {
     pub fn outcome(&self) -> Option<Result<(), String>> {
         self.outcome.get().cloned()
     }
-
 }

@@ -60,9 +60,15 @@ impl<'a> Cursor<'a> {
     }
 
     fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8], String> {
-        let end = self.at.checked_add(n).filter(|&end| end <= self.bytes.len()).ok_or_else(|| {
-            format!("the {} ends inside its {field} ({} bytes, {n} needed at offset {})", self.what, self.bytes.len(), self.at)
-        })?;
+        let end =
+            self.at.checked_add(n).filter(|&end| end <= self.bytes.len()).ok_or_else(|| {
+                format!(
+                    "the {} ends inside its {field} ({} bytes, {n} needed at offset {})",
+                    self.what,
+                    self.bytes.len(),
+                    self.at
+                )
+            })?;
         let taken = &self.bytes[self.at..end];
         self.at = end;
         Ok(taken)
@@ -73,7 +79,10 @@ impl<'a> Cursor<'a> {
     }
 
     fn peek(&self, field: &str) -> Result<u8, String> {
-        self.bytes.get(self.at).copied().ok_or_else(|| format!("the {} ends before its {field}", self.what))
+        self.bytes
+            .get(self.at)
+            .copied()
+            .ok_or_else(|| format!("the {} ends before its {field}", self.what))
     }
 
     /// A value in the low bits `mask` of a byte; in address v2, all of them set means the
@@ -89,7 +98,11 @@ impl<'a> Cursor<'a> {
     fn finish(&self) -> Result<(), String> {
         match self.bytes.len() - self.at {
             0 => Ok(()),
-            left => Err(format!("the {} has {left} bytes after its end (of {})", self.what, self.bytes.len())),
+            left => Err(format!(
+                "the {} has {left} bytes after its end (of {})",
+                self.what,
+                self.bytes.len()
+            )),
         }
     }
 }
@@ -103,7 +116,11 @@ pub fn check_worker_address(bytes: &[u8], unified: bool) -> Result<(), String> {
     let v2 = match header & HEADER_VERSION_MASK {
         ADDRESS_V1 => false,
         ADDRESS_V2 => true,
-        other => return Err(format!("the worker address has version {other}, which UCX 1.22 does not know (0 or 1)")),
+        other => {
+            return Err(format!(
+                "the worker address has version {other}, which UCX 1.22 does not know (0 or 1)"
+            ))
+        }
     };
     let flags = if v2 { c.byte("header flags")? } else { header >> HEADER_SHIFT };
     if unified {
@@ -142,7 +159,9 @@ pub fn check_worker_address(bytes: &[u8], unified: bool) -> Result<(), String> {
         while !last_interface {
             interfaces += 1;
             if interfaces > MAX_RESOURCES {
-                return Err(format!("the worker address lists over {MAX_RESOURCES} transport interfaces"));
+                return Err(format!(
+                    "the worker address lists over {MAX_RESOURCES} transport interfaces"
+                ));
             }
             c.take(2, "transport name checksum")?;
             c.take(attr_len, "interface attributes")?;
@@ -170,7 +189,8 @@ pub fn check_worker_address(bytes: &[u8], unified: bool) -> Result<(), String> {
 
 /// Whether this process's UCX workers run in unified mode (`UCX_UNIFIED_MODE`, a UCX boolean).
 pub fn unified_mode() -> bool {
-    std::env::var("UCX_UNIFIED_MODE").is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "y" | "yes" | "on" | "1"))
+    std::env::var("UCX_UNIFIED_MODE")
+        .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "y" | "yes" | "on" | "1"))
 }
 
 /// Checks a peer's packed remote key for a region of `memory` as `ucp_ep_rkey_unpack`

@@ -59,9 +59,14 @@ pub struct Probe {
 impl Probe {
     pub fn new(worker_address: &[u8]) -> Result<Probe, String> {
         let mut key = Box::new([0u8; KEY_LEN]);
-        getrandom::fill(&mut key[..]).map_err(|e| format!("no random bytes for the same-host probe: {e}"))?;
+        getrandom::fill(&mut key[..])
+            .map_err(|e| format!("no random bytes for the same-host probe: {e}"))?;
         let probe = Probe { key };
-        local_engines().push(LocalEngine { probe_addr: probe.addr(), key: *probe.key, worker_address: worker_address.to_vec() });
+        local_engines().push(LocalEngine {
+            probe_addr: probe.addr(),
+            key: *probe.key,
+            worker_address: worker_address.to_vec(),
+        });
         Ok(probe)
     }
 
@@ -103,10 +108,17 @@ impl SameHostClaim<'_> {
 /// or a sibling's) unless that engine vouched for it on this connection (`claim`): UCX's cma
 /// and tcp transports read any address of the process a worker address names, so such
 /// metadata would make us copy our own memory. Addresses of other processes pass.
-pub fn check_not_this_process(worker_address: &[u8], claim: Option<&SameHostClaim<'_>>) -> Result<(), String> {
+pub fn check_not_this_process(
+    worker_address: &[u8],
+    claim: Option<&SameHostClaim<'_>>,
+) -> Result<(), String> {
     let engines = local_engines();
-    let Some(engine) = engines.iter().find(|e| e.worker_address == worker_address) else { return Ok(()) };
-    let vouched = claim.is_some_and(|c| c.pid == std::process::id() && c.probe_addr == engine.probe_addr && c.proven_by(&engine.key));
+    let Some(engine) = engines.iter().find(|e| e.worker_address == worker_address) else {
+        return Ok(());
+    };
+    let vouched = claim.is_some_and(|c| {
+        c.pid == std::process::id() && c.probe_addr == engine.probe_addr && c.proven_by(&engine.key)
+    });
     if vouched {
         Ok(())
     } else {
@@ -178,8 +190,12 @@ impl SameHostPeer {
     /// claim's probe address: the process vouches for the metadata that named it on this
     /// connection, whose regions are `remote`. This process itself is refused unless the
     /// probe address is one of its live engines' probes.
-    pub fn open(claim: &SameHostClaim<'_>, remote: Arc<[RegionBounds]>) -> Result<SameHostPeer, OpenError> {
-        let pid = libc::pid_t::try_from(claim.pid).map_err(|_| OpenError::Forged(format!("pid {} is out of range", claim.pid)))?;
+    pub fn open(
+        claim: &SameHostClaim<'_>,
+        remote: Arc<[RegionBounds]>,
+    ) -> Result<SameHostPeer, OpenError> {
+        let pid = libc::pid_t::try_from(claim.pid)
+            .map_err(|_| OpenError::Forged(format!("pid {} is out of range", claim.pid)))?;
         let ours = claim.pid == std::process::id();
         if ours && !local_engines().iter().any(|e| e.probe_addr == claim.probe_addr) {
             return Err(OpenError::Forged(format!("it names this very process ({pid}) but no engine of this process keeps its probe at {:#x}", claim.probe_addr)));
@@ -187,7 +203,10 @@ impl SameHostPeer {
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
         if fd < 0 {
-            return Err(OpenError::Unreadable(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error())));
+            return Err(OpenError::Unreadable(format!(
+                "pidfd_open({pid}): {}",
+                std::io::Error::last_os_error()
+            )));
         }
         // SAFETY: fd is a descriptor pidfd_open just returned, owned by nobody else.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
@@ -195,10 +214,18 @@ impl SameHostPeer {
         let key = if ours {
             // Read under the registry's lock, so the engine cannot drop its probe meanwhile.
             let engines = local_engines();
-            engines.iter().find(|e| e.probe_addr == claim.probe_addr).map(|e| e.key).ok_or_else(|| OpenError::Unreadable(format!("the engine of this process at {:#x} closed", claim.probe_addr)))?
+            engines.iter().find(|e| e.probe_addr == claim.probe_addr).map(|e| e.key).ok_or_else(
+                || {
+                    OpenError::Unreadable(format!(
+                        "the engine of this process at {:#x} closed",
+                        claim.probe_addr
+                    ))
+                },
+            )?
         } else {
             let mut key = [0u8; KEY_LEN];
-            let range = Range { local: key.as_mut_ptr() as u64, remote: claim.probe_addr, len: KEY_LEN };
+            let range =
+                Range { local: key.as_mut_ptr() as u64, remote: claim.probe_addr, len: KEY_LEN };
             // SAFETY: the only local range is `key`, a buffer of this frame, KEY_LEN bytes long.
             unsafe { peer.read_ranges(&[range]) }.map_err(OpenError::Unreadable)?;
             key
@@ -216,18 +243,33 @@ impl SameHostPeer {
     /// Checks every read to lie inside its local region and inside the peer region it names,
     /// and counts the batch as one unfinished read in `batch` until [`SameHostCopy::run`]
     /// ends it. Host memory only (the caller routes other memory to UCX).
-    pub fn prepare(self: &Arc<Self>, reads: &[Read<'_>], batch: &Arc<BatchState>) -> Result<SameHostCopy, String> {
+    pub fn prepare(
+        self: &Arc<Self>,
+        reads: &[Read<'_>],
+        batch: &Arc<BatchState>,
+    ) -> Result<SameHostCopy, String> {
         check_bounds(reads, &self.remote)?;
-        let ranges = reads.iter().map(|r| Range { local: r.local_addr, remote: r.remote_addr, len: r.len as usize }).collect();
+        let ranges = reads
+            .iter()
+            .map(|r| Range { local: r.local_addr, remote: r.remote_addr, len: r.len as usize })
+            .collect();
         let mut regions: Vec<Arc<MemRegion>> = Vec::new();
         for read in reads {
             // Reads are segment-major: nearly always the region of the read before.
-            if !regions.last().is_some_and(|r| Arc::ptr_eq(r, read.local)) && !regions.iter().any(|r| Arc::ptr_eq(r, read.local)) {
+            if !regions.last().is_some_and(|r| Arc::ptr_eq(r, read.local))
+                && !regions.iter().any(|r| Arc::ptr_eq(r, read.local))
+            {
                 regions.push(Arc::clone(read.local));
             }
         }
         batch.start_reads(1);
-        Ok(SameHostCopy { peer: Arc::clone(self), ranges, _regions: regions, batch: Arc::clone(batch), ran: false })
+        Ok(SameHostCopy {
+            peer: Arc::clone(self),
+            ranges,
+            _regions: regions,
+            batch: Arc::clone(batch),
+            ran: false,
+        })
     }
 
     /// Copies `ranges` in calls of at most [`MAX_RANGES_PER_CALL`] ranges and
@@ -244,7 +286,11 @@ impl SameHostPeer {
             let mut done = 0usize;
             while done < range.len {
                 let piece = (range.len - done).min(MAX_BYTES_PER_CALL - call_bytes);
-                call.push(Range { local: range.local + done as u64, remote: range.remote + done as u64, len: piece });
+                call.push(Range {
+                    local: range.local + done as u64,
+                    remote: range.remote + done as u64,
+                    len: piece,
+                });
                 call_bytes += piece;
                 done += piece;
                 if call.len() == MAX_RANGES_PER_CALL || call_bytes == MAX_BYTES_PER_CALL {
@@ -277,18 +323,35 @@ impl SameHostPeer {
     /// and not otherwise accessed during the call.
     unsafe fn read_ranges(&self, ranges: &[Range]) -> Result<(), String> {
         debug_assert!(ranges.len() <= MAX_RANGES_PER_CALL);
-        let local: Vec<libc::iovec> = ranges.iter().map(|r| libc::iovec { iov_base: r.local as *mut c_void, iov_len: r.len }).collect();
-        let remote: Vec<libc::iovec> = ranges.iter().map(|r| libc::iovec { iov_base: r.remote as *mut c_void, iov_len: r.len }).collect();
+        let local: Vec<libc::iovec> = ranges
+            .iter()
+            .map(|r| libc::iovec { iov_base: r.local as *mut c_void, iov_len: r.len })
+            .collect();
+        let remote: Vec<libc::iovec> = ranges
+            .iter()
+            .map(|r| libc::iovec { iov_base: r.remote as *mut c_void, iov_len: r.len })
+            .collect();
         let expected: usize = ranges.iter().map(|r| r.len).sum();
         // SAFETY: process_vm_readv writes only into the local iovecs, which the caller vouches
         // for; the remote ranges are read in the other process, where a bad one ends the copy
         // early (a short count or EFAULT) without touching our memory. Both arrays hold
         // ranges.len() <= UIO_MAXIOV iovecs, and the total is below MAX_RW_COUNT.
         let n = unsafe {
-            libc::process_vm_readv(self.pid, local.as_ptr(), local.len() as libc::c_ulong, remote.as_ptr(), remote.len() as libc::c_ulong, 0)
+            libc::process_vm_readv(
+                self.pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
         };
         if n < 0 {
-            return Err(format!("process_vm_readv from process {}: {}", self.pid, std::io::Error::last_os_error()));
+            return Err(format!(
+                "process_vm_readv from process {}: {}",
+                self.pid,
+                std::io::Error::last_os_error()
+            ));
         }
         if n as usize != expected {
             return Err(format!("process_vm_readv from process {} read {n} of {expected} bytes (a remote range is not mapped)", self.pid));
@@ -302,10 +365,13 @@ impl SameHostPeer {
     /// Whether the process has exited (its pid may then name another process).
     fn exited(&self) -> bool {
         loop {
-            let mut fds = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let mut fds =
+                libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
             // SAFETY: one valid pollfd, zero timeout.
             let ready = unsafe { libc::poll(&mut fds, 1, 0) };
-            if ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            if ready < 0
+                && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+            {
                 continue;
             }
             // Readable: exited. An error on a pidfd we own: treat as exited, never read on.
@@ -382,7 +448,13 @@ mod tests {
 
     use crate::handshake::auth::same_host_proof;
 
-    fn claim<'a>(pid: u32, probe_addr: u64, transcript: &'a [u8; 32], digest: [u8; 32], proof: [u8; 32]) -> SameHostClaim<'a> {
+    fn claim<'a>(
+        pid: u32,
+        probe_addr: u64,
+        transcript: &'a [u8; 32],
+        digest: [u8; 32],
+        proof: [u8; 32],
+    ) -> SameHostClaim<'a> {
         SameHostClaim { pid, probe_addr, transcript, digest, proof }
     }
 
@@ -392,23 +464,58 @@ mod tests {
         let (transcript, digest) = ([5u8; 32], [7u8; 32]);
         let proof = same_host_proof(&probe.key(), &transcript, &digest);
         let pid = std::process::id();
-        assert!(SameHostPeer::open(&claim(pid, probe.addr(), &transcript, digest, proof), Arc::from([])).is_ok());
+        assert!(SameHostPeer::open(
+            &claim(pid, probe.addr(), &transcript, digest, proof),
+            Arc::from([])
+        )
+        .is_ok());
         // Another connection (a replayed proof), or other metadata (a replayed identity).
-        let err = SameHostPeer::open(&claim(pid, probe.addr(), &[6u8; 32], digest, proof), Arc::from([])).err().unwrap().to_string();
+        let err =
+            SameHostPeer::open(&claim(pid, probe.addr(), &[6u8; 32], digest, proof), Arc::from([]))
+                .err()
+                .unwrap()
+                .to_string();
         assert!(err.contains("did not vouch"), "{err}");
-        let err = SameHostPeer::open(&claim(pid, probe.addr(), &transcript, [8u8; 32], proof), Arc::from([])).err().unwrap().to_string();
+        let err = SameHostPeer::open(
+            &claim(pid, probe.addr(), &transcript, [8u8; 32], proof),
+            Arc::from([]),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(err.contains("did not vouch"), "{err}");
         // This process, but no engine's probe there: bytes a peer chose, at an address it
         // chose, prove nothing.
         let planted = [9u8; 32];
         let forged = same_host_proof(&planted, &transcript, &digest);
-        let err = SameHostPeer::open(&claim(pid, planted.as_ptr() as u64, &transcript, digest, forged), Arc::from([])).err().unwrap().to_string();
+        let err = SameHostPeer::open(
+            &claim(pid, planted.as_ptr() as u64, &transcript, digest, forged),
+            Arc::from([]),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(err.contains("this very process"), "{err}");
-        let err = SameHostPeer::open(&claim(u32::MAX, probe.addr(), &transcript, digest, proof), Arc::from([])).err().unwrap().to_string();
+        let err = SameHostPeer::open(
+            &claim(u32::MAX, probe.addr(), &transcript, digest, proof),
+            Arc::from([]),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(err.contains("out of range") || err.contains("pidfd_open"), "{err}");
         drop(probe);
-        let err = SameHostPeer::open(&claim(pid, planted.as_ptr() as u64, &transcript, digest, proof), Arc::from([])).err().unwrap().to_string();
-        assert!(err.contains("this very process"), "a closed engine's probe no longer counts: {err}");
+        let err = SameHostPeer::open(
+            &claim(pid, planted.as_ptr() as u64, &transcript, digest, proof),
+            Arc::from([]),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("this very process"),
+            "a closed engine's probe no longer counts: {err}"
+        );
     }
 
     #[test]
@@ -419,15 +526,27 @@ mod tests {
         let pid = std::process::id();
         assert!(check_not_this_process(b"another process's worker", None).is_ok());
         assert!(check_not_this_process(b"this process's worker", None).is_err());
-        assert!(check_not_this_process(b"this process's worker", Some(&claim(pid, probe.addr(), &transcript, digest, [0; 32]))).is_err());
-        assert!(check_not_this_process(b"this process's worker", Some(&claim(pid, probe.addr(), &transcript, digest, proof))).is_ok());
+        assert!(check_not_this_process(
+            b"this process's worker",
+            Some(&claim(pid, probe.addr(), &transcript, digest, [0; 32]))
+        )
+        .is_err());
+        assert!(check_not_this_process(
+            b"this process's worker",
+            Some(&claim(pid, probe.addr(), &transcript, digest, proof))
+        )
+        .is_ok());
     }
 
     fn own_process() -> SameHostPeer {
         let probe = Probe::new(b"own").unwrap();
         let (transcript, digest) = ([0u8; 32], [0u8; 32]);
         let proof = same_host_proof(&probe.key(), &transcript, &digest);
-        SameHostPeer::open(&claim(std::process::id(), probe.addr(), &transcript, digest, proof), Arc::from([])).unwrap()
+        SameHostPeer::open(
+            &claim(std::process::id(), probe.addr(), &transcript, digest, proof),
+            Arc::from([]),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -439,7 +558,11 @@ mod tests {
         let ranges: Vec<Range> = (0..2500)
             .map(|i| {
                 let from = (i * 7 % 2500) * 64;
-                Range { local: dest.as_mut_ptr() as u64 + (i * 64) as u64, remote: source.as_ptr() as u64 + from as u64, len: 64 }
+                Range {
+                    local: dest.as_mut_ptr() as u64 + (i * 64) as u64,
+                    remote: source.as_ptr() as u64 + from as u64,
+                    len: 64,
+                }
             })
             .collect();
         // SAFETY: every local range lies in `dest`, which nothing else touches meanwhile.
@@ -452,8 +575,16 @@ mod tests {
         // first range 200 MiB long, split into pieces of at most MAX_BYTES_PER_CALL.
         let block: Vec<u8> = (0..(200usize << 20)).map(|i| (i % 253) as u8).collect();
         let mut into = vec![0u8; block.len()];
-        let mut ranges = vec![Range { local: into.as_mut_ptr() as u64, remote: block.as_ptr() as u64, len: block.len() }];
-        ranges.extend((0..40).map(|_| Range { local: into.as_mut_ptr() as u64, remote: block.as_ptr() as u64 + 4096, len: 64 << 20 }));
+        let mut ranges = vec![Range {
+            local: into.as_mut_ptr() as u64,
+            remote: block.as_ptr() as u64,
+            len: block.len(),
+        }];
+        ranges.extend((0..40).map(|_| Range {
+            local: into.as_mut_ptr() as u64,
+            remote: block.as_ptr() as u64 + 4096,
+            len: 64 << 20,
+        }));
         // SAFETY: as above, `into`.
         unsafe { peer.copy(&ranges, || false) }.unwrap();
         assert_eq!(into[(64 << 20)..], block[(64 << 20)..]);
@@ -465,7 +596,13 @@ mod tests {
         let peer = own_process();
         let source = vec![1u8; 4096];
         let mut dest = vec![0u8; 4096 * 2048];
-        let ranges: Vec<Range> = (0..2048).map(|i| Range { local: dest.as_mut_ptr() as u64 + (i * 4096) as u64, remote: source.as_ptr() as u64, len: 4096 }).collect();
+        let ranges: Vec<Range> = (0..2048)
+            .map(|i| Range {
+                local: dest.as_mut_ptr() as u64 + (i * 4096) as u64,
+                remote: source.as_ptr() as u64,
+                len: 4096,
+            })
+            .collect();
         let calls = std::cell::Cell::new(0);
         // SAFETY: every local range lies in `dest`.
         let result = unsafe {
@@ -487,7 +624,11 @@ mod tests {
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
         assert!(fd >= 0);
         // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
-        let peer = SameHostPeer { pid, pidfd: unsafe { OwnedFd::from_raw_fd(fd as i32) }, remote: Arc::from([]) };
+        let peer = SameHostPeer {
+            pid,
+            pidfd: unsafe { OwnedFd::from_raw_fd(fd as i32) },
+            remote: Arc::from([]),
+        };
         assert!(!peer.exited());
         child.kill().unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);

@@ -21,8 +21,9 @@ pub type ucp_mem_h = *mut c_void;
 pub type ucp_rkey_h = *mut c_void;
 pub type ucp_config_t = c_void;
 pub type ucp_address_t = c_void;
-pub type ucp_send_nbx_callback_t =
-    Option<unsafe extern "C" fn(request: *mut c_void, status: ucs_status_t, user_data: *mut c_void)>;
+pub type ucp_send_nbx_callback_t = Option<
+    unsafe extern "C" fn(request: *mut c_void, status: ucs_status_t, user_data: *mut c_void),
+>;
 pub type ucp_err_handler_cb_t =
     Option<unsafe extern "C" fn(arg: *mut c_void, ep: ucp_ep_h, status: ucs_status_t)>;
 
@@ -244,7 +245,12 @@ pub fn api(lib_dir: Option<&Path>) -> Result<&'static Api, String> {
         let dir = lib_dir.map(Path::to_path_buf).or(from_env);
         let loaded = load(dir.as_deref());
         if let Ok(api) = &loaded {
-            log::info!("loaded UCX from {}", api.lib_dir.as_deref().map_or("the loader path".into(), |d| d.display().to_string()));
+            log::info!(
+                "loaded UCX from {}",
+                api.lib_dir
+                    .as_deref()
+                    .map_or("the loader path".into(), |d| d.display().to_string())
+            );
         }
         loaded
     });
