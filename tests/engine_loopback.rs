@@ -2,11 +2,13 @@
 //! connect → read_blocks → notification, and its refusals. Cross-process behaviour (dead
 //! peers, transports) is covered by tests/test_transfer.py.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvduplex::descriptors::{BlockLayout, BlockSlice, PlanError, Side};
-use kvduplex::engine::{Engine, EngineConfig, EngineError, LookupFanOut, PeerStatus};
+use kvduplex::descriptors::{BlockSlice, PlanError, Side};
+use kvduplex::engine::{Engine, EngineError, LookupFanOut, PeerStatus};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
 use kvduplex::holds::{Evict, HoldKind, LookupMatch};
 
@@ -50,31 +52,7 @@ fn engine_at(
     block: usize,
     port: u16,
 ) -> Engine {
-    let engine = Engine::start(EngineConfig {
-        engine_id: id.into(),
-        fingerprint: fingerprint(dtype),
-        host: "127.0.0.1".into(),
-        port,
-        secret: None,
-        ucx_lib_dir: None,
-        heartbeat: Duration::from_millis(200),
-        peer_error_handling: false,
-        lookup_claim: Duration::from_secs(30),
-        allow_unauthenticated: false,
-        same_host_reads,
-    })
-    .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
-    let base = buf.as_mut_ptr() as u64;
-    engine.register_region(base, buf.len() as u64).unwrap();
-    engine
-        .set_layout(BlockLayout {
-            segment_bases: vec![base],
-            block_stride: block as u64,
-            block_len: block as u64,
-            num_blocks: (buf.len() / block) as u64,
-        })
-        .unwrap();
-    engine
+    common::test_engine(id, fingerprint(dtype), buf, same_host_reads, block, port)
 }
 
 fn connect(reader: &Engine, owner: &Engine) -> Result<String, EngineError> {

@@ -2,11 +2,13 @@
 //! theirs into its KV blocks: its own process's memory (named by pid, or by its own UCX worker
 //! address and rkey). Each must be refused.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig};
+use kvduplex::engine::Engine;
 use kvduplex::handshake::{EngineMetadata, Fingerprint, MemoryType, RegionInfo, SameHostIdentity};
 use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 
@@ -19,31 +21,7 @@ fn fingerprint() -> Fingerprint {
 }
 
 fn reader(buf: &mut [u8], same_host_reads: bool) -> Engine {
-    let engine = Engine::start(EngineConfig {
-        engine_id: "reader".into(),
-        fingerprint: fingerprint(),
-        host: "127.0.0.1".into(),
-        port: 0,
-        secret: None,
-        ucx_lib_dir: None,
-        heartbeat: Duration::from_millis(200),
-        peer_error_handling: false,
-        lookup_claim: Duration::from_secs(30),
-        allow_unauthenticated: false,
-        same_host_reads,
-    })
-    .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
-    let base = buf.as_mut_ptr() as u64;
-    engine.register_region(base, buf.len() as u64).unwrap();
-    engine
-        .set_layout(BlockLayout {
-            segment_bases: vec![base],
-            block_stride: BLOCK as u64,
-            block_len: BLOCK as u64,
-            num_blocks: BLOCKS as u64,
-        })
-        .unwrap();
-    engine
+    common::test_engine("reader", fingerprint(), buf, same_host_reads, BLOCK, 0)
 }
 
 /// Metadata of a fake owner whose one "region" is `target` (memory of the reader's process

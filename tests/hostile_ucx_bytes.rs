@@ -5,13 +5,14 @@
 //! whose bytes the fake serves runs in a process of its own (a reader refuses a peer that hands
 //! it the worker address of an engine of its own process).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read as _};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig};
+use kvduplex::engine::Engine;
 use kvduplex::handshake::{EngineMetadata, Fingerprint};
 use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 
@@ -25,31 +26,7 @@ fn fingerprint() -> Fingerprint {
 }
 
 fn engine(id: &str, buf: &mut [u8]) -> Engine {
-    let engine = Engine::start(EngineConfig {
-        engine_id: id.into(),
-        fingerprint: fingerprint(),
-        host: "127.0.0.1".into(),
-        port: 0,
-        secret: None,
-        ucx_lib_dir: None,
-        heartbeat: Duration::from_millis(200),
-        peer_error_handling: false,
-        lookup_claim: Duration::from_secs(30),
-        allow_unauthenticated: false,
-        same_host_reads: false,
-    })
-    .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
-    let base = buf.as_mut_ptr() as u64;
-    engine.register_region(base, buf.len() as u64).unwrap();
-    engine
-        .set_layout(BlockLayout {
-            segment_bases: vec![base],
-            block_stride: BLOCK as u64,
-            block_len: BLOCK as u64,
-            num_blocks: BLOCKS as u64,
-        })
-        .unwrap();
-    engine
+    common::test_engine(id, fingerprint(), buf, false, BLOCK, 0)
 }
 
 /// Runs `case` in a child process (this test binary, this one test) and fails with the
