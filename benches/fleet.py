@@ -114,7 +114,9 @@ def run_block(reader, targets, size: int, first_round: int, args) -> tuple[list,
         conversation = holder + 16 * (r // size % args.turns)
         wanted = fingerprints(conversation, args.blocks)
         started = time.perf_counter()
-        lookup = reader.start_lookup(targets[:size], wanted, 5.0)
+        # With a router's hint (`--hinted`) P asks the one D the hint names: the holder.
+        asked = [targets[holder]] if args.hinted else targets[:size]
+        lookup = reader.start_lookup(asked, wanted, 5.0)
         sends.append(time.perf_counter() - started)
         answers = lookup.answers()
         while any(a is None for a in answers):
@@ -143,6 +145,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=256, help="blocks per turn (16 tokens each: 4k)")
     parser.add_argument("--poll-us", type=float, default=100.0)
     parser.add_argument("--idle-s", type=float, default=5.0)
+    parser.add_argument("--hinted", action="store_true",
+                        help="ask only the D holding the conversation, as P does with a router's "
+                        "lookup hint (kvduplex_lookup_hint), among all the D's of each size")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--role", choices=["owner"], help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
@@ -223,7 +228,7 @@ def main() -> None:
         row["p50_vs_1"] = round(row["p50_us"] / base["p50_us"], 2)
         row["p99_vs_1"] = round(row["p99_us"] / base["p99_us"], 2)
         row["p_cpu_vs_1"] = round(row["p_cpu_us_per_lookup"] / base["p_cpu_us_per_lookup"], 2)
-    report = {"authenticated": secret() is not None, "blocks": args.blocks,
+    report = {"authenticated": secret() is not None, "hinted": args.hinted, "blocks": args.blocks,
               "turns_per_d": args.turns, "rounds_per_block": args.rounds,
               "cycles": args.cycles, "poll_us": args.poll_us, "idle": idle,
               "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
