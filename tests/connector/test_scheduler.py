@@ -538,8 +538,8 @@ def test_lookup_finds_the_held_history_and_pulls_it_with_the_claim(engines):
 
 
 def test_no_lookup_and_no_wait_where_no_engine_could_hold_the_prompt(engines):
-    """No engine known, or a prompt without one full block beyond the local hit: the request
-    is scheduled in its first step; once TP rank 0 counts a peer, lookups run."""
+    """No engine known, or a prompt without one full block: the request is scheduled in its
+    first step; once TP rank 0 counts a peer, lookups run."""
     alone = engines("P", {**LOOKUP, "decode_peers": []})
     alone.add("p1", prompt_tokens(200), max_tokens=1, params={"do_remote_decode": True})
     step = alone.step()

@@ -104,6 +104,13 @@ def test_a_burst_evicts_the_held_turn_before_any_preemption_and_its_lookup_misse
         thread.join()
     assert not errors
     assert gauge(d, "vllm:num_preemptions_total") == preemptions
+    # The connector's stats reach /metrics with the engine's next outputs: wait for them.
+    deadline = time.time() + 10.0
+    while time.time() < deadline and (
+        counter(d, "vllm:kvduplex_pressure_evictions_total") - evictions < 1
+        or gauge(d, "vllm:kvduplex_held_blocks") != 0
+    ):
+        time.sleep(0.2)
     assert counter(d, "vllm:kvduplex_pressure_evictions_total") - evictions >= 1
     assert gauge(d, "vllm:kvduplex_held_blocks") == 0
 

@@ -372,11 +372,12 @@ class DuplexScheduler:
                 end = min(named.num_tokens, request.num_prompt_tokens)
             else:
                 timeout_s = self._config.lookup_timeout_s if self._lookups_possible else 0.0
-                # A lookup matches whole blocks (a held turn's partial last block is checked
-                # on the answer, after its full ones matched): none beyond the local hit, or
-                # no engine to ask, and nothing could be found.
-                full = request.num_prompt_tokens // self._block_size * self._block_size
-                if full <= num_computed_tokens or not self._lookup_peers_known:
+                # A lookup matches whole blocks from the prompt's first (a held turn's partial
+                # last block is checked on the answer, after its full ones matched): a prompt
+                # without one, or no engine to ask, and nothing could be found. A prompt whose
+                # full blocks are all local still looks up: the held turn's partial last block
+                # (the previous answer's tail) is gained beyond them.
+                if request.num_prompt_tokens < self._block_size or not self._lookup_peers_known:
                     timeout_s = 0.0
                 end = request.num_prompt_tokens
             if timeout_s <= 0 or not self._lookup_worthwhile(request, num_computed_tokens, end):
