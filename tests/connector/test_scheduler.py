@@ -21,9 +21,11 @@ from duplex_harness import (
     prompt_tokens,
     running,
 )
+from kvduplex import protocol
 from kvduplex.connector import scheduler as scheduler_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
 from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT
 from kvduplex_testing.tiny_model import build_tiny_chat_model
 
@@ -248,6 +250,8 @@ WORD, STOP_WORD = 300, 400  # token ids of two words of the chat vocabulary
     [
         # vLLM's frontend saw the stop string and aborted; the engine ran one token further.
         (True, 0, [WORD, STOP_WORD, WORD], True),
+        # ... or several tokens further.
+        (True, 0, [WORD, WORD, STOP_WORD, WORD, WORD], True),
         # The client aborted before the stop string came.
         (True, 0, [WORD, WORD], False),
         # The client aborted a request without stop strings.
@@ -255,7 +259,7 @@ WORD, STOP_WORD = 300, 400  # token ids of two words of the chat vocabulary
         # vLLM ignores a stop string within min_tokens, so only the client can have aborted.
         (True, 2, [STOP_WORD, WORD], False),
     ],
-    ids=["stop-string", "client-abort", "client-abort-no-stop", "within-min-tokens"],
+    ids=["stop-string", "stop-string-later", "client-abort", "client-abort-no-stop", "within-min-tokens"],
 )
 def test_a_turn_ended_by_a_stop_string_is_held_and_a_client_abort_is_not(
     chat_model_dir, stop, min_tokens, tokens, held
@@ -283,8 +287,12 @@ def test_a_turn_ended_by_a_stop_string_is_held_and_a_client_abort_is_not(
     d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
     holds = d.step().meta.holds
     assert [hold.request_id for hold in holds] == (["d1"] if held else [])
-    if held:  # every token the engine computed, past the stop string too
-        assert holds[0].num_blocks == -(-(len(prompt) + len(tokens) - 1) // BLOCK_SIZE)
+    if held:  # the answer its client saw: not the tokens the engine computed past the stop
+        seen = tokens[: tokens.index(STOP_WORD)]
+        offer = protocol.decode_offer(holds[0].offer)
+        assert offer[protocol.REMOTE_NUM_TOKENS] == len(prompt) + len(seen)
+        salt = request_salt(None, None, None)
+        assert list(holds[0].fingerprints) == block_fingerprints([*prompt, *seen], BLOCK_SIZE, salt)
 
 
 def test_the_salt_separates_lora_adapters_by_name_and_path():

@@ -404,7 +404,12 @@ def test_params_forged_with_another_prompts_fingerprints_are_refused_and_logged(
 def test_a_chat_whose_requests_carry_stop_strings_pulls_every_later_turn(servers):
     """Each answer ends on a stop string (a word of the answer the single server gives without
     one). vLLM's frontend finishes such a request by aborting it in the engine; D holds the
-    turn all the same, and P pulls it back on the next turn."""
+    turn all the same, as far as the answer its client saw (not the tokens the engine computed
+    past the stop string, whose number is a matter of timing), and P pulls it back on the next
+    turn, the held turn's partial last block included: no held token differs from P's prompt."""
+    prefill = servers.prefill.base_url
+    mismatched = counter(prefill, "vllm:kvduplex_tokens_mismatched_total")
+    transfers = counter(prefill, "vllm:kvduplex_transfers_total")
     messages = [{"role": "system", "content": sample_chat_text(300, seed=6)}]
     with ProxyThread([servers.prefill.base_url], [d.base_url for d in servers.decodes]) as proxy:
         for turn in range(TURNS):
@@ -422,6 +427,14 @@ def test_a_chat_whose_requests_carry_stop_strings_pulls_every_later_turn(servers
             if turn > 0:
                 assert pulled(servers.prefill, before) > 0, f"turn {turn}: nothing pulled"
             messages.append({"role": "assistant", "content": answer.text})
+    # The connector's stats reach /metrics with the engine's next outputs: wait for them.
+    deadline = time.time() + 10.0
+    while time.time() < deadline and (
+        counter(prefill, "vllm:kvduplex_transfers_total") - transfers < TURNS - 1
+    ):
+        time.sleep(0.2)
+    assert counter(prefill, "vllm:kvduplex_transfers_total") - transfers >= TURNS - 1
+    assert counter(prefill, "vllm:kvduplex_tokens_mismatched_total") == mismatched
 
 
 @pytest.mark.e2e

@@ -26,7 +26,7 @@ meanwhile, so vLLM's scheduler loop never blocks.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
 with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also
-on a stop string, which vLLM finishes as an abort: `_holdable`), keep their blocks under a hold
+on a stop string, which vLLM finishes as an abort: `_held_output_tokens`), keep their blocks under a hold
 (with the fingerprints of the tokens they carry, for grants) and return params describing them.
 The hold is a reference of our own
 on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
@@ -158,7 +158,7 @@ class DuplexScheduler:
             read_deadline_margin_s=config.read_deadline_margin_s,
             groups=self._groups,
         )
-        # Tells a turn that ended on a stop string from a client's abort (`_holdable`). The
+        # Tells a turn that ended on a stop string from a client's abort (`_held_output_tokens`). The
         # EngineCore's structured-output manager loaded this tokenizer already (cached).
         self._tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
         self._estimator = (
@@ -638,7 +638,10 @@ class DuplexScheduler:
             self._hand_back(state.remote)
 
         params = request.kv_transfer_params
-        if not isinstance(params, dict) or not _holdable(request, self._tokenizer):
+        if not isinstance(params, dict):
+            return False, None
+        output_tokens = _held_output_tokens(request, self._tokenizer)
+        if output_tokens is None:
             return False, None
         hands_off = params.get(protocol.DO_REMOTE_DECODE) is True
         took_over = params.get(protocol.DO_REMOTE_PREFILL) is True
@@ -658,7 +661,15 @@ class DuplexScheduler:
                 "Request %s: a token is in flight, so its state is not offered", request.request_id
             )
             return False, None
-        num_tokens = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
+        computed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
+        num_tokens = min(computed, request.num_prompt_tokens + output_tokens)
+        if self._groups.has_state and num_tokens < computed:
+            # A state-space group's state is that after every computed token, not the turn's.
+            logger.debug(
+                "Request %s: its state is past the answer its client saw, so it is not offered",
+                request.request_id,
+            )
+            return False, None
         num_blocks = -(-num_tokens // self._block_size)
         # Per transfer group, one entry per block of the turn; vLLM has put its null block
         # where a sliding-window group freed blocks outside its window; of a state-space
@@ -927,30 +938,58 @@ def _lookup_hint(request: Request) -> str | None:
     return hint if host and port.isdigit() and 0 < int(port) < 65536 else None
 
 
-def _holdable(request: Request, tokenizer: TokenizerLike | None) -> bool:
-    """A finished request whose blocks are worth holding: length-capped, stopped in the engine
-    (eos, stop token) or on a stop string; never one its client aborted. vLLM 0.32 matches stop
-    strings in the frontend and aborts the request in the engine core as it does a client's
-    abort (FINISHED_ABORTED, no reason given); the output tells them apart: one of the
-    request's stop strings, ending past its first `min_tokens` tokens (where vLLM's
-    detokenizer looks). Tokens the engine computed past the stop string are held too; a
-    reader's fingerprints match only what its own prompt shares."""
+def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> int | None:
+    """How many of a finished request's output tokens its turn holds, None when the request is
+    not worth holding. Length-capped or stopped in the engine (eos, stop token): every one. A
+    turn that ended on a stop string: those before it, the answer the client saw (the engine
+    may have computed a few past it, their number a matter of timing; held, they would spoil
+    the turn's partial last block for the next turn's prompt). Never a request its client
+    aborted. vLLM 0.32 matches stop strings in the frontend and aborts the request in the
+    engine core as it does a client's abort (FINISHED_ABORTED, no reason given); the output
+    tells them apart: one of the request's stop strings, ending past its first `min_tokens`
+    tokens (where vLLM's detokenizer looks)."""
+    output = request.output_token_ids
     if request.status in _HOLDABLE_STATUSES:
-        return True
+        return len(output)
     params = request.sampling_params
     if (
         request.status != RequestStatus.FINISHED_ABORTED
         or tokenizer is None
         or params is None
         or not params.stop
-        or len(request.output_token_ids) <= params.min_tokens
+        or len(output) <= params.min_tokens
     ):
-        return False
-    output = list(request.output_token_ids)
+        return None
+    output = list(output)
     skip = params.skip_special_tokens
-    text = tokenizer.decode(output, skip_special_tokens=skip)
-    checked_from = len(tokenizer.decode(output[: params.min_tokens], skip_special_tokens=skip))
-    return any(text.find(stop, max(0, checked_from - len(stop) + 1)) >= 0 for stop in params.stop)
+
+    def decode(count: int) -> str:
+        return tokenizer.decode(output[:count], skip_special_tokens=skip)
+
+    text = decode(len(output))
+    checked_from = len(decode(params.min_tokens))
+    found = [
+        (at, len(stop))
+        for stop in params.stop
+        if (at := text.find(stop, max(0, checked_from - len(stop) + 1))) >= 0
+    ]
+    if not found:
+        return None
+    at, length = min(found)
+    seen = at + length if params.include_stop_str_in_output else at
+    # The longest output prefix whose text the client saw whole: binary search on the text's
+    # length (it grows with the tokens), then back off while the text is not a prefix (a
+    # tokenizer may rewrite earlier characters as tokens join); O(log n) decodes.
+    low, high = 0, len(output)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(decode(middle)) <= seen:
+            low = middle
+        else:
+            high = middle - 1
+    while low > 0 and not text[:seen].startswith(decode(low)):
+        low -= 1
+    return low
 
 
 def _salt(request: Request) -> str:
