@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,7 +74,7 @@ def test_matched_prefix(local, expected):
 def _option_rows(text: str) -> list[str]:
     """The rows of the `kv_connector_extra_config` table (the one headed `| key | default |`)."""
     lines = text.splitlines()
-    start = lines.index("| key | default | meaning |")
+    start = next(i for i, line in enumerate(lines) if line.startswith("| key | default |"))
     rows = []
     for line in lines[start + 2 :]:
         if not line.startswith("| `"):
@@ -80,12 +83,23 @@ def _option_rows(text: str) -> list[str]:
     return rows
 
 
-def test_the_readme_lists_the_options_as_config_py_documents_them():
-    """config.py's docstring owns the option table; the README shows the same rows."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_list_the_options_as_config_py_documents_them():
+    """config.py's docstring owns the option table; docs/connector.md shows the same rows, and
+    the README (a front page: no line over 120 characters) the same keys and defaults."""
+    root = Path(__file__).resolve().parents[2]
     documented = _option_rows(config_module.__doc__)
     assert len(documented) >= 15
-    assert _option_rows(readme) == documented
+    assert _option_rows((root / "docs" / "connector.md").read_text()) == documented
+    readme = (root / "README.md").read_text()
+
+    def key_and_default(row: str) -> list[str]:
+        return row.split(" | ")[:2]
+
+    assert [key_and_default(row) for row in _option_rows(readme)] == [
+        key_and_default(row) for row in documented
+    ]
+    assert len(readme.splitlines()) <= 250
+    assert [line for line in readme.splitlines() if len(line) > 120] == []
 
 
 def test_config_defaults_and_validation(monkeypatch):
@@ -129,12 +143,66 @@ def test_lookup_options():
     assert DuplexConfig.from_extra_config({"lookup_timeout_ms": 0}).lookup_timeout_s == 0
 
 
-def test_secret_comes_from_the_named_environment_variable(monkeypatch):
-    config = DuplexConfig.from_extra_config({"auth_secret_env": "MY_SECRET"})
+def test_secret_comes_from_the_named_environment_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    config = DuplexConfig.from_extra_config(
+        {"auth_secret_env": "MY_SECRET", "side_channel_host": "10.0.0.2"}
+    )
     monkeypatch.delenv("MY_SECRET", raising=False)
-    assert config.auth_secret() is None
+    assert config.auth_secret() is None  # off loopback: the transfer core refuses to serve
+    assert not (tmp_path / "kvduplex").exists()
     monkeypatch.setenv("MY_SECRET", "s3cret")
     assert config.auth_secret() == b"s3cret"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "[::1]", "localhost"])
+def test_loopback_engines_of_one_user_share_a_private_secret_by_default(
+    monkeypatch, tmp_path, host
+):
+    """Without the variable, engines on loopback authenticate with a per-user secret file:
+    made once, readable by its user alone, the same for every engine of that user."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("KVDUPLEX_SECRET", raising=False)
+    config = DuplexConfig.from_extra_config({"side_channel_host": host})
+    secret = config.auth_secret()
+    path = tmp_path / "kvduplex" / "side-channel-secret"
+    assert secret is not None and len(secret) >= 32
+    assert path.read_bytes() == secret and path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    assert DuplexConfig().auth_secret() == secret
+    # Another user's secret (here: one others may read) is refused, not used.
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by it alone"):
+        config.auth_secret()
+
+
+def test_engines_made_together_agree_on_one_secret(tmp_path):
+    """Eight processes create the secret at once: all read the one that was linked first."""
+    path = tmp_path / "kvduplex" / "side-channel-secret"
+    script = (
+        "import sys; from pathlib import Path; "
+        "from kvduplex.connector.config import per_user_secret; "
+        "print(per_user_secret(Path(sys.argv[1])).decode())"
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE)
+        for _ in range(8)
+    ]
+    secrets = {process.communicate(timeout=60)[0].strip() for process in processes}
+    assert all(process.returncode == 0 for process in processes)
+    assert secrets == {path.read_bytes()}
+
+
+def test_without_a_place_for_the_secret_loopback_peers_do_not_authenticate(
+    monkeypatch, tmp_path, caplog
+):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(blocked))
+    monkeypatch.delenv("KVDUPLEX_SECRET", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert DuplexConfig().auth_secret() is None
+    assert "connect without authenticating" in caplog.text
 
 
 def test_stats_aggregate_and_reduce():

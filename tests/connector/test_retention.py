@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 from kvduplex.connector import retention as retention_module
-from kvduplex.connector.retention import IDLE_CHECK_S, Retention, blocks_needed
+from kvduplex.connector.retention import (
+    IDLE_CHECK_S,
+    Retention,
+    blocks_needed,
+    most_blocks_needed,
+)
 
 
 def test_pressure_orders_the_shortfall_once_until_it_is_acknowledged():
@@ -82,3 +89,20 @@ def test_blocks_needed_counts_running_growth_and_what_the_next_step_admits():
     waiting = [(False, 0, 100), (False, 0, 100), (False, 0, 100)]
     assert blocks_needed(waiting, 16, 1, 150, 16) == (0, 7 + 4)
     assert blocks_needed([(True, 5, 6), *waiting], 16, 1, 1024, 2) == (0, 7)
+
+
+def test_the_bound_that_spares_the_walk_is_never_below_what_the_walk_finds():
+    """An engine with at least `most_blocks_needed` free blocks skips the per-step walk over
+    its requests: in no state may the walk find more."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        block_size = rng.choice([1, 16, 128])
+        horizon = rng.choice([1, 2, 5, 130])
+        budget = rng.choice([1, 100, 2048, 8192])
+        n = rng.randrange(0, 40)
+        requests = []
+        for _ in range(n):
+            tokens = rng.randrange(1, 5000)
+            requests.append((rng.random() < 0.5, rng.randrange(0, tokens + 1), tokens))
+        running, waiting = blocks_needed(requests, block_size, horizon, budget, rng.randrange(1, 64))
+        assert running + waiting <= most_blocks_needed(n, block_size, horizon, budget)

@@ -20,7 +20,7 @@ Every option, its default and why:
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port for each worker. Otherwise each worker of an engine on this host listens on its own port: port + data-parallel rank on this host × TP size + TP rank (so TP rank r of a single engine listens on port+r, and data-parallel ranks on one host never collide). The real port is always announced. |
 | `handshake_timeout_s` | `10` | How long a worker retries connecting to a peer engine before the transfer falls back to recomputation. |
 | `peer_heartbeat_s` | `1` | How often a worker's transfer core pings each connected peer engine; a peer that sends nothing for 3 of its heartbeats is taken for dead (its in-flight reads fail and recompute, its grants and lookups end). Raise it on oversubscribed hosts, where a live engine can be starved of CPU for seconds (seen with 8 vLLM processes on 2 cores). |
-| `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake; when that variable is unset, peers do not authenticate, which is allowed only on a loopback `side_channel_host` (or with `allow_unauthenticated_peers`): every local process may then connect (what it can do: the transfer core's "Who may be a peer"). |
+| `auth_secret_env` | `"KVDUPLEX_SECRET"` | Name of the environment variable holding a shared secret for the side-channel handshake. Unset, engines on a loopback `side_channel_host` authenticate with a per-user secret, created once (mode 0600) at `$XDG_RUNTIME_DIR/kvduplex/side-channel-secret` or else `~/.cache/kvduplex/side-channel-secret`: every engine a user starts on one host shares it, and other users' processes cannot connect (engines of other users or other filesystems, such as containers, need the variable). Where that file cannot be created, loopback peers do not authenticate (logged). On any other address the variable is required, unless `allow_unauthenticated_peers`. What a peer can do: the transfer core's "Who may be a peer". |
 | `allow_unauthenticated_peers` | `false` | Serve the side channel without a shared secret on a non-loopback address. Any host that reaches it can then read the registered KV cache: only for trusted networks; logged as a warning at start. |
 | `lookup_timeout_ms` | `250` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history. A live, connected peer answers in one side-channel round trip (measured here: ~1 ms on loopback, tens of ms when 4 vLLM servers share 2 cores); prefill nodes connect to announced decode nodes ahead of time, so no lookup pays for a handshake. The wait only matters when a peer is hung (a dead one is dropped by its heartbeats within 3 s), and 250 ms stays below the prefill time of a history long enough to be worth pulling. Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off (a grant of the blocks that params name is not a lookup: it always runs, within `handshake_timeout_s`). |
 | `decode_peers` | `[]` | Bidirectional only: side channels (`"host:port"` of TP rank 0) of decode engines to look up held turns on, besides those the prefill node learns by itself (every decode engine that pulls from it announces its side channel). |
@@ -31,9 +31,13 @@ Every option, its default and why:
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import math
 import os
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,6 +47,11 @@ DEFAULT_RECOMPUTE_THRESHOLD = 64
 # vLLM's `kv_load_failure_policy` under which a failed pull is recomputed, not an error.
 REQUIRED_LOAD_FAILURE_POLICY = "recompute"
 DEFAULT_LOOKUP_TIMEOUT_MS = 250
+# The per-user secret's file name, under $XDG_RUNTIME_DIR/kvduplex or ~/.cache/kvduplex.
+SECRET_FILE_NAME = "side-channel-secret"
+_SECRET_BYTES = 32
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -156,8 +165,81 @@ class DuplexConfig:
         )
 
     def auth_secret(self) -> bytes | None:
+        """The environment variable's secret; unset, the per-user secret on a loopback side
+        channel (None where that file cannot be made: loopback peers then do not
+        authenticate), and None on any other address (the transfer core then refuses to
+        serve unless `allow_unauthenticated_peers`)."""
         value = os.environ.get(self.auth_secret_env)
-        return value.encode("utf-8") if value else None
+        if value:
+            return value.encode("utf-8")
+        if not _is_loopback(self.side_channel_host):
+            return None
+        path = per_user_secret_path()
+        try:
+            secret = per_user_secret(path)
+        except OSError as error:
+            logger.warning(
+                "No per-user side-channel secret at %s (%s) and $%s is unset: peers on this "
+                "host connect without authenticating",
+                path,
+                error,
+                self.auth_secret_env,
+            )
+            return None
+        logger.info(
+            "Side-channel peers authenticate with this user's secret in %s ($%s unset)",
+            path,
+            self.auth_secret_env,
+        )
+        return secret
+
+
+def per_user_secret_path() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) if runtime else Path.home() / ".cache"
+    return base / "kvduplex" / SECRET_FILE_NAME
+
+
+def per_user_secret(path: Path) -> bytes:
+    """The secret in `path`, created first if absent: random, written to a private temporary
+    file and linked into place, so engines starting together all read the one that won. A
+    file another user owns or others may read is refused (ValueError): it cannot be secret."""
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(descriptor, secrets.token_hex(_SECRET_BYTES).encode("ascii"))
+        finally:
+            os.close(descriptor)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass  # another engine's came first: use it
+        finally:
+            os.unlink(temporary)
+    status = path.lstat()
+    if not path.is_file() or path.is_symlink():
+        raise ValueError(f"DuplexConnector: side-channel secret {path} is not a regular file")
+    if status.st_uid != os.getuid() or status.st_mode & 0o077:
+        raise ValueError(
+            f"DuplexConnector: side-channel secret {path} must belong to this user and be "
+            f"readable by it alone (mode 0600); it is uid {status.st_uid}, mode "
+            f"{status.st_mode & 0o777:o}"
+        )
+    secret = path.read_bytes().strip()
+    if len(secret) < _SECRET_BYTES:
+        raise ValueError(f"DuplexConnector: side-channel secret {path} is too short")
+    return secret
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 _KNOWN_KEYS = frozenset(

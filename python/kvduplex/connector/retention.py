@@ -246,6 +246,16 @@ def blocks_needed(
     return running_need, waiting_need
 
 
+def most_blocks_needed(
+    num_requests: int, block_size: int, horizon_tokens: int, token_budget: int
+) -> int:
+    """An upper bound of the sum `blocks_needed` returns for `num_requests` live requests,
+    whatever their state: each running one starts at most ceil(horizon / block_size) + 1
+    blocks; the admitted waiting ones share the token budget, plus one partial block each."""
+    per_running = -(-horizon_tokens // block_size) + 1
+    return num_requests * (per_running + 1) + -(-token_budget // block_size)
+
+
 # Waiting requests whose uncomputed tokens count as needed; one waiting for a pull has its
 # blocks already.
 _WAITING_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -273,8 +283,14 @@ class LiveRequests:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def blocks_needed(self) -> tuple[int, int]:
-        """(running, waiting): see `blocks_needed`."""
+    def blocks_needed(self, free_blocks: int) -> tuple[int, int]:
+        """(running, waiting): see `blocks_needed`; (0, 0) without walking the requests when
+        `free_blocks` cover the most they could need (`most_blocks_needed`), so an engine far
+        from shortage pays O(1) per step, not O(live requests)."""
+        if free_blocks >= most_blocks_needed(
+            len(self._requests), self._block_size, self._horizon_tokens, self._token_budget
+        ):
+            return 0, 0
         return blocks_needed(
             [
                 (

@@ -797,7 +797,7 @@ class DuplexScheduler:
         now = time.time()
         if not self._retention.frees_pending(now) and self._block_pool is not None:
             free = self._block_pool.get_num_free_blocks()
-            running, _ = self._live.blocks_needed()
+            running, _ = self._live.blocks_needed(free)
             self._retention.pressure(free, max(running, free + 1), 0, now)
         return self._retention.frees_pending(now)
 
@@ -843,9 +843,8 @@ class DuplexScheduler:
         now = time.time()
         if self._block_pool is not None and self._held:
             # Before vLLM would preempt: free held blocks the live requests are about to need.
-            self._retention.pressure(
-                self._block_pool.get_num_free_blocks(), *self._live.blocks_needed(), now
-            )
+            free = self._block_pool.get_num_free_blocks()
+            self._retention.pressure(free, *self._live.blocks_needed(free), now)
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,
             releases=self._releases,
