@@ -176,6 +176,8 @@ class DuplexConfig:
             return None
         path = per_user_secret_path()
         try:
+            if path is None:
+                raise OSError("no home directory and no $XDG_RUNTIME_DIR")
             secret = per_user_secret(path)
         except OSError as error:
             logger.warning(
@@ -194,10 +196,13 @@ class DuplexConfig:
         return secret
 
 
-def per_user_secret_path() -> Path:
+def per_user_secret_path() -> Path | None:
+    """Where this user's secret lives; None when the user has no home directory."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) if runtime else Path.home() / ".cache"
-    return base / "kvduplex" / SECRET_FILE_NAME
+    if runtime:
+        return Path(runtime) / "kvduplex" / SECRET_FILE_NAME
+    home = os.path.expanduser("~")
+    return None if home == "~" else Path(home) / ".cache" / "kvduplex" / SECRET_FILE_NAME
 
 
 def per_user_secret(path: Path) -> bytes:
