@@ -129,6 +129,25 @@ def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
     return totals
 
 
+SSE_DONE = "[DONE]"
+"""What `parse_sse_line` returns for the line that ends an OpenAI-style stream."""
+
+
+def parse_sse_line(line: str, url: str) -> dict[str, Any] | str | None:
+    """The JSON event of one server-sent-event line from `url` (an OpenAI-style stream):
+    `SSE_DONE` for its closing ``data: [DONE]``, None for a line that carries no data (blank
+    separators, comments, other SSE fields). Raises `ServerError` on an error event."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if data == SSE_DONE:
+        return SSE_DONE
+    event = json.loads(data)
+    if "error" in event:
+        raise ServerError(f"POST {url} streamed an error: {event['error']}")
+    return event
+
+
 @dataclass(frozen=True)
 class StreamedCompletion(Completion):
     """A `Completion` that came as a server-sent-event stream, with its client-side TTFT."""
@@ -181,15 +200,12 @@ def complete_streamed(
             response.read()
             raise ServerError(f"POST {url} answered {response.status_code}: {response.text}")
         for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, comments, other SSE fields
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
+            event = parse_sse_line(line, url)
+            if event is None:
+                continue
+            if event == SSE_DONE:
                 done = True
                 break
-            event = json.loads(data)
-            if "error" in event:
-                raise ServerError(f"POST {url} streamed an error: {event['error']}")
             chunks += 1
             if event.get("kv_transfer_params") is not None:
                 answer_kv_params = event["kv_transfer_params"]
