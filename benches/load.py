@@ -94,7 +94,7 @@ from kvduplex.demo.servers import (
     describe_mismatch,
 )
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
-from kvduplex_testing.servers import SSE_DONE, parse_sse_line, start_many
+from kvduplex_testing.servers import async_sse_events, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     build_tiny_chat_model,
@@ -276,14 +276,7 @@ async def chat_turn(
             if response.status_code != 200:
                 await response.aread()
                 raise ServerError(f"answered {response.status_code}: {response.text[:300]}")
-            done = False
-            async for line in response.aiter_lines():
-                event = parse_sse_line(line, endpoint)
-                if event is None:
-                    continue
-                if event == SSE_DONE:
-                    done = True
-                    break
+            async for event in async_sse_events(response.aiter_lines(), endpoint):
                 if event.get("prompt_token_ids"):
                     record.prompt_token_ids = list(event["prompt_token_ids"])
                 for choice in event.get("choices") or []:
@@ -295,8 +288,6 @@ async def chat_turn(
                     token_ids.extend(ids)
                     entries = (choice.get("logprobs") or {}).get("content") or []
                     logprobs.extend(float(entry["logprob"]) for entry in entries)
-            if not done:
-                raise ServerError("the stream ended without [DONE]")
         if len(token_ids) != answer_tokens:
             raise ServerError(f"{len(token_ids)} tokens instead of {answer_tokens}")
     except (httpx.HTTPError, ServerError, ValueError, KeyError) as exc:
