@@ -1,4 +1,5 @@
-"""Pieces shared by compare_transfer.py and its per-system owner/reader processes.
+"""Pieces the benches share: the text tables of their reports (`format_table`), and what
+compare_transfer.py and its per-system owner/reader processes share.
 
 Every system reads the same patterns between the same kind of memory: an anonymous mapping,
 2 MiB aligned and advised with MADV_HUGEPAGE (transparent huge pages) unless told otherwise.
@@ -17,9 +18,9 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -328,3 +329,29 @@ def run_side(
         code = 1
     sys.stderr.flush()
     os._exit(code)
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as whole milliseconds for a table cell; "-" for none."""
+    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
+
+
+def format_table(columns: Sequence[tuple[str, int]], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A fixed-width text table: a header of the `columns`' titles and a line per row, every
+    cell padded to its column's width, the first (the row's name) left-aligned and the others
+    right-aligned. A row with fewer cells than columns ends in free text, written unpadded
+    (e.g. ``(system, "failed: ...")``)."""
+
+    def line(cells: Sequence[Any]) -> str:
+        if len(cells) > len(columns):
+            raise ValueError(f"{len(cells)} cells for {len(columns)} columns: {cells}")
+        out = []
+        for i, (cell, (_, width)) in enumerate(zip(cells, columns, strict=False)):
+            text = str(cell)
+            if i == len(cells) - 1 and len(cells) < len(columns):
+                out.append(text)
+            else:
+                out.append(text.ljust(width) if i == 0 else text.rjust(width))
+        return "".join(out)
+
+    return [line([title for title, _ in columns]), *(line(row) for row in rows)]

@@ -77,6 +77,7 @@ from typing import Any
 
 import httpx
 
+from _bench_common import format_table, ms
 from kvduplex.demo import (
     LOGPROB_ATOL,
     MetricsSnapshot,
@@ -93,7 +94,7 @@ from kvduplex.demo.servers import (
     describe_mismatch,
 )
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
-from kvduplex_testing.servers import start_many
+from kvduplex_testing.servers import async_sse_events, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     build_tiny_chat_model,
@@ -270,21 +271,12 @@ async def chat_turn(
     record.sent_s = started - origin
     try:
         body = chat_body(messages, answer_tokens)
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        endpoint = f"{url}/v1/chat/completions"
+        async with client.stream("POST", endpoint, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 raise ServerError(f"answered {response.status_code}: {response.text[:300]}")
-            done = False
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise ServerError(f"streamed an error: {event['error']}")
+            async for event in async_sse_events(response.aiter_lines(), endpoint):
                 if event.get("prompt_token_ids"):
                     record.prompt_token_ids = list(event["prompt_token_ids"])
                 for choice in event.get("choices") or []:
@@ -296,8 +288,6 @@ async def chat_turn(
                     token_ids.extend(ids)
                     entries = (choice.get("logprobs") or {}).get("content") or []
                     logprobs.extend(float(entry["logprob"]) for entry in entries)
-            if not done:
-                raise ServerError("the stream ended without [DONE]")
         if len(token_ids) != answer_tokens:
             raise ServerError(f"{len(token_ids)} tokens instead of {answer_tokens}")
     except (httpx.HTTPError, ServerError, ValueError, KeyError) as exc:
@@ -598,24 +588,23 @@ def ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
-
-
 def _n(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+REPORT_COLUMNS = (
+    ("system", 24), ("chats/s", 8), ("req/s", 6), ("goodput", 8), ("p50", 6), ("p90", 6),
+    ("p99", 6), ("t1 p50", 7), ("preempt", 8), ("held", 5), ("evict", 6), ("hits", 5),
+    ("D->P tok", 9), ("P->D tok", 9), ("faults", 7), ("errors", 7), ("equal", 9),
+    ("diverged", 9),
+)
+
+
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"KV cache: {json.dumps(report['kv_plan'])}", ""]
-    lines.append(
-        f"{'system':<24}{'chats/s':>8}{'req/s':>6}{'goodput':>8}{'p50':>6}{'p90':>6}{'p99':>6}"
-        f"{'t1 p50':>7}{'preempt':>8}{'held':>5}{'evict':>6}{'hits':>5}{'D->P tok':>9}"
-        f"{'P->D tok':>9}{'faults':>7}{'errors':>7}{'equal':>9}{'diverged':>9}"
-    )
+    rows: list[tuple[Any, ...]] = []
     for system, result in report["systems"].items():
         if "error" in result:
-            lines.append(f"{system:<24}failed: {result['error'][:200]}")
+            rows.append((system, f"failed: {result['error'][:200]}"))
         for p in result.get("points", []):
             answers = p.get("answers")
             if answers is None:
@@ -624,16 +613,18 @@ def format_report(report: dict[str, Any]) -> str:
                 compared = answers["matched"] + answers["mismatched"]
                 equal, diverged = f"{answers['matched']}/{compared}", str(answers["diverged"])
             faults = p["connector_faults"]
-            lines.append(
-                f"{system:<24}{p['rate']:>8g}{p['offered_requests_per_s']:>6g}"
-                f"{_n(p['goodput_tokens_per_s']):>8}"
-                f"{_ms(p['ttft_p50_s_turns_2_plus']):>6}{_ms(p['ttft_p90_s_turns_2_plus']):>6}"
-                f"{_ms(p['ttft_p99_s_turns_2_plus']):>6}{_ms(p['ttft_p50_s_turn_1']):>7}"
-                f"{p['preemptions']:>8}{_n(p['turns_held']):>5}{_n(p['evictions']):>6}"
-                f"{_n(p['d_to_p_hits']):>5}{_n(p['d_to_p_tokens']):>9}{_n(p['p_to_d_tokens']):>9}"
-                f"{_n(sum(faults.values()) if faults else None):>7}{p['errors']:>7}"
-                f"{equal:>9}{diverged:>9}"
-            )
+            rows.append((
+                system, f"{p['rate']:g}", f"{p['offered_requests_per_s']:g}",
+                _n(p["goodput_tokens_per_s"]), ms(p["ttft_p50_s_turns_2_plus"]),
+                ms(p["ttft_p90_s_turns_2_plus"]), ms(p["ttft_p99_s_turns_2_plus"]),
+                ms(p["ttft_p50_s_turn_1"]), p["preemptions"], _n(p["turns_held"]),
+                _n(p["evictions"]), _n(p["d_to_p_hits"]), _n(p["d_to_p_tokens"]),
+                _n(p["p_to_d_tokens"]), _n(sum(faults.values()) if faults else None),
+                p["errors"], equal, diverged,
+            ))
+    lines = [
+        f"KV cache: {json.dumps(report['kv_plan'])}", "", *format_table(REPORT_COLUMNS, rows)
+    ]
     lines += [
         "",
         "req/s: offered (chat arrivals x turns); goodput: answer tokens/s of completed requests "

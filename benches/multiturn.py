@@ -72,6 +72,7 @@ from typing import Any
 
 import httpx
 
+from _bench_common import format_table, ms
 from kvduplex.demo import (
     LOGPROB_ATOL,
     MetricsSnapshot,
@@ -487,10 +488,6 @@ def summarize(stats: list[TurnStats], conversations: int) -> dict[str, Any]:
     }
 
 
-def _fmt_ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
-
-
 def _fmt_le(le: str | None) -> str:
     if le is None:
         return "-"
@@ -500,61 +497,66 @@ def _fmt_le(le: str | None) -> str:
 
 
 def format_tables(report: dict[str, Any]) -> str:
-    lines = []
     width = max([30, *(len(name) + 1 for name in report["systems"])])
-    header = (
-        f"{'system':<{width}}{'turn':>5}{'new':>7}{'P computed':>12}{'P cache':>9}"
-        f"{'pulled':>8}{'TTFT ms':>9}{'P ms':>7}{'D ms':>7}{'client ms':>10}"
-        f"{'lookups hit/miss/fail':>22}{'wall s':>8}{'match':>7}"
-    )
-    lines.append(header)
+    conversations = report["workload"]["conversations"]
+    measured = {
+        system: result for system, result in report["systems"].items() if "error" not in result
+    }
+    turn_rows: list[tuple[Any, ...]] = []
     for system, result in report["systems"].items():
         if "error" in result:
-            lines.append(f"{system:<{width}}failed: {result['error']}")
+            turn_rows.append((system, f"failed: {result['error']}"))
             continue
         for t in result["turns"]:
             lookups = f"{t['lookups_hit']}/{t['lookups_missed']}/{t['lookup_failures']}"
-            lines.append(
-                f"{system:<{width}}{t['turn'] + 1:>5}{t['new_tokens']:>7}"
-                f"{t['prefill_computed_tokens']:>12}{t['prefill_cache_hit_tokens']:>9}"
-                f"{t['pulled_from_decode_tokens']:>8}{_fmt_ms(t['mean_ttft_s']):>9}"
-                f"{_fmt_ms(t['mean_prefill_ttft_s']):>7}{_fmt_ms(t['mean_decode_ttft_s']):>7}"
-                f"{_fmt_ms(t['mean_client_ttft_s']):>10}{lookups:>22}"
-                f"{t['wall_s']:>8.1f}{t['matches']:>4}/{report['workload']['conversations']}"
-            )
-    lines.append("")
-    lines.append(
-        f"{'system':<{width}}{'TTFT ms t>=2':>13}{'client ms t>=2':>15}{'P computed t>=2':>16}"
-        f"{'new t>=2':>10}{'pulled t>=2':>12}{'total s':>9}{'outputs':>9}"
-    )
-    for system, result in report["systems"].items():
-        if "error" in result:
-            continue
+            turn_rows.append((
+                system, t["turn"] + 1, t["new_tokens"], t["prefill_computed_tokens"],
+                t["prefill_cache_hit_tokens"], t["pulled_from_decode_tokens"],
+                ms(t["mean_ttft_s"]), ms(t["mean_prefill_ttft_s"]), ms(t["mean_decode_ttft_s"]),
+                ms(t["mean_client_ttft_s"]), lookups, f"{t['wall_s']:.1f}",
+                f"{t['matches']}/{conversations}",
+            ))
+    summary_rows = []
+    for system, result in measured.items():
         s = result["summary"]
-        outputs = "equal" if s["all_match"] else "DIFFER"
-        lines.append(
-            f"{system:<{width}}{_fmt_ms(s['mean_ttft_s_turns_2_plus']):>13}"
-            f"{_fmt_ms(s['mean_client_ttft_s_turns_2_plus']):>15}"
-            f"{s['prefill_computed_tokens_turns_2_plus']:>16}{s['new_tokens_turns_2_plus']:>10}"
-            f"{s['pulled_from_decode_tokens_turns_2_plus']:>12}{s['total_s']:>9.1f}{outputs:>9}"
-        )
-    lines.append("")
-    lines.append(
-        f"{'system':<{width}}{'hits':>6}{'misses':>8}{'failed':>8}{'skipped':>9}"
-        f"{'miss n':>8}{'miss p50 ms':>13}{'miss p99 ms':>13}"
-        f"{'hit n':>7}{'hit p50 ms':>12}{'hit p99 ms':>12}{'mixed n':>9}"
-    )
-    for system, result in report["systems"].items():
-        if "error" in result:
-            continue
+        summary_rows.append((
+            system, ms(s["mean_ttft_s_turns_2_plus"]), ms(s["mean_client_ttft_s_turns_2_plus"]),
+            s["prefill_computed_tokens_turns_2_plus"], s["new_tokens_turns_2_plus"],
+            s["pulled_from_decode_tokens_turns_2_plus"], f"{s['total_s']:.1f}",
+            "equal" if s["all_match"] else "DIFFER",
+        ))
+    lookup_rows = []
+    for system, result in measured.items():
         lookup = result["summary"]["lookup"]
         miss, hit = lookup["on_miss"], lookup["on_hit"]
-        lines.append(
-            f"{system:<{width}}{lookup['hits']:>6}{lookup['misses']:>8}{lookup['failures']:>8}"
-            f"{lookup['skipped']:>9}{miss['samples']:>8}{_fmt_le(miss['p50_le_s']):>13}"
-            f"{_fmt_le(miss['p99_le_s']):>13}{hit['samples']:>7}{_fmt_le(hit['p50_le_s']):>12}"
-            f"{_fmt_le(hit['p99_le_s']):>12}{lookup['on_mixed']['samples']:>9}"
-        )
+        lookup_rows.append((
+            system, lookup["hits"], lookup["misses"], lookup["failures"], lookup["skipped"],
+            miss["samples"], _fmt_le(miss["p50_le_s"]), _fmt_le(miss["p99_le_s"]),
+            hit["samples"], _fmt_le(hit["p50_le_s"]), _fmt_le(hit["p99_le_s"]),
+            lookup["on_mixed"]["samples"],
+        ))
+    lines = [
+        *format_table(
+            [("system", width), ("turn", 5), ("new", 7), ("P computed", 12), ("P cache", 9),
+             ("pulled", 8), ("TTFT ms", 9), ("P ms", 7), ("D ms", 7), ("client ms", 10),
+             ("lookups hit/miss/fail", 22), ("wall s", 8), ("match", 7)],
+            turn_rows,
+        ),
+        "",
+        *format_table(
+            [("system", width), ("TTFT ms t>=2", 13), ("client ms t>=2", 15),
+             ("P computed t>=2", 16), ("new t>=2", 10), ("pulled t>=2", 12), ("total s", 9),
+             ("outputs", 9)],
+            summary_rows,
+        ),
+        "",
+        *format_table(
+            [("system", width), ("hits", 6), ("misses", 8), ("failed", 8), ("skipped", 9),
+             ("miss n", 8), ("miss p50 ms", 13), ("miss p99 ms", 13), ("hit n", 7),
+             ("hit p50 ms", 12), ("hit p99 ms", 12), ("mixed n", 9)],
+            lookup_rows,
+        ),
+    ]
     lines.append(f"({LOOKUP_PERCENTILES_NOTE}; '<=x': the bucket's upper bound)")
     for system, result in report["systems"].items():
         wait = result.get("summary", {}).get("lookup", {}).get("wait")

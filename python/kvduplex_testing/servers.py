@@ -13,7 +13,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,48 @@ def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
     return totals
 
 
+_SSE_DONE = "[DONE]"
+
+
+def parse_sse_line(line: str, url: str) -> dict[str, Any] | str | None:
+    """The JSON event of one server-sent-event line from `url` (an OpenAI-style stream): the
+    string "[DONE]" for its closing ``data: [DONE]``, None for a line that carries no data
+    (blank separators, comments, other SSE fields). Raises `ServerError` on an error event."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if data == _SSE_DONE:
+        return _SSE_DONE
+    event = json.loads(data)
+    if "error" in event:
+        raise ServerError(f"POST {url} streamed an error: {event['error']}")
+    return event
+
+
+def sse_events(lines: Iterable[str], url: str) -> Iterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style server-sent-event stream from `url`, up to its closing
+    ``data: [DONE]`` (`parse_sse_line`). Raises `ServerError` on an error event, and when the
+    lines end before [DONE]."""
+    for line in lines:
+        event = parse_sse_line(line, url)
+        if event == _SSE_DONE:
+            return
+        if event is not None:
+            yield event
+    raise ServerError(f"POST {url}: the stream ended without [DONE]")
+
+
+async def async_sse_events(lines: AsyncIterable[str], url: str) -> AsyncIterator[dict[str, Any]]:
+    """`sse_events` of an asyncio stream (e.g. httpx's `aiter_lines`)."""
+    async for line in lines:
+        event = parse_sse_line(line, url)
+        if event == _SSE_DONE:
+            return
+        if event is not None:
+            yield event
+    raise ServerError(f"POST {url}: the stream ended without [DONE]")
+
+
 @dataclass(frozen=True)
 class StreamedCompletion(Completion):
     """A `Completion` that came as a server-sent-event stream, with its client-side TTFT."""
@@ -171,7 +213,6 @@ def complete_streamed(
     answer_kv_params: dict[str, Any] | None = None
     ttft_s: float | None = None
     chunks = 0
-    done = False
     url = f"{base_url}/v1/completions"
     started = time.perf_counter()
     with httpx.stream(
@@ -180,16 +221,7 @@ def complete_streamed(
         if response.status_code != 200:
             response.read()
             raise ServerError(f"POST {url} answered {response.status_code}: {response.text}")
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, comments, other SSE fields
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise ServerError(f"POST {url} streamed an error: {event['error']}")
+        for event in sse_events(response.iter_lines(), url):
             chunks += 1
             if event.get("kv_transfer_params") is not None:
                 answer_kv_params = event["kv_transfer_params"]
@@ -216,8 +248,6 @@ def complete_streamed(
                 if choice.get("finish_reason") is not None:
                     finish_reason = choice["finish_reason"]
     elapsed_s = time.perf_counter() - started
-    if not done:
-        raise ServerError(f"POST {url}: the stream ended without [DONE]")
     ids_from_logprobs = [parse_token_id(token) for token in logprob_tokens]
     if token_ids and ids_from_logprobs and token_ids != ids_from_logprobs:
         raise ServerError(

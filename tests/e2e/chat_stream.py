@@ -9,6 +9,8 @@ would not survive detokenize -> retokenize (see `kvduplex_testing.tiny_model.bui
 from __future__ import annotations
 
 import json
+import logging
+import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,15 +18,18 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
-from kvduplex.demo.servers import VllmServer
+from kvduplex.demo.servers import VllmServer, complete
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.protocol import METRIC_PREFIX
 from kvduplex.proxy.config import CONVERSATION_HEADER
 from kvduplex_testing.servers import prompt_tokens_by_source, start_many
 from kvduplex_testing.tiny_model import CHAT_ALLOWED_TOKEN_IDS, CHAT_EOS_TOKEN_ID, sample_chat_text
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,6 +159,16 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {key: after[key] - before.get(key, 0.0) for key in after}
 
 
+def pulls_per_group(servers: Servers) -> dict[tuple[str, str], dict[str, float]]:
+    """P's and D's `group_blocks` and `group_bytes` counters per KV-cache group
+    (`group_counters`), by (server name, counter)."""
+    return {
+        (server.name, name): group_counters(server, name)
+        for server in (servers.prefill, servers.decode)
+        for name in ("group_blocks", "group_bytes")
+    }
+
+
 @dataclass
 class Servers:
     reference: VllmServer
@@ -194,12 +209,18 @@ class ChatTurn:
 
 
 def chat_through_proxy(
-    servers: Servers, messages: list[dict], turns: int, max_tokens: int, seed: int
+    servers: Servers,
+    messages: list[dict],
+    turns: int,
+    max_tokens: int,
+    seed: int,
+    logprob_atol: float,
 ) -> Iterator[ChatTurn]:
     """A streamed chat through `kvduplex proxy` over the pair, the same messages also sent to
     the reference: each turn adds a 40-word user message (from `seed`), and the pair's answer
     as the assistant's. Checks that the history round-trips (the next prompt starts with the
-    turn before's prompt and answer ids)."""
+    turn before's prompt and answer ids) and that every answer is the reference's (the same
+    tokens, logprobs within `logprob_atol`)."""
     with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
         previous: Answer | None = None
         for number in range(1, turns + 1):
@@ -213,6 +234,10 @@ def chat_through_proxy(
             answer = stream_chat(proxy.base_url, messages, max_tokens)
             on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
             on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
+            prompt = len(expected.prompt_ids)
+            logger.info("turn %d: %d prompt tokens; P %s; D %s", number, prompt, on_p, on_d)
+            assert answer.token_ids == expected.token_ids, f"turn {number}: tokens differ"
+            assert answer.logprobs == pytest.approx(expected.logprobs, abs=logprob_atol)
             yield ChatTurn(number, expected, answer, on_p, on_d, previous)
             previous = expected
             messages.append({"role": "assistant", "content": answer.text})
@@ -250,3 +275,32 @@ def edited_history_turn(servers: Servers, seed: int, max_tokens: int) -> EditedT
         answer = stream_chat(proxy.base_url, messages, max_tokens)
         on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), before)
     return EditedTurn(first, expected, answer, on_p)
+
+
+def assert_hybrid_manager_kept(servers: Servers) -> None:
+    """P and D kept vLLM's hybrid KV-cache manager with the connector: neither logged turning it
+    off, and each has the KV-cache groups of the server without the connector."""
+    for server in (servers.prefill, servers.decode):
+        log = server.log_path.read_text(errors="replace")
+        assert HMA_OFF not in log, f"{server.name}: vLLM turned the hybrid manager off"
+        assert kv_cache_groups_line(server) == kv_cache_groups_line(servers.reference)
+
+
+def token_prompt_through_proxy(
+    servers: Servers, num_tokens: int, logprob_atol: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """A prompt of `num_tokens` random token ids (seeded by its length) answered in 4 tokens
+    through the proxy over the pair as the reference answers it (the same tokens, logprobs
+    within `logprob_atol`): P's and D's prompt tokens by source for it."""
+    rng = random.Random(num_tokens)
+    prompt = [1] + [rng.randrange(7, 1024) for _ in range(num_tokens - 1)]
+    expected = complete(servers.reference.base_url, prompt, max_tokens=4)
+    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
+        p_before = prompt_tokens_by_source(servers.prefill.base_url)
+        d_before = prompt_tokens_by_source(servers.decode.base_url)
+        got = complete(proxy.base_url, prompt, max_tokens=4)
+        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
+        on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
+    assert got.token_ids == expected.token_ids
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=logprob_atol)
+    return on_p, on_d

@@ -49,7 +49,7 @@ from kvduplex_testing.tiny_model import (
     build_tiny_chat_model,
     sample_chat_text,
 )
-from test_connector_e2e import counter
+from test_connector_e2e import counter, wait_for_counter
 
 logger = logging.getLogger(__name__)
 
@@ -427,13 +427,10 @@ def test_a_chat_whose_requests_carry_stop_strings_pulls_every_later_turn(servers
             if turn > 0:
                 assert pulled(servers.prefill, before) > 0, f"turn {turn}: nothing pulled"
             messages.append({"role": "assistant", "content": answer.text})
-    # The connector's stats reach /metrics with the engine's next outputs: wait for them.
-    deadline = time.time() + 10.0
-    while time.time() < deadline and (
-        counter(prefill, "vllm:kvduplex_transfers_total") - transfers < TURNS - 1
-    ):
-        time.sleep(0.2)
-    assert counter(prefill, "vllm:kvduplex_transfers_total") - transfers >= TURNS - 1
+    done = wait_for_counter(
+        prefill, "vllm:kvduplex_transfers_total", lambda n: n - transfers >= TURNS - 1
+    )
+    assert done - transfers >= TURNS - 1
     assert counter(prefill, "vllm:kvduplex_tokens_mismatched_total") == mismatched
 
 

@@ -15,25 +15,22 @@ name runs it right after test_chat_e2e.py, before the session's shared servers s
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from chat_stream import (
-    HMA_OFF,
     Servers,
+    assert_hybrid_manager_kept,
     chat_through_proxy,
     delta,
     edited_history_turn,
-    group_counters,
     kv_cache_groups_line,
+    pulls_per_group,
     reference_and_pair,
+    token_prompt_through_proxy,
 )
-from kvduplex.demo import ProxyThread
-from kvduplex.demo.servers import complete
-from kvduplex_testing.servers import prompt_tokens_by_source
 from kvduplex_testing.tiny_model import build_hybrid_chat_model, sample_chat_text
 
 logger = logging.getLogger(__name__)
@@ -57,11 +54,8 @@ def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Serve
 
 @pytest.mark.e2e
 def test_the_hybrid_kv_cache_manager_stays_on_with_the_connector(servers):
-    for server in (servers.prefill, servers.decode):
-        log = server.log_path.read_text(errors="replace")
-        assert HMA_OFF not in log, f"{server.name}: vLLM turned the hybrid manager off"
-        # The same KV-cache groups as the server without the connector: two, not one.
-        assert kv_cache_groups_line(server) == kv_cache_groups_line(servers.reference)
+    assert_hybrid_manager_kept(servers)
+    # Two KV-cache groups, not one.
     assert kv_cache_groups_line(servers.reference).count(",") == 1
 
 
@@ -69,13 +63,9 @@ def test_the_hybrid_kv_cache_manager_stays_on_with_the_connector(servers):
 def test_streamed_hybrid_chat_pulls_both_ways_on_every_turn(servers):
     # 600 words: D's first pull (no cache of its own) spans five blocks, more than the window.
     messages = [{"role": "system", "content": sample_chat_text(600, seed=7)}]
-    counters = ("group_blocks", "group_bytes")
-    before = {(s.name, c): group_counters(s, c) for s in (servers.prefill, servers.decode) for c in counters}
-    for turn in chat_through_proxy(servers, messages, TURNS, MAX_TOKENS, seed=69):
+    before = pulls_per_group(servers)
+    for turn in chat_through_proxy(servers, messages, TURNS, MAX_TOKENS, 69, LOGPROB_ATOL):
         on_p, on_d, prompt = turn.on_p, turn.on_d, len(turn.expected.prompt_ids)
-        logger.info("turn %d: %d prompt tokens; P %s; D %s", turn.number, prompt, on_p, on_d)
-        assert turn.answer.token_ids == turn.expected.token_ids, f"turn {turn.number}: tokens differ"
-        assert turn.answer.logprobs == pytest.approx(turn.expected.logprobs, abs=LOGPROB_ATOL)
         # P -> D: D pulls what its own cache lacks and computes at most the last token.
         assert on_d.get("external_kv_transfer", 0) > 0, (turn.number, on_d)
         assert on_d.get("local_compute", 0) <= 1, (turn.number, on_d)
@@ -86,11 +76,7 @@ def test_streamed_hybrid_chat_pulls_both_ways_on_every_turn(servers):
             assert held > WINDOW
             assert on_p.get("external_kv_transfer", 0) > 0, (turn.number, on_p)
             assert on_p.get("local_compute", 0) == prompt - held, (turn.number, on_p)
-    pulled = {
-        key: delta(group_counters(servers_by_name[key[0]], key[1]), value)
-        for key, value in before.items()
-        for servers_by_name in [{s.name: s for s in (servers.prefill, servers.decode)}]
-    }
+    pulled = {key: delta(after, before[key]) for key, after in pulls_per_group(servers).items()}
     logger.info("pulled per KV-cache group: %s", pulled)
     for server in (servers.prefill, servers.decode):
         blocks = pulled[(server.name, "group_blocks")]
@@ -129,14 +115,6 @@ def test_a_prompt_at_the_window_edge_is_pulled_exactly(servers, num_tokens):
     next token's, the block vLLM frees first. Pulled whole, vLLM's recompute of the last
     token read that (null) block: logprobs moved by up to 7e-4, where every other length
     gives exactly the single server's. The pull now stops one token short (D computes it)."""
-    rng = random.Random(num_tokens)
-    prompt = [1] + [rng.randrange(7, 1024) for _ in range(num_tokens - 1)]
-    expected = complete(servers.reference.base_url, prompt, max_tokens=4)
-    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
-        before = prompt_tokens_by_source(servers.decode.base_url)
-        got = complete(proxy.base_url, prompt, max_tokens=4)
-        on_d = delta(prompt_tokens_by_source(servers.decode.base_url), before)
+    _, on_d = token_prompt_through_proxy(servers, num_tokens, LOGPROB_ATOL)
     logger.info("%d-token prompt: D %s", num_tokens, on_d)
-    assert got.token_ids == expected.token_ids
-    assert got.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
     assert on_d.get("external_kv_transfer", 0) >= num_tokens - 1, on_d

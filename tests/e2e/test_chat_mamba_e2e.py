@@ -15,25 +15,22 @@ name runs it right after test_chat_hybrid_e2e.py, before the session's shared se
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from chat_stream import (
-    HMA_OFF,
     Servers,
+    assert_hybrid_manager_kept,
     chat_through_proxy,
     delta,
     edited_history_turn,
-    group_counters,
     kv_cache_groups_line,
+    pulls_per_group,
     reference_and_pair,
+    token_prompt_through_proxy,
 )
-from kvduplex.demo import ProxyThread
-from kvduplex.demo.servers import complete
-from kvduplex_testing.servers import prompt_tokens_by_source
 from kvduplex_testing.tiny_model import (
     MAMBA_HYBRID_SERVER_ARGS,
     build_mamba_hybrid_chat_model,
@@ -65,24 +62,16 @@ def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Serve
 
 @pytest.mark.e2e
 def test_the_hybrid_kv_cache_manager_stays_on_with_a_mamba_model(servers):
-    for server in (servers.prefill, servers.decode):
-        log = server.log_path.read_text(errors="replace")
-        assert HMA_OFF not in log, f"{server.name}: vLLM turned the hybrid manager off"
-        assert kv_cache_groups_line(server) == kv_cache_groups_line(servers.reference)
+    assert_hybrid_manager_kept(servers)
     assert kv_cache_groups_line(servers.reference) == f"({BLOCK}, {BLOCK})"
 
 
 @pytest.mark.e2e
 def test_streamed_mamba_chat_pulls_both_ways_on_every_turn(servers):
     messages = [{"role": "system", "content": sample_chat_text(600, seed=9)}]
-    counters = ("group_blocks", "group_bytes")
-    both = (servers.prefill, servers.decode)
-    before = {(s.name, c): group_counters(s, c) for s in both for c in counters}
-    for turn in chat_through_proxy(servers, messages, TURNS, MAX_TOKENS, seed=89):
+    before = pulls_per_group(servers)
+    for turn in chat_through_proxy(servers, messages, TURNS, MAX_TOKENS, 89, LOGPROB_ATOL):
         on_p, on_d, prompt = turn.on_p, turn.on_d, len(turn.expected.prompt_ids)
-        logger.info("turn %d: %d prompt tokens; P %s; D %s", turn.number, prompt, on_p, on_d)
-        assert turn.answer.token_ids == turn.expected.token_ids, f"turn {turn.number}: tokens differ"
-        assert turn.answer.logprobs == pytest.approx(turn.expected.logprobs, abs=LOGPROB_ATOL)
         # P -> D: P computed all but the last token; D pulled them and computes that one.
         assert on_d.get("external_kv_transfer", 0) > 0, (turn.number, on_d)
         assert on_d.get("local_compute", 0) == 1, (turn.number, on_d)
@@ -92,10 +81,9 @@ def test_streamed_mamba_chat_pulls_both_ways_on_every_turn(servers):
             held = len(turn.previous.prompt_ids) + len(turn.previous.token_ids) - 1
             assert on_p.get("external_kv_transfer", 0) > 0, (turn.number, on_p)
             assert on_p.get("local_compute", 0) == prompt - 1 - held, (turn.number, on_p)
-    by_name = {s.name: s for s in both}
-    pulled = {key: delta(group_counters(by_name[key[0]], key[1]), value) for key, value in before.items()}
+    pulled = {key: delta(after, before[key]) for key, after in pulls_per_group(servers).items()}
     logger.info("pulled per KV-cache group: %s", pulled)
-    for server in both:
+    for server in (servers.prefill, servers.decode):
         blocks = pulled[(server.name, "group_blocks")]
         # One state per pull in the Mamba group; every block of the pulled tokens in the other.
         pulls = TURNS if server is servers.decode else TURNS - 1
@@ -124,18 +112,8 @@ def test_an_edited_mamba_history_pulls_no_state(servers):
 def test_a_prompt_is_pulled_one_token_short(servers, num_tokens):
     """P computes num_tokens - 1 tokens (257: exactly one block, whose state vLLM also caches);
     D pulls them and the state after them, and computes the last token."""
-    rng = random.Random(num_tokens)
-    prompt = [1] + [rng.randrange(7, 1024) for _ in range(num_tokens - 1)]
-    expected = complete(servers.reference.base_url, prompt, max_tokens=4)
-    with ProxyThread([servers.prefill.base_url], [servers.decode.base_url]) as proxy:
-        p_before = prompt_tokens_by_source(servers.prefill.base_url)
-        d_before = prompt_tokens_by_source(servers.decode.base_url)
-        got = complete(proxy.base_url, prompt, max_tokens=4)
-        on_p = delta(prompt_tokens_by_source(servers.prefill.base_url), p_before)
-        on_d = delta(prompt_tokens_by_source(servers.decode.base_url), d_before)
+    on_p, on_d = token_prompt_through_proxy(servers, num_tokens, LOGPROB_ATOL)
     logger.info("%d-token prompt: P %s; D %s", num_tokens, on_p, on_d)
-    assert got.token_ids == expected.token_ids
-    assert got.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
     assert sum(on_p.values()) == num_tokens - 1, on_p
     assert on_d.get("external_kv_transfer", 0) == num_tokens - 1, on_d
     assert on_d.get("local_compute", 0) == 1, on_d

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -66,13 +68,31 @@ def token_prompt(tokenizer: Tokenizer, num_tokens: int, seed: int) -> list[int]:
 
 
 def counter(base_url: str, name: str) -> float:
-    """Sum of a Prometheus counter's samples on a server."""
+    """Sum of a Prometheus metric's samples on a server: a counter's, or a gauge's over its
+    engines."""
     text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
     return sum(
         float(line.rpartition(" ")[2])
         for line in text.splitlines()
         if line.startswith(name + "{") or line.startswith(name + " ")
     )
+
+
+def wait_for_counter(
+    base_url: str, name: str, reached: Callable[[float], bool], timeout_s: float = 10.0
+) -> float:
+    """`counter(base_url, name)` once `reached` holds for it, or after `timeout_s`: the last
+    reading, for the caller to assert on.
+
+    DuplexConnector's stats reach /metrics with the engine's next outputs, a moment after the
+    request that moved them answered: a test that checks them right after a request waits here.
+    """
+    deadline = time.monotonic() + timeout_s
+    value = counter(base_url, name)
+    while not reached(value) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = counter(base_url, name)
+    return value
 
 
 class Turn:

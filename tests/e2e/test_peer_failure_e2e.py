@@ -31,7 +31,7 @@ from kvduplex.demo.servers import Completion, VllmServer, complete, describe_mis
 from kvduplex.demo.tiny_model import SERVER_ARGS
 from kvduplex.protocol import prefill_request_params
 from kvduplex_testing.servers import start_many
-from test_connector_e2e import BLOCK, THRESHOLD, token_prompt, tokenizer  # noqa: F401
+from test_connector_e2e import BLOCK, THRESHOLD, counter, token_prompt, tokenizer  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +102,7 @@ def kill(server: VllmServer) -> None:
 
 
 def kv_cache_usage(server: VllmServer) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10.0).text
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith("vllm:kv_cache_usage_perc")
-    )
+    return counter(server.base_url, "vllm:kv_cache_usage_perc")
 
 
 def assert_no_block_leaked(server: VllmServer, tokenizer, wait_s: float) -> None:  # noqa: F811

@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 
-import httpx
 import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
@@ -19,7 +18,13 @@ from kvduplex.demo import duplex_kv_transfer_config
 from kvduplex.demo.servers import complete, describe_mismatch
 from kvduplex.protocol import prefill_request_params
 from kvduplex_testing.servers import ServerPair, prompt_tokens_by_source
-from test_connector_e2e import BLOCK, counter, token_prompt, tokenizer  # noqa: F401
+from test_connector_e2e import (  # noqa: F401
+    BLOCK,
+    counter,
+    token_prompt,
+    tokenizer,
+    wait_for_counter,
+)
 from test_lookup_e2e import relay_streamed
 
 logger = logging.getLogger(__name__)
@@ -42,15 +47,6 @@ def pair(pd_pair) -> ServerPair:
     )
 
 
-def gauge(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
-
-
 @pytest.mark.e2e
 def test_an_idle_engine_frees_an_expired_hold_within_a_second(pair, tokenizer):  # noqa: F811
     """P holds a prompt for a decode node that never reads it; nothing else runs. The hold's
@@ -60,10 +56,10 @@ def test_an_idle_engine_frees_an_expired_hold_within_a_second(pair, tokenizer): 
     prefill = complete(base, prompt, max_tokens=1, kv_transfer_params=prefill_request_params())
     expiry = prefill.kv_transfer_params[protocol.REMOTE_LEASE_EXPIRY]
     assert expiry - time.time() > 1.0, "the lease is still running"
-    assert gauge(base, "vllm:kv_cache_usage_perc") > 0
+    assert counter(base, "vllm:kv_cache_usage_perc") > 0
     freed_at = None
     while time.time() < expiry + 5.0:
-        usage = gauge(base, "vllm:kv_cache_usage_perc")
+        usage = counter(base, "vllm:kv_cache_usage_perc")
         if usage == 0:
             freed_at = time.time()
             break
@@ -72,7 +68,7 @@ def test_an_idle_engine_frees_an_expired_hold_within_a_second(pair, tokenizer): 
     logger.info("P's idle hold freed %.3f s after its lease ended", freed_at - expiry)
     # Never before the lease ended (the lease is the owner's promise to its reader).
     assert expiry - 0.1 <= freed_at <= expiry + 1.0
-    assert gauge(base, "vllm:kvduplex_held_blocks") == 0
+    assert counter(base, "vllm:kvduplex_held_blocks") == 0
 
 
 @pytest.mark.e2e
@@ -85,8 +81,8 @@ def test_a_burst_evicts_the_held_turn_before_any_preemption_and_its_lookup_misse
     d, p = pair.decode.base_url, pair.prefill.base_url
     turn1 = token_prompt(tokenizer, 2 * BLOCK + 100, seed=42)
     first, _ = relay_streamed(pair, turn1, 100)
-    assert gauge(d, "vllm:kvduplex_held_blocks") == 4
-    preemptions = gauge(d, "vllm:num_preemptions_total")
+    assert counter(d, "vllm:kvduplex_held_blocks") == 4
+    preemptions = counter(d, "vllm:num_preemptions_total")
     evictions = counter(d, "vllm:kvduplex_pressure_evictions_total")
 
     errors: list[BaseException] = []
@@ -103,16 +99,12 @@ def test_a_burst_evicts_the_held_turn_before_any_preemption_and_its_lookup_misse
     for thread in threads:
         thread.join()
     assert not errors
-    assert gauge(d, "vllm:num_preemptions_total") == preemptions
-    # The connector's stats reach /metrics with the engine's next outputs: wait for them.
-    deadline = time.time() + 10.0
-    while time.time() < deadline and (
-        counter(d, "vllm:kvduplex_pressure_evictions_total") - evictions < 1
-        or gauge(d, "vllm:kvduplex_held_blocks") != 0
-    ):
-        time.sleep(0.2)
-    assert counter(d, "vllm:kvduplex_pressure_evictions_total") - evictions >= 1
-    assert gauge(d, "vllm:kvduplex_held_blocks") == 0
+    assert counter(d, "vllm:num_preemptions_total") == preemptions
+    evicted = wait_for_counter(
+        d, "vllm:kvduplex_pressure_evictions_total", lambda n: n - evictions >= 1
+    )
+    assert evicted - evictions >= 1
+    assert wait_for_counter(d, "vllm:kvduplex_held_blocks", lambda n: n == 0) == 0
 
     missed = counter(p, "vllm:kvduplex_lookups_missed_total")
     turn2 = turn1 + first.token_ids + token_prompt(tokenizer, 60, seed=43)
