@@ -68,7 +68,7 @@ def test_an_idle_engine_frees_an_expired_hold_within_a_second(pair, tokenizer): 
     logger.info("P's idle hold freed %.3f s after its lease ended", freed_at - expiry)
     # Never before the lease ended (the lease is the owner's promise to its reader).
     assert expiry - 0.1 <= freed_at <= expiry + 1.0
-    assert counter(base, "vllm:kvduplex_held_blocks") == 0
+    assert wait_for_counter(base, "vllm:kvduplex_held_blocks", lambda n: n == 0) == 0
 
 
 @pytest.mark.e2e
@@ -81,7 +81,7 @@ def test_a_burst_evicts_the_held_turn_before_any_preemption_and_its_lookup_misse
     d, p = pair.decode.base_url, pair.prefill.base_url
     turn1 = token_prompt(tokenizer, 2 * BLOCK + 100, seed=42)
     first, _ = relay_streamed(pair, turn1, 100)
-    assert counter(d, "vllm:kvduplex_held_blocks") == 4
+    assert wait_for_counter(d, "vllm:kvduplex_held_blocks", lambda n: n == 4) == 4
     preemptions = counter(d, "vllm:num_preemptions_total")
     evictions = counter(d, "vllm:kvduplex_pressure_evictions_total")
 
