@@ -22,10 +22,10 @@ from duplex_harness import (
     running,
 )
 from kvduplex import protocol
-from kvduplex.connector import scheduler as scheduler_module
+from kvduplex.connector import lookup as lookup_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
-from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
+from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt, salt_of
 from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT
 from kvduplex_testing.tiny_model import build_tiny_chat_model
 
@@ -302,7 +302,7 @@ def test_the_salt_separates_lora_adapters_by_name_and_path():
         request = Request(
             "r", [1, 2, 3], SamplingParams(), None, lora_request=lora, cache_salt=cache_salt
         )
-        return scheduler_module._salt(request)
+        return salt_of(request)
 
     v1, v2 = LoRARequest("adapter", 1, "/loras/a-v1"), LoRARequest("adapter", 1, "/loras/a-v2")
     assert salt(v1) != salt(v2)
@@ -573,7 +573,7 @@ def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, m
     assert "miss" in running(p2) or p2.steps[-1].finished("miss") is not None
     assert all(not s.meta.loads for s in p2.steps)
 
-    monkeypatch.setattr(scheduler_module, "_LOOKUP_REPORT_GRACE_S", 0.0)
+    monkeypatch.setattr(lookup_module, "_LOOKUP_REPORT_GRACE_S", 0.0)
     p2.add("silent", prompt_tokens(300, start=2000), max_tokens=1, params={"do_remote_decode": True})
     p2.step()
     time.sleep(0.15)
