@@ -10,9 +10,13 @@ that covers most of the prompt (only here can a turn's partial last block be che
 the prompt's tokens) and hands every other claim back. The request then pulls what was chosen
 (`scheduler.py`) or, with nothing found, prefills.
 
-A lookup's budget is `lookup_timeout_ms` (a grant, which may need a first handshake with its
-owner: `handshake_timeout_s`); TP rank 0's worker reports it within that budget with whatever
-has answered, and answers after it are handed back.
+One deadline per lookup, computed once, here, when it is asked: `time.monotonic()` plus
+`lookup_timeout_ms` (a grant, which may need a first handshake with its owner:
+`handshake_timeout_s`), carried in the `LookupSpec`. TP rank 0's worker reports the lookup by
+that deadline with whatever has answered, and gives the transfer core the time left; answers
+after it are handed back. The scheduler waits for that report and needs no clock of its own:
+the workers report every lookup past its deadline in the first step built after it, so once
+that step has reported without the answer, a worker lost it and the request prefills.
 """
 
 from __future__ import annotations
@@ -52,9 +56,6 @@ logger = init_logger(f"vllm.{__name__}")
 # `Lookups.look_up`'s "not yet": the lookup runs (get_num_new_matched_tokens returns None).
 ASK_AGAIN = object()
 
-# A lookup's answer travels worker -> scheduler once per step; past its own timeout plus this,
-# the scheduler stops waiting for it (a worker that never answers is a bug, not a slow peer).
-_LOOKUP_REPORT_GRACE_S = 5.0
 # A router's lookup hint is a "host:port"; anything longer is not one.
 _MAX_HINT_LEN = 300
 
@@ -74,9 +75,13 @@ class _LookupState:
 
     request: Request
     asked_at: float
-    timeout_s: float = 0.0
+    """`time.monotonic()` when asked, for the wait's stats; 0 once they have it."""
+    deadline: float = 0.0
+    """`time.monotonic()` by which the workers report the answer (`LookupSpec.deadline`)."""
     asked_step: int = 0
     """The scheduler step in which it was asked, for the cost in steps."""
+    report_step: int = 0
+    """Once past the deadline: the step whose report the answer is in at the latest."""
     named: RemoteBlocks | None = None
     """The params' description of the owner's blocks (a hint)."""
     prompt: PromptFingerprints | None = None
@@ -119,8 +124,10 @@ class Lookups:
         # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
         # Never unset: a peer that went away is found missing by the workers (no answer).
         self._peers_known = bool(config.decode_peers)
-        # Steps built (`take_specs`), for the lookups' cost in steps.
+        # Steps built (`take_specs`) and steps whose workers' report arrived (`on_report`):
+        # vLLM hands the reports back in the order it built the steps.
         self._steps_built = 0
+        self._steps_reported = 0
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
@@ -159,13 +166,19 @@ class Lookups:
             self._ask(request, timeout_s, named)
             return ASK_AGAIN
         if not lookup.arrived:
-            waited = time.monotonic() - lookup.asked_at
-            if waited <= lookup.timeout_s + _LOOKUP_REPORT_GRACE_S:
+            if time.monotonic() < lookup.deadline:
+                return ASK_AGAIN
+            if not lookup.report_step:
+                # The step being scheduled is built past the deadline: its workers report
+                # the lookup, answered or not.
+                lookup.report_step = self._steps_built + 1
+            if self._steps_reported < lookup.report_step:
                 return ASK_AGAIN
             logger.warning(
-                "Request %s: no lookup answer from the workers after %.1f s; prefilling",
+                "Request %s: the workers reported no answer to its lookup by its deadline "
+                "(%.1f s ago); prefilling",
                 request.request_id,
-                waited,
+                time.monotonic() - lookup.deadline,
             )
             lookup.arrived = True
             self._record_wait(lookup)
@@ -187,6 +200,7 @@ class Lookups:
 
     def on_report(self, meta: md.DuplexWorkerMetadata | None) -> None:
         """The workers' report of a step (None: nothing to report)."""
+        self._steps_reported += 1
         if meta is None:
             return
         self._on_answers(meta.lookups)
@@ -220,12 +234,20 @@ class Lookups:
     def _ask(self, request: Request, timeout_s: float, named: RemoteBlocks | None) -> None:
         """A lookup compares full blocks (a held turn's partial last block is checked on the
         answer); a grant, the blocks holding the named hold's tokens as the params count them
-        (the owner compares the partial last block too)."""
+        (the owner compares the partial last block too).
+
+        The deadline is CLOCK_MONOTONIC (`time.monotonic()`), not the wall clock that leases
+        and claims use across hosts: the scheduler and TP rank 0's worker, which enforces it,
+        share one host (vLLM starts TP rank 0 beside its EngineCore), CLOCK_MONOTONIC is
+        system-wide on Linux and is what the transfer core's `Instant` reads, and no clock
+        step (NTP) stretches or cuts short a lookup of a few hundred milliseconds."""
         prompt = prompt_fingerprints(request, self._block_size)
+        asked_at = time.monotonic()
+        deadline = asked_at + timeout_s
         self._lookups[request.request_id] = _LookupState(
             request,
-            time.monotonic(),
-            timeout_s=timeout_s,
+            asked_at,
+            deadline=deadline,
             asked_step=self._steps_built,
             prompt=prompt,
             named=named,
@@ -236,7 +258,7 @@ class Lookups:
                 fingerprints=tuple(
                     prompt.full_blocks if named is None else prompt.of_prefix(named.num_tokens)
                 ),
-                timeout_s=timeout_s,
+                deadline=deadline,
                 owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
                 owner_request_id=None if named is None else named.remote_request_id,
                 hint=None if named is not None else _lookup_hint(request),

@@ -6,8 +6,8 @@ reader (decode nodes that pulled from us announce their side channel in the hand
 `decode_peers`, or only the one a router's hint names among them. The transfer core asks them
 all at once and takes their replies on its own threads (no GIL); `WorkerLookups` reports each
 lookup once in `DuplexWorkerMetadata.lookups`: when every owner answered, when one holds every
-block asked (chained fingerprints: none can give more), or at the lookup's deadline with
-whatever answered. The claims of answers that come after it go back to
+block asked (chained fingerprints: none can give more), or at the lookup's deadline (the one
+the scheduler set) with whatever answered. The claims of answers that come after it go back to
 their owners as they arrive. TP rank 0 also connects ahead of time to every engine a lookup
 would ask, so that a lookup rarely pays for a handshake, and tells the scheduler how many there
 are (it looks nothing up while there are none).
@@ -65,7 +65,7 @@ class WorkerLookups:
             return
         self._pending[spec.request_id] = _PendingLookup(
             lookup=_ask(engine, targets, spec),
-            deadline=time.monotonic() + spec.timeout_s,
+            deadline=spec.deadline,
             started=time.perf_counter(),
             sent_at=time.time(),
             num_blocks=len(spec.fingerprints),
@@ -155,9 +155,15 @@ class WorkerLookups:
 
 def _ask(engine: _core.Engine, targets: list[tuple[str, int]], spec: md.LookupSpec) -> _core.Lookup:
     """The one call into the transfer core's lookup. It sends the lookup to connected targets
-    right here and takes their replies on its own threads: no GIL, no pool to queue behind."""
+    right here and takes their replies on its own threads: no GIL, no pool to queue behind. It
+    counts in time left (on CLOCK_MONOTONIC, as `time.monotonic()`): what is left of the
+    lookup's deadline now, none if that passed (connected owners are still asked: what they
+    answer by the end of the step is reported)."""
     return engine.start_lookup(
-        targets, list(spec.fingerprints), spec.timeout_s, request_id=spec.owner_request_id
+        targets,
+        list(spec.fingerprints),
+        max(0.0, spec.deadline - time.monotonic()),
+        request_id=spec.owner_request_id,
     )
 
 
@@ -178,6 +184,7 @@ def _release_quietly(engine: _core.Engine | None, match: md.LookupMatch) -> None
 class _PendingLookup:
     lookup: _core.Lookup
     deadline: float
+    """`time.monotonic()` at which the lookup is reported, answered or not (`LookupSpec`)."""
     started: float
     sent_at: float
     """Wall clock when sent: each claim lasts its `claim_s` from (at the latest) here."""
