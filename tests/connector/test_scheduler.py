@@ -22,10 +22,9 @@ from duplex_harness import (
     running,
 )
 from kvduplex import protocol
-from kvduplex.connector import scheduler as scheduler_module
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.stats import DuplexConnectorStats
-from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
+from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt, salt_of
 from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT
 from kvduplex_testing.tiny_model import build_tiny_chat_model
 
@@ -302,7 +301,7 @@ def test_the_salt_separates_lora_adapters_by_name_and_path():
         request = Request(
             "r", [1, 2, 3], SamplingParams(), None, lora_request=lora, cache_salt=cache_salt
         )
-        return scheduler_module._salt(request)
+        return salt_of(request)
 
     v1, v2 = LoRARequest("adapter", 1, "/loras/a-v1"), LoRARequest("adapter", 1, "/loras/a-v2")
     assert salt(v1) != salt(v2)
@@ -563,7 +562,7 @@ def test_no_lookup_and_no_wait_where_no_engine_could_hold_the_prompt(engines):
     assert step.meta.lookups == [] and "s" in step.output.num_scheduled_tokens
 
 
-def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, monkeypatch):
+def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines):
     history, d_params = _held_turn(engines)
     p2 = engines("P", LOOKUP)
     p2.add("miss", history + [5] * 40, max_tokens=1, params={"do_remote_decode": True})
@@ -573,12 +572,15 @@ def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, m
     assert "miss" in running(p2) or p2.steps[-1].finished("miss") is not None
     assert all(not s.meta.loads for s in p2.steps)
 
-    monkeypatch.setattr(scheduler_module, "_LOOKUP_REPORT_GRACE_S", 0.0)
+    # No answer by the lookup's deadline (100 ms): the workers report it in the first step
+    # built past the deadline; that step's report without it, and the request prefills.
     p2.add("silent", prompt_tokens(300, start=2000), max_tokens=1, params={"do_remote_decode": True})
     p2.step()
     time.sleep(0.15)
     step = p2.step()
-    assert "silent" in step.output.num_scheduled_tokens  # gave up waiting: prefills
+    assert "silent" not in step.output.num_scheduled_tokens  # its report may hold the answer
+    step = p2.step()
+    assert "silent" in step.output.num_scheduled_tokens  # it did not: prefills, no grace
     late = LookupMatch(
         "D/tp0", "127.0.0.1:41002", "d1", 3, 9, time.time() + 30, json.dumps(d_params).encode()
     )
@@ -586,6 +588,34 @@ def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines, m
     step = p2.step()
     (release,) = step.meta.releases
     assert (release.remote_request_id, release.claim_id) == ("d1", 9)
+
+
+def test_a_lookup_has_one_deadline_set_when_asked_and_its_last_report_is_taken(engines):
+    """The deadline the workers get is the one the scheduler set when it asked: its lookup
+    budget (`lookup_timeout_ms`) or, for a grant of the blocks params name, which may need a
+    first handshake, `handshake_timeout_s`. An answer in the report of the first step built
+    past the deadline (where the workers report every lookup) is still taken."""
+    history, d_params = _held_turn(engines)
+    p2 = engines("P", LOOKUP)
+    p2.add("p2", history + prompt_tokens(40, start=600), max_tokens=1, params={"do_remote_decode": True})
+    before = time.monotonic()
+    (spec,) = p2.step().meta.lookups
+    assert before + 0.1 <= spec.deadline <= time.monotonic() + 0.1
+    time.sleep(0.15)
+    match = LookupMatch(
+        "D/tp0", "127.0.0.1:41002", "d1", 11, 5, time.time() + 30, json.dumps(d_params).encode()
+    )
+    p2.step(worker_meta=DuplexWorkerMetadata(lookups={"p2": [match]}))
+    step = p2.step()
+    assert [(load.remote_request_id, load.num_tokens) for load in step.meta.loads] == [("d1", 179)]
+    assert step.meta.releases == []
+
+    p3 = engines("P", {**LOOKUP, "handshake_timeout_s": 7})
+    p3.add("p3", history + [5] * 40, max_tokens=1, params=d_params)
+    before = time.monotonic()
+    (spec,) = p3.step().meta.lookups
+    assert spec.owner_request_id == "d1"
+    assert before + 7 <= spec.deadline <= time.monotonic() + 7
 
 
 def test_lookup_is_skipped_below_the_threshold_and_answers_are_checked(engines):

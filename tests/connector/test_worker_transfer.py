@@ -432,9 +432,12 @@ def look_up(
     owner: str | None = None,
     owner_request_id: str | None = None,
 ):
-    """Step the reader like vLLM does until its lookup (or grant) is reported; returns the
-    longest match (None: no owner holds any of the blocks, or the grant was refused)."""
-    spec = LookupSpec(request_id, tuple(fingerprints), timeout_s, owner, owner_request_id)
+    """Step the reader like vLLM does until its lookup (or grant), asked now with `timeout_s`
+    to its deadline, is reported; returns the longest match (None: no owner holds any of the
+    blocks, or the grant was refused)."""
+    spec = LookupSpec(
+        request_id, tuple(fingerprints), time.monotonic() + timeout_s, owner, owner_request_id
+    )
     worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
@@ -574,6 +577,33 @@ def test_a_full_match_is_reported_without_waiting_for_a_silent_owner(owner, tiny
             assert match is not None and match.matched_blocks == 4
             worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
             worker.get_transfer_results()
+        finally:
+            worker.shutdown()
+
+
+def test_a_lookup_past_its_deadline_when_the_worker_gets_it_is_reported_in_that_step(
+    tiny_config_dir,
+):
+    """The deadline is the scheduler's, set when it asked: a worker that gets the lookup late
+    (e.g. after a long forward pass) gives it no time of its own. Reported in the same step,
+    its silent owner counted as a failure; the transfer core is given no time left, not an
+    error."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        worker = make_worker(
+            tiny_config_dir,
+            "reader-e",
+            make_kv_caches(NUM_BLOCKS),
+            {"decode_peers": [f"127.0.0.1:{silent.getsockname()[1]}"]},
+        )
+        try:
+            spec = LookupSpec("late", tuple(TURN_FINGERPRINTS), time.monotonic() - 0.5)
+            worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
+            worker.get_transfer_results()
+            meta = worker.build_connector_worker_meta()
+            assert meta is not None and meta.lookups == {"late": []}
+            assert worker.get_kv_connector_stats().data["lookup_failures"] == 1
         finally:
             worker.shutdown()
 

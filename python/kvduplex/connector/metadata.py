@@ -90,7 +90,9 @@ class LookupSpec:
 
     request_id: str
     fingerprints: tuple[str, ...]
-    timeout_s: float
+    deadline: float
+    """`time.monotonic()` by which TP rank 0 reports the lookup with what has answered: its one
+    deadline, set once by the scheduler when it asked (`lookup.py`)."""
     owner: str | None = None
     """The "host:port" (TP rank 0) that params named."""
     owner_request_id: str | None = None

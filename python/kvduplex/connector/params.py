@@ -14,13 +14,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector import tp
 from kvduplex.connector.groups import NULL_BLOCK_ID, SLIDING_WINDOW, STATE_SPACE, TransferGroups
 from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 _MAX_ID_CHARS = 512
 _MAX_HOST_CHARS = 253
@@ -77,6 +80,20 @@ class Rejected:
     reason: str
     release: md.ReleaseSpec | None = None
     """The claim to hand back, when the owner had granted one."""
+
+
+def claim_release(remote: RemoteBlocks | Rejected) -> md.ReleaseSpec | None:
+    """How to hand back the claim an owner granted for these blocks; None when it granted none."""
+    return remote.release() if isinstance(remote, RemoteBlocks) else remote.release
+
+
+def unsupported_reason(request: Request) -> str | None:
+    """Why no KV moves for this vLLM request in either direction; None when it may."""
+    if request.prompt_token_ids is None or request.prompt_embeds is not None:
+        return "requests with prompt embeddings are not supported"
+    if request.mm_features:
+        return "multimodal requests are not supported"
+    return None
 
 
 class _Invalid(Exception):

@@ -17,11 +17,11 @@ request pulls at most once; the scheduler releases the claim once every TP rank'
 done, or at once when it does not pull.
 
 Lookup (bidirectional, the prefill node): a request whose params describe no peer's blocks
-(a router sent only vLLM's standard `do_remote_decode`, or nothing) is looked up by its prompt:
-the scheduler sends the fingerprints of its full blocks to the workers, which ask the decode
-engines they know; the longest match arrives claimed, like a grant. No answer within
-`lookup_timeout_ms` (`0`: no lookups): the request prefills normally. Grants and lookups run
-on the workers' transfer cores; `get_num_new_matched_tokens` returns None ("ask again")
+(a router sent only vLLM's standard `do_remote_decode`, or nothing) is looked up by its prompt
+on the decode engines the workers know; the longest match arrives claimed, like a grant. No
+answer by the lookup's deadline (`lookup_timeout_ms`; `0`: no lookups): the request prefills
+normally. Grants and lookups, asked and answered, are `lookup.py`'s (`Lookups`); they run on
+the workers' transfer cores, and `get_num_new_matched_tokens` returns None ("ask again")
 meanwhile, so vLLM's scheduler loop never blocks.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
@@ -42,7 +42,6 @@ was handed to, expired, or evicted; never while a reader's claim lasts) and repo
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -56,7 +55,15 @@ from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
-from kvduplex.connector.params import ParamsContext, Rejected, RemoteBlocks, parse_remote_blocks
+from kvduplex.connector.lookup import ASK_AGAIN, Lookups
+from kvduplex.connector.params import (
+    ParamsContext,
+    Rejected,
+    RemoteBlocks,
+    claim_release,
+    parse_remote_blocks,
+    unsupported_reason,
+)
 from kvduplex.connector.retention import IdleWaker, LiveRequests, Retention
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
@@ -64,7 +71,8 @@ from kvduplex.connector.token_fingerprint import (
     PromptFingerprints,
     block_fingerprints,
     matched_prefix_tokens,
-    request_salt,
+    prompt_fingerprints,
+    salt_of,
 )
 
 if TYPE_CHECKING:
@@ -82,9 +90,6 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-# get_num_new_matched_tokens' "not yet": the lookup runs.
-_ASK_AGAIN = object()
-
 _HOLDABLE_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
@@ -99,32 +104,6 @@ class _PullState:
     consumed: bool = False
     """The pull was decided (started, declined or impossible): never pull again."""
     last_num_computed: int = 0
-
-
-@dataclass
-class _LookupState:
-    """A request whose prompt was looked up on the known owners, or whose params' owner was
-    asked for a grant (`named`)."""
-
-    request: Request
-    asked_at: float
-    timeout_s: float = 0.0
-    asked_step: int = 0
-    """The scheduler step in which it was asked, for the cost in steps."""
-    named: RemoteBlocks | None = None
-    """The params' description of the owner's blocks (a hint)."""
-    prompt: PromptFingerprints | None = None
-    """The prompt's fingerprints, computed once for the lookup and every answer."""
-    arrived: bool = False
-    chosen: RemoteBlocks | Rejected | None = None
-    """The answer picked when it arrived, until the request takes it."""
-
-
-# A lookup's answer travels worker -> scheduler once per step; past its own timeout plus this,
-# the scheduler stops waiting for it (a worker that never answers is a bug, not a slow peer).
-_LOOKUP_REPORT_GRACE_S = 5.0
-# A router's lookup hint is a "host:port"; anything longer is not one.
-_MAX_HINT_LEN = 300
 
 
 class DuplexScheduler:
@@ -173,18 +152,8 @@ class DuplexScheduler:
         self._missing_pool_logged = False
 
         self._pulls: dict[str, _PullState] = {}
-        self._lookups: dict[str, _LookupState] = {}
-        self._lookups_possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
-        # Whether an engine could ever answer a lookup: `decode_peers`, a decode node we
-        # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
-        # Never unset: a peer that went away is found missing by the workers (no answer).
-        self._lookup_peers_known = bool(config.decode_peers)
-        self._step_count = 0
-        # Params seen on a request, until their owner is asked for a grant.
-        self._named: dict[str, RemoteBlocks] = {}
         # Loads given to the workers: the claim to release and the TP ranks not done yet.
         self._reading: dict[str, tuple[md.ReleaseSpec | None, int]] = {}
-        self._lookup_specs: list[md.LookupSpec] = []
         self._block_pool: BlockPool | None = None
         # Our references in vLLM's block pool of each hold, in the request's order.
         self._held: dict[str, list[KVCacheBlock]] = {}
@@ -192,6 +161,15 @@ class DuplexScheduler:
         self._releases: list[md.ReleaseSpec] = []
         self._holds: list[md.HoldSpec] = []
         self._stats = DuplexConnectorStats()
+        # Grants for params and lookups by prompt (`lookup.py`).
+        self._lookups = Lookups(
+            config,
+            self._params_context,
+            self._stats,
+            threshold=self.recompute_threshold,
+            pullable=self._pullable,
+            release=lambda release: self._releases.append(release),
+        )
         self._step_started: float | None = None
         self._step_tokens = 0
 
@@ -235,10 +213,12 @@ class DuplexScheduler:
     ) -> tuple[int | None, bool]:
         state = self._pull_state(request)
         if state is None:
-            looked_up = self._look_up(request, num_computed_tokens)
-            if looked_up is _ASK_AGAIN:
+            found = self._lookups.look_up(request, num_computed_tokens)
+            if found is ASK_AGAIN:
                 return None, False
-            state = looked_up
+            if found is not None:
+                state = _PullState(remote=found.remote, prompt=found.prompt)
+                self._pulls[request.request_id] = state
         if state is None or state.consumed or isinstance(state.remote, Rejected):
             return 0, False
         state.last_num_computed = num_computed_tokens
@@ -358,205 +338,11 @@ class DuplexScheduler:
                 self.recompute_threshold(),
             )
 
-    # ---------------------------------------------------------------- lookup
-
-    def _look_up(self, request: Request, num_computed_tokens: int) -> _PullState | None | object:
-        """The pull a lookup found for the request, None when there is none, or _ASK_AGAIN
-        while the lookup runs."""
-        lookup = self._lookups.get(request.request_id)
-        if lookup is None:
-            named = self._named.pop(request.request_id, None)
-            if named is not None:
-                # The grant may need a first handshake with the owner.
-                timeout_s = self._config.handshake_timeout_s
-                end = min(named.num_tokens, request.num_prompt_tokens)
-            else:
-                timeout_s = self._config.lookup_timeout_s if self._lookups_possible else 0.0
-                # A lookup matches whole blocks from the prompt's first (a held turn's partial
-                # last block is checked on the answer, after its full ones matched): a prompt
-                # without one, or no engine to ask, and nothing could be found. A prompt whose
-                # full blocks are all local still looks up: the held turn's partial last block
-                # (the previous answer's tail) is gained beyond them.
-                if request.num_prompt_tokens < self._block_size or not self._lookup_peers_known:
-                    timeout_s = 0.0
-                end = request.num_prompt_tokens
-            if timeout_s <= 0 or not self._lookup_worthwhile(request, num_computed_tokens, end):
-                self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
-                return None
-            self._start_lookup(request, timeout_s, named)
-            return _ASK_AGAIN
-        if not lookup.arrived:
-            waited = time.monotonic() - lookup.asked_at
-            if waited <= lookup.timeout_s + _LOOKUP_REPORT_GRACE_S:
-                return _ASK_AGAIN
-            logger.warning(
-                "Request %s: no lookup answer from the workers after %.1f s; prefilling",
-                request.request_id,
-                waited,
-            )
-            lookup.arrived = True
-            self._record_wait(lookup)
-            lookup.asked_at = 0.0
-            return None
-        if lookup.asked_at > 0:
-            self._record_wait(lookup)
-            lookup.asked_at = 0.0
-        chosen, lookup.chosen = lookup.chosen, None
-        if chosen is None:
-            return self._pulls.get(request.request_id)
-        state = _PullState(remote=chosen, prompt=lookup.prompt)
-        self._pulls[request.request_id] = state
-        return state
-
-    def _record_wait(self, lookup: _LookupState) -> None:
-        """What the request waited for its grant or lookup answer, in time and in steps."""
-        self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
-        self._stats.data["lookup_wait_steps"].append(self._step_count - lookup.asked_step)
-
-    def _lookup_worthwhile(self, request: Request, num_computed_tokens: int, end: int) -> bool:
-        """Whether a pull of the prompt's first `end` tokens could gain enough to ask."""
-        if _unsupported_reason(request) is not None or request.skip_reading_prefix_cache:
-            return False
-        gain = end - num_computed_tokens
-        if gain <= 0:
-            return False
-        if gain < self.recompute_threshold():
-            self._stats.add("lookups_skipped")
-            return False
-        return True
-
-    def _start_lookup(self, request: Request, timeout_s: float, named: RemoteBlocks | None) -> None:
-        """A lookup compares full blocks (a held turn's partial last block is checked on the
-        answer); a grant, the blocks holding the named hold's tokens as the params count them
-        (the owner compares the partial last block too)."""
-        prompt = self._prompt_fingerprints(request)
-        self._lookups[request.request_id] = _LookupState(
-            request,
-            time.monotonic(),
-            timeout_s=timeout_s,
-            asked_step=self._step_count,
-            prompt=prompt,
-            named=named,
-        )
-        self._lookup_specs.append(
-            md.LookupSpec(
-                request_id=request.request_id,
-                fingerprints=tuple(
-                    prompt.full_blocks if named is None else prompt.of_prefix(named.num_tokens)
-                ),
-                timeout_s=timeout_s,
-                owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
-                owner_request_id=None if named is None else named.remote_request_id,
-                hint=None if named is not None else _lookup_hint(request),
-            )
-        )
-
-    def _on_lookup_answers(self, answers: dict[str, list[md.LookupMatch]]) -> None:
-        for request_id, matches in answers.items():
-            lookup = self._lookups.get(request_id)
-            if lookup is None or lookup.arrived:
-                # Too late (given up, or the request is gone): hand every claim back.
-                for match in matches:
-                    self._releases.append(_owner_release(match))
-                continue
-            lookup.arrived = True
-            named = lookup.named
-            if named is not None and not matches:
-                self._stats.add("grants_refused")
-                self._stats.add("fallbacks")
-                logger.warning(
-                    "Request %s: engine %s did not grant the blocks of its request %s that the "
-                    "params name (held for other tokens, read by another engine already, "
-                    "expired, or unreachable: the owner's log says which); computing the prompt",
-                    request_id,
-                    named.peer.engine_id,
-                    named.remote_request_id,
-                )
-            prompt = lookup.prompt or self._prompt_fingerprints(lookup.request)
-            lookup.chosen = self._choose(lookup.request, prompt, matches)
-
-    def _prompt_fingerprints(self, request: Request) -> PromptFingerprints:
-        return PromptFingerprints(request.prompt_token_ids or [], self._block_size, _salt(request))
-
-    def _choose(
-        self, request: Request, prompt: PromptFingerprints, matches: list[md.LookupMatch]
-    ) -> RemoteBlocks | Rejected | None:
-        """Owners matched the same full blocks at most; the turn whose partial last block also
-        holds the prompt's tokens gives more. Keep the most tokens, hand the other claims back
-        at once."""
-        best: tuple[int, RemoteBlocks | Rejected] | None = None
-        for match in matches:
-            remote = self._remote_from_match(request, match)
-            tokens = -1
-            if isinstance(remote, RemoteBlocks):
-                matched, _ = matched_prefix_tokens(prompt, remote.fingerprints, remote.num_tokens)
-                # What the owner can still give: a sliding-window group's blocks of the match.
-                tokens = self._pullable(request, remote, matched, 0)
-            if best is None or tokens > best[0]:
-                if best is not None:
-                    self._hand_back(best[1])
-                best = (tokens, remote)
-            else:
-                self._hand_back(remote)
-        return None if best is None else best[1]
-
-    def _remote_from_match(self, request: Request, match: md.LookupMatch) -> RemoteBlocks | Rejected:
-        """Check an owner's answer exactly like params from a router, cut to what matched."""
-        release = _owner_release(match)
-        params = protocol.decode_offer(match.offer)
-        if params is None:
-            return self._reject_match(request, match, "malformed params", release)
-        ids, fingerprints = params.get(protocol.REMOTE_BLOCK_IDS), params.get(protocol.REMOTE_BLOCK_FINGERPRINTS)
-        num_tokens = params.get(protocol.REMOTE_NUM_TOKENS)
-        if isinstance(ids, list) and isinstance(fingerprints, list) and isinstance(num_tokens, int):
-            keep = match.matched_blocks
-            if keep + 1 == len(fingerprints) and num_tokens % self._block_size:
-                # The turn's partial last block (the answer's tail) was not compared by the
-                # lookup, which sends full blocks only; its fingerprint is checked below.
-                keep += 1
-            params[protocol.REMOTE_BLOCK_IDS] = (
-                [table[:keep] if isinstance(table, list) else table for table in ids]
-                if self._groups.hybrid
-                else ids[:keep]
-            )
-            params[protocol.REMOTE_BLOCK_FINGERPRINTS] = fingerprints[:keep]
-            params[protocol.REMOTE_NUM_TOKENS] = min(num_tokens, keep * self._block_size)
-        # The claim, not the hold's own end, is how long the owner keeps the blocks for us.
-        params[protocol.REMOTE_LEASE_EXPIRY] = match.claim_expiry
-        remote = parse_remote_blocks(params, self._params_context)
-        if not isinstance(remote, RemoteBlocks):
-            reason = remote.reason if isinstance(remote, Rejected) else "it asks for no transfer"
-            return self._reject_match(request, match, reason, release)
-        if md.rank_engine_id(remote.peer.engine_id, 0) != match.owner_engine_id:
-            reason = f"it names engine {remote.peer.engine_id}"
-            return self._reject_match(request, match, reason, release)
-        logger.debug(
-            "Request %s: engine %s holds %d of its blocks (request %s, claim %d)",
-            request.request_id,
-            remote.peer.engine_id,
-            match.matched_blocks,
-            match.owner_request_id,
-            match.claim_id,
-        )
-        return dataclasses.replace(remote, claim_id=match.claim_id)
-
     def _hand_back(self, remote: RemoteBlocks | Rejected) -> None:
         """End the owner's claim, if it granted one."""
-        release = remote.release() if isinstance(remote, RemoteBlocks) else remote.release
+        release = claim_release(remote)
         if release is not None:
             self._releases.append(release)
-
-    def _reject_match(
-        self, request: Request, match: md.LookupMatch, reason: str, release: md.ReleaseSpec
-    ) -> Rejected:
-        self._stats.add("fallbacks")
-        logger.warning(
-            "Request %s: the lookup answer of engine %s is unusable (%s); prefilling",
-            request.request_id,
-            match.owner_engine_id,
-            reason,
-        )
-        return Rejected(f"lookup answer: {reason}", release)
 
     def _pull_state(self, request: Request) -> _PullState | None:
         state = self._pulls.get(request.request_id)
@@ -566,12 +352,12 @@ class DuplexScheduler:
         if remote is None:
             return None
         if isinstance(remote, RemoteBlocks):
-            unsupported = _unsupported_reason(request)
+            unsupported = unsupported_reason(request)
             if unsupported is not None:
                 remote = Rejected(unsupported)
             else:
-                # A hint: its owner is asked for a grant first (`_look_up`).
-                self._named[request.request_id] = remote
+                # A hint: its owner is asked for a grant first (`Lookups.look_up`).
+                self._lookups.name_owner(request.request_id, remote)
                 return None
         if isinstance(remote, Rejected):
             self._stats.add("fallbacks")
@@ -589,7 +375,7 @@ class DuplexScheduler:
         assert isinstance(remote, RemoteBlocks)
         if state.matched_tokens < 0:
             prompt = request.prompt_token_ids or []
-            fingerprints = state.prompt or self._prompt_fingerprints(request)
+            fingerprints = state.prompt or prompt_fingerprints(request, self._block_size)
             matched, mismatch_block = matched_prefix_tokens(
                 fingerprints, remote.fingerprints, remote.num_tokens
             )
@@ -629,10 +415,7 @@ class DuplexScheduler:
         """`block_ids`: the request's block table of every KV-cache group (vLLM's order)."""
         self._live.remove(request.request_id)
         state = self._pulls.pop(request.request_id, None)
-        lookup = self._lookups.pop(request.request_id, None)
-        self._named.pop(request.request_id, None)
-        if lookup is not None and lookup.chosen is not None:
-            self._hand_back(lookup.chosen)
+        self._lookups.finished(request.request_id)
         if state is not None and not state.consumed:
             # Finished (e.g. aborted) before it was ever scheduled: end the owner's claim.
             self._hand_back(state.remote)
@@ -692,7 +475,7 @@ class DuplexScheduler:
             return False, None
         self._keep_edge_blocks(request, tables, num_tokens)
         held_ids = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]
-        if _unsupported_reason(request) is not None:
+        if unsupported_reason(request) is not None:
             return False, None
         if self._block_pool is None:
             if not self._missing_pool_logged:
@@ -723,7 +506,7 @@ class DuplexScheduler:
             return False, None
 
         fingerprints = block_fingerprints(
-            request.all_token_ids[:num_tokens], self._block_size, _salt(request)
+            request.all_token_ids[:num_tokens], self._block_size, salt_of(request)
         )
         blocks = [self._block_pool.blocks[block_id] for block_id in held_ids]
         # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
@@ -738,7 +521,7 @@ class DuplexScheduler:
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.
-            self._lookup_peers_known = True
+            self._lookups.peers_known()
         self._stats.set_gauge("held_blocks", self._retention.held_blocks)
         params = {
             protocol.DO_REMOTE_PREFILL: not decode_turn,
@@ -849,17 +632,16 @@ class DuplexScheduler:
             loads=self._loads,
             releases=self._releases,
             holds=self._holds,
-            lookups=self._lookup_specs,
+            lookups=self._lookups.take_specs(),
             evict=self._retention.take_order(now),
         )
         self._retention.stepped(now)
-        self._step_count += 1
-        if self._loads or self._lookup_specs:
+        if meta.loads or meta.lookups:
             # Post reads and send lookups before this step's forward pass, not after it (vLLM's
             # default for asynchronous loads): on a busy engine that saves one forward pass of
             # waiting per pull and per lookup. Posting costs microseconds.
             scheduler_output.has_sync_kv_loads = True
-        self._loads, self._releases, self._holds, self._lookup_specs = [], [], [], []
+        self._loads, self._releases, self._holds = [], [], []
         if self._estimator is not None:
             self._step_started = time.perf_counter()
             self._step_tokens = scheduler_output.total_num_scheduled_tokens
@@ -867,13 +649,13 @@ class DuplexScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
-        if isinstance(worker_meta, md.DuplexWorkerMetadata):
-            self._on_lookup_answers(worker_meta.lookups)
+        if not isinstance(worker_meta, md.DuplexWorkerMetadata):
+            worker_meta = None
+        self._lookups.on_report(worker_meta)
+        if worker_meta is not None:
             freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
             self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())
             self._on_loads_done(worker_meta.loads_done)
-            if worker_meta.lookup_targets > 0:
-                self._lookup_peers_known = True
         if self._estimator is None:
             return
         if self._step_started is not None:
@@ -925,16 +707,6 @@ class DuplexScheduler:
     def take_events(self) -> list[KVCacheEvent]:
         """KV events of the turns held and ended since the last call (`events.py`)."""
         return self._events.take()
-
-
-def _lookup_hint(request: Request) -> str | None:
-    """The decode node a router named for the request's lookup ("host:port"), if well formed;
-    the worker asks it alone only if it is an engine it would ask anyway."""
-    hint = (request.kv_transfer_params or {}).get(protocol.LOOKUP_HINT)
-    if not isinstance(hint, str) or len(hint) > _MAX_HINT_LEN:
-        return None
-    host, _, port = hint.rpartition(":")
-    return hint if host and port.isdigit() and 0 < int(port) < 65536 else None
 
 
 def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> int | None:
@@ -989,27 +761,3 @@ def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> in
     while low > 0 and not text[:seen].startswith(decode(low)):
         low -= 1
     return low
-
-
-def _salt(request: Request) -> str:
-    lora = request.lora_request
-    if lora is None:
-        return request_salt(request.cache_salt, None, None)
-    return request_salt(request.cache_salt, lora.lora_name, lora.lora_path)
-
-
-def _unsupported_reason(request: Request) -> str | None:
-    if request.prompt_token_ids is None or request.prompt_embeds is not None:
-        return "requests with prompt embeddings are not supported"
-    if request.mm_features:
-        return "multimodal requests are not supported"
-    return None
-
-
-def _owner_release(match: md.LookupMatch) -> md.ReleaseSpec:
-    """Where to hand a lookup's claim back: the side channel that answered it (TP rank 0)."""
-    host, _, port = match.owner_address.rpartition(":")
-    engine_id = match.owner_engine_id.rsplit("/tp", 1)[0]
-    peer = md.PeerAddress(engine_id=engine_id, host=host, ports=(int(port),))
-    return md.ReleaseSpec(peer, match.owner_request_id, match.claim_id)
-

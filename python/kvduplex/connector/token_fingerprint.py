@@ -16,6 +16,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 FINGERPRINT_BYTES = 8
 FINGERPRINT_HEX_CHARS = 2 * FINGERPRINT_BYTES
@@ -76,6 +80,19 @@ def request_salt(cache_salt: str | None, lora_name: str | None, lora_path: str |
     path on another engine)."""
     lora = "" if lora_name is None else f"{lora_name}\x00{lora_path or ''}"
     return f"{cache_salt or ''}\x00{lora}"
+
+
+def salt_of(request: Request) -> str:
+    """The salt of a vLLM request's fingerprints (`request_salt`)."""
+    lora = request.lora_request
+    if lora is None:
+        return request_salt(request.cache_salt, None, None)
+    return request_salt(request.cache_salt, lora.lora_name, lora.lora_path)
+
+
+def prompt_fingerprints(request: Request, block_size: int) -> PromptFingerprints:
+    """The fingerprints of a vLLM request's prompt."""
+    return PromptFingerprints(request.prompt_token_ids or [], block_size, salt_of(request))
 
 
 def matched_prefix_tokens(

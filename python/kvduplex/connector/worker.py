@@ -1,4 +1,4 @@
-"""Worker side of DuplexConnector: the KV cache on the transfer core, reads, holds, lookups.
+"""Worker side of DuplexConnector: the KV cache on the transfer core, reads and holds.
 
 One transfer-core `Engine` per vLLM worker (TP rank r of engine E is `E/tp<r>`); TP rank r
 reads only from the peer's rank r. The transfer core owns every connection (`peer_status`:
@@ -6,13 +6,12 @@ handshakes on its own threads, once per peer address, backoff after a failure, t
 identity checked); reads are posted from the step hooks and polled every step, and each rank
 reports every load it was given as done (read, or failed) in `DuplexWorkerMetadata.loads_done`.
 
-Grants: nothing is read without the owner's grant, which TP rank 0 asks for. The scheduler
-names the hold (params from a router or client: a hint, never a capability) or asks for the
-longest held turn (lookups, bidirectional prefill side: every engine the transfer core knows as
-a reader, decode nodes that pulled from us announce their side channel in the handshake, plus
-`decode_peers`); the owner checks the reader's own token fingerprints against its hold and
-answers with a claim and its own description of the blocks, which every rank then reads. The
-scheduler releases the claim once every rank has reported the load done.
+Grants: nothing is read without the owner's grant, which TP rank 0 asks for
+(`worker_lookup.py`, which also runs lookups). The scheduler names the hold (params from a
+router or client: a hint, never a capability) or asks for the longest held turn (lookups,
+bidirectional prefill side); the owner checks the reader's own token fingerprints against its
+hold and answers with a claim and its own description of the blocks, which every rank then
+reads. The scheduler releases the claim once every rank has reported the load done.
 
 Owner side: only TP rank 0 keeps the hold book (holds, grants, claims, expiry, eviction: decided
 once, for every rank's blocks, which share block ids); it reports each ended hold in
@@ -37,6 +36,7 @@ from kvduplex.connector import tp
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.connector.worker_lookup import WorkerLookups
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
-
-# How often TP rank 0 checks its connections to lookup targets (connecting new or lost ones).
-_PEER_SCAN_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -269,11 +266,6 @@ class DuplexWorker:
         self._total_kv_heads = 0
         self._head_bytes: int | None = None
         self._engine: _core.Engine | None = None
-        self._lookups: dict[str, _PendingLookup] = {}
-        # Reported lookups whose slowest owners may still answer (their claims go back).
-        self._unanswered: list[_PendingLookup] = []
-        self._lookup_results: dict[str, list[md.LookupMatch]] = {}
-        self._next_peer_scan = 0.0
         self._waiting_loads: list[md.LoadSpec] = []
         self._waiting_releases: list[md.ReleaseSpec] = []
         self._inflight: dict[str, _Inflight] = {}
@@ -290,11 +282,11 @@ class DuplexWorker:
         self._freed_holds: list[str] = []
         self._loads_done: list[str] = []
         self._evictions_done = 0
-        self._num_lookup_targets = -1
-        self._reported_lookup_targets = -1
         self._claims = 0
         self._load_errors: set[int] = set()
         self._stats = DuplexConnectorStats()
+        # Grants and lookups, TP rank 0's (`worker_lookup.py`).
+        self._lookups = WorkerLookups(config, tp_rank, self._stats)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -377,7 +369,7 @@ class DuplexWorker:
         if meta.evict is not None:
             self._evict(meta.evict)
         for lookup in meta.lookups:
-            self._start_lookup(lookup)
+            self._lookups.start(self._engine, lookup)
         for spec in meta.loads:
             if spec.failure is not None:
                 self._fail_load(spec, spec.failure)
@@ -419,7 +411,7 @@ class DuplexWorker:
         self._poll_reads()
         self._take_notifications()
         self._expire_holds()
-        self._connect_to_lookup_targets()
+        self._lookups.connect_ahead(self._engine)
         self._record_occupancy()
         results = KVConnectorTransferResults(
             finished_recving=self._finished_recving, failed_recving=self._failed_recving
@@ -428,14 +420,9 @@ class DuplexWorker:
         return results
 
     def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
-        self._collect_lookups()
-        lookup_targets = (
-            self._num_lookup_targets
-            if self._num_lookup_targets != self._reported_lookup_targets
-            else -1
-        )
+        lookups, lookup_targets = self._lookups.take(self._engine)
         if (
-            not self._lookup_results
+            not lookups
             and not self._freed_holds
             and not self._loads_done
             and not self._evictions_done
@@ -443,15 +430,14 @@ class DuplexWorker:
         ):
             return None
         meta = md.DuplexWorkerMetadata(
-            lookups=self._lookup_results,
+            lookups=lookups,
             freed_holds=self._freed_holds,
             loads_done=self._loads_done,
             evictions_done=self._evictions_done,
             lookup_targets=lookup_targets,
         )
-        self._lookup_results, self._freed_holds, self._loads_done = {}, [], []
+        self._freed_holds, self._loads_done = [], []
         self._evictions_done = 0
-        self._reported_lookup_targets = self._num_lookup_targets
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -666,12 +652,6 @@ class DuplexWorker:
         self._stats.add("fallbacks")
         self._stats.add("tokens_recomputed", spec.num_tokens)
 
-    def _notify_quietly(self, peer_engine_id: str, remote_request_id: str, claim_id: int) -> None:
-        try:
-            self._engine.notify(peer_engine_id, protocol.encode_release(remote_request_id, claim_id))
-        except _core.KvDuplexError as exc:
-            logger.debug("Release of %s not delivered: %s", remote_request_id, exc)
-
     # ------------------------------------------------------------- owner side
 
     def _hold(self, hold: md.HoldSpec) -> None:
@@ -764,163 +744,3 @@ class DuplexWorker:
             self._freed_holds.append(request_id)
             self._stats.add("lease_expiries")
             logger.debug("Hold of request %s ended; its blocks are freed", request_id)
-
-    # ----------------------------------------------------------------- lookups
-
-    def _lookup_targets(self, owner: str | None) -> list[tuple[str, int]]:
-        """Side channels to ask: the owner named in params alone, or (a lookup) the configured
-        decode peers and every reader our transfer core knows (same TP rank)."""
-        addresses: list[str] = []
-        if owner:
-            addresses.append(owner)
-        else:
-            addresses.extend(self._config.decode_peers)
-            # An engine's holds live on its TP rank 0 (other ranks of a reader at another TP
-            # size announce themselves too).
-            addresses.extend(
-                address
-                for engine_id, address in self._engine.known_peers()
-                if engine_id.endswith(md.rank_engine_id("", 0))
-            )
-        targets: list[tuple[str, int]] = []
-        for address in addresses:
-            target = _address(address)
-            if target is not None and target not in targets:
-                targets.append(target)
-        return targets
-
-    def _connect_to_lookup_targets(self) -> None:
-        """Connect ahead of time to every engine a lookup would ask (those that announced
-        themselves by reading from us, and `decode_peers`), so a lookup rarely pays for a first
-        handshake within its short deadline. Checked once a second while the engine steps."""
-        now = time.monotonic()
-        if self._engine is None or self._tp_rank != 0 or now < self._next_peer_scan:
-            return
-        self._next_peer_scan = now + _PEER_SCAN_INTERVAL_S
-        targets = self._lookup_targets(None)
-        for host, port in targets:
-            self._engine.peer_status(host, port, timeout_s=self._config.handshake_timeout_s)
-        # The scheduler looks nothing up while no engine could answer.
-        self._num_lookup_targets = len(targets)
-
-    def _start_lookup(self, spec: md.LookupSpec) -> None:
-        if self._engine is None or self._tp_rank != 0:
-            return
-        targets = self._lookup_targets(spec.owner)
-        if spec.hint is not None:
-            hinted = [target for target in targets if target == _address(spec.hint)]
-            if hinted:
-                targets = hinted
-                self._stats.add("lookups_hinted")
-            else:
-                logger.debug("Lookup hint %s names no engine a lookup asks; asking all", spec.hint)
-        if not targets:
-            self._lookup_results[spec.request_id] = []
-            self._stats.add("lookups_missed")
-            return
-        # The transfer core sends the lookup to connected targets right here and takes their
-        # replies on its own threads: no GIL, no pool to queue behind.
-        lookup = self._engine.start_lookup(
-            targets, list(spec.fingerprints), spec.timeout_s, request_id=spec.owner_request_id
-        )
-        self._lookups[spec.request_id] = _PendingLookup(
-            lookup=lookup,
-            deadline=time.monotonic() + spec.timeout_s,
-            started=time.perf_counter(),
-            sent_at=time.time(),
-            num_blocks=len(spec.fingerprints),
-        )
-
-    def _collect_lookups(self) -> None:
-        """Report lookups whose every owner answered, one of whose owners holds every block
-        asked (none can give more: chained fingerprints), or whose deadline passed; hand back
-        the claims of answers that come after their lookup was reported."""
-        now = time.monotonic()
-        for request_id, pending in list(self._lookups.items()):
-            answers = pending.lookup.answers()
-            if (
-                now < pending.deadline
-                and any(answer is None for answer in answers)
-                and not pending.has_full_match(answers)
-            ):
-                continue
-            del self._lookups[request_id]
-            matches, failures = pending.take(answers)
-            if len(pending.taken) < len(answers):
-                self._unanswered.append(pending)
-            matches.sort(key=lambda m: m.matched_blocks, reverse=True)
-            self._lookup_results[request_id] = matches
-            self._stats.record_lookup(time.perf_counter() - pending.started, bool(matches))
-            if failures:
-                self._stats.add("lookup_failures", len(failures))
-                logger.info(
-                    "Request %s: %d of %d owners did not answer its lookup (%s)",
-                    request_id, len(failures), len(answers), "; ".join(failures[:3]),
-                )
-        for pending in list(self._unanswered):
-            answers = pending.lookup.answers()
-            late, _ = pending.take(answers)
-            for match in late:
-                self._notify_quietly(match.owner_engine_id, match.owner_request_id, match.claim_id)
-            # The transfer core reports an owner still silent a while past the deadline as
-            # failed, so every target is taken in the end.
-            if len(pending.taken) == len(answers):
-                self._unanswered.remove(pending)
-
-
-@dataclass
-class _PendingLookup:
-    lookup: _core.Lookup
-    deadline: float
-    started: float
-    sent_at: float
-    """Wall clock when sent: each claim lasts its `claim_s` from (at the latest) here."""
-    num_blocks: int = 0
-    """Blocks asked for."""
-    taken: set[int] = field(default_factory=set)
-    """Targets whose answer was taken already."""
-
-    def has_full_match(self, answers: list) -> bool:
-        """Whether an owner holds every block asked for."""
-        return any(
-            answer is not None and answer[2] is not None and answer[2][1] >= self.num_blocks
-            for answer in answers
-        )
-
-    def take(self, answers: list) -> tuple[list[md.LookupMatch], list[str]]:
-        """Matches and failures among the answers not taken yet; a target still silent is a
-        failure when the lookup is reported (its late answer is taken later)."""
-        matches: list[md.LookupMatch] = []
-        failures: list[str] = []
-        for index, answer in enumerate(answers):
-            if index in self.taken:
-                continue
-            if answer is None:
-                failures.append("no answer in time")
-                continue
-            self.taken.add(index)
-            address, owner, found, error = answer
-            if error is not None:
-                failures.append(error)
-            elif found is not None:
-                owner_request_id, matched_blocks, claim_id, claim_s, offer = found
-                matches.append(
-                    md.LookupMatch(
-                        owner_engine_id=owner,
-                        owner_address=address,
-                        owner_request_id=owner_request_id,
-                        matched_blocks=matched_blocks,
-                        claim_id=claim_id,
-                        claim_expiry=self.sent_at + claim_s,
-                        offer=offer,
-                    )
-                )
-        return matches, failures
-
-
-def _address(address: str) -> tuple[str, int] | None:
-    """("host", port) of a "host:port" side-channel address (brackets of IPv6 hosts dropped)."""
-    host, _, port = address.rpartition(":")
-    if host and port.isdigit() and 0 < int(port) < 65536:
-        return host.strip("[]"), int(port)
-    return None

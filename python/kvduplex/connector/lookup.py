@@ -1,0 +1,386 @@
+"""Scheduler side of lookups and grants: which engine holds a request's blocks.
+
+A request whose params name a peer's hold (a hint, never a capability) asks that owner for a
+*grant* of it; on a bidirectional prefill node, a request whose params name none is *looked up*
+by its prompt on every decode engine TP rank 0 knows. Either way `Lookups` sends the
+fingerprints of the prompt's blocks to the workers (`md.LookupSpec`; their side:
+`worker_lookup.py`), tells vLLM "ask again" meanwhile, and takes the owners' claimed answers
+when the workers report them: it checks each exactly like params from a router, keeps the one
+that covers most of the prompt (only here can a turn's partial last block be checked against
+the prompt's tokens) and hands every other claim back. The request then pulls what was chosen
+(`scheduler.py`) or, with nothing found, prefills.
+
+One deadline per lookup, computed once, here, when it is asked: `time.monotonic()` plus
+`lookup_timeout_ms` (a grant, which may need a first handshake with its owner:
+`handshake_timeout_s`), carried in the `LookupSpec`. TP rank 0's worker reports the lookup by
+that deadline with whatever has answered, and gives the transfer core the time left; answers
+after it are handed back. The scheduler waits for that report and needs no clock of its own:
+the workers report every lookup past its deadline in the first step built after it, so once
+that step has reported without the answer, a worker lost it and the request prefills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+from kvduplex import protocol
+from kvduplex.connector import metadata as md
+from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.params import (
+    ParamsContext,
+    Rejected,
+    RemoteBlocks,
+    claim_release,
+    parse_remote_blocks,
+    unsupported_reason,
+)
+from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.connector.token_fingerprint import (
+    PromptFingerprints,
+    matched_prefix_tokens,
+    prompt_fingerprints,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+# Under vLLM's logger tree, so vLLM's handler, format and level apply.
+logger = init_logger(f"vllm.{__name__}")
+
+# `Lookups.look_up`'s "not yet": the lookup runs (get_num_new_matched_tokens returns None).
+ASK_AGAIN = object()
+
+# A router's lookup hint is a "host:port"; anything longer is not one.
+_MAX_HINT_LEN = 300
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a lookup or grant chose for the request, and the prompt's fingerprints."""
+
+    remote: RemoteBlocks | Rejected
+    prompt: PromptFingerprints
+
+
+@dataclass
+class _LookupState:
+    """A request whose prompt was looked up on the known owners, or whose params' owner was
+    asked for a grant (`named`)."""
+
+    request: Request
+    asked_at: float
+    """`time.monotonic()` when asked, for the wait's stats; 0 once they have it."""
+    deadline: float = 0.0
+    """`time.monotonic()` by which the workers report the answer (`LookupSpec.deadline`)."""
+    asked_step: int = 0
+    """The scheduler step in which it was asked, for the cost in steps."""
+    report_step: int = 0
+    """Once past the deadline: the step whose report the answer is in at the latest."""
+    named: RemoteBlocks | None = None
+    """The params' description of the owner's blocks (a hint)."""
+    prompt: PromptFingerprints | None = None
+    """The prompt's fingerprints, computed once for the lookup and every answer."""
+    arrived: bool = False
+    chosen: RemoteBlocks | Rejected | None = None
+    """The answer picked when it arrived, until the request takes it."""
+
+
+class Lookups:
+    """The scheduler's lookups and grants; `DuplexScheduler` owns one and calls it."""
+
+    def __init__(
+        self,
+        config: DuplexConfig,
+        context: ParamsContext,
+        stats: DuplexConnectorStats,
+        *,
+        threshold: Callable[[], int],
+        pullable: Callable[[Request, RemoteBlocks, int, int], int],
+        release: Callable[[md.ReleaseSpec], None],
+    ) -> None:
+        """`threshold`: the recompute threshold now; `pullable(request, remote, matched
+        tokens, local tokens)`: what a pull of the owner's matched tokens covers; `release`:
+        hands a claim back to its owner."""
+        self._config = config
+        self._context = context
+        self._block_size = context.block_size
+        self._groups = context.groups
+        self._stats = stats
+        self._threshold = threshold
+        self._pullable = pullable
+        self._release = release
+        self._lookups: dict[str, _LookupState] = {}
+        # Params seen on a request, until their owner is asked for a grant.
+        self._named: dict[str, RemoteBlocks] = {}
+        self._specs: list[md.LookupSpec] = []
+        self._possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
+        # Whether an engine could ever answer a lookup: `decode_peers`, a decode node we
+        # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
+        # Never unset: a peer that went away is found missing by the workers (no answer).
+        self._peers_known = bool(config.decode_peers)
+        # Steps built (`take_specs`) and steps whose workers' report arrived (`on_report`):
+        # vLLM hands the reports back in the order it built the steps.
+        self._steps_built = 0
+        self._steps_reported = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._lookups
+
+    def name_owner(self, request_id: str, remote: RemoteBlocks) -> None:
+        """The request's params name this hold: its owner is asked for a grant (`look_up`)."""
+        self._named[request_id] = remote
+
+    def peers_known(self) -> None:
+        """An engine could now answer a lookup (a decode node we handed a prompt to)."""
+        self._peers_known = True
+
+    def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
+        """What the request's grant or lookup found, None when there is nothing to pull, or
+        ASK_AGAIN while it runs."""
+        lookup = self._lookups.get(request.request_id)
+        if lookup is None:
+            named = self._named.pop(request.request_id, None)
+            if named is not None:
+                # The grant may need a first handshake with the owner.
+                timeout_s = self._config.handshake_timeout_s
+                end = min(named.num_tokens, request.num_prompt_tokens)
+            else:
+                timeout_s = self._config.lookup_timeout_s if self._possible else 0.0
+                # A lookup matches whole blocks from the prompt's first (a held turn's partial
+                # last block is checked on the answer, after its full ones matched): a prompt
+                # without one, or no engine to ask, and nothing could be found. A prompt whose
+                # full blocks are all local still looks up: the held turn's partial last block
+                # (the previous answer's tail) is gained beyond them.
+                if request.num_prompt_tokens < self._block_size or not self._peers_known:
+                    timeout_s = 0.0
+                end = request.num_prompt_tokens
+            if timeout_s <= 0 or not self._worthwhile(request, num_computed_tokens, end):
+                self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
+                return None
+            self._ask(request, timeout_s, named)
+            return ASK_AGAIN
+        if not lookup.arrived:
+            if time.monotonic() < lookup.deadline:
+                return ASK_AGAIN
+            if not lookup.report_step:
+                # The step being scheduled is built past the deadline: its workers report
+                # the lookup, answered or not.
+                lookup.report_step = self._steps_built + 1
+            if self._steps_reported < lookup.report_step:
+                return ASK_AGAIN
+            logger.warning(
+                "Request %s: the workers reported no answer to its lookup by its deadline "
+                "(%.1f s ago); prefilling",
+                request.request_id,
+                time.monotonic() - lookup.deadline,
+            )
+            lookup.arrived = True
+            self._record_wait(lookup)
+            lookup.asked_at = 0.0
+            return None
+        if lookup.asked_at > 0:
+            self._record_wait(lookup)
+            lookup.asked_at = 0.0
+        chosen, lookup.chosen = lookup.chosen, None
+        if chosen is None or lookup.prompt is None:
+            return None
+        return Found(chosen, lookup.prompt)
+
+    def take_specs(self) -> list[md.LookupSpec]:
+        """The lookups and grants to send with the step being built."""
+        self._steps_built += 1
+        specs, self._specs = self._specs, []
+        return specs
+
+    def on_report(self, meta: md.DuplexWorkerMetadata | None) -> None:
+        """The workers' report of a step (None: nothing to report)."""
+        self._steps_reported += 1
+        if meta is None:
+            return
+        self._on_answers(meta.lookups)
+        if meta.lookup_targets > 0:
+            self._peers_known = True
+
+    def finished(self, request_id: str) -> None:
+        """The request is gone: a claim it was granted and did not take goes back."""
+        lookup = self._lookups.pop(request_id, None)
+        self._named.pop(request_id, None)
+        if lookup is not None and lookup.chosen is not None:
+            self._hand_back(lookup.chosen)
+
+    def _record_wait(self, lookup: _LookupState) -> None:
+        """What the request waited for its grant or lookup answer, in time and in steps."""
+        self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
+        self._stats.data["lookup_wait_steps"].append(self._steps_built - lookup.asked_step)
+
+    def _worthwhile(self, request: Request, num_computed_tokens: int, end: int) -> bool:
+        """Whether a pull of the prompt's first `end` tokens could gain enough to ask."""
+        if unsupported_reason(request) is not None or request.skip_reading_prefix_cache:
+            return False
+        gain = end - num_computed_tokens
+        if gain <= 0:
+            return False
+        if gain < self._threshold():
+            self._stats.add("lookups_skipped")
+            return False
+        return True
+
+    def _ask(self, request: Request, timeout_s: float, named: RemoteBlocks | None) -> None:
+        """A lookup compares full blocks (a held turn's partial last block is checked on the
+        answer); a grant, the blocks holding the named hold's tokens as the params count them
+        (the owner compares the partial last block too).
+
+        The deadline is CLOCK_MONOTONIC (`time.monotonic()`), not the wall clock that leases
+        and claims use across hosts: the scheduler and TP rank 0's worker, which enforces it,
+        share one host (vLLM starts TP rank 0 beside its EngineCore), CLOCK_MONOTONIC is
+        system-wide on Linux and is what the transfer core's `Instant` reads, and no clock
+        step (NTP) stretches or cuts short a lookup of a few hundred milliseconds."""
+        prompt = prompt_fingerprints(request, self._block_size)
+        asked_at = time.monotonic()
+        deadline = asked_at + timeout_s
+        self._lookups[request.request_id] = _LookupState(
+            request,
+            asked_at,
+            deadline=deadline,
+            asked_step=self._steps_built,
+            prompt=prompt,
+            named=named,
+        )
+        self._specs.append(
+            md.LookupSpec(
+                request_id=request.request_id,
+                fingerprints=tuple(
+                    prompt.full_blocks if named is None else prompt.of_prefix(named.num_tokens)
+                ),
+                deadline=deadline,
+                owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
+                owner_request_id=None if named is None else named.remote_request_id,
+                hint=None if named is not None else _lookup_hint(request),
+            )
+        )
+
+    def _on_answers(self, answers: dict[str, list[md.LookupMatch]]) -> None:
+        for request_id, matches in answers.items():
+            lookup = self._lookups.get(request_id)
+            if lookup is None or lookup.arrived or lookup.prompt is None:
+                # Too late (given up, or the request is gone): hand every claim back.
+                for match in matches:
+                    self._release(_owner_release(match))
+                continue
+            lookup.arrived = True
+            named = lookup.named
+            if named is not None and not matches:
+                self._stats.add("grants_refused")
+                self._stats.add("fallbacks")
+                logger.warning(
+                    "Request %s: engine %s did not grant the blocks of its request %s that the "
+                    "params name (held for other tokens, read by another engine already, "
+                    "expired, or unreachable: the owner's log says which); computing the prompt",
+                    request_id,
+                    named.peer.engine_id,
+                    named.remote_request_id,
+                )
+            lookup.chosen = self._choose(lookup.request, lookup.prompt, matches)
+
+    def _choose(
+        self, request: Request, prompt: PromptFingerprints, matches: list[md.LookupMatch]
+    ) -> RemoteBlocks | Rejected | None:
+        """Owners matched the same full blocks at most; the turn whose partial last block also
+        holds the prompt's tokens gives more. Keep the most tokens, hand the other claims back
+        at once."""
+        best: tuple[int, RemoteBlocks | Rejected] | None = None
+        for match in matches:
+            remote = self._remote_from_match(request, match)
+            tokens = -1
+            if isinstance(remote, RemoteBlocks):
+                matched, _ = matched_prefix_tokens(prompt, remote.fingerprints, remote.num_tokens)
+                # What the owner can still give: a sliding-window group's blocks of the match.
+                tokens = self._pullable(request, remote, matched, 0)
+            if best is None or tokens > best[0]:
+                if best is not None:
+                    self._hand_back(best[1])
+                best = (tokens, remote)
+            else:
+                self._hand_back(remote)
+        return None if best is None else best[1]
+
+    def _remote_from_match(self, request: Request, match: md.LookupMatch) -> RemoteBlocks | Rejected:
+        """Check an owner's answer exactly like params from a router, cut to what matched."""
+        release = _owner_release(match)
+        params = protocol.decode_offer(match.offer)
+        if params is None:
+            return self._reject_match(request, match, "malformed params", release)
+        ids, fingerprints = params.get(protocol.REMOTE_BLOCK_IDS), params.get(protocol.REMOTE_BLOCK_FINGERPRINTS)
+        num_tokens = params.get(protocol.REMOTE_NUM_TOKENS)
+        if isinstance(ids, list) and isinstance(fingerprints, list) and isinstance(num_tokens, int):
+            keep = match.matched_blocks
+            if keep + 1 == len(fingerprints) and num_tokens % self._block_size:
+                # The turn's partial last block (the answer's tail) was not compared by the
+                # lookup, which sends full blocks only; its fingerprint is checked below.
+                keep += 1
+            params[protocol.REMOTE_BLOCK_IDS] = (
+                [table[:keep] if isinstance(table, list) else table for table in ids]
+                if self._groups.hybrid
+                else ids[:keep]
+            )
+            params[protocol.REMOTE_BLOCK_FINGERPRINTS] = fingerprints[:keep]
+            params[protocol.REMOTE_NUM_TOKENS] = min(num_tokens, keep * self._block_size)
+        # The claim, not the hold's own end, is how long the owner keeps the blocks for us.
+        params[protocol.REMOTE_LEASE_EXPIRY] = match.claim_expiry
+        remote = parse_remote_blocks(params, self._context)
+        if not isinstance(remote, RemoteBlocks):
+            reason = remote.reason if isinstance(remote, Rejected) else "it asks for no transfer"
+            return self._reject_match(request, match, reason, release)
+        if md.rank_engine_id(remote.peer.engine_id, 0) != match.owner_engine_id:
+            reason = f"it names engine {remote.peer.engine_id}"
+            return self._reject_match(request, match, reason, release)
+        logger.debug(
+            "Request %s: engine %s holds %d of its blocks (request %s, claim %d)",
+            request.request_id,
+            remote.peer.engine_id,
+            match.matched_blocks,
+            match.owner_request_id,
+            match.claim_id,
+        )
+        return dataclasses.replace(remote, claim_id=match.claim_id)
+
+    def _hand_back(self, remote: RemoteBlocks | Rejected) -> None:
+        release = claim_release(remote)
+        if release is not None:
+            self._release(release)
+
+    def _reject_match(
+        self, request: Request, match: md.LookupMatch, reason: str, release: md.ReleaseSpec
+    ) -> Rejected:
+        self._stats.add("fallbacks")
+        logger.warning(
+            "Request %s: the lookup answer of engine %s is unusable (%s); prefilling",
+            request.request_id,
+            match.owner_engine_id,
+            reason,
+        )
+        return Rejected(f"lookup answer: {reason}", release)
+
+
+def _lookup_hint(request: Request) -> str | None:
+    """The decode node a router named for the request's lookup ("host:port"), if well formed;
+    the worker asks it alone only if it is an engine it would ask anyway."""
+    hint = (request.kv_transfer_params or {}).get(protocol.LOOKUP_HINT)
+    if not isinstance(hint, str) or len(hint) > _MAX_HINT_LEN:
+        return None
+    host, _, port = hint.rpartition(":")
+    return hint if host and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def _owner_release(match: md.LookupMatch) -> md.ReleaseSpec:
+    """Where to hand a lookup's claim back: the side channel that answered it (TP rank 0)."""
+    host, _, port = match.owner_address.rpartition(":")
+    engine_id = match.owner_engine_id.rsplit("/tp", 1)[0]
+    peer = md.PeerAddress(engine_id=engine_id, host=host, ports=(int(port),))
+    return md.ReleaseSpec(peer, match.owner_request_id, match.claim_id)

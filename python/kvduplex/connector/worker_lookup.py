@@ -1,0 +1,239 @@
+"""Worker side of lookups and grants: TP rank 0 asks the owners on its transfer core.
+
+The scheduler sends one `md.LookupSpec` per grant or lookup (`lookup.py`). TP rank 0 asks the
+owner the params named for a grant, or (a lookup) every engine its transfer core knows as a
+reader (decode nodes that pulled from us announce their side channel in the handshake) plus
+`decode_peers`, or only the one a router's hint names among them. The transfer core asks them
+all at once and takes their replies on its own threads (no GIL); `WorkerLookups` reports each
+lookup once in `DuplexWorkerMetadata.lookups`: when every owner answered, when one holds every
+block asked (chained fingerprints: none can give more), or at the lookup's deadline (the one
+the scheduler set) with whatever answered. The claims of answers that come after it go back to
+their owners as they arrive. TP rank 0 also connects ahead of time to every engine a lookup
+would ask, so that a lookup rarely pays for a handshake, and tells the scheduler how many there
+are (it looks nothing up while there are none).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm.logger import init_logger
+
+from kvduplex import _core, protocol
+from kvduplex.connector import metadata as md
+from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.stats import DuplexConnectorStats
+
+# Under vLLM's logger tree, so vLLM's handler, format and level apply.
+logger = init_logger(f"vllm.{__name__}")
+
+# How often TP rank 0 checks its connections to lookup targets (connecting new or lost ones).
+_PEER_SCAN_INTERVAL_S = 1.0
+
+
+class WorkerLookups:
+    """One worker's lookups and grants; `DuplexWorker` owns one and passes its transfer core
+    (None before the KV caches are registered). Only TP rank 0 asks."""
+
+    def __init__(self, config: DuplexConfig, tp_rank: int, stats: DuplexConnectorStats) -> None:
+        self._config = config
+        self._tp_rank = tp_rank
+        self._stats = stats
+        self._pending: dict[str, _PendingLookup] = {}
+        # Reported lookups whose slowest owners may still answer (their claims go back).
+        self._unanswered: list[_PendingLookup] = []
+        self._results: dict[str, list[md.LookupMatch]] = {}
+        self._next_peer_scan = 0.0
+        self._num_targets = -1
+        self._reported_targets = -1
+
+    def start(self, engine: _core.Engine | None, spec: md.LookupSpec) -> None:
+        if engine is None or self._tp_rank != 0:
+            return
+        targets = self._targets(engine, spec.owner)
+        if spec.hint is not None:
+            hinted = [target for target in targets if target == _address(spec.hint)]
+            if hinted:
+                targets = hinted
+                self._stats.add("lookups_hinted")
+            else:
+                logger.debug("Lookup hint %s names no engine a lookup asks; asking all", spec.hint)
+        if not targets:
+            self._results[spec.request_id] = []
+            self._stats.add("lookups_missed")
+            return
+        self._pending[spec.request_id] = _PendingLookup(
+            lookup=_ask(engine, targets, spec),
+            deadline=spec.deadline,
+            started=time.perf_counter(),
+            sent_at=time.time(),
+            num_blocks=len(spec.fingerprints),
+        )
+
+    def connect_ahead(self, engine: _core.Engine | None) -> None:
+        """Connect ahead of time to every engine a lookup would ask (those that announced
+        themselves by reading from us, and `decode_peers`), so a lookup rarely pays for a first
+        handshake within its short deadline. Checked once a second while the engine steps."""
+        now = time.monotonic()
+        if engine is None or self._tp_rank != 0 or now < self._next_peer_scan:
+            return
+        self._next_peer_scan = now + _PEER_SCAN_INTERVAL_S
+        targets = self._targets(engine, None)
+        for host, port in targets:
+            engine.peer_status(host, port, timeout_s=self._config.handshake_timeout_s)
+        # The scheduler looks nothing up while no engine could answer.
+        self._num_targets = len(targets)
+
+    def take(self, engine: _core.Engine | None) -> tuple[dict[str, list[md.LookupMatch]], int]:
+        """The lookups to report this step, and how many engines a lookup would ask when that
+        changed (-1: unchanged)."""
+        self._collect(engine)
+        results, self._results = self._results, {}
+        targets = self._num_targets if self._num_targets != self._reported_targets else -1
+        self._reported_targets = self._num_targets
+        return results, targets
+
+    def _targets(self, engine: _core.Engine, owner: str | None) -> list[tuple[str, int]]:
+        """Side channels to ask: the owner named in params alone, or (a lookup) the configured
+        decode peers and every reader our transfer core knows (same TP rank)."""
+        addresses: list[str] = []
+        if owner:
+            addresses.append(owner)
+        else:
+            addresses.extend(self._config.decode_peers)
+            # An engine's holds live on its TP rank 0 (other ranks of a reader at another TP
+            # size announce themselves too).
+            addresses.extend(
+                address
+                for engine_id, address in engine.known_peers()
+                if engine_id.endswith(md.rank_engine_id("", 0))
+            )
+        targets: list[tuple[str, int]] = []
+        for address in addresses:
+            target = _address(address)
+            if target is not None and target not in targets:
+                targets.append(target)
+        return targets
+
+    def _collect(self, engine: _core.Engine | None) -> None:
+        """Report lookups whose every owner answered, one of whose owners holds every block
+        asked (none can give more: chained fingerprints), or whose deadline passed; hand back
+        the claims of answers that come after their lookup was reported."""
+        now = time.monotonic()
+        for request_id, pending in list(self._pending.items()):
+            answers = pending.lookup.answers()
+            if (
+                now < pending.deadline
+                and any(answer is None for answer in answers)
+                and not pending.has_full_match(answers)
+            ):
+                continue
+            del self._pending[request_id]
+            matches, failures = pending.take(answers)
+            if len(pending.taken) < len(answers):
+                self._unanswered.append(pending)
+            matches.sort(key=lambda m: m.matched_blocks, reverse=True)
+            self._results[request_id] = matches
+            self._stats.record_lookup(time.perf_counter() - pending.started, bool(matches))
+            if failures:
+                self._stats.add("lookup_failures", len(failures))
+                logger.info(
+                    "Request %s: %d of %d owners did not answer its lookup (%s)",
+                    request_id, len(failures), len(answers), "; ".join(failures[:3]),
+                )
+        for pending in list(self._unanswered):
+            answers = pending.lookup.answers()
+            late, _ = pending.take(answers)
+            for match in late:
+                _release_quietly(engine, match)
+            # The transfer core reports an owner still silent a while past the deadline as
+            # failed, so every target is taken in the end.
+            if len(pending.taken) == len(answers):
+                self._unanswered.remove(pending)
+
+
+def _ask(engine: _core.Engine, targets: list[tuple[str, int]], spec: md.LookupSpec) -> _core.Lookup:
+    """The one call into the transfer core's lookup. It sends the lookup to connected targets
+    right here and takes their replies on its own threads: no GIL, no pool to queue behind. It
+    counts in time left (on CLOCK_MONOTONIC, as `time.monotonic()`): what is left of the
+    lookup's deadline now, none if that passed (connected owners are still asked: what they
+    answer by the end of the step is reported)."""
+    return engine.start_lookup(
+        targets,
+        list(spec.fingerprints),
+        max(0.0, spec.deadline - time.monotonic()),
+        request_id=spec.owner_request_id,
+    )
+
+
+def _release_quietly(engine: _core.Engine | None, match: md.LookupMatch) -> None:
+    """Hand back the claim of an answer that came too late (the owner's claim expiry frees
+    it otherwise)."""
+    if engine is None:
+        return
+    try:
+        engine.notify(
+            match.owner_engine_id, protocol.encode_release(match.owner_request_id, match.claim_id)
+        )
+    except _core.KvDuplexError as exc:
+        logger.debug("Release of %s not delivered: %s", match.owner_request_id, exc)
+
+
+@dataclass
+class _PendingLookup:
+    lookup: _core.Lookup
+    deadline: float
+    """`time.monotonic()` at which the lookup is reported, answered or not (`LookupSpec`)."""
+    started: float
+    sent_at: float
+    """Wall clock when sent: each claim lasts its `claim_s` from (at the latest) here."""
+    num_blocks: int = 0
+    """Blocks asked for."""
+    taken: set[int] = field(default_factory=set)
+    """Targets whose answer was taken already."""
+
+    def has_full_match(self, answers: list) -> bool:
+        """Whether an owner holds every block asked for."""
+        return any(
+            answer is not None and answer[2] is not None and answer[2][1] >= self.num_blocks
+            for answer in answers
+        )
+
+    def take(self, answers: list) -> tuple[list[md.LookupMatch], list[str]]:
+        """Matches and failures among the answers not taken yet; a target still silent is a
+        failure when the lookup is reported (its late answer is taken later)."""
+        matches: list[md.LookupMatch] = []
+        failures: list[str] = []
+        for index, answer in enumerate(answers):
+            if index in self.taken:
+                continue
+            if answer is None:
+                failures.append("no answer in time")
+                continue
+            self.taken.add(index)
+            address, owner, found, error = answer
+            if error is not None:
+                failures.append(error)
+            elif found is not None:
+                owner_request_id, matched_blocks, claim_id, claim_s, offer = found
+                matches.append(
+                    md.LookupMatch(
+                        owner_engine_id=owner,
+                        owner_address=address,
+                        owner_request_id=owner_request_id,
+                        matched_blocks=matched_blocks,
+                        claim_id=claim_id,
+                        claim_expiry=self.sent_at + claim_s,
+                        offer=offer,
+                    )
+                )
+        return matches, failures
+
+
+def _address(address: str) -> tuple[str, int] | None:
+    """("host", port) of a "host:port" side-channel address (brackets of IPv6 hosts dropped)."""
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and 0 < int(port) < 65536:
+        return host.strip("[]"), int(port)
+    return None
