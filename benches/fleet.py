@@ -1,5 +1,5 @@
 """What a lookup costs as the fleet of D's grows: P asks every D it knows, in parallel, on
-every lookup (python/kvduplex/connector/worker.py, `_start_lookup`), and reports once all
+every lookup (python/kvduplex/connector/worker_lookup.py, `WorkerLookups.start`), and reports once all
 answered.
 
 One process per D: a transfer-core engine holding `--turns` finished turns of `--blocks`
