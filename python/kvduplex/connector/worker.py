@@ -823,6 +823,8 @@ class DuplexWorker:
         lookup = self._engine.start_lookup(
             targets, list(spec.fingerprints), spec.timeout_s, request_id=spec.owner_request_id
         )
+        if lookup.asked < len(targets):
+            self._stats.add("lookups_indexed")
         self._lookups[spec.request_id] = _PendingLookup(
             lookup=lookup,
             deadline=time.monotonic() + spec.timeout_s,
