@@ -4,6 +4,7 @@
 //! a reader keeps it in its [`HeldIndex`] ([`IndexFeed`]) and asks only the owners that may
 //! hold the prompt ([`unasked`]).
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -238,8 +239,8 @@ impl HeldSource for BookFeed {
         }
     }
 
-    fn wait_past(&self, cursor: u64, wait: Duration) {
-        self.watch.wait_past(cursor, wait);
+    fn wait_past(&self, cursor: u64, wait: Duration, stop: &AtomicBool) {
+        self.watch.wait_past(cursor, wait, stop);
     }
 
     fn wake(&self) {

@@ -8,6 +8,7 @@
 //! the threads that send the changes.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -162,17 +163,18 @@ impl FeedWatch {
         self.moved.notify_all();
     }
 
-    /// Blocks until the log has changes past `cursor`, [`FeedWatch::wake`] is called, or
-    /// `wait` passes.
-    pub fn wait_past(&self, cursor: u64, wait: Duration) {
+    /// Blocks until the log has changes past `cursor`, `stop` is set (and
+    /// [`FeedWatch::wake`] called after it), or `wait` passes.
+    pub fn wait_past(&self, cursor: u64, wait: Duration, stop: &AtomicBool) {
         let next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
-        if *next > cursor {
+        // Checked under the lock `wake` takes: a stop set before a wake is never missed.
+        if *next > cursor || stop.load(Ordering::Acquire) {
             return;
         }
         drop(self.moved.wait_timeout(next, wait).unwrap_or_else(PoisonError::into_inner));
     }
 
-    /// Wakes every waiting thread (one of them has to look at something else).
+    /// Wakes every waiting thread (one of them was told to stop).
     pub fn wake(&self) {
         let _guard = self.next.lock().unwrap_or_else(PoisonError::into_inner);
         self.moved.notify_all();
@@ -241,11 +243,25 @@ mod tests {
                 log.lock().unwrap().held(vec![1]);
             })
         };
-        watch.wait_past(0, Duration::from_secs(30));
+        let running = AtomicBool::new(false);
+        watch.wait_past(0, Duration::from_secs(30), &running);
         assert!(started.elapsed() < Duration::from_secs(10));
         writer.join().unwrap();
         // Past the cursor already: no wait at all.
-        watch.wait_past(0, Duration::from_secs(30));
+        watch.wait_past(0, Duration::from_secs(30), &running);
+        assert!(started.elapsed() < Duration::from_secs(10));
+        // Told to stop: no wait either, whether the wake came before or during the wait.
+        let stop = AtomicBool::new(true);
+        watch.wait_past(1, Duration::from_secs(30), &stop);
+        let stopping = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                stopping.store(true, Ordering::Release);
+                watch.wake();
+            });
+            watch.wait_past(1, Duration::from_secs(30), &stopping);
+        });
         assert!(started.elapsed() < Duration::from_secs(10));
     }
 }

@@ -10,16 +10,16 @@ pub trait HeldSource: Send + Sync {
     /// The updates for a reader whose view stands at `cursor` (`None`: it has none yet), and
     /// the cursor after them.
     fn updates_since(&self, cursor: Option<u64>) -> (u64, Vec<HeldUpdate>);
-    /// Blocks until there is more past `cursor`, [`HeldSource::wake`] is called, or `wait`
-    /// passes.
-    fn wait_past(&self, cursor: u64, wait: Duration);
+    /// Blocks until there is more past `cursor`, `stop` is set (checked so that a
+    /// [`HeldSource::wake`] after setting it is never missed), or `wait` passes.
+    fn wait_past(&self, cursor: u64, wait: Duration, stop: &AtomicBool);
     /// Wakes every thread in [`HeldSource::wait_past`].
     fn wake(&self);
 }
 
-/// How long an idle announcer waits before it looks whether its connection ended (it is woken
-/// when it does; this only bounds a wake-up that came just before it waited).
-const IDLE_WAIT: Duration = Duration::from_millis(500);
+/// How long an idle announcer waits before it looks again (it is woken by every change and
+/// when its connection ends).
+const IDLE_WAIT: Duration = Duration::from_secs(5);
 
 /// Sends one connection's announcements until stopped or a write fails.
 pub(super) struct Announcer {
@@ -72,6 +72,6 @@ fn announce(
             }
         }
         cursor = Some(next);
-        source.wait_past(next, IDLE_WAIT);
+        source.wait_past(next, IDLE_WAIT, stop);
     }
 }
