@@ -14,6 +14,7 @@ use kvduplex::holds::{Evict, HoldKind, LookupMatch};
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 64;
+const TIMEOUT: Duration = Duration::from_secs(5);
 
 fn fingerprint(dtype: &str) -> Fingerprint {
     Fingerprint(BTreeMap::from([
@@ -495,6 +496,87 @@ fn a_lookup_connects_to_an_owner_it_does_not_know_yet_and_reports_one_it_cannot_
     let unreachable = answers[1].as_ref().unwrap();
     assert_eq!(unreachable.address, format!("127.0.0.1:{nobody}"));
     assert!(unreachable.outcome.is_err(), "{unreachable:?}");
+}
+
+/// Every target's answer to a lookup (waiting up to 10 s).
+fn all_answers(fan_out: &LookupFanOut) -> Vec<(String, Option<LookupMatch>)> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let answers = fan_out.answers();
+        if answers.iter().all(Option::is_some) {
+            return answers.into_iter().map(|a| a.unwrap().outcome.unwrap()).collect();
+        }
+        assert!(Instant::now() < deadline, "not every target answered: {answers:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
+    let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![3u8; BLOCK * BLOCKS]).collect();
+    let [reader_buf, a_buf, b_buf, c_buf] = &mut bufs[..] else { unreachable!() };
+    let reader = engine("reader", "f32", reader_buf);
+    let owners = [engine("a", "f32", a_buf), engine("b", "f32", b_buf), engine("c", "f32", c_buf)];
+    let turn = |owner: &Engine, id: &str, fps: Vec<u64>| {
+        owner.hold(id, HoldKind::Turn, fps.len(), fps, vec![], Duration::from_secs(60)).unwrap()
+    };
+    // a holds its turn before the reader connects (its snapshot), b after (an update).
+    turn(&owners[0], "turn-a", vec![11, 12]);
+    let targets: Vec<(String, u16)> = owners
+        .iter()
+        .map(|o| ("127.0.0.1".to_string(), o.side_channel_addr().unwrap().port()))
+        .collect();
+    for owner in &owners {
+        connect(&reader, owner).unwrap();
+    }
+    turn(&owners[1], "turn-b", vec![21, 22, 23]);
+    // Announcements take a moment: until they are in, owners are asked as before the index.
+    let lookup = |fps: &[u64]| reader.start_lookup(targets.clone(), fps.to_vec(), None, TIMEOUT);
+    // Looks `fps` up until `asked` owners are asked and `holder` alone answers with a match.
+    let settled = |fps: &[u64], asked: usize, holder: Option<&str>| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let fan_out = lookup(fps);
+            let answers = all_answers(&fan_out);
+            let found: Vec<&str> =
+                answers.iter().filter(|(_, m)| m.is_some()).map(|(o, _)| o.as_str()).collect();
+            if fan_out.asked() == asked && found == holder.into_iter().collect::<Vec<_>>() {
+                return answers;
+            }
+            assert!(Instant::now() < deadline, "asked {} owners for {fps:?}", fan_out.asked());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // b alone is asked; the others are answered at once, with no match.
+    let answers = settled(&[21, 22, 23, 24], 1, Some("b"));
+    let found: Vec<(&str, Option<u32>)> = answers
+        .iter()
+        .map(|(owner, found)| (owner.as_str(), found.as_ref().map(|m| m.matched_blocks)))
+        .collect();
+    assert_eq!(found, vec![("a", None), ("b", Some(3)), ("c", None)]);
+    let answers = settled(&[11, 12, 13], 1, Some("a"));
+    assert_eq!(answers[0].1.as_ref().map(|m| m.matched_blocks), Some(2));
+    // A prompt no owner announced asks nobody, and is answered without waiting.
+    let fan_out = lookup(&[99]);
+    assert_eq!(fan_out.asked(), 0);
+    assert!(fan_out.answers().iter().all(|a| matches!(a, Some(a) if a.outcome.is_ok())));
+    // c holds a turn and frees it: both announced. (Its second block alone is announced but
+    // matches no prompt's first block, so c is asked and claims nothing.)
+    turn(&owners[2], "turn-c", vec![51, 52]);
+    settled(&[52], 1, None);
+    assert_eq!(owners[2].evict_holds(100, Evict::Turns), vec!["turn-c".to_string()]);
+    settled(&[52], 0, None);
+    // A named hold's owner is always asked.
+    let named = reader.start_lookup(targets.clone(), vec![21], Some("turn-b".into()), TIMEOUT);
+    assert_eq!(named.asked(), 3);
+    // An owner the reader is not connected to is asked (and connected to) as before.
+    let mut d_buf = vec![3u8; BLOCK * BLOCKS];
+    let d = engine("d", "f32", &mut d_buf);
+    turn(&d, "turn-d", vec![41]);
+    let with_d = vec![("127.0.0.1".to_string(), d.side_channel_addr().unwrap().port())];
+    let fan_out = reader.start_lookup(with_d, vec![41], None, TIMEOUT);
+    assert_eq!(fan_out.asked(), 1);
+    assert_eq!(only_answer(&fan_out).1.map(|m| m.matched_blocks), Some(1));
 }
 
 fn status_until_settled(

@@ -13,6 +13,7 @@ use kvduplex::handshake::{
     decode_metadata, encode_metadata, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError,
     MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity, PROTOCOL_VERSION,
 };
+use kvduplex::holds::feed::{HeldUpdate, MAX_FINGERPRINTS_PER_UPDATE};
 use proptest::prelude::*;
 
 fn fingerprint(fields: &[(&str, &str)]) -> Fingerprint {
@@ -115,6 +116,19 @@ fn every_frame_kind_round_trips() {
         Frame::Notify(b"req-17:done".to_vec()),
         Frame::Notify(Vec::new()),
         Frame::Ping,
+        Frame::Held(HeldUpdate {
+            reset: true,
+            held: vec![1, u64::MAX, 1],
+            freed: vec![],
+            synced: true,
+        }),
+        Frame::Held(HeldUpdate { freed: vec![7], ..HeldUpdate::default() }),
+        // The largest update an owner sends fits its frame.
+        Frame::Held(HeldUpdate {
+            held: vec![u64::MAX; MAX_FINGERPRINTS_PER_UPDATE / 2],
+            freed: vec![u64::MAX; MAX_FINGERPRINTS_PER_UPDATE / 2],
+            ..HeldUpdate::default()
+        }),
     ];
     for frame in frames {
         let bytes = wire::encode_frame(&frame).unwrap();
@@ -268,7 +282,7 @@ proptest! {
 
     #[test]
     fn random_bodies_behind_a_valid_header_never_panic(
-        kind in 1u8..=9,
+        kind in 1u8..=10,
         body in prop::collection::vec(any::<u8>(), 0..512),
     ) {
         let bytes = raw_frame(PROTOCOL_VERSION, kind, &body);

@@ -117,6 +117,7 @@ fn a_peer_cannot_hand_the_reader_its_own_worker_address_and_rkey() {
         None,
         Duration::from_secs(5),
         Duration::from_millis(200),
+        None,
     )
     .unwrap();
     let meta =
@@ -148,6 +149,7 @@ fn a_replayed_same_host_identity_cannot_bring_its_own_layout() {
         None,
         Duration::from_secs(5),
         Duration::from_millis(200),
+        None,
     )
     .unwrap();
     assert!(meta.same_host.is_some());

@@ -95,6 +95,7 @@ fn read_through_a_fake_owner(tamper: impl FnOnce(&mut EngineMetadata)) -> String
         None,
         Duration::from_secs(5),
         Duration::from_secs(1),
+        None,
     )
     .unwrap();
     drop(link);

@@ -122,6 +122,7 @@ fn slow_connect(
         None,
         TIMEOUT,
         SLOW,
+        None,
     )
     .map(|(link, _)| link)
 }

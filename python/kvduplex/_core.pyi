@@ -66,6 +66,10 @@ class Lookup:
         offer), None when the owner holds none of the blocks; error says why there is no
         answer (unreachable, gone, or silent until 60 s past the lookup's timeout: replies
         are taken that long, so that the claim of a late one can be handed back)."""
+    @property
+    def asked(self) -> int:
+        """How many targets were asked: without `request_id`, an owner that announced it holds
+        none of the prompt is not asked, and its answer (no match) is there at once."""
 
 @final
 class Engine:
@@ -205,8 +209,10 @@ class Engine:
         these blocks or, with `request_id`, for a grant of that hold's leading blocks that
         carry them, without waiting: a connected owner is asked right away, others are
         connected to first (within `timeout_s`) on the transfer core's own threads. A named
-        hold the owner has not taken yet is asked for again until `timeout_s`. Poll the returned
-        lookup. A match is claimed for us until we release the claim."""
+        hold the owner has not taken yet is asked for again until `timeout_s`. Without
+        `request_id`, owners whose announcements say they hold none of the prompt are not
+        asked (`Lookup.asked`). Poll the returned lookup. A match is claimed for us until we
+        release the claim."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (sender, payload) notifications received so far, in order. The sender is
         `engine-id#connection`: pass it to `release_hold` as the reader."""

@@ -41,7 +41,8 @@ REMOTE_BLOCK_FINGERPRINTS = "remote_block_fingerprints"
 REMOTE_LEASE_EXPIRY = "remote_lease_expiry"
 # A router's hint on a prefill request: the side channel ("host:port", TP rank 0) of the decode
 # node it believes holds the conversation's history (e.g. from the KV events below). A lookup
-# asks that node alone when it is one the prefill node knows; otherwise every known one.
+# asks that node alone when it is one the prefill node knows; otherwise every known one that
+# may hold the prompt (by what each announced it holds).
 LOOKUP_HINT = "kvduplex_lookup_hint"
 
 # --- vLLM KV events (`--kv-events-config`): the `medium` of the BlockStored/BlockRemoved

@@ -29,13 +29,14 @@ use crate::handshake::{
     new_generation, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError, MemoryType,
     PeerTable, RegionInfo, RetryPolicy, SameHostIdentity,
 };
+use crate::held_index::HeldIndex;
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
 use crate::ucx::{
     boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, UcxError, Worker,
 };
 use copier::CopyThreads;
-use lookup::{lookup_handler, LookupQuestion};
+use lookup::{lookup_handler, unasked, BookFeed, LookupQuestion};
 pub use lookup::{
     LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
 };
@@ -148,6 +149,8 @@ struct Shared {
     inflight: Mutex<Vec<Arc<Inflight>>>,
     /// This engine's held blocks; the side channel's lookups read it too.
     holds: Arc<Mutex<HoldBook>>,
+    /// What the owners we are connected to announced they hold ([`lookup::unasked`]).
+    held_index: Arc<Mutex<HeldIndex>>,
     /// "host:port" of our side channel, announced to the owners we connect to.
     side_channel: String,
     /// Handshakes started by [`Engine::peer_status`], joined by `close`.
@@ -212,6 +215,7 @@ impl Engine {
         let holds = Arc::new(Mutex::new(HoldBook::new()));
         let (outbox, queue) = mpsc::channel();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
+        server.set_held_source(Arc::new(BookFeed::new(&holds)));
         let shared = Arc::new(Shared {
             config,
             generation,
@@ -227,6 +231,7 @@ impl Engine {
             table_changed: Condvar::new(),
             inflight: Mutex::new(Vec::new()),
             holds,
+            held_index: Arc::new(Mutex::new(HeldIndex::new())),
             side_channel,
             handshakes: Mutex::new(Vec::new()),
             outbox: Mutex::new(Some(outbox)),
@@ -598,7 +603,9 @@ impl Engine {
     /// thread may wait long for a core on a busy host. Others are connected to first, each on
     /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
     /// returned [`LookupFanOut`]; an owner's reply is taken until [`LATE_REPLY_WINDOW`] after
-    /// `timeout`, so that a late claim can still be handed back.
+    /// `timeout`, so that a late claim can still be handed back. Without `request_id`, owners
+    /// that announced they hold none of the prompt are not asked: their answer (no match) is
+    /// there at once (see [`crate::held_index`]).
     pub fn start_lookup(
         &self,
         targets: Vec<(String, u16)>,
@@ -607,16 +614,25 @@ impl Engine {
         timeout: Duration,
     ) -> LookupFanOut {
         let connect_deadline = deadline_after(timeout);
+        let addresses: Vec<String> =
+            targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
+        let mut unasked = unasked(&self.shared, &addresses, &fingerprints, request_id.is_some());
+        let asked = unasked.iter().filter(|owner| owner.is_none()).count();
         let fan_out = LookupFanOut::new(
-            targets.iter().map(|(host, port)| format!("{host}:{port}")).collect(),
+            addresses,
             Arc::new(LookupQuestion {
                 fingerprints,
                 request_id,
                 retry_until: deadline_after(timeout),
             }),
             deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
+            asked,
         );
         for (index, (host, port)) in targets.into_iter().enumerate() {
+            if let Some(owner) = unasked[index].take() {
+                fan_out.answer(index, Ok((owner, None)));
+                continue;
+            }
             if let Some(peer) = ready_peer(&self.shared, &fan_out.addresses[index]) {
                 fan_out.ask(index, &peer, NOT_YET_FIRST_RETRY);
                 continue;

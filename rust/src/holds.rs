@@ -21,9 +21,14 @@
 //! Pure state: time comes in as `now`, nothing here does I/O.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+
+pub mod feed;
+
+use feed::{ChangeLog, Chunker, FeedWatch, HeldUpdate};
 
 /// One block's chained token fingerprint (see `token_fingerprint.py`): equal fingerprints at
 /// block `i` mean equal tokens (and salt) at every position up to the end of block `i`.
@@ -157,6 +162,8 @@ pub struct HoldBook {
     ended_ids: HashSet<String>,
     next_claim: u64,
     num_claims: usize,
+    /// The lookup index's changes, announced to readers ([`HoldBook::held_since`]).
+    log: ChangeLog,
 }
 
 impl HoldBook {
@@ -203,6 +210,7 @@ impl HoldBook {
             for fingerprint in &fingerprints {
                 self.index.entry(*fingerprint).or_default().push(request_id.to_owned());
             }
+            self.log.held(fingerprints.clone());
         }
         let lease_ends = now.checked_add(ttl).unwrap_or_else(|| far_future(now));
         self.held.insert(
@@ -360,6 +368,26 @@ impl HoldBook {
         touched.into_iter().filter_map(|id| self.free_if_done(&id, now)).collect()
     }
 
+    /// What a reader whose view of this book stands at `cursor` is to be sent: the changes of
+    /// the lookup index past it, or a snapshot of the index (when `cursor` is `None` or the
+    /// log no longer reaches back to it); and the cursor after them.
+    pub fn held_since(&self, cursor: Option<u64>) -> (u64, Vec<HeldUpdate>) {
+        let next = self.log.next();
+        if let Some(updates) = cursor.and_then(|cursor| self.log.since(cursor)) {
+            return (next, updates);
+        }
+        let mut snapshot = Chunker::snapshot();
+        for (fingerprint, turns) in &self.index {
+            turns.iter().for_each(|_| snapshot.push(*fingerprint, true));
+        }
+        (next, snapshot.finish(true))
+    }
+
+    /// Wakes the threads waiting for [`HoldBook::held_since`] to have more.
+    pub fn feed_watch(&self) -> Arc<FeedWatch> {
+        Arc::clone(self.log.watch())
+    }
+
     /// Blocks held now (ended holds that wait for their claims included).
     pub fn held_blocks(&self) -> usize {
         self.held.values().map(|h| h.num_blocks).sum()
@@ -410,6 +438,7 @@ impl HoldBook {
                     }
                 }
             }
+            self.log.freed(held.fingerprints);
         }
         self.remember_ended(request_id, now);
         Some(request_id.to_owned())
@@ -692,6 +721,30 @@ mod tests {
         assert_eq!(book.grant("P", "turn", &[1], CLAIM, t0), Err(Refusal::TooMany));
         assert_eq!(book.expire(t0 + CLAIM).len(), 0);
         assert_eq!(book.num_claims(), 0);
+    }
+
+    #[test]
+    fn readers_are_told_what_the_lookup_index_gains_and_loses() {
+        let t0 = Instant::now();
+        let mut book = book_with(&[("a", &[1, 2])], t0);
+        prompt_hold(&mut book, "prompt", &[7], t0);
+        let (cursor, snapshot) = book.held_since(None);
+        assert_eq!(snapshot.len(), 1);
+        assert!(snapshot[0].reset && snapshot[0].synced, "{snapshot:?}");
+        let mut held = snapshot[0].held.clone();
+        held.sort_unstable();
+        assert_eq!(held, vec![1, 2], "turns only, not prompts held for a decode node");
+        assert_eq!(book.hold("b", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
+        let (next, updates) = book.held_since(Some(cursor));
+        assert_eq!(updates, vec![HeldUpdate { held: vec![1, 2, 3], ..HeldUpdate::default() }]);
+        assert_eq!(book.evict(1, Evict::Turns, t0), vec!["a".to_string()]);
+        let (_, updates) = book.held_since(Some(next));
+        assert_eq!(updates, vec![HeldUpdate { freed: vec![1, 2], ..HeldUpdate::default() }]);
+        // A snapshot counts a fingerprint once per turn that has it.
+        assert_eq!(book.hold("c", HoldKind::Turn, 1, vec![1], vec![], TTL, t0), Ok(()));
+        let mut held = book.held_since(None).1[0].held.clone();
+        held.sort_unstable();
+        assert_eq!(held, vec![1, 1, 2, 3]);
     }
 
     #[test]

@@ -4,11 +4,14 @@
 //! it registers memory *regions* and a block *layout*, connects to *peers* through a
 //! versioned handshake, and posts *batch reads* planned by [`descriptors`]. The owner of the
 //! read memory is *notified* once the last byte of a batch was read. An owner *holds* finished
-//! requests' blocks for readers ([`holds`]) and answers *lookups* of held turns by content.
+//! requests' blocks for readers ([`holds`]) and answers *lookups* of held turns by content; it
+//! announces what it holds, and a reader's [`held_index`] asks only the owners that may hold a
+//! prompt.
 
 pub mod descriptors;
 pub mod engine;
 pub mod handshake;
+pub mod held_index;
 pub mod holds;
 pub mod side_channel;
 /// UCX and same-host reads: the crate's only `unsafe`. Crate-private: its safe functions lean

@@ -159,6 +159,13 @@ type PyLookupAnswer<'py> =
 
 #[pymethods]
 impl Lookup {
+    /// How many targets were asked; the others announced they hold none of the prompt and
+    /// were answered with no match at once.
+    #[getter]
+    fn asked(&self) -> usize {
+        self.inner.asked()
+    }
+
     /// One entry per target, `None` while that owner has not answered.
     fn answers<'py>(&self, py: Python<'py>) -> Vec<Option<PyLookupAnswer<'py>>> {
         self.inner

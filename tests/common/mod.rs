@@ -63,7 +63,7 @@ pub fn connect_to(
     secret: Option<&[u8]>,
     timeout: Duration,
 ) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
-    PeerLink::connect("127.0.0.1", port, engine_id, None, fp, secret, timeout, HEARTBEAT)
+    PeerLink::connect("127.0.0.1", port, engine_id, None, fp, secret, timeout, HEARTBEAT, None)
 }
 
 pub fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {

@@ -7,6 +7,7 @@ is a DuplexWorker in this process. Every pulled block is compared byte for byte.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import select
@@ -606,6 +607,29 @@ def test_a_lookup_past_its_deadline_when_the_worker_gets_it_is_reported_in_that_
             assert worker.get_kv_connector_stats().data["lookup_failures"] == 1
         finally:
             worker.shutdown()
+
+
+def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owner, tiny_config_dir):
+    """Once the owner's announcements of what it holds are in (a snapshot when the reader
+    connects), a lookup of a prompt it does not hold does not ask it: the miss is there without
+    a round trip, counted as `lookups_indexed`."""
+    owner.reset()
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    worker = make_worker(
+        tiny_config_dir, "reader-i", make_kv_caches(NUM_BLOCKS), {"decode_peers": [address]}
+    )
+    missing = [f"{i:016x}" for i in (0xE1, 0xE2)]
+    try:
+        deadline = time.monotonic() + WAIT_S
+        for n in itertools.count():
+            # The first lookups connect (and ask) before the announcements are in.
+            assert look_up(worker, f"m{n}", missing) is None
+            if worker.get_kv_connector_stats().data.get("lookups_indexed", 0) > 0:
+                break
+            assert time.monotonic() < deadline, "the owner was asked for every lookup"
+            time.sleep(0.01)
+    finally:
+        worker.shutdown()
 
 
 def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_once(

@@ -45,6 +45,8 @@ COUNTERS: dict[str, str] = {
     "lookup_failures": "Peers that failed or timed out answering a lookup",
     "lookups_skipped": "Requests whose possible gain was under kv_recompute_threshold, not looked up",
     "lookups_hinted": "Lookups asked of the one decode node a router's hint named",
+    "lookups_indexed": "Lookups that left out decode nodes whose announcements say they hold none "
+    "of the prompt",
 }
 SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s", "lookup_wait_s", "lookup_wait_steps")
 # Values at the end of the interval (-1: not reported in it).

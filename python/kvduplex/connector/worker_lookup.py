@@ -63,8 +63,12 @@ class WorkerLookups:
             self._results[spec.request_id] = []
             self._stats.add("lookups_missed")
             return
+        lookup = _ask(engine, targets, spec)
+        if lookup.asked < len(targets):
+            # The transfer core's index of what owners announced spared the others.
+            self._stats.add("lookups_indexed")
         self._pending[spec.request_id] = _PendingLookup(
-            lookup=_ask(engine, targets, spec),
+            lookup=lookup,
             deadline=spec.deadline,
             started=time.perf_counter(),
             sent_at=time.time(),

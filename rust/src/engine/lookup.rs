@@ -1,14 +1,19 @@
 //! Lookups of held turns: one question fanned out to several owners at once, their answers
 //! collected as they come ([`LookupFanOut`]), and the owner's side that answers them from its
-//! hold book ([`lookup_handler`]).
+//! hold book ([`lookup_handler`]). Owners announce what their lookups can find ([`BookFeed`]);
+//! a reader keeps it in its [`HeldIndex`] ([`IndexFeed`]) and asks only the owners that may
+//! hold the prompt ([`unasked`]).
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::lock;
-use super::peer::Peer;
+use super::peer::{ready_peer, Peer};
+use super::{lock, Shared};
+use crate::held_index::{HeldIndex, OwnerSlot, OwnerState};
+use crate::holds::feed::{FeedWatch, HeldUpdate};
 use crate::holds::{BlockFingerprint, HoldBook, LookupMatch, LookupReply};
-use crate::side_channel::LookupOutcome;
+use crate::side_channel::{HeldSink, HeldSource, LookupOutcome};
 
 /// One owner's answer to a lookup: `(owner engine id, its match)`, or why there is none.
 #[derive(Clone, Debug)]
@@ -46,6 +51,8 @@ pub struct LookupFanOut {
     answers: Arc<Mutex<Vec<Option<LookupAnswer>>>>,
     /// Replies are taken until then; an owner silent past it never answers.
     gives_up_at: Instant,
+    /// Targets asked; the others were answered from the index ([`unasked`]).
+    asked: usize,
 }
 
 impl LookupFanOut {
@@ -53,9 +60,16 @@ impl LookupFanOut {
         addresses: Vec<String>,
         question: Arc<LookupQuestion>,
         gives_up_at: Instant,
+        asked: usize,
     ) -> Self {
         let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
-        Self { addresses: Arc::new(addresses), question, answers, gives_up_at }
+        Self { addresses: Arc::new(addresses), question, answers, gives_up_at, asked }
+    }
+
+    /// How many targets were asked: the others could not hold the prompt, by what they
+    /// announced, and are answered with no match at once.
+    pub fn asked(&self) -> usize {
+        self.asked
     }
 
     /// Answers so far, by target; `None` where the owner may still answer.
@@ -179,6 +193,102 @@ pub(super) fn lookup_handler(
     })
 }
 
+/// The targets a lookup need not ask, each with its owner's engine id: without a named hold,
+/// the synced owners that announced none of the prompt's longest announced prefix (see
+/// [`HeldIndex::narrow`]), and that have a live connection to answer for. A named hold's owner
+/// is always asked.
+pub(super) fn unasked(
+    shared: &Shared,
+    addresses: &[String],
+    fingerprints: &[BlockFingerprint],
+    named: bool,
+) -> Vec<Option<String>> {
+    if named {
+        return vec![None; addresses.len()];
+    }
+    let ask = lock(&shared.held_index).narrow(addresses, fingerprints);
+    addresses
+        .iter()
+        .zip(ask)
+        .map(|(address, ask)| {
+            if ask {
+                return None;
+            }
+            ready_peer(shared, address).map(|peer| peer.meta.engine_id.clone())
+        })
+        .collect()
+}
+
+/// Announces an engine's hold book to the readers connected to its side channel.
+pub(super) struct BookFeed {
+    holds: Weak<Mutex<HoldBook>>,
+    watch: Arc<FeedWatch>,
+}
+
+impl BookFeed {
+    pub(super) fn new(holds: &Arc<Mutex<HoldBook>>) -> Self {
+        Self { watch: lock(holds).feed_watch(), holds: Arc::downgrade(holds) }
+    }
+}
+
+impl HeldSource for BookFeed {
+    fn updates_since(&self, cursor: Option<u64>) -> (u64, Vec<HeldUpdate>) {
+        match self.holds.upgrade() {
+            Some(holds) => lock(&holds).held_since(cursor),
+            None => (cursor.unwrap_or(0), Vec::new()),
+        }
+    }
+
+    fn wait_past(&self, cursor: u64, wait: Duration, stop: &AtomicBool) {
+        self.watch.wait_past(cursor, wait, stop);
+    }
+
+    fn wake(&self) {
+        self.watch.wake();
+    }
+}
+
+/// One link's announcements, fed into the engine's index; forgotten when dropped (the link
+/// ended, or its handshake failed before it began).
+pub(super) struct IndexFeed {
+    index: Arc<Mutex<HeldIndex>>,
+    slot: OwnerSlot,
+    address: String,
+}
+
+impl IndexFeed {
+    /// The index's entry for a new connection to the owner at `address`.
+    pub(super) fn open(index: &Arc<Mutex<HeldIndex>>, address: &str) -> Self {
+        let slot = lock(index).open(address);
+        Self { index: Arc::clone(index), slot, address: address.to_owned() }
+    }
+
+    pub(super) fn into_sink(self) -> HeldSink {
+        Box::new(move |update| {
+            let (overflowed, state) = {
+                let mut index = lock(&self.index);
+                (index.apply(self.slot, &update), index.state(&self.address))
+            };
+            if overflowed {
+                log::warn!(
+                    "the owner at {} announced more than the index keeps of one owner ({} \
+                     fingerprints): it is asked on every lookup until it reconnects",
+                    self.address,
+                    crate::held_index::MAX_ENTRIES_PER_OWNER
+                );
+            } else if update.synced && state == Some(OwnerState::Synced) {
+                log::debug!("the owner at {} announced all it holds", self.address);
+            }
+        })
+    }
+}
+
+impl Drop for IndexFeed {
+    fn drop(&mut self) {
+        lock(&self.index).close(self.slot);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,7 +300,7 @@ mod tests {
         let question =
             Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
         let fan_out =
-            LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], question, gives_up_at);
+            LookupFanOut::new(vec!["a:1".to_owned(), "b:2".to_owned()], question, gives_up_at, 2);
         assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
         fan_out.answer(0, Ok(("A".to_owned(), None)));
         // A later outcome for the same target (e.g. the link dying afterwards) changes nothing.

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::copier::CopyQueue;
+use super::lookup::IndexFeed;
 #[allow(unused_imports)] // rustdoc links
 use super::Engine;
 use super::{deadline_after, is_retryable_engine_error, lock, EngineError, Inflight, Shared};
@@ -390,6 +391,7 @@ fn handshake_with(
         shared.config.secret.as_deref(),
         timeout,
         shared.config.heartbeat,
+        Some(IndexFeed::open(&shared.held_index, key).into_sink()),
     )?;
     if shared.stop.load(Ordering::Acquire) {
         return Err(EngineError::Closed);

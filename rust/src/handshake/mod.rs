@@ -23,7 +23,8 @@ use wire::{Frame, FrameKind};
 /// 3: after a handshake with a shared secret every frame carries its tag (`auth::FrameAuth`).
 /// 4: proofs cover both hellos and the metadata frame is tagged; the same-host identity carries
 ///    a proof bound to the connection instead of a static probe value.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// 5: owners announce what their lookups can find (Held frames, owner to reader).
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Where a registered region lives; the reader needs it to pick a UCX memory type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

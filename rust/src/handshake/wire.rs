@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::auth::{FrameAuth, Nonce, Proof, Transcript, TAG_LEN};
 use super::{EngineMetadata, Fingerprint, HandshakeError, PROTOCOL_VERSION};
+use crate::holds::feed::HeldUpdate;
 use crate::holds::{LookupReply, LookupRequest};
 
 pub const MAGIC: [u8; 4] = *b"KVDX";
@@ -25,6 +26,8 @@ pub const MAX_NOTIFY_FRAME_LEN: u32 = 1 << 20;
 /// A lookup carries one fingerprint per block of a prompt; its reply the owner's offer
 /// (`holds::MAX_FINGERPRINTS` and `holds::MAX_OFFER_BYTES` fit).
 pub const MAX_LOOKUP_FRAME_LEN: u32 = 1 << 20;
+/// An owner's announcement of what it holds (`feed::MAX_FINGERPRINTS_PER_UPDATE` fit).
+pub const MAX_HELD_FRAME_LEN: u32 = 1 << 20;
 /// Hellos, proofs, refusals and pings.
 pub const MAX_CONTROL_FRAME_LEN: u32 = 64 << 10;
 /// Bounds the heartbeat a peer may announce, so its death is noticed within minutes at most.
@@ -42,6 +45,7 @@ pub enum FrameKind {
     Ping = 7,
     Lookup = 8,
     LookupReply = 9,
+    Held = 10,
 }
 
 impl FrameKind {
@@ -56,6 +60,7 @@ impl FrameKind {
             7 => Self::Ping,
             8 => Self::Lookup,
             9 => Self::LookupReply,
+            10 => Self::Held,
             _ => return None,
         })
     }
@@ -65,6 +70,7 @@ impl FrameKind {
             Self::Metadata => MAX_METADATA_FRAME_LEN,
             Self::Notify => MAX_NOTIFY_FRAME_LEN,
             Self::Lookup | Self::LookupReply => MAX_LOOKUP_FRAME_LEN,
+            Self::Held => MAX_HELD_FRAME_LEN,
             _ => MAX_CONTROL_FRAME_LEN,
         }
     }
@@ -164,6 +170,8 @@ pub enum Frame {
     Ping,
     Lookup(LookupRequest),
     LookupReply(LookupReply),
+    /// Owner to reader: what the owner's lookups can now find, or no longer.
+    Held(HeldUpdate),
 }
 
 impl Frame {
@@ -178,6 +186,7 @@ impl Frame {
             Self::Ping => FrameKind::Ping,
             Self::Lookup(_) => FrameKind::Lookup,
             Self::LookupReply(_) => FrameKind::LookupReply,
+            Self::Held(_) => FrameKind::Held,
         }
     }
 }
@@ -215,6 +224,10 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>, HandshakeError> {
         }
         Frame::LookupReply(reply) => {
             encoded = msgpack(reply);
+            &encoded
+        }
+        Frame::Held(update) => {
+            encoded = msgpack(update);
             &encoded
         }
     };
@@ -400,6 +413,7 @@ fn decode_body(kind: FrameKind, body: &[u8]) -> Result<Frame, HandshakeError> {
         FrameKind::Notify => Frame::Notify(body.to_vec()),
         FrameKind::Lookup => Frame::Lookup(from_msgpack(kind, body)?),
         FrameKind::LookupReply => Frame::LookupReply(from_msgpack(kind, body)?),
+        FrameKind::Held => Frame::Held(from_msgpack(kind, body)?),
         FrameKind::Ping if body.is_empty() => Frame::Ping,
         FrameKind::Ping => {
             return Err(HandshakeError::Malformed(format!(

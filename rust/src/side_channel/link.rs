@@ -1,6 +1,7 @@
 //! The reader's side: a kept-open, authenticated link to one owner, and its lookups.
 
 use super::*;
+use crate::holds::feed::HeldUpdate;
 
 /// A reader's kept-open, authenticated connection to an owner's side channel.
 pub struct PeerLink {
@@ -16,6 +17,10 @@ pub struct PeerLink {
 
 /// What becomes of a lookup sent on a link: the owner's reply, or why none will come.
 pub type LookupOutcome = Result<LookupReply, HandshakeError>;
+
+/// Takes the owner's announcements of what it holds, in order, on the link's thread; dropped
+/// when the link ends (see [`crate::held_index`]).
+pub type HeldSink = Box<dyn FnMut(HeldUpdate) + Send>;
 
 /// Takes a lookup's outcome; runs exactly once (see [`PeerLink::send_lookup`]).
 pub type LookupReplyHandler = Box<dyn FnOnce(LookupOutcome) + Send>;
@@ -97,7 +102,8 @@ impl PeerLink {
     /// Connects to the owner at `host:port`, authenticates, checks compatibility and returns
     /// the link together with the owner's metadata. `timeout` bounds the whole handshake;
     /// `heartbeat` is how often we ping the owner once connected. `our_side_channel` tells
-    /// the owner where we listen ourselves.
+    /// the owner where we listen ourselves. `on_held` takes the owner's announcements (without
+    /// it they are dropped).
     #[allow(clippy::too_many_arguments)]
     pub fn connect(
         host: &str,
@@ -108,6 +114,7 @@ impl PeerLink {
         secret: Option<&[u8]>,
         timeout: Duration,
         heartbeat: Duration,
+        on_held: Option<HeldSink>,
     ) -> Result<(PeerLink, EngineMetadata), HandshakeError> {
         let heartbeat_ms = wire::heartbeat_ms(heartbeat)?;
         check_secret(secret)?;
@@ -166,6 +173,7 @@ impl PeerLink {
         let lookups = Arc::new(PendingLookups::default());
         let thread_lookups = Arc::clone(&lookups);
         thread::Builder::new().name("kvduplex-peer-link".to_owned()).spawn(move || {
+            let mut on_held = on_held;
             let end = run_link(
                 &mut reader,
                 liveness,
@@ -175,9 +183,17 @@ impl PeerLink {
                         thread_lookups.deliver(reply, Instant::now());
                         Ok(())
                     }
-                    other => Err(unexpected("Ping or LookupReply", &other)),
+                    Frame::Held(update) => {
+                        if let Some(on_held) = &mut on_held {
+                            on_held(update);
+                        }
+                        Ok(())
+                    }
+                    other => Err(unexpected("Ping, LookupReply or Held", &other)),
                 },
             );
+            // The owner's announcements end with the link.
+            drop(on_held);
             let reason = end.to_string();
             mark_dead(&thread_status, reason.clone());
             thread_lookups.fail_all(&reason);

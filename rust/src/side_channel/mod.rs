@@ -8,11 +8,11 @@
 //! thread, and [`SideChannelServer::shutdown`] unblocks every thread by shutting its socket.
 //!
 //! Rooms: `server` (the owner's side: accepting readers, the handshake, notifications and
-//! lookups), `link` (the reader's side: one kept-open link and its lookups), `framing` (frames
-//! over a blocking socket, their authentication, and the liveness loop both sides run); this
-//! module keeps the bounds, the configuration and what both sides share.
+//! lookups), `announce` (the owner's side: telling each reader what its lookups can find),
+//! `link` (the reader's side: one kept-open link, its lookups and the owner's announcements),
+//! `framing` (frames over a blocking socket, their authentication, and the liveness loop both
+//! sides run); this module keeps the bounds, the configuration and what both sides share.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
@@ -32,12 +32,14 @@ use crate::handshake::wire::{
 use crate::handshake::{EngineMetadata, Fingerprint, HandshakeError};
 use crate::holds::{LookupReply, LookupRequest};
 
+mod announce;
 mod framing;
 mod link;
 mod server;
 
+pub use announce::HeldSource;
 use framing::*;
-pub use link::{LookupOutcome, LookupReplyHandler, PeerLink};
+pub use link::{HeldSink, LookupOutcome, LookupReplyHandler, PeerLink};
 pub use server::SideChannelServer;
 
 /// How long the server gives a client to complete the handshake.

@@ -1,6 +1,7 @@
 //! The owner's side of the side channel: accepting readers, the handshake, notifications and
 //! lookups.
 
+use super::announce::Announcer;
 use super::*;
 
 /// What the server's threads share.
@@ -15,6 +16,8 @@ pub(super) struct ServerState {
     /// A handle on each served socket, so shutdown can unblock its thread.
     pub(super) connections: Mutex<HashMap<u64, TcpStream>>,
     pub(super) lookup: Mutex<Option<LookupHandler>>,
+    /// What each authenticated client is told this engine holds; nothing without one.
+    pub(super) held: Mutex<Option<Arc<dyn HeldSource>>>,
     /// Connected clients that announced their side channel, by connection id.
     pub(super) directory: Mutex<HashMap<u64, KnownPeer>>,
     /// Connections still in their handshake, oldest first.
@@ -79,6 +82,7 @@ impl SideChannelServer {
             stopping: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
             lookup: Mutex::new(None),
+            held: Mutex::new(None),
             directory: Mutex::new(HashMap::new()),
             pending: Mutex::new(std::collections::VecDeque::new()),
             dropped_notifications: std::sync::atomic::AtomicU64::new(0),
@@ -126,6 +130,11 @@ impl SideChannelServer {
     /// Serves lookups of authenticated clients; without a handler every lookup finds nothing.
     pub fn set_lookup_handler(&self, handler: LookupHandler) {
         *lock(&self.state.lookup) = Some(handler);
+    }
+
+    /// Announces `source` to every client authenticated from now on (see [`HeldSource`]).
+    pub fn set_held_source(&self, source: Arc<dyn HeldSource>) {
+        *lock(&self.state.held) = Some(source);
     }
 
     /// Connected, authenticated clients that announced their own side channel: the engines
@@ -274,9 +283,10 @@ pub(super) fn serve_connection(
     stream: TcpStream,
     client_addr: SocketAddr,
 ) {
-    // Tags what it sends once the handshake is authenticated (the metadata on), a refusal too.
+    // Tags what it sends once the handshake is authenticated (the metadata on), a refusal too;
+    // shared with the connection's announcer.
     let writer = match stream.try_clone() {
-        Ok(stream) => RefCell::new(FrameWriter::new(stream)),
+        Ok(stream) => Arc::new(Mutex::new(FrameWriter::new(stream))),
         Err(e) => {
             warn!("side channel: dropped {client_addr}: {e}");
             return;
@@ -290,7 +300,7 @@ pub(super) fn serve_connection(
     let mut who = client_addr.to_string();
     let handshake = read_client_hello(&mut reader, &deadline).and_then(|hello| {
         who = format!("engine {:?} at {client_addr}", hello.engine_id);
-        answer_client(state, &mut reader, &mut writer.borrow_mut(), hello, &deadline)
+        answer_client(state, &mut reader, &mut lock(&writer), hello, &deadline)
     });
     lock(&state.pending).retain(|pending| *pending != id);
     let client = match handshake {
@@ -301,7 +311,7 @@ pub(super) fn serve_connection(
             }
             if !matches!(e, HandshakeError::Io(_) | HandshakeError::Timeout { .. }) {
                 // Best effort: the client may have gone already.
-                let _ = writer.borrow_mut().send(&Frame::Refused(Refusal::from_error(&e)));
+                let _ = lock(&writer).send(&Frame::Refused(Refusal::from_error(&e)));
             }
             return;
         }
@@ -313,11 +323,22 @@ pub(super) fn serve_connection(
     if let Some(side_channel) = side_channel {
         lock(&state.directory).insert(id, KnownPeer { engine_id, side_channel });
     }
+    let source = lock(&state.held).clone();
+    let announcer = source.and_then(|source| {
+        let socket = reader.stream.try_clone();
+        let started = socket
+            .and_then(|socket| Announcer::start(source, Arc::clone(&writer), socket, who.clone()));
+        started
+            .inspect_err(|e| {
+                warn!("side channel: not announcing what this engine holds to {who}: {e}")
+            })
+            .ok()
+    });
     let liveness = Liveness::new(Instant::now(), state.heartbeat, heartbeat);
     let end = run_link(
         &mut reader,
         liveness,
-        || writer.borrow_mut().send(&Frame::Ping),
+        || lock(&writer).send(&Frame::Ping),
         |frame| match frame {
             Frame::Notify(payload) => {
                 queue_notification(state, &sender, payload);
@@ -329,11 +350,14 @@ pub(super) fn serve_connection(
                     Some(handler) => handler(&sender, &request),
                     None => LookupReply { id: request.id, found: None, not_yet: false },
                 };
-                writer.borrow_mut().send(&Frame::LookupReply(reply))
+                lock(&writer).send(&Frame::LookupReply(reply))
             }
             other => Err(unexpected("Notify or Lookup", &other)),
         },
     );
+    if let Some(announcer) = announcer {
+        announcer.stop();
+    }
     if state.stopping.load(Ordering::Acquire) {
         info!("side channel: closed the connection of {who} (shutting down)");
     } else {

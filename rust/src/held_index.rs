@@ -1,0 +1,362 @@
+//! A reader's index of what the owners it is connected to hold, so that a lookup asks only the
+//! owners that may hold the prompt instead of every owner it knows.
+//!
+//! Each owner announces the fingerprints its hold book offers to lookups
+//! ([`crate::holds::feed`]): a snapshot when the reader connects, then what it holds and frees.
+//! The index keeps them by owner ("slot": one per connection, so a reconnected owner starts
+//! afresh) and by fingerprint. An owner is **synced** once its snapshot is complete; a lookup
+//! then asks the synced owners that announced the prompt's longest announced fingerprint (by
+//! the chain, they hold the longest prefix), none of the other synced owners, and every owner
+//! that is not synced (connecting, still sending its snapshot, or past its bound), as before
+//! the index.
+//!
+//! The index only narrows whom to ask: every read is still granted by the owner against its
+//! live hold book, so an entry that went stale costs one miss, never a wrong read. What an
+//! owner announces only ever makes the reader ask that owner, and is bounded per owner and in
+//! total: an owner past its bound is forgotten and asked always, as if it were not synced.
+//!
+//! Pure state: no sockets, no time.
+
+use std::collections::HashMap;
+
+use crate::holds::feed::HeldUpdate;
+use crate::holds::BlockFingerprint;
+
+/// The most distinct fingerprints kept for one owner (256k blocks: 4M tokens at block 16).
+pub const MAX_ENTRIES_PER_OWNER: usize = 1 << 18;
+/// The most (fingerprint, owner) entries kept over all owners.
+pub const MAX_ENTRIES: usize = 1 << 20;
+
+/// One connection to an owner, as the index numbers it ([`HeldIndex::open`]).
+pub type OwnerSlot = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnerState {
+    /// Its snapshot is not complete yet: asked on every lookup.
+    Syncing,
+    /// Its announcements are complete: asked only when it announced the prompt.
+    Synced,
+    /// It announced more than its bound: its entries were dropped and it is asked on every
+    /// lookup, until a new snapshot (a reconnection) starts it afresh.
+    Overflowed,
+}
+
+#[derive(Debug)]
+struct Owner {
+    address: String,
+    state: OwnerState,
+    /// Fingerprint → how many of its held turns have it.
+    counts: HashMap<BlockFingerprint, u32>,
+}
+
+#[derive(Debug, Default)]
+pub struct HeldIndex {
+    owners: HashMap<OwnerSlot, Owner>,
+    /// The newest slot of each owner's side channel ("host:port").
+    current: HashMap<String, OwnerSlot>,
+    /// Fingerprint → the owners that announced it.
+    holders: HashMap<BlockFingerprint, Vec<OwnerSlot>>,
+    /// Entries over all owners (each owner's distinct fingerprints).
+    entries: usize,
+    next_slot: OwnerSlot,
+}
+
+impl HeldIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A new connection to the owner at `address`: its slot, which replaces any earlier one
+    /// for lookups (that one stays until closed, unused).
+    pub fn open(&mut self, address: &str) -> OwnerSlot {
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        let owner = Owner {
+            address: address.to_owned(),
+            state: OwnerState::Syncing,
+            counts: HashMap::new(),
+        };
+        self.owners.insert(slot, owner);
+        self.current.insert(address.to_owned(), slot);
+        slot
+    }
+
+    /// The connection ended: its announcements are forgotten.
+    pub fn close(&mut self, slot: OwnerSlot) {
+        self.clear(slot);
+        if let Some(owner) = self.owners.remove(&slot) {
+            if self.current.get(&owner.address) == Some(&slot) {
+                self.current.remove(&owner.address);
+            }
+        }
+    }
+
+    /// Where the owner at `address` stands, `None` if it has no open connection.
+    pub fn state(&self, address: &str) -> Option<OwnerState> {
+        let slot = self.current.get(address)?;
+        self.owners.get(slot).map(|owner| owner.state)
+    }
+
+    /// Entries over all owners.
+    pub fn len(&self) -> usize {
+        self.entries
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries == 0
+    }
+
+    /// Applies one announcement of the owner at `slot` (fingerprints held first, then those
+    /// freed); a slot closed already is ignored. Returns true when this update took the owner
+    /// past its bound (it is then asked always, see [`OwnerState::Overflowed`]).
+    pub fn apply(&mut self, slot: OwnerSlot, update: &HeldUpdate) -> bool {
+        let Some(owner) = self.owners.get_mut(&slot) else { return false };
+        if update.reset {
+            owner.state = OwnerState::Syncing;
+            self.clear(slot);
+        }
+        if self.owners.get(&slot).is_some_and(|o| o.state == OwnerState::Overflowed) {
+            return false;
+        }
+        for fingerprint in &update.held {
+            if !self.add(slot, *fingerprint) {
+                self.clear(slot);
+                if let Some(owner) = self.owners.get_mut(&slot) {
+                    owner.state = OwnerState::Overflowed;
+                }
+                return true;
+            }
+        }
+        for fingerprint in &update.freed {
+            self.remove(slot, *fingerprint);
+        }
+        if let Some(owner) = self.owners.get_mut(&slot) {
+            if update.synced && owner.state == OwnerState::Syncing {
+                owner.state = OwnerState::Synced;
+            }
+        }
+        false
+    }
+
+    /// Which of `targets` (owners' side channels, "host:port") a lookup of `fingerprints`
+    /// asks: the synced owners that announced the longest announced fingerprint of the
+    /// prompt, and every owner that is not synced. Its work is bounded by the prompt's length
+    /// and the number of targets, never by what owners announced.
+    pub fn narrow(&self, targets: &[String], fingerprints: &[BlockFingerprint]) -> Vec<bool> {
+        let synced: Vec<Option<OwnerSlot>> = targets
+            .iter()
+            .map(|address| {
+                let slot = *self.current.get(address)?;
+                (self.owners.get(&slot)?.state == OwnerState::Synced).then_some(slot)
+            })
+            .collect();
+        let mut ask: Vec<bool> = synced.iter().map(Option::is_none).collect();
+        let by_slot: HashMap<OwnerSlot, Vec<usize>> =
+            synced.iter().enumerate().fold(HashMap::new(), |mut by_slot, (index, slot)| {
+                if let Some(slot) = slot {
+                    by_slot.entry(*slot).or_default().push(index);
+                }
+                by_slot
+            });
+        if by_slot.is_empty() {
+            return ask;
+        }
+        for fingerprint in fingerprints.iter().rev() {
+            let Some(holders) = self.holders.get(fingerprint) else { continue };
+            let mut found = false;
+            for index in holders.iter().filter_map(|slot| by_slot.get(slot)).flatten() {
+                ask[*index] = true;
+                found = true;
+            }
+            if found {
+                break;
+            }
+        }
+        ask
+    }
+
+    /// Counts `fingerprint` for `slot`; false when a new entry would pass a bound.
+    fn add(&mut self, slot: OwnerSlot, fingerprint: BlockFingerprint) -> bool {
+        let Some(owner) = self.owners.get_mut(&slot) else { return true };
+        if let Some(count) = owner.counts.get_mut(&fingerprint) {
+            *count = count.saturating_add(1);
+            return true;
+        }
+        if owner.counts.len() >= MAX_ENTRIES_PER_OWNER || self.entries >= MAX_ENTRIES {
+            return false;
+        }
+        owner.counts.insert(fingerprint, 1);
+        self.holders.entry(fingerprint).or_default().push(slot);
+        self.entries += 1;
+        true
+    }
+
+    /// Uncounts `fingerprint` for `slot` (nothing if it was not counted).
+    fn remove(&mut self, slot: OwnerSlot, fingerprint: BlockFingerprint) {
+        let Some(owner) = self.owners.get_mut(&slot) else { return };
+        let Some(count) = owner.counts.get_mut(&fingerprint) else { return };
+        *count -= 1;
+        if *count == 0 {
+            owner.counts.remove(&fingerprint);
+            self.unlist(slot, fingerprint);
+        }
+    }
+
+    /// Forgets every entry of `slot`.
+    fn clear(&mut self, slot: OwnerSlot) {
+        let Some(owner) = self.owners.get_mut(&slot) else { return };
+        let counts = std::mem::take(&mut owner.counts);
+        for fingerprint in counts.into_keys() {
+            self.unlist(slot, fingerprint);
+        }
+    }
+
+    fn unlist(&mut self, slot: OwnerSlot, fingerprint: BlockFingerprint) {
+        if let Some(holders) = self.holders.get_mut(&fingerprint) {
+            holders.retain(|holder| *holder != slot);
+            if holders.is_empty() {
+                self.holders.remove(&fingerprint);
+            }
+        }
+        self.entries -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(fps: &[u64]) -> HeldUpdate {
+        HeldUpdate { held: fps.to_vec(), ..HeldUpdate::default() }
+    }
+
+    fn snapshot(fps: &[u64]) -> HeldUpdate {
+        HeldUpdate { reset: true, synced: true, ..held(fps) }
+    }
+
+    fn targets(addresses: &[&str]) -> Vec<String> {
+        addresses.iter().map(|a| (*a).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_lookup_asks_the_synced_holder_of_the_longest_prefix_and_every_owner_not_synced() {
+        let mut index = HeldIndex::new();
+        let (a, b, c) = (index.open("a:1"), index.open("b:1"), index.open("c:1"));
+        index.apply(a, &snapshot(&[1, 2, 3]));
+        index.apply(b, &snapshot(&[1, 2]));
+        // c's snapshot is not complete yet.
+        index.apply(c, &HeldUpdate { reset: true, ..held(&[9]) });
+        let all = targets(&["a:1", "b:1", "c:1", "d:1"]);
+        assert_eq!(index.state("c:1"), Some(OwnerState::Syncing));
+        assert_eq!(index.state("d:1"), None);
+        // a holds the longest prefix; c is syncing and d unknown: asked as before the index.
+        assert_eq!(index.narrow(&all, &[1, 2, 3, 4]), vec![true, false, true, true]);
+        // Both hold the prompt's longest announced block.
+        assert_eq!(index.narrow(&all, &[1, 2, 7]), vec![true, true, true, true]);
+        // No synced owner holds any of it: none of them is asked.
+        let synced = targets(&["a:1", "b:1"]);
+        assert_eq!(index.narrow(&synced, &[5, 6]), vec![false, false]);
+        assert_eq!(index.narrow(&synced, &[]), vec![false, false]);
+        // A holder that is not among the targets is passed over for the next longest.
+        assert_eq!(index.narrow(&targets(&["b:1"]), &[1, 2, 3]), vec![true]);
+        // c completes its snapshot.
+        index.apply(c, &HeldUpdate { synced: true, ..held(&[]) });
+        assert_eq!(index.narrow(&all, &[9]), vec![false, false, true, true]);
+    }
+
+    #[test]
+    fn announcements_are_counted_per_turn_and_forgotten_with_their_connection() {
+        let mut index = HeldIndex::new();
+        let a = index.open("a:1");
+        index.apply(a, &snapshot(&[1, 1, 2]));
+        let asked = |index: &HeldIndex, fps: &[u64]| index.narrow(&targets(&["a:1"]), fps)[0];
+        // Two turns had block 1; one freed: still held.
+        index.apply(a, &HeldUpdate { freed: vec![1, 2], ..held(&[]) });
+        assert!(asked(&index, &[1]));
+        assert!(!asked(&index, &[2]));
+        index.apply(a, &HeldUpdate { freed: vec![1, 1, 77], ..held(&[]) });
+        assert!(!asked(&index, &[1]), "freed more often than held: forgotten, never negative");
+        assert!(index.is_empty());
+        // Held and freed in one update (a turn held, then freed): nothing left.
+        index.apply(a, &HeldUpdate { freed: vec![5], ..held(&[5]) });
+        assert!(!asked(&index, &[5]));
+        index.apply(a, &held(&[6]));
+        assert_eq!(index.len(), 1);
+        // The connection ends: forgotten, and asked again (as an unknown owner) from now on.
+        index.close(a);
+        assert!(index.is_empty());
+        assert_eq!(index.state("a:1"), None);
+        assert!(asked(&index, &[6]));
+        index.apply(a, &snapshot(&[6]));
+        assert!(index.is_empty(), "a closed slot takes no more announcements");
+    }
+
+    #[test]
+    fn a_reconnected_owner_starts_afresh_and_its_old_connection_cannot_touch_it() {
+        let mut index = HeldIndex::new();
+        let old = index.open("a:1");
+        index.apply(old, &snapshot(&[1]));
+        let new = index.open("a:1");
+        assert_eq!(index.state("a:1"), Some(OwnerState::Syncing));
+        index.apply(new, &snapshot(&[2]));
+        index.apply(old, &held(&[3]));
+        index.close(old);
+        assert_eq!(index.state("a:1"), Some(OwnerState::Synced));
+        let a = targets(&["a:1"]);
+        assert_eq!(
+            (index.narrow(&a, &[1]), index.narrow(&a, &[2]), index.narrow(&a, &[3])),
+            (vec![false], vec![true], vec![false])
+        );
+        // A new snapshot on the same connection replaces the view.
+        index.apply(new, &snapshot(&[4]));
+        assert_eq!((index.narrow(&a, &[2]), index.narrow(&a, &[4])), (vec![false], vec![true]));
+        assert_eq!(index.len(), 1);
+    }
+
+    #[test]
+    fn an_owner_can_only_make_the_reader_ask_itself() {
+        let mut index = HeldIndex::new();
+        let (honest, hostile) = (index.open("honest:1"), index.open("hostile:1"));
+        index.apply(honest, &snapshot(&[1, 2, 3]));
+        // The hostile owner announces the honest one's blocks and a longer prefix, and frees
+        // what it never held.
+        index.apply(hostile, &snapshot(&[1, 2, 3, 4]));
+        index.apply(hostile, &HeldUpdate { freed: vec![1, 2, 3], ..held(&[]) });
+        index.apply(hostile, &HeldUpdate { freed: vec![1, 2, 3], ..held(&[]) });
+        let both = targets(&["honest:1", "hostile:1"]);
+        assert_eq!(index.narrow(&both, &[1, 2, 3]), vec![true, false]);
+        index.apply(hostile, &held(&[3, 4]));
+        // Still asked: it can add itself beside the honest holder, never remove it.
+        assert_eq!(index.narrow(&both, &[1, 2, 3]), vec![true, true]);
+        assert_eq!(index.narrow(&both, &[1, 2, 3, 4]), vec![false, true]);
+    }
+
+    #[test]
+    fn an_owner_past_its_bound_is_forgotten_and_asked_always() {
+        let mut index = HeldIndex::new();
+        let (small, big) = (index.open("small:1"), index.open("big:1"));
+        index.apply(small, &snapshot(&[u64::MAX]));
+        let too_many: Vec<u64> = (0..=MAX_ENTRIES_PER_OWNER as u64).collect();
+        assert!(index.apply(big, &snapshot(&too_many)));
+        assert_eq!(index.state("big:1"), Some(OwnerState::Overflowed));
+        assert_eq!(index.len(), 1, "its entries are dropped");
+        let both = targets(&["small:1", "big:1"]);
+        assert_eq!(index.narrow(&both, &[7]), vec![false, true]);
+        // It stays so until a new snapshot fits.
+        assert!(!index.apply(big, &HeldUpdate { synced: true, ..held(&[7]) }));
+        assert_eq!(index.state("big:1"), Some(OwnerState::Overflowed));
+        assert!(!index.apply(big, &snapshot(&[7])));
+        assert_eq!(index.narrow(&both, &[7]), vec![false, true]);
+        assert_eq!(index.narrow(&both, &[8]), vec![false, false]);
+        // The total bound holds over many owners.
+        let per_owner: Vec<u64> = (0..MAX_ENTRIES_PER_OWNER as u64).collect();
+        let mut overflowed = 0;
+        for n in 0..(MAX_ENTRIES / MAX_ENTRIES_PER_OWNER + 1) {
+            let slot = index.open(&format!("o{n}:1"));
+            let fps: Vec<u64> = per_owner.iter().map(|fp| fp + (n as u64) * (1 << 32)).collect();
+            overflowed += usize::from(index.apply(slot, &snapshot(&fps)));
+        }
+        assert!(overflowed >= 1);
+        assert!(index.len() <= MAX_ENTRIES);
+    }
+}
