@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::{BlockSlice, PlanError, Side};
-use kvduplex::engine::{Engine, EngineError, LookupFanOut, PeerStatus};
+use kvduplex::engine::{Engine, EngineError, LookupFanOut, PeerStatus, RegionMemory};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
 use kvduplex::holds::{Evict, HoldKind, LookupMatch};
 
@@ -316,7 +316,9 @@ fn close_is_prompt_and_idempotent_with_a_connected_peer() {
     reader.close();
     assert!(start.elapsed() < Duration::from_secs(10), "close hung for {:?}", start.elapsed());
     assert!(matches!(
-        reader.register_region(local.as_mut_ptr() as u64, 8),
+        // SAFETY: `local` outlives `reader` (declared first), and a closed engine registers
+        // nothing.
+        reader.register_region(unsafe { RegionMemory::new(local.as_mut_ptr() as u64, 8) }),
         Err(EngineError::Closed)
     ));
 }

@@ -31,6 +31,7 @@ use crate::handshake::{
 };
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
+pub use crate::ucx::RegionMemory;
 use crate::ucx::{
     boot_id, ucx_tls_allows_cma, BatchState, MemRegion, Probe, Read, UcxError, Worker,
 };
@@ -92,7 +93,8 @@ pub struct EngineConfig {
 }
 
 struct LocalMemory {
-    /// Shared with the same-host copies that write into them, which keep them registered.
+    /// Shared with the batches that write into them (UCX or same-host), which keep them
+    /// registered until they end.
     regions: Vec<Arc<MemRegion>>,
     layout: Option<BlockLayout>,
 }
@@ -264,11 +266,11 @@ impl Engine {
         lock(&self.shared.server).as_ref().map(|s| s.local_addr()).ok_or(EngineError::Closed)
     }
 
-    /// Registers memory peers may read; the caller guarantees it stays mapped until `close`.
-    /// The one contract of this crate that nothing can check: the range is a raw address (from
-    /// Python). A host range is checked to be mapped now; UCX reads and same-host copies into
-    /// it rely on it staying so.
-    pub fn register_region(&self, addr: u64, len: u64) -> Result<(), EngineError> {
+    /// Registers memory peers may read and our reads write into. That it stays allocated
+    /// while registered is `memory`'s promise, made where the range comes from (the `unsafe`
+    /// [`RegionMemory::new`]); a host range is also checked to be mapped now.
+    pub fn register_region(&self, memory: RegionMemory) -> Result<(), EngineError> {
+        let (addr, len) = (memory.addr(), memory.len());
         if addr == 0 || len == 0 {
             return Err(EngineError::InvalidArgument(format!(
                 "cannot register region {addr:#x}+{len}: null address or zero length"
@@ -284,7 +286,7 @@ impl Engine {
                 "region {addr:#x}+{len} overlaps a registered region"
             )));
         }
-        let region = self.shared.worker.register(addr, len)?;
+        let region = self.shared.worker.register(memory)?;
         log::info!("registered {:?} region {addr:#x}+{len}", region.memory);
         local.regions.push(Arc::new(region));
         self.publish(&local)
@@ -663,10 +665,10 @@ impl Engine {
         }
         // Their batches were just failed and their copy queues closed, so each copy stops at
         // its next call; one blocked in the kernel is given up on after CLOSE_DRAIN (its batch
-        // stays unfinished, so the memory stays registered below).
+        // stays unfinished, and keeps the regions it writes into registered).
         let drain_deadline = Instant::now() + CLOSE_DRAIN;
         self.shared.copy_threads.join_until(drain_deadline);
-        let drained = drain_reads(&self.shared, drain_deadline);
+        drain_reads(&self.shared, drain_deadline);
         lock(&self.shared.inflight).clear();
         drop(peers);
         lock(&self.shared.table).clear();
@@ -683,20 +685,11 @@ impl Engine {
         if let Some(mut server) = lock(&self.shared.server).take() {
             server.shutdown();
         }
-        let regions = std::mem::take(
+        // A batch with reads outstanding holds the regions they write into: those stay
+        // registered until it ends (drain_reads logged it).
+        drop(std::mem::take(
             &mut self.shared.local.write().unwrap_or_else(|p| p.into_inner()).regions,
-        );
-        if drained {
-            drop(regions);
-        } else {
-            // UCX may still write into them: leave them registered (and leaked) rather than
-            // unmap memory under a read.
-            log::error!(
-                "leaving {} memory regions registered: reads into them are outstanding",
-                regions.len()
-            );
-            std::mem::forget(regions);
-        }
+        ));
         log::info!("engine {} closed", self.shared.config.engine_id);
     }
 }
@@ -708,23 +701,22 @@ impl Drop for Engine {
 }
 
 /// How long `close` waits for same-host copies and progresses UCX for reads its aborts did not
-/// cancel; past it the memory they target stays registered (leaked) instead of being unmapped
-/// under them.
+/// cancel; past it the batches of those reads keep the memory they target registered, and
+/// close returns without them.
 const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 
-/// Progresses until no in-flight batch has a read outstanding (true), or `deadline` passes
-/// (false).
-fn drain_reads(shared: &Shared, deadline: Instant) -> bool {
+/// Progresses until no in-flight batch has a read outstanding, or `deadline` passes (logged).
+fn drain_reads(shared: &Shared, deadline: Instant) {
     loop {
         shared.worker.progress();
         let outstanding: usize =
             lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
         if outstanding == 0 {
-            return true;
+            return;
         }
         if Instant::now() >= deadline {
-            log::error!("closing with {outstanding} reads (UCX or same-host) not completed after {CLOSE_DRAIN:?}");
-            return false;
+            log::error!("closing with {outstanding} reads (UCX or same-host) not completed after {CLOSE_DRAIN:?}: their memory stays registered until they end");
+            return;
         }
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -6,7 +6,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig};
+use kvduplex::engine::{Engine, EngineConfig, RegionMemory};
 use kvduplex::handshake::{EngineMetadata, Fingerprint, HandshakeError};
 use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 
@@ -102,7 +102,10 @@ pub fn test_engine(
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;
-    engine.register_region(base, buf.len() as u64).unwrap();
+    // SAFETY: `buf` is this process's memory, and every test declares it before the engine,
+    // which is therefore dropped (closed) first; tests read it only between settled batches.
+    let memory = unsafe { RegionMemory::new(base, buf.len() as u64) };
+    engine.register_region(memory).unwrap();
     engine
         .set_layout(BlockLayout {
             segment_bases: vec![base],
