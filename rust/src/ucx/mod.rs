@@ -411,7 +411,11 @@ struct WorkerLock<'a> {
 impl Drop for WorkerLock<'_> {
     fn drop(&mut self) {
         drop(self.held.take());
-        if self.worker.has_retired.swap(false, Ordering::AcqRel) {
+        // A load first: the flag is nearly always clear, and a write on every release would
+        // pull its cache line away from the other threads taking the lock.
+        if self.worker.has_retired.load(Ordering::Acquire)
+            && self.worker.has_retired.swap(false, Ordering::AcqRel)
+        {
             let retired =
                 std::mem::take(&mut *self.worker.retired.lock().unwrap_or_else(|p| p.into_inner()));
             drop(retired);
