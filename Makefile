@@ -44,7 +44,7 @@ fmt-check:
 	cargo fmt --check
 
 clippy:
-	cargo clippy --release -- -D warnings
+	cargo clippy --release --all-targets -- -D warnings
 
 test: check test-rust test-fuzz test-python
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig};
+use kvduplex::engine::{Engine, EngineConfig, RegionMemory};
 use kvduplex::handshake::Fingerprint;
 
 fn engine(id: &str, buf: &mut [u8], block: usize) -> Engine {
@@ -28,7 +28,11 @@ fn engine(id: &str, buf: &mut [u8], block: usize) -> Engine {
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
     let base = buf.as_mut_ptr() as u64;
-    engine.register_region(base, buf.len() as u64).unwrap();
+    // SAFETY: each engine is declared after the buffer it registers, in the same scope
+    // (`bench_reads`), so it is dropped (closed) before its buffer is freed; nothing else
+    // touches the buffers meanwhile.
+    let memory = unsafe { RegionMemory::new(base, buf.len() as u64) };
+    engine.register_region(memory).unwrap();
     let layout = BlockLayout {
         segment_bases: vec![base],
         block_stride: block as u64,

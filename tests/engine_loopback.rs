@@ -8,9 +8,11 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::{BlockSlice, PlanError, Side};
-use kvduplex::engine::{Engine, EngineError, LookupFanOut, PeerStatus};
+use kvduplex::engine::{Engine, EngineError, LookupFanOut, PeerStatus, RegionMemory};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
 use kvduplex::holds::{Evict, HoldKind, LookupMatch};
+
+use common::TestEngine;
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 64;
@@ -25,11 +27,11 @@ fn fingerprint(dtype: &str) -> Fingerprint {
 
 /// An engine over `buf` that reads its peers through UCX (every engine here shares one
 /// process, which same-host reads would read directly).
-fn engine(id: &str, dtype: &str, buf: &mut [u8]) -> Engine {
+fn engine(id: &str, dtype: &str, buf: Vec<u8>) -> TestEngine {
     engine_reading(id, dtype, buf, false)
 }
 
-fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) -> Engine {
+fn engine_reading(id: &str, dtype: &str, buf: Vec<u8>, same_host_reads: bool) -> TestEngine {
     engine_paged(id, dtype, buf, same_host_reads, BLOCK)
 }
 
@@ -37,10 +39,10 @@ fn engine_reading(id: &str, dtype: &str, buf: &mut [u8], same_host_reads: bool) 
 fn engine_paged(
     id: &str,
     dtype: &str,
-    buf: &mut [u8],
+    buf: Vec<u8>,
     same_host_reads: bool,
     block: usize,
-) -> Engine {
+) -> TestEngine {
     engine_at(id, dtype, buf, same_host_reads, block, 0)
 }
 
@@ -48,11 +50,11 @@ fn engine_paged(
 fn engine_at(
     id: &str,
     dtype: &str,
-    buf: &mut [u8],
+    buf: Vec<u8>,
     same_host_reads: bool,
     block: usize,
     port: u16,
-) -> Engine {
+) -> TestEngine {
     common::test_engine(id, fingerprint(dtype), buf, same_host_reads, block, port)
 }
 
@@ -72,10 +74,8 @@ fn a_same_host_read_copies_blocks_and_notifies_the_owner_once() {
 }
 
 fn read_and_notify(same_host_reads: bool) {
-    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect();
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine_reading("reader", "f32", &mut local, same_host_reads);
+    let owner = engine("owner", "f32", (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect());
+    let reader = engine_reading("reader", "f32", vec![0u8; BLOCK * BLOCKS], same_host_reads);
     let peer = connect(&reader, &owner).unwrap();
     assert!(peer.starts_with("owner@127.0.0.1:"), "{peer}");
     let transfer = reader
@@ -93,7 +93,10 @@ fn read_and_notify(same_host_reads: bool) {
     transfer.wait(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(transfer.num_descriptors, 2);
     for (l, r) in [(1, 10), (2, 11), (3, 12), (9, 40)] {
-        assert_eq!(local[l * BLOCK..(l + 1) * BLOCK], owned[r * BLOCK..(r + 1) * BLOCK]);
+        assert_eq!(
+            reader.buf()[l * BLOCK..(l + 1) * BLOCK],
+            owner.buf()[r * BLOCK..(r + 1) * BLOCK]
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut notes = Vec::new();
@@ -106,7 +109,6 @@ fn read_and_notify(same_host_reads: bool) {
     assert_eq!(notes.len(), 1);
     assert!(notes[0].sender.starts_with("reader#"), "{}", notes[0].sender);
     assert_eq!(notes[0].payload, b"req-1");
-    owned[0] = 0;
 }
 
 fn slice(remote_offset: usize, local_offset: usize, len: usize) -> Option<BlockSlice> {
@@ -130,10 +132,8 @@ fn a_same_host_sliced_read_copies_the_second_half_of_each_remote_block_into_the_
 
 fn sliced_read(same_host_reads: bool) {
     let half = BLOCK / 2;
-    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect();
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine_reading("reader", "f32", &mut local, same_host_reads);
+    let owner = engine("owner", "f32", (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect());
+    let reader = engine_reading("reader", "f32", vec![0u8; BLOCK * BLOCKS], same_host_reads);
     let peer = connect(&reader, &owner).unwrap();
     // Runs on both sides, which whole blocks would read as two descriptors.
     let (lids, rids) = ([1i64, 2, 3, 9], [10i64, 11, 12, 40]);
@@ -155,19 +155,19 @@ fn sliced_read(same_host_reads: bool) {
     for (&l, &r) in lids.iter().zip(&rids) {
         let (l, r) = (l as usize, r as usize);
         assert_eq!(
-            local[l * BLOCK..l * BLOCK + half],
-            owned[r * BLOCK + half..(r + 1) * BLOCK],
+            reader.buf()[l * BLOCK..l * BLOCK + half],
+            owner.buf()[r * BLOCK + half..(r + 1) * BLOCK],
             "block {l} <- {r}"
         );
         assert!(
-            local[l * BLOCK + half..(l + 1) * BLOCK].iter().all(|&b| b == 0),
+            reader.buf()[l * BLOCK + half..(l + 1) * BLOCK].iter().all(|&b| b == 0),
             "second half of local block {l} was written"
         );
     }
     let touched: Vec<usize> = lids.iter().map(|&l| l as usize).collect();
     for b in (0..BLOCKS).filter(|b| !touched.contains(b)) {
         assert!(
-            local[b * BLOCK..(b + 1) * BLOCK].iter().all(|&x| x == 0),
+            reader.buf()[b * BLOCK..(b + 1) * BLOCK].iter().all(|&x| x == 0),
             "untouched local block {b} was written"
         );
     }
@@ -179,12 +179,12 @@ fn sliced_read(same_host_reads: bool) {
 #[test]
 fn sliced_reads_between_engines_of_different_page_sizes() {
     for same_host_reads in [false, true] {
-        let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i * 13 % 251) as u8).collect();
-        let owner = engine("owner", "f32", &mut owned);
+        let owner =
+            engine("owner", "f32", (0..BLOCK * BLOCKS).map(|i| (i * 13 % 251) as u8).collect());
 
         let small = BLOCK / 2;
-        let mut rank1 = vec![0u8; small * BLOCKS];
-        let reader = engine_paged("rank1", "f32", &mut rank1, same_host_reads, small);
+        let reader =
+            engine_paged("rank1", "f32", vec![0u8; small * BLOCKS], same_host_reads, small);
         let peer = connect(&reader, &owner).unwrap();
         let transfer = reader
             .read_blocks(
@@ -201,16 +201,15 @@ fn sliced_reads_between_engines_of_different_page_sizes() {
         transfer.wait(Some(Duration::from_secs(10))).unwrap();
         for (l, r) in [(0usize, 3usize), (5, 4), (6, 63)] {
             assert_eq!(
-                rank1[l * small..(l + 1) * small],
-                owned[r * BLOCK + small..(r + 1) * BLOCK],
+                reader.buf()[l * small..(l + 1) * small],
+                owner.buf()[r * BLOCK + small..(r + 1) * BLOCK],
                 "{same_host_reads}: {l} <- {r}"
             );
         }
         drop(reader);
 
         let big = BLOCK * 2;
-        let mut merged = vec![0u8; big * BLOCKS / 2];
-        let reader = engine_paged("tp1", "f32", &mut merged, same_host_reads, big);
+        let reader = engine_paged("tp1", "f32", vec![0u8; big * BLOCKS / 2], same_host_reads, big);
         let peer = connect(&reader, &owner).unwrap();
         // Without a slice, an 8 KiB local block takes two 4 KiB remote ones.
         let err = reader
@@ -233,12 +232,12 @@ fn sliced_reads_between_engines_of_different_page_sizes() {
         transfer.wait(Some(Duration::from_secs(10))).unwrap();
         for (l, r) in [(2usize, 7usize), (31, 8)] {
             assert!(
-                merged[l * big..l * big + BLOCK].iter().all(|&b| b == 0),
+                reader.buf()[l * big..l * big + BLOCK].iter().all(|&b| b == 0),
                 "{same_host_reads}: first half of {l} was written"
             );
             assert_eq!(
-                merged[l * big + BLOCK..(l + 1) * big],
-                owned[r * BLOCK..(r + 1) * BLOCK],
+                reader.buf()[l * big + BLOCK..(l + 1) * big],
+                owner.buf()[r * BLOCK..(r + 1) * BLOCK],
                 "{same_host_reads}: {l} <- {r}"
             );
         }
@@ -249,10 +248,8 @@ fn sliced_reads_between_engines_of_different_page_sizes() {
 
 #[test]
 fn slices_outside_a_block_are_refused_before_posting() {
-    let mut owned = vec![1u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+    let owner = engine("owner", "f32", vec![1u8; BLOCK * BLOCKS]);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     let peer = connect(&reader, &owner).unwrap();
     let refused = |s: Option<BlockSlice>| {
         reader
@@ -271,15 +268,13 @@ fn slices_outside_a_block_are_refused_before_posting() {
     assert!(matches!(refused(slice(0, 0, 0)), EngineError::Plan(PlanError::EmptySlice)));
     let wrapping = Some(BlockSlice { remote_offset: u64::MAX, local_offset: 0, len: 2 });
     assert!(matches!(refused(wrapping), EngineError::Plan(PlanError::SliceOutsideBlock { .. })));
-    assert!(local.iter().all(|&b| b == 0));
+    assert!(reader.buf().iter().all(|&b| b == 0));
 }
 
 #[test]
 fn out_of_range_ids_are_refused_before_posting() {
-    let mut owned = vec![1u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+    let owner = engine("owner", "f32", vec![1u8; BLOCK * BLOCKS]);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     let peer = connect(&reader, &owner).unwrap();
     for (l, r) in [(vec![1], vec![BLOCKS as i64]), (vec![-1], vec![1]), (vec![1, 2], vec![1])] {
         let err = reader
@@ -288,15 +283,13 @@ fn out_of_range_ids_are_refused_before_posting() {
             .expect("refused");
         assert!(matches!(err, EngineError::Plan(_)), "{err}");
     }
-    assert!(local.iter().all(|&b| b == 0));
+    assert!(reader.buf().iter().all(|&b| b == 0));
 }
 
 #[test]
 fn incompatible_fingerprint_is_refused_naming_the_field() {
-    let mut owned = vec![1u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f16", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+    let owner = engine("owner", "f16", vec![1u8; BLOCK * BLOCKS]);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     let err = connect(&reader, &owner).unwrap_err();
     assert!(
         matches!(err, EngineError::Handshake(HandshakeError::Incompatible { ref field, .. }) if field == "dtype"),
@@ -306,10 +299,8 @@ fn incompatible_fingerprint_is_refused_naming_the_field() {
 
 #[test]
 fn close_is_prompt_and_idempotent_with_a_connected_peer() {
-    let mut owned = vec![1u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let mut owner = engine("owner", "f32", &mut owned);
-    let mut reader = engine("reader", "f32", &mut local);
+    let mut owner = engine("owner", "f32", vec![1u8; BLOCK * BLOCKS]);
+    let mut reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     connect(&reader, &owner).unwrap();
     let start = Instant::now();
     owner.close();
@@ -317,17 +308,17 @@ fn close_is_prompt_and_idempotent_with_a_connected_peer() {
     reader.close();
     assert!(start.elapsed() < Duration::from_secs(10), "close hung for {:?}", start.elapsed());
     assert!(matches!(
-        reader.register_region(local.as_mut_ptr() as u64, 8),
+        // SAFETY: the reader's own buffer, which outlives it (TestEngine).
+        reader.register_region(unsafe { RegionMemory::new(reader.buf().as_ptr() as u64, 8) }),
         Err(EngineError::Closed)
     ));
 }
 
-#[test]
-fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens() {
-    let mut owned = vec![3u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+/// An owner holding the 3-block turn "turn-1" (token fingerprints 11, 12, 13, offer
+/// "params") for a minute, and a reader not connected to it yet.
+fn owner_holding_a_turn_and_reader() -> (TestEngine, TestEngine) {
+    let owner = engine("owner", "f32", vec![3u8; BLOCK * BLOCKS]);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     owner
         .hold(
             "turn-1",
@@ -338,6 +329,12 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
             Duration::from_secs(60),
         )
         .unwrap();
+    (owner, reader)
+}
+
+#[test]
+fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens() {
+    let (owner, reader) = owner_holding_a_turn_and_reader();
     assert!(owner.known_peers().is_empty());
     let peer = connect(&reader, &owner).unwrap();
     // The owner's directory now names the reader and its own side channel (the owner's
@@ -388,10 +385,8 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
 
 #[test]
 fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_tokens() {
-    let mut owned = vec![3u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+    let owner = engine("owner", "f32", vec![3u8; BLOCK * BLOCKS]);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     let target = vec![("127.0.0.1".to_string(), owner.side_channel_addr().unwrap().port())];
     let ask = |fingerprints: Vec<u64>, name: &str| {
         only_answer(&reader.start_lookup(
@@ -464,20 +459,7 @@ fn only_answer(fan_out: &LookupFanOut) -> (String, Option<LookupMatch>) {
 
 #[test]
 fn a_lookup_connects_to_an_owner_it_does_not_know_yet_and_reports_one_it_cannot_reach() {
-    let mut owned = vec![3u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
-    owner
-        .hold(
-            "turn-1",
-            HoldKind::Turn,
-            3,
-            vec![11, 12, 13],
-            b"params".to_vec(),
-            Duration::from_secs(60),
-        )
-        .unwrap();
+    let (owner, reader) = owner_holding_a_turn_and_reader();
     let owner_port = owner.side_channel_addr().unwrap().port();
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let targets = vec![("127.0.0.1".to_string(), owner_port), ("127.0.0.1".to_string(), nobody)];
@@ -513,10 +495,9 @@ fn all_answers(fan_out: &LookupFanOut) -> Vec<(String, Option<LookupMatch>)> {
 
 #[test]
 fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
-    let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![3u8; BLOCK * BLOCKS]).collect();
-    let [reader_buf, a_buf, b_buf, c_buf] = &mut bufs[..] else { unreachable!() };
-    let reader = engine("reader", "f32", reader_buf);
-    let owners = [engine("a", "f32", a_buf), engine("b", "f32", b_buf), engine("c", "f32", c_buf)];
+    let buf = || vec![3u8; BLOCK * BLOCKS];
+    let reader = engine("reader", "f32", buf());
+    let owners = [engine("a", "f32", buf()), engine("b", "f32", buf()), engine("c", "f32", buf())];
     let turn = |owner: &Engine, id: &str, fps: Vec<u64>| {
         owner.hold(id, HoldKind::Turn, fps.len(), fps, vec![], Duration::from_secs(60)).unwrap()
     };
@@ -570,8 +551,7 @@ fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     let named = reader.start_lookup(targets.clone(), vec![21], Some("turn-b".into()), TIMEOUT);
     assert_eq!(named.asked(), 3);
     // An owner the reader is not connected to is asked (and connected to) as before.
-    let mut d_buf = vec![3u8; BLOCK * BLOCKS];
-    let d = engine("d", "f32", &mut d_buf);
+    let d = engine("d", "f32", buf());
     turn(&d, "turn-d", vec![41]);
     let with_d = vec![("127.0.0.1".to_string(), d.side_channel_addr().unwrap().port())];
     let fan_out = reader.start_lookup(with_d, vec![41], None, TIMEOUT);
@@ -597,10 +577,8 @@ fn status_until_settled(
 
 #[test]
 fn peer_status_connects_once_checks_identity_and_backs_off_after_a_failure() {
-    let mut owned = vec![3u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let mut owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+    let mut owner = engine("owner", "f32", vec![3u8; BLOCK * BLOCKS]);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     let addr = owner.side_channel_addr().unwrap();
     let (host, port) = (addr.ip().to_string(), addr.port());
 
@@ -644,10 +622,8 @@ fn peer_status_connects_once_checks_identity_and_backs_off_after_a_failure() {
 
 #[test]
 fn a_connect_to_a_mute_peer_never_delays_reads_from_another() {
-    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect();
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let reader = engine("reader", "f32", &mut local);
+    let owner = engine("owner", "f32", (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect());
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     let peer = connect(&reader, &owner).unwrap();
     // Accepts connections and never says a word.
     let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -673,17 +649,14 @@ fn a_connect_to_a_mute_peer_never_delays_reads_from_another() {
         let err = stuck.join().unwrap().unwrap_err();
         assert!(err.to_string().contains("timed out"), "{err}");
     });
-    assert_eq!(local[BLOCK..2 * BLOCK], owned[BLOCK..2 * BLOCK]);
+    assert_eq!(reader.buf()[BLOCK..2 * BLOCK], owner.buf()[BLOCK..2 * BLOCK]);
 }
 
 #[test]
 fn a_second_engine_claiming_a_connected_peers_id_does_not_displace_it() {
-    let mut owned = vec![0x11u8; BLOCK * BLOCKS];
-    let mut impostor_owned = vec![0x22u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = engine("owner", "f32", &mut owned);
-    let impostor = engine("owner", "f32", &mut impostor_owned);
-    let reader = engine("reader", "f32", &mut local);
+    let owner = engine("owner", "f32", vec![0x11u8; BLOCK * BLOCKS]);
+    let impostor = engine("owner", "f32", vec![0x22u8; BLOCK * BLOCKS]);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
     let real = connect(&reader, &owner).unwrap();
     // Another server, at another address, declares the same engine id.
     let fake = connect(&reader, &impostor).unwrap();
@@ -693,7 +666,7 @@ fn a_second_engine_claiming_a_connected_peers_id_does_not_displace_it() {
         .wait(Some(Duration::from_secs(5)))
         .unwrap();
     assert!(
-        local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x11),
+        reader.buf()[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x11),
         "read from the engine that claimed the id last, not the one that was checked"
     );
     reader
@@ -701,7 +674,7 @@ fn a_second_engine_claiming_a_connected_peers_id_does_not_displace_it() {
         .unwrap()
         .wait(Some(Duration::from_secs(5)))
         .unwrap();
-    assert!(local[2 * BLOCK..3 * BLOCK].iter().all(|&b| b == 0x22));
+    assert!(reader.buf()[2 * BLOCK..3 * BLOCK].iter().all(|&b| b == 0x22));
     assert_ne!(real, fake, "each connection has its own handle");
     // The bare id is ambiguous now: refused, not guessed.
     let err = reader
@@ -713,11 +686,8 @@ fn a_second_engine_claiming_a_connected_peers_id_does_not_displace_it() {
 
 #[test]
 fn a_handle_reads_only_the_connection_that_was_checked_not_its_replacement() {
-    let mut first_owned = vec![0x44u8; BLOCK * BLOCKS];
-    let mut second_owned = vec![0x55u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let reader = engine("reader", "f32", &mut local);
-    let mut first = engine("owner", "f32", &mut first_owned);
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
+    let mut first = engine("owner", "f32", vec![0x44u8; BLOCK * BLOCKS]);
     let port = first.side_channel_addr().unwrap().port();
     let checked = reader.connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
     // The owner restarts at the same address, under the same engine id, between the check and
@@ -727,7 +697,7 @@ fn a_handle_reads_only_the_connection_that_was_checked_not_its_replacement() {
     while reader.peer_alive(&checked) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    let second = engine_at("owner", "f32", &mut second_owned, false, BLOCK, port);
+    let second = engine_at("owner", "f32", vec![0x55u8; BLOCK * BLOCKS], false, BLOCK, port);
     let replacement = reader.connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
     assert_ne!(checked, replacement);
     let err = reader
@@ -735,12 +705,12 @@ fn a_handle_reads_only_the_connection_that_was_checked_not_its_replacement() {
         .err()
         .expect("the checked connection is gone");
     assert!(matches!(err, EngineError::PeerNotConnected(_)), "{err}");
-    assert!(local.iter().all(|&b| b == 0), "nothing was read from the replacement");
+    assert!(reader.buf().iter().all(|&b| b == 0), "nothing was read from the replacement");
     reader
         .read_blocks(&replacement, &[1], &[1], None, Duration::from_secs(5), None, None)
         .unwrap()
         .wait(Some(Duration::from_secs(5)))
         .unwrap();
-    assert!(local[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x55));
+    assert!(reader.buf()[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x55));
     drop(second);
 }

@@ -7,10 +7,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use common::TestEngine;
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::Engine;
 use kvduplex::handshake::{EngineMetadata, Fingerprint, MemoryType, RegionInfo, SameHostIdentity};
-use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
+use kvduplex::side_channel::{SideChannelConfig, SideChannelServer};
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 8;
@@ -20,7 +20,7 @@ fn fingerprint() -> Fingerprint {
     Fingerprint(BTreeMap::from([("model".to_string(), "tiny".to_string())]))
 }
 
-fn reader(buf: &mut [u8], same_host_reads: bool) -> Engine {
+fn reader(buf: Vec<u8>, same_host_reads: bool) -> TestEngine {
     common::test_engine("reader", fingerprint(), buf, same_host_reads, BLOCK, 0)
 }
 
@@ -59,8 +59,19 @@ fn serve(meta: EngineMetadata, same_host_key: Option<[u8; 32]>) -> SideChannelSe
     SideChannelServer::start(config, meta).unwrap()
 }
 
-/// Connects `reader` to `server` and reads block 0 into its block 0; what landed there.
-fn attack(reader: &Engine, local: &[u8], server: &SideChannelServer) -> Result<Vec<u8>, String> {
+/// Connects `reader` to `server` and reads block 0 into its block 0, which must fail without
+/// the fake's "region" (the reader's secret) landing there: the reader's error.
+fn attack(reader: &TestEngine, server: &SideChannelServer) -> String {
+    let outcome = read_block_0(reader, server);
+    assert!(
+        !matches!(&outcome, Ok(bytes) if bytes.iter().all(|&b| b == SECRET)),
+        "the reader copied its own unregistered memory into its KV block"
+    );
+    outcome.expect_err("refused")
+}
+
+/// What landed in the reader's block 0 after reading the block 0 of `server`.
+fn read_block_0(reader: &TestEngine, server: &SideChannelServer) -> Result<Vec<u8>, String> {
     let peer = reader
         .connect("127.0.0.1", server.local_addr().port(), Duration::from_secs(5))
         .map_err(|e| e.to_string())?;
@@ -68,7 +79,7 @@ fn attack(reader: &Engine, local: &[u8], server: &SideChannelServer) -> Result<V
         .read_blocks(&peer, &[0], &[0], None, Duration::from_secs(5), None, None)
         .map_err(|e| e.to_string())?;
     transfer.wait(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    Ok(local[..BLOCK].to_vec())
+    Ok(reader.buf()[..BLOCK].to_vec())
 }
 
 fn boot_id() -> String {
@@ -78,8 +89,7 @@ fn boot_id() -> String {
 #[test]
 fn a_peer_cannot_point_same_host_reads_at_the_readers_own_memory() {
     let secret = vec![SECRET; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let reader = reader(&mut local, true);
+    let reader = reader(vec![0u8; BLOCK * BLOCKS], true);
     // The fake owner got a "probe key" of its choosing into the reader's process at a known
     // address (here: the test allocates it; in the wild, any buffer the reader keeps of the
     // peer's input), names the reader's own pid, and proves each connection with that key.
@@ -92,66 +102,34 @@ fn a_peer_cannot_point_same_host_reads_at_the_readers_own_memory() {
         proof: [0; 32],
     });
     let server = serve(meta, Some(*planted));
-    let outcome = attack(&reader, &local, &server);
-    assert!(
-        !matches!(&outcome, Ok(bytes) if bytes.iter().all(|&b| b == SECRET)),
-        "the reader copied its own unregistered memory into its KV block"
-    );
-    let refusal = outcome.unwrap_err();
+    let refusal = attack(&reader, &server);
     assert!(refusal.contains("this very process"), "{refusal}");
 }
 
 #[test]
 fn a_peer_cannot_hand_the_reader_its_own_worker_address_and_rkey() {
     let secret = vec![SECRET; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let reader = reader(&mut local, false);
+    let reader = reader(vec![0u8; BLOCK * BLOCKS], false);
     // Anyone may fetch the reader's metadata from its side channel: its worker address and rkey.
     let reader_port = reader.side_channel_addr().unwrap().port();
-    let (_link, theirs) = PeerLink::connect(
-        "127.0.0.1",
-        reader_port,
-        "fake-owner",
-        None,
-        &fingerprint(),
-        None,
-        Duration::from_secs(5),
-        Duration::from_millis(200),
-        None,
-    )
-    .unwrap();
+    let (_link, theirs) =
+        common::connect_to(reader_port, "fake-owner", &fingerprint(), None, common::TIMEOUT)
+            .unwrap();
     let meta =
         fake_metadata(&secret, theirs.worker_address.clone(), theirs.regions[0].rkey.clone());
     let server = serve(meta, None);
-    let outcome = attack(&reader, &local, &server);
-    assert!(
-        !matches!(&outcome, Ok(bytes) if bytes.iter().all(|&b| b == SECRET)),
-        "UCX copied the reader's own unregistered memory into its KV block"
-    );
-    let refusal = outcome.unwrap_err();
+    let refusal = attack(&reader, &server);
     assert!(refusal.contains("worker address of an engine of this very process"), "{refusal}");
 }
 
 #[test]
 fn a_replayed_same_host_identity_cannot_bring_its_own_layout() {
-    let mut owned = vec![0x33u8; BLOCK * BLOCKS];
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let owner = reader(&mut owned, true);
-    let reader = reader(&mut local, true);
+    let owner = reader(vec![0x33u8; BLOCK * BLOCKS], true);
+    let reader = reader(vec![0u8; BLOCK * BLOCKS], true);
     // The fake fetches the real owner's metadata, identity and proof included...
     let port = owner.side_channel_addr().unwrap().port();
-    let (_link, mut meta) = PeerLink::connect(
-        "127.0.0.1",
-        port,
-        "fake",
-        None,
-        &fingerprint(),
-        None,
-        Duration::from_secs(5),
-        Duration::from_millis(200),
-        None,
-    )
-    .unwrap();
+    let (_link, mut meta) =
+        common::connect_to(port, "fake", &fingerprint(), None, common::TIMEOUT).unwrap();
     assert!(meta.same_host.is_some());
     // ...and serves it with a layout of its own choosing over the same regions (blocks that
     // straddle the owner's, say).

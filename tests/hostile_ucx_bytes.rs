@@ -12,9 +12,9 @@ use std::io::{BufRead, BufReader, Read as _};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvduplex::engine::Engine;
+use common::TestEngine;
 use kvduplex::handshake::{EngineMetadata, Fingerprint};
-use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
+use kvduplex::side_channel::{SideChannelConfig, SideChannelServer};
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 16;
@@ -25,7 +25,7 @@ fn fingerprint() -> Fingerprint {
     Fingerprint(BTreeMap::from([("model".to_string(), "tiny".to_string())]))
 }
 
-fn engine(id: &str, buf: &mut [u8]) -> Engine {
+fn engine(id: &str, buf: Vec<u8>) -> TestEngine {
     common::test_engine(id, fingerprint(), buf, false, BLOCK, 0)
 }
 
@@ -56,8 +56,7 @@ fn serve_as_owner() {
     if std::env::var_os(OWNER_VAR).is_none() {
         return;
     }
-    let mut owned: Vec<u8> = (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect();
-    let owner = engine("owner", &mut owned);
+    let owner = engine("owner", (0..BLOCK * BLOCKS).map(|i| (i % 251) as u8).collect());
     println!("port {}", owner.side_channel_addr().unwrap().port());
     let _ = std::io::stdin().read_to_end(&mut Vec::new());
 }
@@ -84,20 +83,9 @@ fn owner_process() -> (Child, u16) {
 /// connects to it and reads. Returns the error the reader got, from connect or the read.
 fn read_through_a_fake_owner(tamper: impl FnOnce(&mut EngineMetadata)) -> String {
     let (_owner, owner_port) = owner_process();
-    let mut local = vec![0u8; BLOCK * BLOCKS];
-    let reader = engine("reader", &mut local);
-    let (link, mut meta) = PeerLink::connect(
-        "127.0.0.1",
-        owner_port,
-        "probe",
-        None,
-        &fingerprint(),
-        None,
-        Duration::from_secs(5),
-        Duration::from_secs(1),
-        None,
-    )
-    .unwrap();
+    let reader = engine("reader", vec![0u8; BLOCK * BLOCKS]);
+    let (link, mut meta) =
+        common::connect_to(owner_port, "probe", &fingerprint(), None, common::TIMEOUT).unwrap();
     drop(link);
     tamper(&mut meta);
     let fake = SideChannelServer::start(
@@ -115,7 +103,7 @@ fn read_through_a_fake_owner(tamper: impl FnOnce(&mut EngineMetadata)) -> String
     match read.and_then(|transfer| transfer.wait(Some(Duration::from_secs(5)))) {
         Ok(()) => panic!(
             "the reader read through a tampered {peer}: {} bytes copied",
-            local.iter().filter(|&&b| b != 0).count()
+            reader.buf().iter().filter(|&&b| b != 0).count()
         ),
         Err(e) => e.to_string(),
     }

@@ -109,7 +109,11 @@ class Engine:
     @property
     def side_channel_port(self) -> int: ...
     def register_region(self, addr: int, length: int) -> None:
-        """Register memory (host or CUDA; UCX detects which) so peers can read it."""
+        """Register memory (host or CUDA; UCX detects which) so peers can read it and reads
+        write into it. The caller keeps ``[addr, addr+length)`` allocated, and uses it for its
+        blocks only, until ``close()`` returned: peers read it, and reads write into it, at any
+        time until then (a batch's blocks only until it settles). A null or empty range, or a
+        host range not mapped now, is a ValueError or UcxError; nothing else can be checked."""
     def set_layout(
         self, segment_bases: Sequence[int], block_len: int, block_stride: int, num_blocks: int
     ) -> None:

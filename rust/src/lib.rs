@@ -14,8 +14,9 @@ pub mod handshake;
 pub mod held_index;
 pub mod holds;
 pub mod side_channel;
-/// UCX and same-host reads: the crate's only `unsafe`. Crate-private: its safe functions lean
-/// on invariants the engine keeps (each says which), so only [`engine::Engine`] reaches them.
+/// UCX and same-host reads: the crate's only `unsafe`, behind safe functions whose contracts
+/// the types keep; the one promise they cannot is the `unsafe fn` that names memory to
+/// register ([`engine::RegionMemory`]). Crate-private: [`engine::Engine`] is its user.
 mod ucx;
 /// The checks of a peer's packed worker address and remote keys (public for the fuzzer).
 pub use ucx::packed as ucx_packed;

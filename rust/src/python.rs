@@ -312,8 +312,16 @@ impl Engine {
         self.port
     }
 
+    /// The one place a raw address enters the crate (see [`crate::engine::RegionMemory`]).
     fn register_region(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
-        self.with(py, |e| e.register_region(addr, length))
+        // SAFETY: the FFI edge, where the promise is made for Python, which hands us only the
+        // address of memory it owns: `Engine.register_region`'s documented contract (see
+        // `_core.pyi`) is that the caller keeps the range allocated, for its blocks only, until
+        // the engine is closed. The connector registers vLLM's KV-cache tensors, which the
+        // worker keeps for its whole life, and closes the engine on shutdown. What can be
+        // checked is: a null or empty range is refused, and a host range must be mapped now.
+        let memory = unsafe { engine::RegionMemory::new(addr, length) };
+        self.with(py, |e| e.register_region(memory))
     }
 
     fn set_layout(

@@ -6,7 +6,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig};
+use kvduplex::engine::{Engine, EngineConfig, RegionMemory};
 use kvduplex::handshake::{EngineMetadata, Fingerprint, HandshakeError};
 use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 
@@ -82,11 +82,11 @@ pub fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 pub fn test_engine(
     id: &str,
     fingerprint: Fingerprint,
-    buf: &mut [u8],
+    buf: Vec<u8>,
     same_host_reads: bool,
     block: usize,
     port: u16,
-) -> Engine {
+) -> TestEngine {
     let engine = Engine::start(EngineConfig {
         engine_id: id.into(),
         fingerprint,
@@ -101,8 +101,13 @@ pub fn test_engine(
         same_host_reads,
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
+    let mut buf = buf.into_boxed_slice();
     let base = buf.as_mut_ptr() as u64;
-    engine.register_region(base, buf.len() as u64).unwrap();
+    // SAFETY: the engine and the buffer go together into a TestEngine, which drops (closes)
+    // the engine before the buffer and never reallocates it; tests read it only between
+    // settled batches.
+    let memory = unsafe { RegionMemory::new(base, buf.len() as u64) };
+    engine.register_region(memory).unwrap();
     engine
         .set_layout(BlockLayout {
             segment_bases: vec![base],
@@ -111,5 +116,32 @@ pub fn test_engine(
             num_blocks: (buf.len() / block) as u64,
         })
         .unwrap();
-    engine
+    TestEngine { engine, buf }
+}
+
+/// An engine with the buffer it registered: the engine is dropped first (fields drop in
+/// order), so the memory outlives every read into it, and the buffer cannot be resized.
+pub struct TestEngine {
+    engine: Engine,
+    buf: Box<[u8]>,
+}
+
+impl TestEngine {
+    /// The registered buffer, as the engine's reads left it.
+    pub fn buf(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl std::ops::Deref for TestEngine {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.engine
+    }
+}
+
+impl std::ops::DerefMut for TestEngine {
+    fn deref_mut(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
 }

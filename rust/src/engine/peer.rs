@@ -15,11 +15,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use super::connect::is_retryable_engine_error;
 use super::copier::CopyQueue;
 use super::lookup::IndexFeed;
 #[allow(unused_imports)] // rustdoc links
 use super::Engine;
-use super::{deadline_after, is_retryable_engine_error, lock, EngineError, Inflight, Shared};
+use super::{deadline_after, lock, EngineError, Inflight, Shared};
 use crate::descriptors::{RegionBounds, RegionIndex};
 use crate::handshake::{
     ConnectDecision, EngineMetadata, HandshakeError, MemoryType, PeerState, SameHostIdentity,

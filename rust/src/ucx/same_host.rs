@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::descriptors::RegionBounds;
 
-use super::{check_bounds, BatchState, MemRegion, Read};
+use super::{check_bounds, BatchState, Read};
 
 /// Most ranges one `process_vm_readv` call takes on each side (Linux's `UIO_MAXIOV`).
 const MAX_RANGES_PER_CALL: usize = 1024;
@@ -242,7 +242,8 @@ impl SameHostPeer {
 
     /// Checks every read to lie inside its local region and inside the peer region it names,
     /// and counts the batch as one unfinished read in `batch` until [`SameHostCopy::run`]
-    /// ends it. Host memory only (the caller routes other memory to UCX).
+    /// ends it. The batch, which the copy holds, holds the local regions from here on
+    /// ([`BatchState`]). Host memory only (the caller routes other memory to UCX).
     pub fn prepare(
         self: &Arc<Self>,
         reads: &[Read<'_>],
@@ -253,23 +254,9 @@ impl SameHostPeer {
             .iter()
             .map(|r| Range { local: r.local_addr, remote: r.remote_addr, len: r.len as usize })
             .collect();
-        let mut regions: Vec<Arc<MemRegion>> = Vec::new();
-        for read in reads {
-            // Reads are segment-major: nearly always the region of the read before.
-            if !regions.last().is_some_and(|r| Arc::ptr_eq(r, read.local))
-                && !regions.iter().any(|r| Arc::ptr_eq(r, read.local))
-            {
-                regions.push(Arc::clone(read.local));
-            }
-        }
+        batch.hold_regions(reads);
         batch.start_reads(1);
-        Ok(SameHostCopy {
-            peer: Arc::clone(self),
-            ranges,
-            _regions: regions,
-            batch: Arc::clone(batch),
-            ran: false,
-        })
+        Ok(SameHostCopy { peer: Arc::clone(self), ranges, batch: Arc::clone(batch), ran: false })
     }
 
     /// Copies `ranges` in calls of at most [`MAX_RANGES_PER_CALL`] ranges and
@@ -386,10 +373,9 @@ impl SameHostPeer {
 pub struct SameHostCopy {
     peer: Arc<SameHostPeer>,
     ranges: Vec<Range>,
-    /// The registered regions the ranges write into (checked by `prepare`): held, never read,
-    /// so that they stay registered, and so mapped ([`super::Worker::register`]'s contract),
-    /// for as long as the copy exists.
-    _regions: Vec<Arc<MemRegion>>,
+    /// Holds the registered regions the ranges write into (checked by `prepare`), so that they
+    /// stay registered, and so allocated ([`super::RegionMemory::new`]'s promise), for as long
+    /// as the copy exists.
     batch: Arc<BatchState>,
     ran: bool,
 }
@@ -399,9 +385,9 @@ impl SameHostCopy {
     /// meanwhile (its deadline passed, its peer died, the engine closes), and settles it.
     pub fn run(mut self) {
         let batch = &self.batch;
-        // SAFETY: prepare checked every local range to lie in one of `self._regions`, which
-        // this copy keeps registered, so mapped (register's contract), until it is dropped;
-        // the caller of read_blocks hands those blocks to the batch until it settles.
+        // SAFETY: prepare checked every local range to lie in a region that `self.batch` holds,
+        // so registered, and so allocated (RegionMemory's promise), until the copy is dropped;
+        // the promise also hands the batch's blocks to it until it settles.
         let result = unsafe { self.peer.copy(&self.ranges, || batch.has_failed()) };
         if let Err(e) = result {
             batch.record_read_error(e);
@@ -589,6 +575,34 @@ mod tests {
         unsafe { peer.copy(&ranges, || false) }.unwrap();
         assert_eq!(into[(64 << 20)..], block[(64 << 20)..]);
         assert_eq!(into[..(64 << 20)], block[4096..(64 << 20) + 4096]);
+    }
+
+    #[test]
+    fn a_copy_keeps_the_region_it_writes_into_registered_until_it_ends() {
+        let worker = super::super::Worker::new("copy-holds-regions", None).expect("UCX loads");
+        let source = vec![5u8; 4096];
+        let mut dest = vec![0u8; 4096];
+        // SAFETY: `dest` is this test's, declared before the region and the copy, so it
+        // outlives them; it is read only once the copy ran.
+        let memory = unsafe { super::super::RegionMemory::new(dest.as_mut_ptr() as u64, 4096) };
+        let into = Arc::new(worker.register(memory).unwrap());
+        let bounds = RegionBounds { addr: source.as_ptr() as u64, len: 4096 };
+        let peer = Arc::new(SameHostPeer { remote: Arc::from([bounds]), ..own_process() });
+        let batch = BatchState::new(&worker);
+        let read = Read {
+            local_addr: into.addr,
+            local: &into,
+            remote_addr: bounds.addr,
+            remote_region: 0,
+            len: 4096,
+        };
+        let copy = peer.prepare(&[read], &batch).unwrap();
+        let registered = Arc::downgrade(&into);
+        drop((into, batch));
+        assert!(registered.upgrade().is_some(), "the caller's region went, the copy's stays");
+        copy.run();
+        assert_eq!(dest, source);
+        assert!(registered.upgrade().is_none(), "unregistered once the copy is gone");
     }
 
     #[test]

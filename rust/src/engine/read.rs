@@ -1,0 +1,294 @@
+//! Reading: a batch is planned, bounds-checked and posted ([`Engine::read_blocks`]), tracked
+//! while in flight ([`Inflight`]: deadline, peer, the notification that follows its last byte),
+//! and settled by whoever sees it end first: its [`Transfer`]'s caller or the progress thread.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::peer::{abort_peer, resolve, Peer, PostError};
+use super::{deadline_after, lock, Engine, EngineError, Shared};
+use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockSlice};
+use crate::handshake::MemoryType;
+use crate::ucx::{BatchState, Read};
+
+/// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
+/// that must follow the last byte.
+pub(super) struct Inflight {
+    pub(super) batch: Arc<BatchState>,
+    pub(super) peer: Arc<Peer>,
+    pub(super) deadline: Instant,
+    pub(super) notify: Mutex<Option<Vec<u8>>>,
+    /// Why the engine failed this batch, which says more than UCX's "canceled".
+    pub(super) abort_reason: Mutex<Option<String>>,
+    /// Read directly (same-host reads): nothing to cancel in UCX, a failed batch stops at
+    /// its copy's next call.
+    pub(super) same_host: bool,
+}
+
+/// A notification to send to the owner a batch was read from.
+pub(super) struct Outgoing {
+    pub(super) peer: Arc<Peer>,
+    pub(super) payload: Vec<u8>,
+}
+
+impl Engine {
+    /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`: whole blocks,
+    /// or with `slice` only that sub-range of every block (see [`crate::descriptors`]). A peer
+    /// on this host is read directly ([`Transfer::same_host`]), by that peer's own copy
+    /// thread. `peer_id` is the handle of the
+    /// connection to read through ([`Engine::peer_status`]; fails if that connection died or
+    /// was replaced), or a bare engine id that one live connection declared.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read_blocks(
+        &self,
+        peer_id: &str,
+        local_ids: &[i64],
+        remote_ids: &[i64],
+        notify: Option<Vec<u8>>,
+        timeout: Duration,
+        segments: Option<std::ops::Range<usize>>,
+        slice: Option<BlockSlice>,
+    ) -> Result<Transfer, EngineError> {
+        if self.shared.stop.load(Ordering::Acquire) {
+            return Err(EngineError::Closed);
+        }
+        let peer = resolve(&self.shared, peer_id)?;
+        let local = self.shared.local.read().unwrap_or_else(|p| p.into_inner());
+        let local_layout = local.layout.as_ref().ok_or_else(|| {
+            EngineError::InvalidArgument("set_layout must be called before read_blocks".into())
+        })?;
+        let remote_layout = peer
+            .meta
+            .layout
+            .as_ref()
+            .ok_or_else(|| EngineError::PeerNotConnected(peer_id.to_string()))?;
+        let plan = match segments {
+            None => plan_reads(local_layout, remote_layout, local_ids, remote_ids, slice)?,
+            Some(range) => plan_segment_reads(
+                local_layout,
+                remote_layout,
+                local_ids,
+                remote_ids,
+                range,
+                slice,
+            )?,
+        };
+        // Both checks below look at each planned (possibly sliced) range itself, not at the
+        // blocks it came from: every byte read and written lies in a registered region.
+        let remote_regions = check_remote_bounds(&plan, &peer.region_index)?;
+        let mut reads = Vec::with_capacity(plan.len());
+        let mut nbytes = 0u64;
+        // Plans are segment-major, so consecutive reads nearly always fall in the region the
+        // previous one did: try that first.
+        let mut local_hint = 0usize;
+        for (d, &remote_region) in plan.iter().zip(&remote_regions) {
+            local_hint =
+                find_region(&local.regions, local_hint, |r| r.contains(d.local_addr, d.len))
+                    .ok_or_else(|| {
+                        EngineError::InvalidArgument(format!(
+                            "local range {:#x}+{} is outside the registered regions",
+                            d.local_addr, d.len
+                        ))
+                    })?;
+            reads.push(Read {
+                local_addr: d.local_addr,
+                local: &local.regions[local_hint],
+                remote_addr: d.remote_addr,
+                remote_region,
+                len: d.len,
+            });
+            nbytes += d.len;
+        }
+        let batch = BatchState::new(&self.shared.worker);
+        let same_host = peer
+            .same_host
+            .as_ref()
+            .filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
+        let inflight = Arc::new(Inflight {
+            batch: Arc::clone(&batch),
+            peer: Arc::clone(&peer),
+            deadline: deadline_after(timeout),
+            notify: Mutex::new(notify),
+            abort_reason: Mutex::new(None),
+            same_host: same_host.is_some(),
+        });
+        lock(&self.shared.inflight).push(Arc::clone(&inflight));
+        match peer.start_reads(&self.shared, &reads, &batch, same_host) {
+            Ok(()) => {}
+            Err(PostError::NothingPosted(e)) => batch.fail(e),
+            // Force-closing the endpoint cancels the posted reads; the batch fails when the
+            // last of them has completed, so no byte lands in blocks the caller then reuses.
+            Err(PostError::MaybePartial(e)) => {
+                abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}"))
+            }
+        }
+        drop(local);
+        let transfer = Transfer {
+            shared: Arc::clone(&self.shared),
+            inflight,
+            nbytes,
+            num_descriptors: plan.len(),
+        };
+        // A batch that settled while posting (nothing posted, all done at once) is finished
+        // here; a pending one cannot have passed its deadline yet.
+        if transfer.inflight.batch.outcome().is_some() {
+            transfer.settle();
+        }
+        Ok(transfer)
+    }
+
+    /// Queues `payload` for a connected peer without reading anything. Sent by the notifier
+    /// thread, in order with the read-done notifications of batches that finished before
+    /// this call; a send that fails later is logged there.
+    pub fn notify(&self, peer_id: &str, payload: &[u8]) -> Result<(), EngineError> {
+        let peer = resolve(&self.shared, peer_id)?;
+        if !peer.link.is_alive() {
+            return Err(EngineError::PeerNotConnected(peer_id.to_string()));
+        }
+        queue_notification(&self.shared, Outgoing { peer, payload: payload.to_vec() })
+    }
+}
+
+/// Index of the first region satisfying `fits`, trying `hint` before scanning.
+fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Option<usize> {
+    if regions.get(hint).is_some_and(&fits) {
+        return Some(hint);
+    }
+    regions.iter().position(fits)
+}
+
+/// Fails a batch that passed its deadline. A UCX batch's reads may still be in flight, so the
+/// peer's endpoint is aborted first (failing every batch to that peer); the next `connect`
+/// re-handshakes. A same-host batch is failed alone: its copy stops at its next call.
+fn expire(shared: &Shared, inflight: &Inflight) {
+    if inflight.batch.outcome().is_some()
+        || inflight.batch.has_failed()
+        || Instant::now() < inflight.deadline
+    {
+        return;
+    }
+    let reason = format!(
+        "deadline passed before the last byte arrived from peer {}",
+        inflight.peer.meta.engine_id
+    );
+    if inflight.same_host {
+        log::warn!("{reason}");
+        lock(&inflight.abort_reason).get_or_insert_with(|| reason.clone());
+        inflight.batch.fail(reason);
+    } else if inflight.peer.is_live(shared) {
+        log::warn!("{reason}; aborting the connection to it");
+        abort_peer(shared, &inflight.peer, &reason);
+    }
+}
+
+/// Settles every in-flight batch that finished or passed its deadline; returns whether any is
+/// still pending.
+pub(super) fn settle_all(shared: &Shared) -> bool {
+    let pending: Vec<Arc<Inflight>> = lock(&shared.inflight).clone();
+    for inflight in &pending {
+        expire(shared, inflight);
+        if inflight.batch.outcome().is_some() {
+            finish_inflight(shared, inflight);
+        }
+    }
+    !lock(&shared.inflight).is_empty()
+}
+
+/// Queues the batch's notification (once, only on success) and stops tracking it. Called on
+/// the progress thread and in `Transfer::poll`/`wait`, neither of which may block on a socket.
+fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
+    if let Some(Ok(())) = inflight.batch.outcome() {
+        if let Some(payload) = lock(&inflight.notify).take() {
+            if let Err(e) =
+                queue_notification(shared, Outgoing { peer: Arc::clone(&inflight.peer), payload })
+            {
+                log::warn!(
+                    "read done but peer {} was not notified: {e}",
+                    inflight.peer.meta.engine_id
+                );
+            }
+        }
+    }
+    lock(&shared.inflight).retain(|i| !Arc::ptr_eq(i, inflight));
+}
+
+fn queue_notification(shared: &Shared, outgoing: Outgoing) -> Result<(), EngineError> {
+    let outbox = lock(&shared.outbox);
+    match outbox.as_ref().map(|outbox| outbox.send(outgoing)) {
+        Some(Ok(())) => Ok(()),
+        _ => Err(EngineError::Closed),
+    }
+}
+
+/// One posted batch.
+pub struct Transfer {
+    shared: Arc<Shared>,
+    inflight: Arc<Inflight>,
+    pub nbytes: u64,
+    pub num_descriptors: usize,
+}
+
+/// How long `wait` keeps driving UCX progress back to back after UCX last reported an event,
+/// before it naps between rounds: spinning is what makes small batches fast, and over shared
+/// memory the rounds are this thread copying the bytes (a long batch reports an event per
+/// completed read), so only a batch waiting on a silent peer (tcp) naps.
+const WAIT_SPIN: Duration = Duration::from_millis(2);
+
+impl Transfer {
+    /// Read directly from a process on this host, not through UCX.
+    pub fn same_host(&self) -> bool {
+        self.inflight.same_host
+    }
+
+    fn settle(&self) -> Option<Result<(), EngineError>> {
+        expire(&self.shared, &self.inflight);
+        let outcome = self.inflight.batch.outcome()?;
+        finish_inflight(&self.shared, &self.inflight);
+        Some(outcome.map_err(|ucx_error| {
+            EngineError::Transfer(lock(&self.inflight.abort_reason).clone().unwrap_or(ucx_error))
+        }))
+    }
+
+    /// Non-blocking: `Ok(true)` when every byte arrived, `Ok(false)` while pending.
+    pub fn poll(&self) -> Result<bool, EngineError> {
+        self.shared.worker.progress();
+        match self.settle() {
+            None => Ok(false),
+            Some(r) => r.map(|()| true),
+        }
+    }
+
+    /// Blocks until the batch completes, fails, or `timeout` passes.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
+        let _driving = self.shared.worker.foreground();
+        self.drive(timeout)
+    }
+
+    fn drive(&self, timeout: Option<Duration>) -> Result<(), EngineError> {
+        // The clock is read only once the first round did not finish the batch.
+        let mut start = None;
+        let mut last_event = None;
+        loop {
+            let events = self.shared.worker.progress();
+            if let Some(r) = self.settle() {
+                return r;
+            }
+            let now = Instant::now();
+            let waited = now - *start.get_or_insert(now);
+            if timeout.is_some_and(|t| waited >= t) {
+                return Err(EngineError::WaitTimeout(waited));
+            }
+            if events > 0 || last_event.is_none() {
+                last_event = Some(now);
+            }
+            if last_event.is_some_and(|at| now - at < WAIT_SPIN) {
+                // Over tcp the owner must run to serve the reads; on a busy host it may need
+                // this core.
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+}
