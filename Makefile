@@ -54,7 +54,7 @@ test: check test-rust test-fuzz test-python
 # each target FUZZ_SECONDS; `make test` briefly. A crash leaves its input in fuzz/artifacts/.
 FUZZ_TARGETS := frames metadata layout lookup
 FUZZ_SECONDS ?= 300
-FUZZ_TEST_SECONDS := 10
+FUZZ_TEST_SECONDS := 15
 FUZZ_SCRATCH := target/fuzz-corpus
 CARGO_FUZZ_VERSION := 0.13.2
 
