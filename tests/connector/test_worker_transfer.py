@@ -6,6 +6,7 @@ is a DuplexWorker in this process. Every pulled block is compared byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -555,6 +557,15 @@ def test_an_owner_that_dies_between_lookup_and_read_costs_a_recompute_not_a_hang
         owner.stop()
 
 
+@contextlib.contextmanager
+def silent_peer() -> Iterator[str]:
+    """A side channel ("host:port") that accepts connections and never answers."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        yield f"127.0.0.1:{silent.getsockname()[1]}"
+
+
 def test_a_full_match_is_reported_without_waiting_for_a_silent_owner(owner, tiny_config_dir):
     """Two owners asked: one holds every block asked, the other accepts the connection and
     never answers. The lookup is reported as soon as the full match arrives, not at its
@@ -562,14 +573,12 @@ def test_a_full_match_is_reported_without_waiting_for_a_silent_owner(owner, tiny
     owner.reset()
     owner.hold("full", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer="{}")
     address = f"{owner.peer.host}:{owner.peer.ports[0]}"
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
+    with silent_peer() as silent:
         worker = make_worker(
             tiny_config_dir,
             "reader-d",
             make_kv_caches(NUM_BLOCKS),
-            {"decode_peers": [address, f"127.0.0.1:{silent.getsockname()[1]}"]},
+            {"decode_peers": [address, silent]},
         )
         try:
             started = time.monotonic()
@@ -589,14 +598,9 @@ def test_a_lookup_past_its_deadline_when_the_worker_gets_it_is_reported_in_that_
     (e.g. after a long forward pass) gives it no time of its own. Reported in the same step,
     its silent owner counted as a failure; the transfer core is given no time left, not an
     error."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
+    with silent_peer() as silent:
         worker = make_worker(
-            tiny_config_dir,
-            "reader-e",
-            make_kv_caches(NUM_BLOCKS),
-            {"decode_peers": [f"127.0.0.1:{silent.getsockname()[1]}"]},
+            tiny_config_dir, "reader-e", make_kv_caches(NUM_BLOCKS), {"decode_peers": [silent]}
         )
         try:
             spec = LookupSpec("late", tuple(TURN_FINGERPRINTS), time.monotonic() - 0.5)
