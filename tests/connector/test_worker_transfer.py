@@ -614,26 +614,31 @@ def test_a_lookup_past_its_deadline_when_the_worker_gets_it_is_reported_in_that_
 
 
 def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owner, tiny_config_dir):
-    """Once the owner's announcements of what it holds are in (a snapshot when the reader
-    connects), a lookup of a prompt it does not hold does not ask it: the miss is there without
-    a round trip, counted as `lookups_indexed`."""
+    """Two owners, one holding the prompt's turn. Once their announcements of what they hold
+    are in (a snapshot when the reader connects), a lookup asks the holder alone, counted as
+    `lookups_indexed`, and finds the turn."""
     owner.reset()
-    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    owner.hold("held", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer="{}")
+    other = OwnerProcess(tiny_config_dir)
+    addresses = [f"{o.peer.host}:{o.peer.ports[0]}" for o in (owner, other)]
     worker = make_worker(
-        tiny_config_dir, "reader-i", make_kv_caches(NUM_BLOCKS), {"decode_peers": [address]}
+        tiny_config_dir, "reader-i", make_kv_caches(NUM_BLOCKS), {"decode_peers": addresses}
     )
-    missing = [f"{i:016x}" for i in (0xE1, 0xE2)]
     try:
         deadline = time.monotonic() + WAIT_S
         for n in itertools.count():
-            # The first lookups connect (and ask) before the announcements are in.
-            assert look_up(worker, f"m{n}", missing) is None
+            # The first lookups connect (and ask both) before the announcements are in.
+            match = look_up(worker, f"m{n}", TURN_FINGERPRINTS)
+            assert match is not None and match.matched_blocks == 4
+            worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+            worker.get_transfer_results()
             if worker.get_kv_connector_stats().data.get("lookups_indexed", 0) > 0:
                 break
-            assert time.monotonic() < deadline, "the owner was asked for every lookup"
+            assert time.monotonic() < deadline, "both owners were asked for every lookup"
             time.sleep(0.01)
     finally:
         worker.shutdown()
+        other.stop()
 
 
 def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_once(
