@@ -199,6 +199,13 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         "to responses",
     )
     parser.add_argument(
+        "--first-token-from-decode",
+        action="store_true",
+        help="stream an answer's first token from D, which computes it again, instead of "
+        "sending P's as soon as P answered (for servers whose reasoning or tool parsers must "
+        "see the whole answer)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -232,6 +239,7 @@ def run_proxy(args: argparse.Namespace) -> int:
             max_upstream_connections=args.max_upstream_connections,
             health_interval_s=args.health_interval,
             routing_headers=args.routing_headers,
+            first_token_from_prefill=not args.first_token_from_decode,
         )
     except proxy_config.ConfigError as exc:
         args.parser.error(str(exc))

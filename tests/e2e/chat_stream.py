@@ -304,3 +304,15 @@ def token_prompt_through_proxy(
     assert got.token_ids == expected.token_ids
     assert got.logprobs == pytest.approx(expected.logprobs, abs=logprob_atol)
     return on_p, on_d
+
+
+def first_tokens_by_source(proxy_url: str) -> dict[str, float]:
+    """`kvduplex proxy`'s streamed answers by where their first token came from (prefill: sent
+    as soon as P answered; decode: computed again by D), from its /metrics."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{proxy_url}/metrics", timeout=10.0).text.splitlines():
+        if line.startswith("kvduplex_proxy_first_tokens_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            counts[source] = counts.get(source, 0) + float(line.rpartition(" ")[2])
+    return counts
+

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chat_stream import Answer, pulled, respond, stream_chat
+from chat_stream import Answer, first_tokens_by_source, pulled, respond, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
@@ -194,6 +194,8 @@ def test_streamed_chat_through_kvduplex_proxy_pulls_every_later_turn(servers):
         [servers.prefill.base_url], [d.base_url for d in servers.decodes]
     ) as proxy:
         turns = run_chat(servers, lambda turn: lambda m: stream_chat(proxy.base_url, m, MAX_TOKENS), seed=1)
+        # Each answer's first token is P's, streamed as soon as P answered; D continued after it.
+        assert first_tokens_by_source(proxy.base_url) == {"prefill": TURNS}
     check_reuse(turns)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from chat_stream import first_tokens_by_source
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex.demo import (
     LOGPROB_ATOL,
@@ -20,6 +21,7 @@ from kvduplex.demo import (
 )
 from kvduplex.demo.servers import complete, describe_mismatch
 from kvduplex.proxy.config import CONVERSATION_HEADER
+from kvduplex_testing.servers import complete_streamed
 
 TURNS = 3
 # Longer than kv_recompute_threshold (64): on every later turn P's own prefix cache lacks at
@@ -41,7 +43,9 @@ def test_conversation_through_proxy_pulls_history_and_matches_single_server(
         for turn, message in enumerate(messages):
             prompt = history + message
             before = read_metrics(prefill_url)
-            answer = complete(
+            # The last turn streams: its first token is P's, the rest D's continuation.
+            send = complete_streamed if turn == len(messages) - 1 else complete
+            answer = send(
                 proxy.base_url,
                 prompt,
                 ANSWER_TOKENS,
@@ -65,3 +69,4 @@ def test_conversation_through_proxy_pulls_history_and_matches_single_server(
                 )
                 assert prefill.computed_tokens == len(message) + 1, (turn, prefill.prompt_tokens)
             history = prompt + answer.token_ids
+        assert first_tokens_by_source(proxy.base_url) == {"prefill": 1}

@@ -25,30 +25,29 @@ from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, prefill_request_params
+from . import first_token
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
 from .config import CONVERSATION_FIELD, CONVERSATION_HEADER, ProxyConfig
 from .metrics import ProxyMetrics
+from .relay import (
+    PARAMS_FIELD,
+    RelayResponse,
+    StreamRelay,
+    describe,
+    openai_error,
+    sse_error,
+    sse_event,
+)
+from .routes import MAX_TOKENS_FIELDS, RESPONSES_ROUTE
 from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
 
 logger = logging.getLogger(__name__)
 
-# The request and response field of vLLM's OpenAI server that carries kv_transfer_params.
-PARAMS_FIELD = "kv_transfer_params"
-_PARAMS_FIELD_JSON = json.dumps(PARAMS_FIELD).encode()
 # Request fields that make no sense for the one-token prefill step (vLLM rejects stream_options
-# without stream and min_tokens above max_tokens; extra choices would only waste P's compute).
+# without stream and min_tokens above max_tokens; extra choices would only waste P's compute;
+# a first token streamed from P brings back what it needs, `first_token.prefill_fields`).
 _PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "n", "best_of")
-# Per generation route, the request fields that bound the tokens generated: P's leg sets each to
-# one (the first is set even when the caller left it out).
-_MAX_TOKENS_FIELDS = {
-    "/v1/completions": ("max_tokens",),
-    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
-    "/v1/responses": ("max_output_tokens",),
-}
-RESPONSES_ROUTE = "/v1/responses"
-# Longest SSE line the stream relay parses for kv_transfer_params; longer lines pass unparsed.
-_MAX_SCANNED_LINE_BYTES = 4 << 20
 
 
 class ProxyError(Exception):
@@ -76,10 +75,6 @@ class ResponseTooLarge(Exception):
     pass
 
 
-def openai_error(status: int, message: str, error_type: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
-
-
 def _bad_request(message: str) -> ProxyError:
     return ProxyError(400, message, error_type="invalid_request_error", kind="bad_request")
 
@@ -99,71 +94,13 @@ async def _read_limited(response: httpx.Response, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _describe(exc: Exception) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class SseParamsScanner:
-    """Passes an SSE byte stream through line by line, lifting `kv_transfer_params` out of the
-    data events that carry one (the last non-null one is kept in `params`)."""
-
-    def __init__(self, max_line_bytes: int = _MAX_SCANNED_LINE_BYTES):
-        self.params: dict[str, Any] | None = None
-        self._max_line_bytes = max_line_bytes
-        self._partial = b""
-        self._skipping_long_line = False
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        out = [self._line(line + b"\n") for line in lines]
-        if len(self._partial) > self._max_line_bytes:
-            out.append(self._partial)
-            self._partial = b""
-            self._skipping_long_line = True
-        return b"".join(out)
-
-    def finish(self) -> bytes:
-        rest, self._partial = self._partial, b""
-        return self._line(rest) if rest else b""
-
-    def discard_partial(self) -> None:
-        self._partial = b""
-
-    def _line(self, line: bytes) -> bytes:
-        if self._skipping_long_line:
-            self._skipping_long_line = False
-            return line
-        if not line.startswith(b"data:") or _PARAMS_FIELD_JSON not in line:
-            return line
-        body = line[5:].strip()
-        try:
-            event = json.loads(body)
-        except ValueError:
-            return line
-        if not isinstance(event, dict):
-            return line
-        # Chat and completions chunks carry the params at the top; a /v1/responses stream in
-        # the `response` of its final event (response.completed).
-        holder = event if PARAMS_FIELD in event else event.get("response")
-        if not isinstance(holder, dict) or PARAMS_FIELD not in holder:
-            return line
-        params = holder.pop(PARAMS_FIELD)
-        if isinstance(params, dict):
-            self.params = params
-        ending = b"\r\n" if line.endswith(b"\r\n") else b"\n"
-        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + ending
-
-
 def _prefill_body(
     route: str, body: dict[str, Any], pull_params: dict[str, Any] | None
 ) -> dict[str, Any]:
     """P computes the prompt's KV and keeps it for D. With D's params from the previous turn it
     first pulls the history's KV from D (the connector checks the blocks' token fingerprints)."""
     prefill = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED_FIELDS}
-    first, *others = _MAX_TOKENS_FIELDS[route]
+    first, *others = MAX_TOKENS_FIELDS[route]
     prefill[first] = 1
     for field in others:
         if field in prefill:
@@ -335,14 +272,37 @@ class DuplexProxy:
         if "authorization" in request.headers:
             forward_headers["authorization"] = request.headers["authorization"]
 
-        prefill_upstream, decode_params = await self._prefill(
-            route, _prefill_body(route, body, pull_params), forward_headers
+        first_reason = (
+            first_token.ineligible_reason(route, body)
+            if self.config.first_token_from_prefill
+            else "disabled"
         )
-        decode_body = dict(body)
-        if decode_params is not None:
-            decode_body[PARAMS_FIELD] = decode_params
+        prefill_body = _prefill_body(route, body, pull_params)
+        if first_reason is None:
+            prefill_body.update(first_token.prefill_fields(body))
+        prefill_upstream, answer, decode_params = await self._prefill(
+            route, prefill_body, forward_headers
+        )
+        first = None
+        if first_reason is None:
+            first, first_reason = first_token.first_token(route, answer, decode_params)
+        if stream:
+            self.metrics.first_tokens.labels(
+                "prefill" if first else "decode", first_reason or ""
+            ).inc()
+        if first is not None:
+            assert decode_params is not None
+            decode_body = first_token.decode_body(body, first, decode_params, PARAMS_FIELD)
+        else:
+            decode_body = dict(body)
+            if decode_params is not None:
+                decode_body[PARAMS_FIELD] = decode_params
         routing = {"prefill": prefill_upstream.address, "conversation": lookup}
         choice = _DecodeChoice(pinned, route_key)
+        if first is not None:
+            return self._continue_stream(
+                route, first, body, decode_body, forward_headers, choice, key, routing
+            )
         if stream:
             return await self._decode_stream(
                 route, decode_body, forward_headers, choice, key, routing
@@ -358,7 +318,7 @@ class DuplexProxy:
         try:
             lookup, entry = await self.store.take(key)
         except Exception as exc:  # a store outage must not fail the request: it recomputes
-            logger.warning("conversation store unavailable, turn recomputes: %s", _describe(exc))
+            logger.warning("conversation store unavailable, turn recomputes: %s", describe(exc))
             self.metrics.errors.labels("store").inc()
             lookup, entry = Lookup.MISS, None
         result = lookup.value
@@ -380,7 +340,7 @@ class DuplexProxy:
         try:
             result = await self.store.put(key, upstream.address, params)
         except Exception as exc:  # a store outage must not fail the request
-            logger.warning("conversation store unavailable, not remembering: %s", _describe(exc))
+            logger.warning("conversation store unavailable, not remembering: %s", describe(exc))
             self.metrics.errors.labels("store").inc()
             return
         if result.stored:
@@ -446,7 +406,7 @@ class DuplexProxy:
                 except httpx.PoolTimeout:
                     raise self._pool_exhausted() from None
                 except httpx.TransportError as exc:
-                    pool.mark_failed(upstream, _describe(exc))
+                    pool.mark_failed(upstream, describe(exc))
                     continue
                 except ResponseTooLarge as exc:
                     raise ProxyError(
@@ -464,19 +424,23 @@ class DuplexProxy:
 
     async def _prefill(
         self, route: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[Upstream, dict[str, Any] | None]:
+    ) -> tuple[Upstream, dict[str, Any], dict[str, Any] | None]:
+        """P's answer: (P, its parsed response, its `kv_transfer_params` if it offered any)."""
         upstream, raw = await self._post_buffered(
             self.prefill, route, body, headers, self.metrics.prefill_seconds
         )
         try:
-            params = json.loads(raw).get(PARAMS_FIELD)
-        except (ValueError, AttributeError):
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
             raise ProxyError(
                 502,
                 f"prefill server {upstream.address} answered with malformed JSON",
                 error_type="upstream_error",
                 kind="upstream_status",
             ) from None
+        params = answer.get(PARAMS_FIELD)
         if not isinstance(params, dict):
             if upstream.address not in self._warned_no_prefill_params:
                 self._warned_no_prefill_params.add(upstream.address)
@@ -486,7 +450,7 @@ class DuplexProxy:
                     upstream.address,
                 )
             params = None
-        return upstream, params
+        return upstream, answer, params
 
     def _count_decode_route(self, choice: _DecodeChoice, decode: Upstream) -> None:
         rule = "remembered" if decode is choice.pinned else "hash"
@@ -533,15 +497,11 @@ class DuplexProxy:
             headers=self._routing_headers(routing, upstream),
         )
 
-    async def _decode_stream(
-        self,
-        route: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        choice: _DecodeChoice,
-        key: ConversationKey | None,
-        routing: dict[str, str],
-    ) -> Response:
+    async def _open_decode_stream(
+        self, route: str, body: dict[str, Any], headers: dict[str, str], choice: _DecodeChoice
+    ) -> tuple[Upstream, httpx.Response, contextlib.ExitStack, float]:
+        """D's streamed answer from the first D that takes the request: (D, its response with
+        status 200, the stack that ends its outstanding count, when it was sent)."""
         for upstream in self._candidates(self.decode, choice):
             with contextlib.ExitStack() as outstanding:
                 outstanding.enter_context(self.decode.track(upstream))
@@ -554,7 +514,7 @@ class DuplexProxy:
                 except httpx.PoolTimeout:
                     raise self._pool_exhausted() from None
                 except httpx.TransportError as exc:
-                    self.decode.mark_failed(upstream, _describe(exc))
+                    self.decode.mark_failed(upstream, describe(exc))
                     continue
                 self.decode.mark_ok(upstream)
                 if response.status_code != 200:
@@ -566,13 +526,81 @@ class DuplexProxy:
                         await response.aclose()
                     raise UpstreamErrorResponse(response.status_code, raw, upstream)
                 self._count_decode_route(choice, upstream)
-                relay = _StreamRelay(self, response, upstream, outstanding.pop_all(), key, started)
-            return _RelayResponse(
-                relay,
-                media_type=response.headers.get("content-type", "text/event-stream"),
-                headers=self._routing_headers(routing, upstream),
-            )
+                return upstream, response, outstanding.pop_all(), started
         raise self._no_upstream(self.decode.role)
+
+    async def _decode_stream(
+        self,
+        route: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        choice: _DecodeChoice,
+        key: ConversationKey | None,
+        routing: dict[str, str],
+    ) -> Response:
+        upstream, response, outstanding, started = await self._open_decode_stream(
+            route, body, headers, choice
+        )
+        relay = StreamRelay(self, response, upstream, outstanding, key, started)
+        return RelayResponse(
+            relay,
+            media_type=response.headers.get("content-type", "text/event-stream"),
+            headers=self._routing_headers(routing, upstream),
+        )
+
+    def _continue_stream(
+        self,
+        route: str,
+        first: first_token.FirstToken,
+        body: dict[str, Any],
+        decode_body: dict[str, Any],
+        headers: dict[str, str],
+        choice: _DecodeChoice,
+        key: ConversationKey | None,
+        routing: dict[str, str],
+    ) -> Response:
+        """The caller's stream starts with P's first token at once; D's continuation follows.
+        D is reached after the response started, so its failures end the stream with an error
+        event; the routing headers name the D chosen first."""
+
+        async def events() -> AsyncIterator[bytes]:
+            yield sse_event(first_token.first_chunk(first, body))
+            try:
+                upstream, response, outstanding, started = await self._open_decode_stream(
+                    route, decode_body, headers, choice
+                )
+            except (ProxyError, UpstreamErrorResponse) as exc:
+                reply = json.loads(self.error_response(exc).body)
+                error = reply.get("error") if isinstance(reply, dict) else None
+                message = error.get("message") if isinstance(error, dict) else str(exc)
+                status = exc.status
+                yield sse_error(status, str(message))
+                return
+            relay = StreamRelay(
+                self,
+                response,
+                upstream,
+                outstanding,
+                key,
+                started,
+                rewrite=first_token.ContinuationRewriter(first),
+            )
+            try:
+                async for chunk in relay.stream():
+                    yield chunk
+            finally:
+                await relay.close()
+
+        first_pick = (
+            next(iter(self._candidates(self.decode, choice)), None)
+            if self.config.routing_headers
+            else None
+        )
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers=self._routing_headers(routing, first_pick) if first_pick else {},
+        )
 
     # ---- other routes ----------------------------------------------------------------------
 
@@ -592,7 +620,7 @@ class DuplexProxy:
                 except httpx.PoolTimeout:
                     raise self._pool_exhausted() from None
                 except (httpx.TransportError, ResponseTooLarge) as exc:
-                    pool.mark_failed(upstream, _describe(exc))
+                    pool.mark_failed(upstream, describe(exc))
                     continue
                 pool.mark_ok(upstream)
                 if response.status_code != 200:
@@ -634,86 +662,6 @@ class DuplexProxy:
             message += f": {text}"
         error_type = "invalid_request_error" if 400 <= exc.status < 500 else "upstream_error"
         return JSONResponse(openai_error(exc.status, message, error_type), status_code=exc.status)
-
-
-class _StreamRelay:
-    """Relays D's SSE stream to the caller and, once it completed, remembers D's params. Owns the
-    upstream response and the outstanding-request count until `close`."""
-
-    def __init__(
-        self,
-        proxy: DuplexProxy,
-        response: httpx.Response,
-        upstream: Upstream,
-        outstanding: contextlib.ExitStack,
-        key: ConversationKey | None,
-        started: float,
-    ):
-        self._proxy = proxy
-        self._response = response
-        self._upstream = upstream
-        self._outstanding = outstanding
-        self._key = key
-        self._started = started
-        self._closed = False
-
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            try:
-                await self._response.aclose()
-            finally:
-                self._outstanding.close()
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        proxy, upstream = self._proxy, self._upstream
-        scanner = SseParamsScanner()
-        completed = False
-        try:
-            first = True
-            async for chunk in self._response.aiter_bytes():
-                if first:
-                    first = False
-                    proxy.metrics.decode_first_byte_seconds.observe(
-                        time.perf_counter() - self._started
-                    )
-                out = scanner.feed(chunk)
-                if out:
-                    yield out
-            tail = scanner.finish()
-            if tail:
-                yield tail
-            completed = True
-        except httpx.TransportError as exc:
-            proxy.decode.mark_failed(upstream, _describe(exc))
-            proxy.metrics.errors.labels("stream_aborted").inc()
-            scanner.discard_partial()
-            error = openai_error(
-                502,
-                f"decode server {upstream.address} failed mid-stream: {_describe(exc)}",
-                "upstream_error",
-            )
-            yield b"\n\ndata: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
-        finally:
-            await self.close()
-        if completed:
-            # Stored before the stream ends, so a caller's next turn always finds the entry.
-            await proxy.remember(self._key, upstream, scanner.params)
-
-
-class _RelayResponse(StreamingResponse):
-    """A streaming response that releases its relay even when the body is never iterated (the
-    caller disconnected before the first chunk)."""
-
-    def __init__(self, relay: _StreamRelay, **kwargs: Any):
-        super().__init__(relay.stream(), **kwargs)
-        self._relay = relay
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._relay.close()
 
 
 def create_app(

@@ -111,6 +111,9 @@ class ProxyConfig:
     backoff_max_s: float = 30.0
     # Adds x-kvduplex-* response headers naming the chosen P and D and the conversation lookup.
     routing_headers: bool = False
+    # A streamed answer's first token is the one P sampled, sent as soon as P answered; D
+    # continues after it (`first_token`). Off: D computes the first token again and streams it.
+    first_token_from_prefill: bool = True
 
     def __post_init__(self) -> None:
         if not self.prefill:

@@ -49,6 +49,13 @@ class ProxyMetrics:
             ["rule"],
             registry=self.registry,
         )
+        self.first_tokens = Counter(
+            "kvduplex_proxy_first_tokens",
+            "Streamed answers by where their first token came from: prefill (sent as soon as P "
+            "answered; D continues after it) or decode, with the reason (first_token.py).",
+            ["source", "reason"],
+            registry=self.registry,
+        )
         self.upstream_outstanding = Gauge(
             "kvduplex_proxy_upstream_outstanding",
             "Requests in flight per upstream.",

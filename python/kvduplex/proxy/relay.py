@@ -1,0 +1,193 @@
+"""D's SSE stream on its way to the caller: lines passed through as they come, D's params lifted
+out (and remembered for the conversation's next turn once the stream completed), events
+rewritten where the stream continues a first token sent before (`first_token`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi.responses import StreamingResponse
+
+from .balancer import Upstream
+from .store import ConversationKey
+
+if TYPE_CHECKING:
+    from .app import DuplexProxy
+
+# The request and response field of vLLM's OpenAI server that carries kv_transfer_params.
+PARAMS_FIELD = "kv_transfer_params"
+_PARAMS_FIELD_JSON = json.dumps(PARAMS_FIELD).encode()
+# Longest SSE line the stream relay parses for kv_transfer_params; longer lines pass unparsed.
+_MAX_SCANNED_LINE_BYTES = 4 << 20
+
+
+def openai_error(status: int, message: str, error_type: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+
+
+def describe(exc: Exception) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error(status: int, message: str) -> bytes:
+    """An error event that ends a stream already under way (its HTTP status was sent)."""
+    error = openai_error(status, message, "upstream_error")
+    return b"\n\ndata: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class SseParamsScanner:
+    """Passes an SSE byte stream through line by line, lifting `kv_transfer_params` out of the
+    data events that carry one (the last non-null one is kept in `params`). With `rewrite`,
+    every JSON data event goes through it as well (None drops the event)."""
+
+    def __init__(
+        self,
+        max_line_bytes: int = _MAX_SCANNED_LINE_BYTES,
+        rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    ):
+        self.params: dict[str, Any] | None = None
+        self._rewrite = rewrite
+        self._max_line_bytes = max_line_bytes
+        self._partial = b""
+        self._skipping_long_line = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        out = [self._line(line + b"\n") for line in lines]
+        if len(self._partial) > self._max_line_bytes:
+            out.append(self._partial)
+            self._partial = b""
+            self._skipping_long_line = True
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        rest, self._partial = self._partial, b""
+        return self._line(rest) if rest else b""
+
+    def discard_partial(self) -> None:
+        self._partial = b""
+
+    def _line(self, line: bytes) -> bytes:
+        if self._skipping_long_line:
+            self._skipping_long_line = False
+            return line
+        if not line.startswith(b"data:") or (
+            self._rewrite is None and _PARAMS_FIELD_JSON not in line
+        ):
+            return line
+        body = line[5:].strip()
+        if body == b"[DONE]":
+            return line
+        try:
+            event = json.loads(body)
+        except ValueError:
+            return line
+        if not isinstance(event, dict):
+            return line
+        # Chat and completions chunks carry the params at the top; a /v1/responses stream in
+        # the `response` of its final event (response.completed).
+        holder = event if PARAMS_FIELD in event else event.get("response")
+        if isinstance(holder, dict) and PARAMS_FIELD in holder:
+            params = holder.pop(PARAMS_FIELD)
+            if isinstance(params, dict):
+                self.params = params
+        elif self._rewrite is None:
+            return line
+        if self._rewrite is not None:
+            rewritten = self._rewrite(event)
+            if rewritten is None:
+                return b""
+            event = rewritten
+        ending = b"\r\n" if line.endswith(b"\r\n") else b"\n"
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + ending
+
+
+class StreamRelay:
+    """Relays D's SSE stream to the caller and, once it completed, remembers D's params. Owns the
+    upstream response and the outstanding-request count until `close`."""
+
+    def __init__(
+        self,
+        proxy: DuplexProxy,
+        response: httpx.Response,
+        upstream: Upstream,
+        outstanding: contextlib.ExitStack,
+        key: ConversationKey | None,
+        started: float,
+        rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    ):
+        self._proxy = proxy
+        self._response = response
+        self._upstream = upstream
+        self._outstanding = outstanding
+        self._key = key
+        self._started = started
+        self._rewrite = rewrite
+        self._closed = False
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                await self._response.aclose()
+            finally:
+                self._outstanding.close()
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        proxy, upstream = self._proxy, self._upstream
+        scanner = SseParamsScanner(rewrite=self._rewrite)
+        completed = False
+        try:
+            first = True
+            async for chunk in self._response.aiter_bytes():
+                if first:
+                    first = False
+                    proxy.metrics.decode_first_byte_seconds.observe(
+                        time.perf_counter() - self._started
+                    )
+                out = scanner.feed(chunk)
+                if out:
+                    yield out
+            tail = scanner.finish()
+            if tail:
+                yield tail
+            completed = True
+        except httpx.TransportError as exc:
+            proxy.decode.mark_failed(upstream, describe(exc))
+            proxy.metrics.errors.labels("stream_aborted").inc()
+            scanner.discard_partial()
+            yield sse_error(
+                502, f"decode server {upstream.address} failed mid-stream: {describe(exc)}"
+            )
+        finally:
+            await self.close()
+        if completed:
+            # Stored before the stream ends, so a caller's next turn always finds the entry.
+            await proxy.remember(self._key, upstream, scanner.params)
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that releases its relay even when the body is never iterated (the
+    caller disconnected before the first chunk)."""
+
+    def __init__(self, relay: StreamRelay, **kwargs: Any):
+        super().__init__(relay.stream(), **kwargs)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.close()
