@@ -40,13 +40,19 @@ turns >= 2 (and p50 on turn 1), preemptions (`vllm:num_preemptions`, all servers
 turns held for lookups (`vllm:kvduplex_turns_offered`) and evicted (`vllm:kvduplex_evictions*`;
 every DuplexConnector counter that moved is in the JSON), D->P lookup hits and pulled tokens (P's
 `vllm:kvduplex_lookups_hit` and prompt tokens from `external_kv_transfer`), P->D pulled tokens,
-connector faults (failed transfers, fallbacks, refused grants, failed lookups), client errors,
+how long requests waited in P's scheduler for their lookup answers (p50/p99, bucket upper
+bounds of `vllm:kvduplex_lookup_wait_seconds`), connector faults (failed transfers, fallbacks,
+refused grants, failed lookups), client errors,
 and answers that differ from the ideal's. Answers are compared per turn when the prompt's token
 ids equal the ideal's (tokens equal and logprobs within `LOGPROB_ATOL`, as the other benches
 do); after a conversation's first difference its later turns have other prompts and are
 counted as `diverged`, not compared. Greedy answers of a random-weight model can change with
 the batch they were computed in (other summation order), so a difference under load is
 reported, not hidden; its position and size are in the JSON.
+
+`--connector-config KEY=JSON` (repeatable) sets a DuplexConnector option on the P/D servers
+(e.g. `layerwise_load=true`, `decode_kv_hold_max_fraction=0.5`), to measure a setting side by
+side with the ideal.
 
 Output: a table per system and rate, `--json OUT` (everything), `--png OUT` (TTFT p50/p99 on
 turns >= 2 and goodput against offered load; needs matplotlib: `pip install matplotlib`).
@@ -100,7 +106,15 @@ from kvduplex_testing.tiny_model import (
     build_tiny_chat_model,
     sample_chat_text,
 )
-from multiturn import RECOMPUTE_THRESHOLD, PdCpus, add_pin_argument, pd_cpus
+from multiturn import (
+    LOOKUP_WAIT_HISTOGRAM,
+    RECOMPUTE_THRESHOLD,
+    PdCpus,
+    add_pin_argument,
+    bucket_quantile,
+    pd_cpus,
+    read_lookup_buckets,
+)
 
 logger = logging.getLogger("load")
 
@@ -363,9 +377,11 @@ def server_args(plan: dict[str, Any], blocks: int) -> list[str]:
 
 
 def make_servers(
-    system: str, model_dir: Path, plan: dict[str, Any], cpus: PdCpus, log_dir: Path
+    system: str, model_dir: Path, plan: dict[str, Any], cpus: PdCpus, log_dir: Path,
+    connector_config: dict[str, Any],
 ) -> dict[str, VllmServer]:
-    """The system's servers by role ("server", "server0" and "server1", or "P" and "D")."""
+    """The system's servers by role ("server", "server0" and "server1", or "P" and "D");
+    `connector_config` goes into the P/D servers' `kv_connector_extra_config`."""
     p_cpus, d_cpus = cpus or (None, None)
     if system == IDEAL:
         args = server_args(plan, plan["ideal_blocks"])
@@ -382,6 +398,7 @@ def make_servers(
     config = duplex_kv_transfer_config(
         bidirectional=system == BIDIRECTIONAL, recompute_threshold=RECOMPUTE_THRESHOLD
     )
+    config["kv_connector_extra_config"].update(connector_config)
     args = [*server_args(plan, plan["node_blocks"]), "--kv-transfer-config", json.dumps(config)]
     return {
         "P": VllmServer(model_dir, name=f"{system}-prefill", extra_args=args, log_dir=log_dir,
@@ -407,11 +424,17 @@ def _preemptions(url: str) -> float:
 class Reading:
     metrics: MetricsSnapshot
     preemptions: float
+    # What requests waited in the scheduler for their lookup answer: cumulative bucket counts.
+    lookup_wait: dict[str, float]
+
+
+def _lookup_wait(url: str) -> dict[str, float]:
+    return read_lookup_buckets(url, histogram=LOOKUP_WAIT_HISTOGRAM)
 
 
 def read_all(servers: dict[str, VllmServer]) -> dict[str, Reading]:
     return {
-        role: Reading(read_metrics(s.base_url), _preemptions(s.base_url))
+        role: Reading(read_metrics(s.base_url), _preemptions(s.base_url), _lookup_wait(s.base_url))
         for role, s in servers.items()
     }
 
@@ -424,13 +447,21 @@ def read_all_after(
     out = {}
     for role, s in servers.items():
         after = read_metrics_after(s.base_url, before[role].metrics, finished[role])
+        wait = _lookup_wait(s.base_url)
         out[role] = Reading(
-            after.minus(before[role].metrics), _preemptions(s.base_url) - before[role].preemptions
+            after.minus(before[role].metrics),
+            _preemptions(s.base_url) - before[role].preemptions,
+            {le: n - before[role].lookup_wait.get(le, 0.0) for le, n in wait.items()},
         )
     return out
 
 
 FAULTS = ("failed_transfers", "fallbacks", "grants_refused", "lookup_failures")
+
+
+def _bound(reading: Reading | None, q: float) -> float | None:
+    le = bucket_quantile(reading.lookup_wait, q) if reading is not None else None
+    return None if le is None else float(le)
 
 
 def server_counts(deltas: dict[str, Reading]) -> dict[str, Any]:
@@ -451,6 +482,9 @@ def server_counts(deltas: dict[str, Reading]) -> dict[str, Any]:
         "prefill_cache_hit_tokens": sum(m.cache_hit_tokens for m in computing),
         "connector_faults": {k: connector(k) for k in FAULTS} if p else None,
         "turns_held": connector("turns_offered") if p else None,
+        # Bucket upper bounds of P's `vllm:kvduplex_lookup_wait_seconds` over the point.
+        "lookup_wait_p50_s": _bound(p, 0.5),
+        "lookup_wait_p99_s": _bound(p, 0.99),
         # Every DuplexConnector counter that moved, by server role.
         "connector": {
             role: {k: int(v) for k, v in r.metrics.connector.items() if v}
@@ -527,7 +561,9 @@ def run_system(
 ) -> tuple[list[dict[str, Any]], dict[float, dict]]:
     """All points on one fresh set of servers. Returns each point's summary and its records
     by rate and (chat, turn)."""
-    servers = make_servers(system, args.model_dir, plan, args.cpus, args.work_dir)
+    servers = make_servers(
+        system, args.model_dir, plan, args.cpus, args.work_dir, args.connector_config
+    )
     points, answers = [], {}
     with start_many(list(servers.values())):
         for seed, server in enumerate(servers.values(), start=1):
@@ -592,11 +628,16 @@ def _n(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _lookup_cell(point: dict[str, Any]) -> str:
+    p50, p99 = point.get("lookup_wait_p50_s"), point.get("lookup_wait_p99_s")
+    return "-" if p50 is None else f"{1e3 * p50:g}/{1e3 * p99:g}"
+
+
 REPORT_COLUMNS = (
     ("system", 24), ("chats/s", 8), ("req/s", 6), ("goodput", 8), ("p50", 6), ("p90", 6),
     ("p99", 6), ("t1 p50", 7), ("preempt", 8), ("held", 5), ("evict", 6), ("hits", 5),
-    ("D->P tok", 9), ("P->D tok", 9), ("faults", 7), ("errors", 7), ("equal", 9),
-    ("diverged", 9),
+    ("D->P tok", 9), ("P->D tok", 9), ("lookup", 11), ("faults", 7), ("errors", 7),
+    ("equal", 9), ("diverged", 9),
 )
 
 
@@ -619,7 +660,8 @@ def format_report(report: dict[str, Any]) -> str:
                 ms(p["ttft_p90_s_turns_2_plus"]), ms(p["ttft_p99_s_turns_2_plus"]),
                 ms(p["ttft_p50_s_turn_1"]), p["preemptions"], _n(p["turns_held"]),
                 _n(p["evictions"]), _n(p["d_to_p_hits"]), _n(p["d_to_p_tokens"]),
-                _n(p["p_to_d_tokens"]), _n(sum(faults.values()) if faults else None),
+                _n(p["p_to_d_tokens"]), _lookup_cell(p),
+                _n(sum(faults.values()) if faults else None),
                 p["errors"], equal, diverged,
             ))
     lines = [
@@ -628,7 +670,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [
         "",
         "req/s: offered (chat arrivals x turns); goodput: answer tokens/s of completed requests "
-        "over the point; p50/p90/p99: client TTFT ms on turns >= 2, t1: on turn 1;",
+        "over the point; p50/p90/p99: client TTFT ms on turns >= 2, t1: on turn 1; lookup: "
+        "p50/p99 ms a request waited in P's scheduler for its lookup (bucket upper bounds);",
         "held: finished turns held for lookups; faults: failed transfers + fallbacks + refused "
         "grants + failed lookups; equal: answers equal to the ideal's of those compared; "
         "diverged: turns after a difference (not compared)",
@@ -701,6 +744,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "recompute_threshold": RECOMPUTE_THRESHOLD,
         "logprob_atol": LOGPROB_ATOL,
         "pinned": args.pin,
+        "connector_config": args.connector_config,
         "logs": str(args.work_dir),
         "systems": {},
     }
@@ -764,8 +808,20 @@ def main() -> None:
         help="1: the ideal is one server on both nodes' CPUs with both nodes' blocks; 2: two "
         "servers, one on each node's CPUs with its blocks, chat c on server c %% 2 (module doc)",
     )
+    parser.add_argument(
+        "--connector-config", action="append", default=[], metavar="KEY=JSON",
+        help="a DuplexConnector option for the P/D servers, e.g. layerwise_load=true "
+        "(repeatable)",
+    )
     add_pin_argument(parser)
     args = parser.parse_args()
+    try:
+        args.connector_config = {
+            key: json.loads(value)
+            for key, _, value in (item.partition("=") for item in args.connector_config)
+        }
+    except ValueError as exc:
+        parser.error(f"--connector-config takes KEY=JSON: {exc}")
     workload = QUICK if args.quick else FULL
     overrides = {"conversations": args.conversations, "rates": args.rates, "turns": args.turns,
                  "think_s": args.think}

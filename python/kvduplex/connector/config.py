@@ -14,7 +14,7 @@ Every option, its default and why:
 | `kv_recompute_threshold` | `64` | Pull only when at least this many tokens are gained beyond the local prefix-cache hit (both directions). `0` pulls any gain. `"auto"` derives it from measured transfer and prefill speed (see `threshold.py`), starting at 64 until enough is measured. |
 | `kv_lease_ttl_s` | `30` | How long a prefill node holds a request's blocks for its decode node's read (the hold ends sooner, once the decode node it granted them to is done), and how long a claim that an owner grants a reader lasts at most. |
 | `decode_kv_hold_ttl_s` | `120` | How long a decode node holds a finished turn's blocks for the next turn (bidirectional only). |
-| `decode_kv_hold_max_fraction` | `0.25` | Largest fraction of the KV cache that held finished turns may occupy on a decode node; a new turn past it evicts the least recently used unclaimed held turns (a turn larger than the whole fraction is freed at once). Besides this cap, any unclaimed hold (either side) is given up when the engine runs short of free blocks (`retention.py`). |
+| `decode_kv_hold_max_fraction` | `0.5` | Largest fraction of the KV cache that held finished turns may occupy on a decode node; a new turn past it evicts the least recently used unclaimed held turns (a turn larger than the whole fraction is freed at once). Besides this cap, any unclaimed hold (either side) is given up when the engine runs short of free blocks (`retention.py`). |
 | `read_deadline_margin_s` | `1.0` | A reader gives up a read this long before the owner's lease expires (covers clock skew between hosts), and declines to start one with less time left. |
 | `side_channel_host` | `$VLLM_HOST_IP`, else `127.0.0.1` | Address each worker's transfer engine listens on and announces to peers. |
 | `side_channel_port` | `0` | Port of the transfer engine's side channel; `0` picks a free port for each worker. Otherwise each worker of an engine on this host listens on its own port: port + data-parallel rank on this host × TP size + TP rank (so TP rank r of a single engine listens on port+r, and data-parallel ranks on one host never collide). The real port is always announced. |
@@ -61,7 +61,7 @@ class DuplexConfig:
     auto_recompute_threshold: bool = False
     kv_lease_ttl_s: float = 30.0
     decode_kv_hold_ttl_s: float = 120.0
-    decode_kv_hold_max_fraction: float = 0.25
+    decode_kv_hold_max_fraction: float = 0.5
     read_deadline_margin_s: float = 1.0
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
