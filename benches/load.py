@@ -478,6 +478,14 @@ def server_counts(deltas: dict[str, Reading]) -> dict[str, Any]:
         "d_to_p_hits": int(p.metrics.connector.get("lookups_hit", 0)) if p else None,
         "d_to_p_tokens": p.metrics.transferred_tokens if p else None,
         "p_to_d_tokens": d.metrics.transferred_tokens if d else None,
+        # Mean time to first token inside the engines that prefill (P, the ideal's servers):
+        # arrival in the engine to first token, every turn; the client's TTFT adds the front
+        # ends (and the proxy).
+        "engine_ttft_mean_s": (
+            sum(m.ttft_sum_s for m in computing) / count
+            if (count := sum(m.ttft_count for m in computing)) else None
+        ),
+        "lookup_wait_mean_s": p.metrics.mean_of("lookup_wait_seconds") if p else None,
         "prefill_computed_tokens": sum(m.computed_tokens for m in computing),
         "prefill_cache_hit_tokens": sum(m.cache_hit_tokens for m in computing),
         "connector_faults": {k: connector(k) for k in FAULTS} if p else None,

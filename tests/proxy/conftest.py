@@ -129,6 +129,12 @@ class FakeEngine:
         self.gate_timeouts = 0
         # D: every streamed chunk, as sent.
         self.sent_chunks: list[bytes] = []
+        # P: answer as vLLM does with `return_token_ids`: this sampled token after a prompt of
+        # `sampled_prompt`, all of which it holds for D (a first token the proxy may stream).
+        self.sampled_token: int | None = None
+        self.sampled_prompt = [11, 12, 13]
+        # D: open a chat stream with vLLM's role-only chunk.
+        self.role_chunk = False
         self.port = 0
         self._block_ids = itertools.count(1)
 
@@ -193,7 +199,14 @@ class FakeEngine:
             if params.get(DO_REMOTE_DECODE):
                 out_params = self.prefill_params(request_id)
                 self.returned_params.append(out_params)
-                return JSONResponse(self._completion(chat, request_id, "x", out_params))
+                answer = self._completion(chat, request_id, "x", out_params)
+                if self.sampled_token is not None and body.get("return_token_ids"):
+                    out_params[REMOTE_NUM_TOKENS] = len(self.sampled_prompt)
+                    answer["created"] = 1
+                    answer["choices"][0]["token_ids"] = [self.sampled_token]
+                    holder = answer if chat else answer["choices"][0]
+                    holder["prompt_token_ids"] = self.sampled_prompt
+                return JSONResponse(answer)
             out_params = (
                 self.decode_params(request_id)
                 if params.get(DO_REMOTE_PREFILL) and self.return_decode_params
@@ -278,6 +291,12 @@ class FakeEngine:
             event = {"type": "response.completed", "response": final}
             yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
             return
+        if chat and self.role_chunk:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None}
+            event = {"id": request_id, "object": "chat.completion.chunk", "model": "tiny",
+                     "choices": [role]}
+            yield f"data: {json.dumps(event)}\n\n".encode()
         for i, piece in enumerate(pieces):
             if self.abort_stream_after is not None and i == self.abort_stream_after:
                 raise RuntimeError("fake engine dies mid-stream")

@@ -6,6 +6,7 @@ every streamed answer with a single server's, token ids, logprobs and usage)."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -188,3 +189,63 @@ def test_ds_events_continue_the_first_one():
                                           "finish_reason": None}]}
     (choice,) = rewrite(chunk)["choices"]
     assert "prompt_token_ids" not in choice and choice["logprobs"]["text_offset"] == [2]
+
+
+# ---- through the proxy, with fake engines over real HTTP (tests/proxy/conftest.py) ----------
+
+
+def _stream(proxy, body: dict[str, Any]) -> tuple[bytes, list[dict[str, Any]]]:
+    with proxy.client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        raw = response.read()
+    events = [
+        json.loads(line[5:])
+        for line in raw.decode().splitlines()
+        if line.startswith("data:") and line[5:].strip() != "[DONE]"
+    ]
+    return raw, events
+
+
+def test_the_stream_starts_with_ps_token_and_d_continues_after_it(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    p.sampled_token, d.role_chunk = 99, True
+    proxy = cluster.proxy([p], [d])
+    body = {**CHAT, "return_token_ids": True, "stream_options": {"include_usage": True}}
+
+    raw, events = _stream(proxy, body)
+
+    assert raw.rstrip().endswith(b"data: [DONE]")
+    first, *rest = events
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "x"}
+    assert first["choices"][0]["token_ids"] == [99] and first["prompt_token_ids"] == p.sampled_prompt
+    # D's role chunk is gone; every event carries P's response id.
+    assert all("role" not in (e["choices"][0].get("delta") or {}) for e in rest if e["choices"])
+    assert {e["id"] for e in events} == {first["id"]}
+    p_body, d_body = p.bodies()[-1], d.bodies()[-1]
+    assert p_body["return_token_ids"] is True and p_body["max_tokens"] == 1
+    assert d_body["max_tokens"] == CHAT["max_tokens"] - 1
+    assert d_body["kv_transfer_params"]["prompt_token_ids"] == [*p.sampled_prompt, 99]
+    assert proxy.metric("kvduplex_proxy_first_tokens_total", source="prefill", reason="") == 1
+
+    # A P that answers without token ids (an older server): D's first token, as before.
+    p.sampled_token = None
+    _, events = _stream(proxy, body)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "prompt_token_ids" not in d.bodies()[-1]["kv_transfer_params"]
+    assert proxy.metric(
+        "kvduplex_proxy_first_tokens_total", source="decode", reason="no_token_ids"
+    ) == 1
+
+
+def test_a_decode_server_failing_after_the_first_token_ends_the_stream_with_an_error(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    p.sampled_token = 99
+    d.fail_with = (503, {"error": {"message": "overloaded", "type": "x", "code": 503}})
+    proxy = cluster.proxy([p], [d])
+
+    raw, events = _stream(proxy, CHAT)
+
+    assert events[0]["choices"][0]["delta"]["content"] == "x"
+    assert events[-1]["error"]["code"] == 503 and "overloaded" in events[-1]["error"]["message"]
+    assert raw.rstrip().endswith(b"data: [DONE]")
+    assert proxy.metric("kvduplex_proxy_errors_total", kind="upstream_status") == 1

@@ -53,9 +53,9 @@ class WorkerLookups:
             return
         targets = self._targets(engine, spec.owner)
         if spec.hint is not None:
-            hinted = [target for target in targets if target == _address(spec.hint)]
-            if hinted:
-                targets = hinted
+            hint = _address(spec.hint)
+            if hint is not None and hint in targets:
+                targets = [hint]
                 self._stats.add("lookups_hinted")
             else:
                 logger.debug("Lookup hint %s names no engine a lookup asks; asking all", spec.hint)
@@ -113,12 +113,13 @@ class WorkerLookups:
                 for engine_id, address in engine.known_peers()
                 if engine_id.endswith(md.rank_engine_id("", 0))
             )
-        targets: list[tuple[str, int]] = []
+        # In order, each once (a dict: linear in the fleet, not quadratic).
+        targets: dict[tuple[str, int], None] = {}
         for address in addresses:
             target = _address(address)
-            if target is not None and target not in targets:
-                targets.append(target)
-        return targets
+            if target is not None:
+                targets[target] = None
+        return list(targets)
 
     def _collect(self, engine: _core.Engine | None) -> None:
         """Report lookups whose every owner answered, one of whose owners holds every block

@@ -140,6 +140,18 @@ class _DecodeChoice:
     route_key: bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class _DecodeLeg:
+    """Where a request's decode leg goes: its route and forwarded headers, how its D is chosen,
+    its conversation entry's key and the routing headers' values."""
+
+    route: str
+    headers: dict[str, str]
+    choice: _DecodeChoice
+    key: ConversationKey | None
+    routing: dict[str, str]
+
+
 class DuplexProxy:
     def __init__(
         self,
@@ -297,17 +309,18 @@ class DuplexProxy:
             decode_body = dict(body)
             if decode_params is not None:
                 decode_body[PARAMS_FIELD] = decode_params
-        routing = {"prefill": prefill_upstream.address, "conversation": lookup}
-        choice = _DecodeChoice(pinned, route_key)
+        leg = _DecodeLeg(
+            route,
+            forward_headers,
+            _DecodeChoice(pinned, route_key),
+            key,
+            {"prefill": prefill_upstream.address, "conversation": lookup},
+        )
         if first is not None:
-            return self._continue_stream(
-                route, first, body, decode_body, forward_headers, choice, key, routing
-            )
+            return self._continue_stream(leg, first, body, decode_body)
         if stream:
-            return await self._decode_stream(
-                route, decode_body, forward_headers, choice, key, routing
-            )
-        return await self._decode_json(route, decode_body, forward_headers, choice, key, routing)
+            return await self._decode_stream(leg, decode_body)
+        return await self._decode_json(leg, decode_body)
 
     async def recall(
         self, key: ConversationKey | None
@@ -465,19 +478,16 @@ class DuplexProxy:
             "x-kvduplex-conversation": routing["conversation"],
         }
 
-    async def _decode_json(
-        self,
-        route: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        choice: _DecodeChoice,
-        key: ConversationKey | None,
-        routing: dict[str, str],
-    ) -> Response:
+    async def _decode_json(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response:
         upstream, raw = await self._post_buffered(
-            self.decode, route, body, headers, self.metrics.decode_first_byte_seconds, choice
+            self.decode,
+            leg.route,
+            body,
+            leg.headers,
+            self.metrics.decode_first_byte_seconds,
+            leg.choice,
         )
-        self._count_decode_route(choice, upstream)
+        self._count_decode_route(leg.choice, upstream)
         try:
             result = json.loads(raw)
         except ValueError:
@@ -488,26 +498,26 @@ class DuplexProxy:
                 kind="upstream_status",
             ) from None
         if isinstance(result, dict) and PARAMS_FIELD in result:
-            await self.remember(key, upstream, result.pop(PARAMS_FIELD))
+            await self.remember(leg.key, upstream, result.pop(PARAMS_FIELD))
             # D's block ids and address stay inside the deployment.
             raw = json.dumps(result, ensure_ascii=False).encode()
         return Response(
             raw,
             media_type="application/json",
-            headers=self._routing_headers(routing, upstream),
+            headers=self._routing_headers(leg.routing, upstream),
         )
 
     async def _open_decode_stream(
-        self, route: str, body: dict[str, Any], headers: dict[str, str], choice: _DecodeChoice
+        self, leg: _DecodeLeg, body: dict[str, Any]
     ) -> tuple[Upstream, httpx.Response, contextlib.ExitStack, float]:
         """D's streamed answer from the first D that takes the request: (D, its response with
         status 200, the stack that ends its outstanding count, when it was sent)."""
-        for upstream in self._candidates(self.decode, choice):
+        for upstream in self._candidates(self.decode, leg.choice):
             with contextlib.ExitStack() as outstanding:
                 outstanding.enter_context(self.decode.track(upstream))
                 started = time.perf_counter()
                 request = self.client.build_request(
-                    "POST", upstream.base_url + route, json=body, headers=headers
+                    "POST", upstream.base_url + leg.route, json=body, headers=leg.headers
                 )
                 try:
                     response = await self.client.send(request, stream=True)
@@ -525,39 +535,25 @@ class DuplexProxy:
                     finally:
                         await response.aclose()
                     raise UpstreamErrorResponse(response.status_code, raw, upstream)
-                self._count_decode_route(choice, upstream)
+                self._count_decode_route(leg.choice, upstream)
                 return upstream, response, outstanding.pop_all(), started
         raise self._no_upstream(self.decode.role)
 
-    async def _decode_stream(
-        self,
-        route: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        choice: _DecodeChoice,
-        key: ConversationKey | None,
-        routing: dict[str, str],
-    ) -> Response:
-        upstream, response, outstanding, started = await self._open_decode_stream(
-            route, body, headers, choice
-        )
-        relay = StreamRelay(self, response, upstream, outstanding, key, started)
+    async def _decode_stream(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response:
+        upstream, response, outstanding, started = await self._open_decode_stream(leg, body)
+        relay = StreamRelay(self, response, upstream, outstanding, leg.key, started)
         return RelayResponse(
             relay,
             media_type=response.headers.get("content-type", "text/event-stream"),
-            headers=self._routing_headers(routing, upstream),
+            headers=self._routing_headers(leg.routing, upstream),
         )
 
     def _continue_stream(
         self,
-        route: str,
+        leg: _DecodeLeg,
         first: first_token.FirstToken,
         body: dict[str, Any],
         decode_body: dict[str, Any],
-        headers: dict[str, str],
-        choice: _DecodeChoice,
-        key: ConversationKey | None,
-        routing: dict[str, str],
     ) -> Response:
         """The caller's stream starts with P's first token at once; D's continuation follows.
         D is reached after the response started, so its failures end the stream with an error
@@ -567,7 +563,7 @@ class DuplexProxy:
             yield sse_event(first_token.first_chunk(first, body))
             try:
                 upstream, response, outstanding, started = await self._open_decode_stream(
-                    route, decode_body, headers, choice
+                    leg, decode_body
                 )
             except (ProxyError, UpstreamErrorResponse) as exc:
                 reply = json.loads(self.error_response(exc).body)
@@ -581,7 +577,7 @@ class DuplexProxy:
                 response,
                 upstream,
                 outstanding,
-                key,
+                leg.key,
                 started,
                 rewrite=first_token.ContinuationRewriter(first),
             )
@@ -592,14 +588,14 @@ class DuplexProxy:
                 await relay.close()
 
         first_pick = (
-            next(iter(self._candidates(self.decode, choice)), None)
+            next(iter(self._candidates(self.decode, leg.choice)), None)
             if self.config.routing_headers
             else None
         )
         return StreamingResponse(
             events(),
             media_type="text/event-stream",
-            headers=self._routing_headers(routing, first_pick) if first_pick else {},
+            headers=self._routing_headers(leg.routing, first_pick) if first_pick else {},
         )
 
     # ---- other routes ----------------------------------------------------------------------

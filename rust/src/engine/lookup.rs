@@ -194,12 +194,9 @@ pub(super) fn lookup_handler(
 }
 
 /// The targets a lookup need not ask, each with its owner's engine id: without a named hold,
-/// the synced owners that announced none of the prompt's longest announced prefix (see
-/// [`HeldIndex::narrow`]), and that have a live connection to answer for. A named hold's owner
-/// is always asked, and so is every target when the index would ask none: the owner of the
-/// turn its client just saw answered may not have announced it yet (the announcement follows
-/// the hold by a thread's wake-up, seconds on a starved host), so a prompt nobody announced
-/// costs the fan-out it cost before the index, and every hit is asked of its holder alone.
+/// those [`HeldIndex::narrow`] passes over (synced owners that announced none of the prompt's
+/// longest announced prefix, while another announced it), and that have a live connection to
+/// answer for. A named hold's owner is always asked.
 pub(super) fn unasked(
     shared: &Shared,
     addresses: &[String],
@@ -210,9 +207,6 @@ pub(super) fn unasked(
         return vec![None; addresses.len()];
     }
     let ask = lock(&shared.held_index).narrow(addresses, fingerprints);
-    if !ask.contains(&true) {
-        return vec![None; addresses.len()];
-    }
     addresses
         .iter()
         .zip(ask)
