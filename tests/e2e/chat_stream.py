@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
-from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, sample_sums
 from kvduplex.demo.servers import VllmServer, complete
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.protocol import METRIC_PREFIX
@@ -309,10 +309,4 @@ def token_prompt_through_proxy(
 def first_tokens_by_source(proxy_url: str) -> dict[str, float]:
     """`kvduplex proxy`'s streamed answers by where their first token came from (prefill: sent
     as soon as P answered; decode: computed again by D), from its /metrics."""
-    counts: dict[str, float] = {}
-    for line in httpx.get(f"{proxy_url}/metrics", timeout=10.0).text.splitlines():
-        if line.startswith("kvduplex_proxy_first_tokens_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            counts[source] = counts.get(source, 0) + float(line.rpartition(" ")[2])
-    return counts
-
+    return sample_sums(proxy_url, "kvduplex_proxy_first_tokens_total", "source")

@@ -566,11 +566,7 @@ class DuplexProxy:
                     leg, decode_body
                 )
             except (ProxyError, UpstreamErrorResponse) as exc:
-                reply = json.loads(self.error_response(exc).body)
-                error = reply.get("error") if isinstance(reply, dict) else None
-                message = error.get("message") if isinstance(error, dict) else str(exc)
-                status = exc.status
-                yield sse_error(status, str(message))
+                yield sse_error(self.error_body(exc)[1])
                 return
             relay = StreamRelay(
                 self,
@@ -639,25 +635,29 @@ class DuplexProxy:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     def error_response(self, exc: ProxyError | UpstreamErrorResponse) -> JSONResponse:
+        status, body = self.error_body(exc)
+        return JSONResponse(body, status_code=status)
+
+    def error_body(self, exc: ProxyError | UpstreamErrorResponse) -> tuple[int, dict[str, Any]]:
+        """The error's HTTP status and OpenAI-shaped body (an upstream's own such body as it
+        sent it); counted in the error metrics."""
         if isinstance(exc, ProxyError):
             self.metrics.errors.labels(exc.kind).inc()
-            return JSONResponse(
-                openai_error(exc.status, exc.message, exc.error_type), status_code=exc.status
-            )
+            return exc.status, openai_error(exc.status, exc.message, exc.error_type)
         self.metrics.errors.labels("upstream_status").inc()
         try:
             body = json.loads(exc.body)
         except ValueError:
             body = None
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            return JSONResponse(body, status_code=exc.status)
+            return exc.status, body
         detail = body.get("detail") if isinstance(body, dict) else None
         text = str(detail) if detail is not None else exc.body[:500].decode(errors="replace")
         message = f"{exc.upstream.role} server {exc.upstream.address} answered HTTP {exc.status}"
         if text:
             message += f": {text}"
         error_type = "invalid_request_error" if 400 <= exc.status < 500 else "upstream_error"
-        return JSONResponse(openai_error(exc.status, message, error_type), status_code=exc.status)
+        return exc.status, openai_error(exc.status, message, error_type)
 
 
 def create_app(

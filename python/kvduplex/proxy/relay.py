@@ -39,9 +39,9 @@ def sse_event(event: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
-def sse_error(status: int, message: str) -> bytes:
-    """An error event that ends a stream already under way (its HTTP status was sent)."""
-    error = openai_error(status, message, "upstream_error")
+def sse_error(error: dict[str, Any]) -> bytes:
+    """An OpenAI-shaped `error` event that ends a stream already under way (its HTTP status
+    was sent)."""
     return b"\n\ndata: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
 
@@ -169,7 +169,11 @@ class StreamRelay:
             proxy.metrics.errors.labels("stream_aborted").inc()
             scanner.discard_partial()
             yield sse_error(
-                502, f"decode server {upstream.address} failed mid-stream: {describe(exc)}"
+                openai_error(
+                    502,
+                    f"decode server {upstream.address} failed mid-stream: {describe(exc)}",
+                    "upstream_error",
+                )
             )
         finally:
             await self.close()
