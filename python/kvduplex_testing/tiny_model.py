@@ -50,6 +50,11 @@ CHAT_FIRST_WORD_ID = len(CHAT_SPECIAL_TOKENS) + len(CHAT_ROLE_MARKERS)
 # (vLLM's sampling parameter) with every chat request. Role markers are left out too: they would
 # round-trip, but an answer that says "user:" reads like a new turn.
 CHAT_ALLOWED_TOKEN_IDS = (CHAT_EOS_TOKEN_ID, *range(CHAT_FIRST_WORD_ID, VOCAB_SIZE))
+# The same for `/v1/responses`, which takes no `allowed_token_ids`: its `logit_bias` (token id
+# as a string, vLLM's bound of -100) keeps the model from sampling the other ids.
+CHAT_RESPONSES_LOGIT_BIAS = {
+    str(token): -100.0 for token in range(CHAT_FIRST_WORD_ID) if token != CHAT_EOS_TOKEN_ID
+}
 
 # Same shape as CHAT_TEMPLATE: "<s>system: ...\nuser: ...\nassistant: ...\nuser: ...\nassistant:".
 # The role markers are single vocabulary words and everything between words is whitespace, which

@@ -244,25 +244,41 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_config_dir):
 WORD, STOP_WORD = 300, 400  # token ids of two words of the chat vocabulary
 
 
+ABORTED, LENGTH = RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_LENGTH_CAPPED
+
+
 @pytest.mark.parametrize(
-    "stop,min_tokens,tokens,held",
+    "stop,min_tokens,tokens,status,held",
     [
         # vLLM's frontend saw the stop string and aborted; the engine ran one token further.
-        (True, 0, [WORD, STOP_WORD, WORD], True),
+        (True, 0, [WORD, STOP_WORD, WORD], ABORTED, 1),
         # ... or several tokens further.
-        (True, 0, [WORD, WORD, STOP_WORD, WORD, WORD], True),
+        (True, 0, [WORD, WORD, STOP_WORD, WORD, WORD], ABORTED, 2),
+        # The engine reached max_tokens before the frontend's abort came: the client still
+        # saw only the answer before the stop string.
+        (True, 0, [WORD, STOP_WORD, WORD], LENGTH, 1),
+        # Reached max_tokens with no stop string in the answer: all of it.
+        (True, 0, [WORD, WORD, WORD], LENGTH, 3),
         # The client aborted before the stop string came.
-        (True, 0, [WORD, WORD], False),
+        (True, 0, [WORD, WORD], ABORTED, None),
         # The client aborted a request without stop strings.
-        (False, 0, [WORD, STOP_WORD], False),
+        (False, 0, [WORD, STOP_WORD], ABORTED, None),
         # vLLM ignores a stop string within min_tokens, so only the client can have aborted.
-        (True, 2, [STOP_WORD, WORD], False),
+        (True, 2, [STOP_WORD, WORD], ABORTED, None),
+        # ... and a stop string within min_tokens does not cut the answer.
+        (True, 1, [STOP_WORD, WORD], LENGTH, 2),
     ],
-    ids=["stop-string", "stop-string-later", "client-abort", "client-abort-no-stop", "within-min-tokens"],
+    ids=[
+        "stop-string", "stop-string-later", "length-past-stop-string", "length-no-stop-string",
+        "client-abort", "client-abort-no-stop", "within-min-tokens", "length-within-min-tokens",
+    ],
 )
-def test_a_turn_ended_by_a_stop_string_is_held_and_a_client_abort_is_not(
-    chat_model_dir, stop, min_tokens, tokens, held
+def test_a_turn_holds_the_answer_its_client_saw_and_a_client_abort_is_not_held(
+    chat_model_dir, stop, min_tokens, tokens, status, held
 ):
+    """A turn's hold ends where the answer its client saw ends: before the first stop string
+    (past `min_tokens`), however the engine finished (a frontend's abort on the stop string,
+    or max_tokens reached before that abort came)."""
     p, d = (make_engine(chat_model_dir, name, BIDIRECTIONAL, tokenizer=True) for name in "PD")
     stop_string = get_tokenizer(str(chat_model_dir)).decode([STOP_WORD])
     prompt = prompt_tokens(70)
@@ -282,12 +298,14 @@ def test_a_turn_ended_by_a_stop_string_is_held_and_a_client_abort_is_not(
             break
         d.step(token=tokens[len(request.output_token_ids)])
     assert list(request.output_token_ids) == tokens
-    # What EngineCore.abort_requests does, for a stop string and a client's abort alike.
-    d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    # What EngineCore.abort_requests does, for a stop string and a client's abort alike; or
+    # what the scheduler does at max_tokens.
+    d.scheduler.finish_requests("d1", status)
     holds = d.step().meta.holds
-    assert [hold.request_id for hold in holds] == (["d1"] if held else [])
-    if held:  # the answer its client saw: not the tokens the engine computed past the stop
-        seen = tokens[: tokens.index(STOP_WORD)]
+    assert [hold.request_id for hold in holds] == (["d1"] if held is not None else [])
+    if held is not None:  # not the tokens the engine computed past the stop string
+        # ... nor the last token, whose KV no step computed.
+        seen = tokens[: min(held, len(tokens) - 1)]
         offer = protocol.decode_offer(holds[0].offer)
         assert offer[protocol.REMOTE_NUM_TOKENS] == len(prompt) + len(seen)
         salt = request_salt(None, None, None)

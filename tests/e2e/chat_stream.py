@@ -27,7 +27,12 @@ from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.protocol import METRIC_PREFIX
 from kvduplex.proxy.config import CONVERSATION_HEADER
 from kvduplex_testing.servers import prompt_tokens_by_source, start_many
-from kvduplex_testing.tiny_model import CHAT_ALLOWED_TOKEN_IDS, CHAT_EOS_TOKEN_ID, sample_chat_text
+from kvduplex_testing.tiny_model import (
+    CHAT_ALLOWED_TOKEN_IDS,
+    CHAT_EOS_TOKEN_ID,
+    CHAT_RESPONSES_LOGIT_BIAS,
+    sample_chat_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,44 @@ def pulled(server: VllmServer, before: dict[str, float]) -> float:
     return prompt_tokens_by_source(server.base_url).get("external_kv_transfer", 0) - before.get(
         "external_kv_transfer", 0
     )
+
+
+def connector_counts(server: VllmServer) -> dict[str, float]:
+    """`server`'s kvduplex counters (`vllm:kvduplex_*_total`), each summed over its labels."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{server.base_url}/metrics", timeout=10.0).text.splitlines():
+        name = line.partition(" ")[0].partition("{")[0]
+        if name.startswith(METRIC_PREFIX) and name.endswith("_total"):
+            key = name.removeprefix(METRIC_PREFIX)
+            counts[key] = counts.get(key, 0.0) + float(line.rpartition(" ")[2])
+    return counts
+
+
+class PullWatch:
+    """Around one turn: how many prompt tokens P pulled (`pulled`), and, for an assertion's
+    message, every kvduplex counter that moved on P and each D (`report`): a turn that pulled
+    nothing says whether its lookup missed, failed, was declined or never asked."""
+
+    def __init__(self, prefill: VllmServer, decodes: Sequence[VllmServer]) -> None:
+        self._prefill = prefill
+        self._servers = [prefill, *decodes]
+        self._before = prompt_tokens_by_source(prefill.base_url)
+        self._counts = {server.name: connector_counts(server) for server in self._servers}
+
+    def pulled(self) -> float:
+        return pulled(self._prefill, self._before)
+
+    def report(self) -> str:
+        moved = {}
+        for server in self._servers:
+            after = connector_counts(server)
+            before = self._counts[server.name]
+            moved[server.name] = {
+                name: value - before.get(name, 0.0)
+                for name, value in after.items()
+                if value != before.get(name, 0.0)
+            }
+        return f"counters moved: {moved}"
 
 
 def stream_chat(
@@ -114,6 +157,9 @@ def respond(
         max_output_tokens=max_output_tokens,
         temperature=0,
         extra_headers=headers,
+        # Only ids whose text round-trips (a skipped special token would leave the next
+        # turn's prompt other than the held turn's tokens: nothing to pull).
+        extra_body={"logit_bias": CHAT_RESPONSES_LOGIT_BIAS},
     )
     if stream:
         events = list(client.responses.create(stream=True, **kwargs))

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chat_stream import Answer, first_tokens_by_source, pulled, respond, stream_chat
+from chat_stream import Answer, PullWatch, first_tokens_by_source, pulled, respond, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
@@ -421,13 +421,13 @@ def test_a_chat_whose_requests_carry_stop_strings_pulls_every_later_turn(servers
             stop = [f" {words[len(words) // 2]}"]
             expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS, stop=stop)
             assert len(expected.token_ids) < len(free.token_ids), f"turn {turn}: {stop} no stop"
-            before = prompt_tokens_by_source(servers.prefill.base_url)
+            watch = PullWatch(servers.prefill, servers.decodes)
             answer = stream_chat(proxy.base_url, messages, MAX_TOKENS, stop=stop)
             assert answer.token_ids == expected.token_ids, f"turn {turn}: tokens differ"
             assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL), turn
             assert answer.text == expected.text
             if turn > 0:
-                assert pulled(servers.prefill, before) > 0, f"turn {turn}: nothing pulled"
+                assert watch.pulled() > 0, f"turn {turn}: nothing pulled; {watch.report()}"
             messages.append({"role": "assistant", "content": answer.text})
     done = wait_for_counter(
         prefill, "vllm:kvduplex_transfers_total", lambda n: n - transfers >= TURNS - 1
@@ -453,14 +453,14 @@ def test_a_responses_api_chat_through_kvduplex_proxy_pulls_every_later_turn(serv
                     {"role": "user", "content": sample_chat_text(40, seed=seed * 10 + turn)}
                 )
                 expected = respond(servers.reference.base_url, messages, MAX_TOKENS, stream=False)
-                before = prompt_tokens_by_source(servers.prefill.base_url)
+                watch = PullWatch(servers.prefill, servers.decodes)
                 answer = respond(
                     proxy.base_url, messages, MAX_TOKENS, stream=stream,
                     conversation_id=conversation_id,
                 )
                 assert answer == expected, f"{conversation_id} turn {turn}: answers differ"
                 if turn > 0:
-                    assert pulled(servers.prefill, before) > 0, f"{conversation_id} turn {turn}"
+                    assert watch.pulled() > 0, f"{conversation_id} turn {turn}: {watch.report()}"
                 messages.append({"role": "assistant", "content": answer})
 
 

@@ -710,26 +710,26 @@ class DuplexScheduler:
 
 
 def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> int | None:
-    """How many of a finished request's output tokens its turn holds, None when the request is
-    not worth holding. Length-capped or stopped in the engine (eos, stop token): every one. A
-    turn that ended on a stop string: those before it, the answer the client saw (the engine
-    may have computed a few past it, their number a matter of timing; held, they would spoil
-    the turn's partial last block for the next turn's prompt). Never a request its client
-    aborted. vLLM 0.32 matches stop strings in the frontend and aborts the request in the
-    engine core as it does a client's abort (FINISHED_ABORTED, no reason given); the output
-    tells them apart: one of the request's stop strings, ending past its first `min_tokens`
-    tokens (where vLLM's detokenizer looks)."""
+    """How many of a finished request's output tokens its turn holds: the answer its client
+    saw, None when the request is not worth holding. vLLM 0.32 matches stop strings in the
+    frontend, which cuts the answer before the first one (past `min_tokens`, where its
+    detokenizer looks) and aborts the request in the engine core as it does a client's abort
+    (FINISHED_ABORTED, no reason given). The engine may have computed a few tokens past the
+    stop string by then, or even reached max_tokens or eos before the abort came, their number
+    a matter of timing; held, they would spoil the turn's partial last block for the next
+    turn's prompt. So: a request with stop strings holds the tokens before the first one
+    (every one when its answer has none, unless it was aborted: then its client aborted it,
+    and it is never held); a request without, every token if it finished in the engine
+    (length, eos, stop token)."""
     output = request.output_token_ids
-    if request.status in _HOLDABLE_STATUSES:
-        return len(output)
     params = request.sampling_params
-    if (
-        request.status != RequestStatus.FINISHED_ABORTED
-        or tokenizer is None
-        or params is None
-        or not params.stop
-        or len(output) <= params.min_tokens
-    ):
+    aborted = request.status == RequestStatus.FINISHED_ABORTED
+    if not aborted and request.status not in _HOLDABLE_STATUSES:
+        return None
+    if params is None or not params.stop or len(output) <= params.min_tokens:
+        return None if aborted else len(output)
+    if tokenizer is None:
+        # Where the client's answer ends cannot be told: not held.
         return None
     output = list(output)
     skip = params.skip_special_tokens
@@ -745,7 +745,7 @@ def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> in
         if (at := text.find(stop, max(0, checked_from - len(stop) + 1))) >= 0
     ]
     if not found:
-        return None
+        return None if aborted else len(output)
     at, length = min(found)
     seen = at + length if params.include_stop_str_in_output else at
     # The longest output prefix whose text the client saw whole: binary search on the text's
