@@ -246,6 +246,14 @@ def test_auto_threshold_from_measured_speeds():
         estimator.observe_read(0.005 + 0.0001 * tokens, tokens)
     # Pull when 0.256 + 0.005 + 0.0001 n < 0.001 n, i.e. n > 290.
     assert estimator.threshold() == 291
+    # A lookup's wait is not measured yet: a lookup is asked for what a pull is worth.
+    assert estimator.lookup_threshold() == 291
+    for _ in range(4):
+        estimator.observe_lookup_wait(0.09)
+    # Look up when 0.09 + 0.256 + 0.005 + 0.0001 n < 0.001 n, i.e. n > 390; a pull whose
+    # owner answered no longer pays for the wait.
+    assert 389 <= estimator.lookup_threshold() <= 391
+    assert estimator.threshold() == 291
 
 
 def test_auto_threshold_never_pulls_when_reading_is_slower_than_computing():

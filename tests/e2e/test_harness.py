@@ -4,6 +4,7 @@ and a server is pinned to the CPUs it is given."""
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,9 +48,12 @@ def test_reference_server_is_deterministic_and_history_sensitive(reference_serve
 def test_server_processes_are_pinned_to_the_cpus_given(tmp_path):
     # The launcher itself, with a stand-in interpreter that prints the CPUs it may run on (what
     # vLLM's engine and worker processes inherit) and its OpenMP threads, and exits: a server
-    # that "died" at startup.
+    # that "died" at startup, leaving a file where vLLM puts its processes' sockets.
     stand_in = tmp_path / "python"
-    stand_in.write_text("#!/bin/sh\ngrep Cpus_allowed_list /proc/self/status\necho threads=$OMP_NUM_THREADS\n")
+    stand_in.write_text(
+        "#!/bin/sh\ngrep Cpus_allowed_list /proc/self/status\necho threads=$OMP_NUM_THREADS\n"
+        'echo ipc=$VLLM_RPC_BASE_PATH\ntouch "$VLLM_RPC_BASE_PATH/socket"\n'
+    )
     stand_in.chmod(0o755)
     first, second = node_cpu_sets(2)
     assert first and second and not first & second
@@ -67,7 +71,10 @@ def test_server_processes_are_pinned_to_the_cpus_given(tmp_path):
         assert allowed is not None, str(died.value)
         assert parse_cpu_list(allowed.group(1)) == set(expected)
         assert f"threads={threads}" in str(died.value)
+        ipc = Path(re.search(r"ipc=(\S+)", str(died.value)).group(1))
+        assert (ipc / "socket").exists()
         server.stop()
+        assert not ipc.exists(), "the server's socket directory outlived it"
 
     with pytest.raises(ValueError, match="empty CPU set"):
         VllmServer(tmp_path, cpus=[])

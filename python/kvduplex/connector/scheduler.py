@@ -167,6 +167,8 @@ class DuplexScheduler:
             self._params_context,
             self._stats,
             threshold=self.recompute_threshold,
+            lookup_threshold=self._lookup_threshold,
+            observe_wait=None if self._estimator is None else self._estimator.observe_lookup_wait,
             pullable=self._pullable,
             release=lambda release: self._releases.append(release),
         )
@@ -178,6 +180,12 @@ class DuplexScheduler:
     def recompute_threshold(self) -> int:
         if self._estimator is not None:
             return self._estimator.threshold()
+        return self._config.recompute_threshold
+
+    def _lookup_threshold(self) -> int:
+        """The fewest tokens a lookup by content must be able to gain (`threshold.py`)."""
+        if self._estimator is not None:
+            return self._estimator.lookup_threshold()
         return self._config.recompute_threshold
 
     def on_new_request(self, request: Request) -> None:

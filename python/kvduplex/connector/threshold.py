@@ -13,6 +13,14 @@ and, if reading a token is no faster than computing it, no pull is worth it (thr
 max_model_len + 1). Until `MIN_SAMPLES` reads and prefill steps were measured, the configured
 default (64) applies. Measurements decay exponentially (factor `DECAY` per sample), so the
 estimate follows load changes.
+
+A lookup by content (a prefill node asking decode nodes whether they hold the prompt's history)
+costs its wait on top, hit or miss: the request waits in the scheduler for the answers, one
+step of the engine while it is busy, a round trip while it is idle. `lookup_threshold` adds
+that wait, measured (`observe_lookup_wait`: what requests waited for their answers), to the
+fixed cost: a prompt is looked up only when it could gain more tokens than that, so a busy
+prefill node stops paying a step for histories too short to pay it back, and goes on looking
+up long ones. Until `MIN_SAMPLES` waits were measured it equals `threshold`.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ class RecomputeThresholdEstimator:
         # Decayed sums for the least-squares fit of read time against tokens.
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._reads = 0
+        self._lookup_wait_s = _Ema()
 
     def observe_step(self, seconds: float, scheduled_tokens: int) -> None:
         if seconds <= 0 or scheduled_tokens <= 0:
@@ -68,6 +77,10 @@ class RecomputeThresholdEstimator:
         self._sxy = d * self._sxy + tokens * seconds
         self._reads += 1
 
+    def observe_lookup_wait(self, seconds: float) -> None:
+        if seconds >= 0:
+            self._lookup_wait_s.add(seconds)
+
     def _read_model(self) -> tuple[float, float]:
         """(seconds per read, seconds per token) of the fitted read time."""
         mean_x = self._sx / self._w
@@ -81,6 +94,16 @@ class RecomputeThresholdEstimator:
         return 0.0, mean_y / mean_x
 
     def threshold(self) -> int:
+        """The fewest gained tokens worth a pull whose owner is known."""
+        return self._smallest_gain(0.0)
+
+    def lookup_threshold(self) -> int:
+        """The fewest tokens a lookup must be able to gain to be worth its wait and the pull."""
+        if self._lookup_wait_s.samples < MIN_SAMPLES:
+            return self.threshold()
+        return self._smallest_gain(self._lookup_wait_s.mean)
+
+    def _smallest_gain(self, wait_s: float) -> int:
         if (
             self._reads < MIN_SAMPLES
             or self._prefill_s_per_token.samples < MIN_SAMPLES
@@ -91,5 +114,5 @@ class RecomputeThresholdEstimator:
         saving_per_token = self._prefill_s_per_token.mean - read_s_per_token
         if saving_per_token <= 0:
             return self._never
-        fixed_s = self._step_s.mean + per_read_s
+        fixed_s = wait_s + self._step_s.mean + per_read_s
         return min(self._never, max(1, math.floor(fixed_s / saving_per_token) + 1))

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -149,6 +150,9 @@ class VllmServer:
         if self.cpus is not None and not self.cpus:
             raise ValueError(f"{name} server: an empty CPU set")
         self._process: subprocess.Popen[bytes] | None = None
+        # vLLM's ZMQ sockets between its processes, removed with the server (vLLM leaves one
+        # socket file per process in the temp directory when its processes are killed).
+        self._ipc_dir: str | None = None
         self._started_at = 0.0
         self._ready = False
 
@@ -183,7 +187,9 @@ class VllmServer:
         if self._process is not None:
             raise ServerError(f"{self.name} server on :{self.port} was already started")
         pinned_threads = {"OMP_NUM_THREADS": str(len(self.cpus))} if self.cpus else {}
-        env = {**os.environ, **SERVER_ENV_DEFAULTS, **pinned_threads, **self.env}
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvduplex-ipc-")
+        ipc = {"VLLM_RPC_BASE_PATH": self._ipc_dir}
+        env = {**os.environ, **SERVER_ENV_DEFAULTS, **pinned_threads, **ipc, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [
             sys.executable,  # the launcher; it execs `self.python`
@@ -275,6 +281,9 @@ class VllmServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+            if self._ipc_dir is not None:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+                self._ipc_dir = None
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         try:
