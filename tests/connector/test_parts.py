@@ -246,13 +246,11 @@ def test_auto_threshold_from_measured_speeds():
         estimator.observe_read(0.005 + 0.0001 * tokens, tokens)
     # Pull when 0.256 + 0.005 + 0.0001 n < 0.001 n, i.e. n > 290.
     assert estimator.threshold() == 291
-    # A lookup's wait is not measured yet: a lookup is asked for what a pull is worth.
-    assert estimator.lookup_threshold() == 291
-    for _ in range(4):
-        estimator.observe_lookup_wait(0.09)
-    # Look up when 0.09 + 0.256 + 0.005 + 0.0001 n < 0.001 n, i.e. n > 390; a pull whose
-    # owner answered no longer pays for the wait.
-    assert 389 <= estimator.lookup_threshold() <= 391
+    # An idle engine's lookup costs a round trip: worth what a pull is worth. A busy one's
+    # costs the step the request misses (0.256 s): look up when
+    # 0.256 + 0.256 + 0.005 + 0.0001 n < 0.001 n, i.e. n > 574.4.
+    assert estimator.lookup_threshold(busy=False) == 291
+    assert estimator.lookup_threshold(busy=True) == 575
     assert estimator.threshold() == 291
 
 

@@ -101,16 +101,15 @@ class Lookups:
         stats: DuplexConnectorStats,
         *,
         threshold: Callable[[], int],
-        lookup_threshold: Callable[[], int],
-        observe_wait: Callable[[float], None] | None,
+        lookup_threshold: Callable[[Request], int],
         pullable: Callable[[Request, RemoteBlocks, int, int], int],
         release: Callable[[md.ReleaseSpec], None],
     ) -> None:
         """`threshold`: the recompute threshold now, for a grant of the hold params name;
-        `lookup_threshold`: the fewest tokens a lookup by content must be able to gain (its
-        wait included: `threshold.py`); `observe_wait`: takes each request's wait for its
-        answers; `pullable(request, remote, matched tokens, local tokens)`: what a pull of the
-        owner's matched tokens covers; `release`: hands a claim back to its owner."""
+        `lookup_threshold(request)`: the fewest tokens a lookup by content must be able to
+        gain (its wait included: `threshold.py`); `pullable(request, remote, matched tokens,
+        local tokens)`: what a pull of the owner's matched tokens covers; `release`: hands a
+        claim back to its owner."""
         self._config = config
         self._context = context
         self._block_size = context.block_size
@@ -118,7 +117,6 @@ class Lookups:
         self._stats = stats
         self._threshold = threshold
         self._lookup_threshold = lookup_threshold
-        self._observe_wait = observe_wait
         self._pullable = pullable
         self._release = release
         self._lookups: dict[str, _LookupState] = {}
@@ -166,7 +164,9 @@ class Lookups:
                 if request.num_prompt_tokens < self._block_size or not self._peers_known:
                     timeout_s = 0.0
                 end = request.num_prompt_tokens
-            threshold = self._threshold if named is not None else self._lookup_threshold
+            threshold = (
+                self._threshold if named is not None else lambda: self._lookup_threshold(request)
+            )
             if timeout_s <= 0 or not self._worthwhile(request, num_computed_tokens, end, threshold):
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
                 return None
@@ -223,10 +223,7 @@ class Lookups:
 
     def _record_wait(self, lookup: _LookupState) -> None:
         """What the request waited for its grant or lookup answer, in time and in steps."""
-        waited = time.monotonic() - lookup.asked_at
-        self._stats.data["lookup_wait_s"].append(waited)
-        if self._observe_wait is not None and lookup.named is None:
-            self._observe_wait(waited)
+        self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
         self._stats.data["lookup_wait_steps"].append(self._steps_built - lookup.asked_step)
 
     def _worthwhile(

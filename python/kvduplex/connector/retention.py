@@ -283,6 +283,15 @@ class LiveRequests:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def others_running(self, request_id: str) -> bool:
+        """Whether a request other than `request_id` is running (or was scheduled already in
+        the step being scheduled): the engine's next step computes whether it waits or not."""
+        return any(
+            request.status == RequestStatus.RUNNING
+            for other, request in self._requests.items()
+            if other != request_id
+        )
+
     def blocks_needed(self, free_blocks: int) -> tuple[int, int]:
         """(running, waiting): see `blocks_needed`; (0, 0) without walking the requests when
         `free_blocks` cover the most they could need (`most_blocks_needed`), so an engine far

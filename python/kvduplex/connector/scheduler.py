@@ -168,7 +168,6 @@ class DuplexScheduler:
             self._stats,
             threshold=self.recompute_threshold,
             lookup_threshold=self._lookup_threshold,
-            observe_wait=None if self._estimator is None else self._estimator.observe_lookup_wait,
             pullable=self._pullable,
             release=lambda release: self._releases.append(release),
         )
@@ -182,10 +181,11 @@ class DuplexScheduler:
             return self._estimator.threshold()
         return self._config.recompute_threshold
 
-    def _lookup_threshold(self) -> int:
-        """The fewest tokens a lookup by content must be able to gain (`threshold.py`)."""
+    def _lookup_threshold(self, request: Request) -> int:
+        """The fewest tokens a lookup by content of `request` must be able to gain: with
+        "auto", a step more while other requests run (`threshold.py`)."""
         if self._estimator is not None:
-            return self._estimator.lookup_threshold()
+            return self._estimator.lookup_threshold(self._live.others_running(request.request_id))
         return self._config.recompute_threshold
 
     def on_new_request(self, request: Request) -> None:

@@ -16,11 +16,11 @@ estimate follows load changes.
 
 A lookup by content (a prefill node asking decode nodes whether they hold the prompt's history)
 costs its wait on top, hit or miss: the request waits in the scheduler for the answers, one
-step of the engine while it is busy, a round trip while it is idle. `lookup_threshold` adds
-that wait, measured (`observe_lookup_wait`: what requests waited for their answers), to the
-fixed cost: a prompt is looked up only when it could gain more tokens than that, so a busy
-prefill node stops paying a step for histories too short to pay it back, and goes on looking
-up long ones. Until `MIN_SAMPLES` waits were measured it equals `threshold`.
+step of the engine while other requests run (the step it misses), a round trip (about a
+millisecond) while it is idle. `lookup_threshold(busy)` adds a step to the fixed cost when the
+engine is busy: a busy prefill node looks up only prompts that could gain more than that, so it
+stops paying a step for histories too short to pay it back, goes on looking up long ones, and
+looks up as before once it is idle again (the step's time is measured on every step).
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class RecomputeThresholdEstimator:
         # Decayed sums for the least-squares fit of read time against tokens.
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._reads = 0
-        self._lookup_wait_s = _Ema()
 
     def observe_step(self, seconds: float, scheduled_tokens: int) -> None:
         if seconds <= 0 or scheduled_tokens <= 0:
@@ -77,10 +76,6 @@ class RecomputeThresholdEstimator:
         self._sxy = d * self._sxy + tokens * seconds
         self._reads += 1
 
-    def observe_lookup_wait(self, seconds: float) -> None:
-        if seconds >= 0:
-            self._lookup_wait_s.add(seconds)
-
     def _read_model(self) -> tuple[float, float]:
         """(seconds per read, seconds per token) of the fitted read time."""
         mean_x = self._sx / self._w
@@ -97,11 +92,10 @@ class RecomputeThresholdEstimator:
         """The fewest gained tokens worth a pull whose owner is known."""
         return self._smallest_gain(0.0)
 
-    def lookup_threshold(self) -> int:
-        """The fewest tokens a lookup must be able to gain to be worth its wait and the pull."""
-        if self._lookup_wait_s.samples < MIN_SAMPLES:
-            return self.threshold()
-        return self._smallest_gain(self._lookup_wait_s.mean)
+    def lookup_threshold(self, busy: bool) -> int:
+        """The fewest tokens a lookup must be able to gain to be worth its wait and the pull:
+        a step more than a pull while other requests run (`busy`)."""
+        return self._smallest_gain(self._step_s.mean if busy and self._step_s.samples else 0.0)
 
     def _smallest_gain(self, wait_s: float) -> int:
         if (
