@@ -23,6 +23,7 @@ from duplex_harness import (
 )
 from kvduplex import protocol
 from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
+from kvduplex.connector.scheduler import _held_output_tokens
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt, salt_of
 from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT
@@ -310,6 +311,30 @@ def test_a_turn_holds_the_answer_its_client_saw_and_a_client_abort_is_not_held(
         assert offer[protocol.REMOTE_NUM_TOKENS] == len(prompt) + len(seen)
         salt = request_salt(None, None, None)
         assert list(holds[0].fingerprints) == block_fingerprints([*prompt, *seen], BLOCK_SIZE, salt)
+
+
+OTHER_WORD = 500
+
+
+@pytest.mark.parametrize("include_stop", [False, True], ids=["stop-cut", "stop-included"])
+@pytest.mark.parametrize("status", [ABORTED, LENGTH], ids=["aborted", "length"])
+def test_of_several_stop_strings_the_one_vllm_matches_ends_the_held_answer(
+    chat_model_dir, include_stop, status
+):
+    """As vLLM's frontend (`check_stop_strings`): the stop string that ends first in the answer
+    wins, not the one that starts first; with `include_stop_str_in_output` the client saw it
+    too."""
+    tokenizer = get_tokenizer(str(chat_model_dir))
+    tokens = [WORD, STOP_WORD, OTHER_WORD, WORD, WORD]
+    # Starts first, ends last; the second ends first.
+    stops = [tokenizer.decode([STOP_WORD, OTHER_WORD, WORD]), tokenizer.decode([OTHER_WORD])]
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include_stop, max_tokens=5)
+    request = Request("r", prompt_tokens(10), params, None)
+    request.append_output_token_ids(tokens)
+    request.status = status
+    assert _held_output_tokens(request, tokenizer) == (3 if include_stop else 2)
+    # Without a tokenizer vLLM matches no stop strings: a finished request's client saw all.
+    assert _held_output_tokens(request, None) == (None if status == ABORTED else len(tokens))
 
 
 def test_the_salt_separates_lora_adapters_by_name_and_path():

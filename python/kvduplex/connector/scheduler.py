@@ -737,8 +737,8 @@ def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> in
     if params is None or not params.stop or len(output) <= params.min_tokens:
         return None if aborted else len(output)
     if tokenizer is None:
-        # Where the client's answer ends cannot be told: not held.
-        return None
+        # Without a tokenizer vLLM's frontend matches no stop strings: the client saw them all.
+        return None if aborted else len(output)
     output = list(output)
     skip = params.skip_special_tokens
 
@@ -747,14 +747,16 @@ def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> in
 
     text = decode(len(output))
     checked_from = len(decode(params.min_tokens))
+    # As vLLM's `check_stop_strings`: the stop string that ends first, the first listed of
+    # those that end together.
     found = [
-        (at, len(stop))
-        for stop in params.stop
+        (at + len(stop), order, at, len(stop))
+        for order, stop in enumerate(params.stop)
         if (at := text.find(stop, max(0, checked_from - len(stop) + 1))) >= 0
     ]
     if not found:
         return None if aborted else len(output)
-    at, length = min(found)
+    _, _, at, length = min(found)
     seen = at + length if params.include_stop_str_in_output else at
     # The longest output prefix whose text the client saw whole: binary search on the text's
     # length (it grows with the tokens), then back off while the text is not a prefix (a

@@ -186,8 +186,25 @@ class VllmServer:
         """
         if self._process is not None:
             raise ServerError(f"{self.name} server on :{self.port} was already started")
+        # Short: a socket's path (this directory and a 36-character uuid) must fit in 107 bytes.
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvd")
+        try:
+            self._launch()
+        except BaseException:
+            self._remove_ipc_dir()
+            raise
+        self._started_at = time.monotonic()
+        logger.info(
+            "starting %s server on :%d (pid %d, %s, log %s)",
+            self.name,
+            self.port,
+            self.pid,
+            "every CPU" if self.cpus is None else f"CPUs {self.cpus}",
+            self.log_path,
+        )
+
+    def _launch(self) -> None:
         pinned_threads = {"OMP_NUM_THREADS": str(len(self.cpus))} if self.cpus else {}
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvduplex-ipc-")
         ipc = {"VLLM_RPC_BASE_PATH": self._ipc_dir}
         env = {**os.environ, **SERVER_ENV_DEFAULTS, **pinned_threads, **ipc, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,15 +229,6 @@ class VllmServer:
                 env=env,
                 start_new_session=True,
             )
-        self._started_at = time.monotonic()
-        logger.info(
-            "starting %s server on :%d (pid %d, %s, log %s)",
-            self.name,
-            self.port,
-            self._process.pid,
-            "every CPU" if self.cpus is None else f"CPUs {self.cpus}",
-            self.log_path,
-        )
 
     def poll_ready(self) -> bool:
         """One non-blocking readiness check: True once `/health` answers 200.
@@ -281,9 +289,12 @@ class VllmServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            if self._ipc_dir is not None:
-                shutil.rmtree(self._ipc_dir, ignore_errors=True)
-                self._ipc_dir = None
+            self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         try:
