@@ -728,7 +728,10 @@ def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> in
     turn's prompt. So: a request with stop strings holds the tokens before the first one
     (every one when its answer has none, unless it was aborted: then its client aborted it,
     and it is never held); a request without, every token if it finished in the engine
-    (length, eos, stop token)."""
+    (length, eos, stop token). The answer's text is decoded from its ids alone, where vLLM's
+    frontend decodes them after the prompt's: with a tokenizer whose text depends on that
+    (a SentencePiece answer's leading space) a stop string may be placed otherwise, and the
+    reader, which checks every held token, reuses the blocks before the difference."""
     output = request.output_token_ids
     params = request.sampling_params
     aborted = request.status == RequestStatus.FINISHED_ABORTED
