@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
+from kvduplex.connector import worker_lookup
 from kvduplex.connector.metadata import (
     DuplexConnectorMetadata,
     EvictOrder,
@@ -528,6 +529,38 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
         assert look_up(worker, "p4", TURN_FINGERPRINTS, timeout_s=0.5) is None
         stats = worker.get_kv_connector_stats().data
         assert stats["lookups_missed"] == 1 and stats["lookup_failures"] == 1
+    finally:
+        worker.shutdown()
+
+
+def test_a_step_that_computes_nothing_reports_its_lookup_once_answered(
+    owner, tiny_config_dir, monkeypatch
+):
+    """A lookup asked in a step without a forward pass is reported in that step: TP rank 0
+    waits for the owner's answer (a round trip) instead of reporting nothing and having the
+    engine step again until it is in."""
+    owner.reset()
+    offer = json.dumps({"remote_engine_id": OWNER_ID, "remote_block_ids": [3, 4, 10, 11]})
+    owner.hold(
+        "turn", ttl_s=3.0, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer=offer
+    )
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    # Generous for a loaded CI host; the product's bound is tens of milliseconds.
+    monkeypatch.setattr(worker_lookup, "IDLE_STEP_WAIT_S", WAIT_S)
+    caches = make_kv_caches(NUM_BLOCKS)
+    worker = make_worker(tiny_config_dir, "reader-idle", caches, {"decode_peers": [address]})
+    try:
+        # Connected first (the first lookup of an engine may wait for its handshake).
+        assert look_up(worker, "warm", TURN_FINGERPRINTS) is not None
+        for number in range(3):
+            spec = LookupSpec(
+                f"idle{number}", tuple(TURN_FINGERPRINTS), time.monotonic() + WAIT_S, None, None
+            )
+            worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec], idle=True))
+            worker.get_transfer_results()
+            meta = worker.build_connector_worker_meta()
+            assert meta is not None, number
+            assert [m.matched_blocks for m in meta.lookups[spec.request_id]] == [4], number
     finally:
         worker.shutdown()
 

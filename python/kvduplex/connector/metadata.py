@@ -139,6 +139,8 @@ class DuplexConnectorMetadata(KVConnectorMetadata):
     holds: list[HoldSpec] = field(default_factory=list)
     lookups: list[LookupSpec] = field(default_factory=list)
     evict: EvictOrder | None = None
+    idle: bool = False
+    """The step computes no tokens: TP rank 0 may wait in it for its lookups' answers."""
 
 
 @dataclass

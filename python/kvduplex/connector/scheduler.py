@@ -642,6 +642,7 @@ class DuplexScheduler:
             holds=self._holds,
             lookups=self._lookups.take_specs(),
             evict=self._retention.take_order(now),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._retention.stepped(now)
         if meta.loads or meta.lookups:

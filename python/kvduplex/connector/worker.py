@@ -287,6 +287,7 @@ class DuplexWorker:
         self._stats = DuplexConnectorStats()
         # Grants and lookups, TP rank 0's (`worker_lookup.py`).
         self._lookups = WorkerLookups(config, tp_rank, self._stats)
+        self._idle_step = False
 
     # ------------------------------------------------------------- lifecycle
 
@@ -364,6 +365,7 @@ class DuplexWorker:
     # ----------------------------------------------------------------- steps
 
     def start_load_kv(self, meta: md.DuplexConnectorMetadata) -> None:
+        self._idle_step = meta.idle
         for hold in meta.holds:
             self._hold(hold)
         if meta.evict is not None:
@@ -420,6 +422,9 @@ class DuplexWorker:
         return results
 
     def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
+        if self._idle_step and not self._inflight and not self._waiting_loads:
+            # Nothing else to do or to notice: the step waits for its lookups' answers.
+            self._lookups.wait_for_answers()
         lookups, lookup_targets = self._lookups.take(self._engine)
         if (
             not lookups
