@@ -738,10 +738,8 @@ def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> in
     aborted = request.status == RequestStatus.FINISHED_ABORTED
     if not aborted and request.status not in _HOLDABLE_STATUSES:
         return None
-    if params is None or not params.stop or len(output) <= params.min_tokens:
-        return None if aborted else len(output)
-    if tokenizer is None:
-        # Without a tokenizer vLLM's frontend matches no stop strings: the client saw them all.
+    # Without a tokenizer vLLM's frontend matches no stop strings either.
+    if params is None or not params.stop or len(output) <= params.min_tokens or tokenizer is None:
         return None if aborted else len(output)
     output = list(output)
     skip = params.skip_special_tokens

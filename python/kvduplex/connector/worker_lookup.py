@@ -98,11 +98,10 @@ class WorkerLookups:
         wait until a pending lookup can be reported (`_collect`), at most
         `IDLE_STEP_WAIT_S`, rather than report none and have the engine step again and again
         until the answers are in (each empty step costs about a millisecond here; a lookup on
-        an idle engine waited 3.7-4.1 ms for 1.3-1.7 ms of round trip). Returns at once in a
-        step with a forward pass: that covers the round trip."""
+        an idle engine waited 3.7-4.1 ms for 1.3-1.7 ms of round trip). The worker calls it
+        only in such steps: a forward pass covers the round trip."""
         give_up = time.monotonic() + IDLE_STEP_WAIT_S
-        while self._pending and time.monotonic() < give_up:
-            now = time.monotonic()
+        while self._pending and (now := time.monotonic()) < give_up:
             if any(pending.reportable(now) for pending in self._pending.values()):
                 return
             time.sleep(_IDLE_POLL_S)
