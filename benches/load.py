@@ -11,7 +11,10 @@ Systems, one after another in one run (each started fresh):
 - `kvduplex-bidirectional`: a prefill (P) and a decode (D) server with DuplexConnector
   (`bidirectional_kv_xfer: true`) behind the kvduplex proxy: P finds a conversation's history
   held on D by the prompt itself and pulls it back.
+  With `--local-continuation-max-chars N` its proxy computes a turn that adds at most N
+  characters to a history D served on that D alone (`kvduplex.proxy.continuation`).
 - `kvduplex-one-way`: the same with P->D only; P recomputes what its own prefix cache lacks.
+  Its D keeps no turns, so its proxy sends every turn through P.
 
 Workload (`Workload`): `conversations` chats (N, up to 64) per point of a sweep over arrival
 rates. Chats start as a Poisson process at `rate` per second; each runs `turns` turns, with an
@@ -91,6 +94,7 @@ from kvduplex.demo import (
     duplex_kv_transfer_config,
     read_metrics,
     read_metrics_after,
+    sample_sums,
 )
 from kvduplex.demo.servers import (
     WHOLE_MACHINE_ENV,
@@ -409,15 +413,7 @@ def make_servers(
 
 
 def _preemptions(url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=60).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "vllm:num_preemptions_total"
-    )
+    return sum(sample_sums(url, "vllm:num_preemptions_total", "", timeout_s=60).values())
 
 
 @dataclass(frozen=True)
@@ -563,6 +559,16 @@ def compare(records: list[TurnRecord], expected: dict[tuple[int, int], TurnRecor
             "no_reference": no_reference, "mismatches": mismatches[:20]}
 
 
+def _local_continuations(proxy: ProxyThread | None) -> int:
+    """Turns the proxy computed on D alone so far (`kvduplex.proxy.continuation`)."""
+    if proxy is None:
+        return 0
+    value = proxy.proxy.metrics.registry.get_sample_value(
+        "kvduplex_proxy_local_continuations_total", {"result": "local"}
+    )
+    return int(value or 0)
+
+
 def run_system(
     system: str, args: argparse.Namespace, plans: list[PointPlan], plan: dict[str, Any],
     client: concurrent.futures.Executor, expected: dict[float, dict] | None,
@@ -576,8 +582,10 @@ def run_system(
     with start_many(list(servers.values())):
         for seed, server in enumerate(servers.values(), start=1):
             client.submit(warm_up_chat, server.base_url, seed).result()
-        proxy = ProxyThread([servers["P"].base_url], [servers["D"].base_url]) if "P" in servers \
-            else None
+        # Local continuations need D to keep its turns: bidirectional only (module doc).
+        local_chars = args.local_continuation_max_chars if system == BIDIRECTIONAL else 0
+        proxy = ProxyThread([servers["P"].base_url], [servers["D"].base_url],
+                            local_continuation_max_chars=local_chars) if "P" in servers else None
         with proxy or contextlib.nullcontext():
             # Through the proxy, or chat c straight to ideal server c % (ideal servers).
             urls = [proxy.base_url] if proxy else [s.base_url for s in servers.values()]
@@ -586,15 +594,21 @@ def run_system(
             for point in plans:
                 time.sleep(PAUSE_BETWEEN_POINTS_S)  # let the servers' spin-waits end
                 before = read_all(servers)
+                local_before = _local_continuations(proxy)
                 records = client.submit(run_point, urls, point).result()
                 completed = [r.conversation % len(urls) for r in records if r.error is None]
+                # P sees every turn but those its proxy continued on D alone.
+                local = _local_continuations(proxy) - local_before
                 finished = {
-                    role: completed.count(i) if not proxy else len(completed)
+                    role: completed.count(i) if not proxy
+                    else len(completed) - (local if role == "P" else 0)
                     for i, role in enumerate(servers)
                 }
                 deltas = read_all_after(servers, before, finished)
                 summary = {**summarize_point(records, point, args.workload.turns),
                            **server_counts(deltas)}
+                if proxy:
+                    summary["local_continuations"] = local
                 if expected is not None:
                     summary["answers"] = compare(records, expected[point.rate])
                 answers[point.rate] = {(r.conversation, r.turn): r for r in records}
@@ -753,6 +767,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "logprob_atol": LOGPROB_ATOL,
         "pinned": args.pin,
         "connector_config": args.connector_config,
+        "local_continuation_max_chars": args.local_continuation_max_chars,
         "logs": str(args.work_dir),
         "systems": {},
     }
@@ -820,6 +835,12 @@ def main() -> None:
         "--connector-config", action="append", default=[], metavar="KEY=JSON",
         help="a DuplexConnector option for the P/D servers, e.g. layerwise_load=true "
         "(repeatable)",
+    )
+    parser.add_argument(
+        "--local-continuation-max-chars", type=int, default=0, metavar="CHARS",
+        help="the bidirectional system's proxy computes a turn adding at most CHARS characters "
+        "to a history D served on that D alone (kvduplex proxy --local-continuation-max-chars; "
+        "default 0: off)",
     )
     add_pin_argument(parser)
     args = parser.parse_args()

@@ -206,6 +206,15 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         "see the whole answer)",
     )
     parser.add_argument(
+        "--local-continuation-max-chars",
+        type=int,
+        default=default["local_continuation_max_chars"],
+        metavar="CHARS",
+        help="compute a chat turn that adds at most CHARS characters to a history a decode "
+        "server served and holds on that server alone, skipping the prefill server (0: off; "
+        "needs decode servers with bidirectional_kv_xfer)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -240,6 +249,7 @@ def run_proxy(args: argparse.Namespace) -> int:
             health_interval_s=args.health_interval,
             routing_headers=args.routing_headers,
             first_token_from_prefill=not args.first_token_from_decode,
+            local_continuation_max_chars=args.local_continuation_max_chars,
         )
     except proxy_config.ConfigError as exc:
         args.parser.error(str(exc))

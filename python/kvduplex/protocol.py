@@ -39,6 +39,11 @@ REMOTE_PORTS = "remote_ports"
 REMOTE_BLOCK_SIZE = "remote_block_size"
 REMOTE_BLOCK_FINGERPRINTS = "remote_block_fingerprints"
 REMOTE_LEASE_EXPIRY = "remote_lease_expiry"
+# A router's mark on a request it sends a decode node to compute there, prefill and all (a
+# conversation's continuation whose history that node still holds, `kvduplex.proxy.continuation`):
+# the node keeps the finished turn for the conversation's next one exactly as it keeps a turn
+# prefilled elsewhere (with `bidirectional_kv_xfer`; otherwise it is ignored).
+KEEP_TURN = "kvduplex_keep_turn"
 # A router's hint on a prefill request: the side channel ("host:port", TP rank 0) of the decode
 # node it believes holds the conversation's history (e.g. from the KV events below). A lookup
 # asks that node alone when it is one the prefill node knows; otherwise every known one that

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from kvduplex.demo import sample_sums
 from kvduplex.demo.servers import (
     Completion,
     ServerError,
@@ -117,16 +118,7 @@ def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
     difference of two readings around a request shows whether its prompt KV was computed,
     found in the prefix cache or pulled from another engine.
     """
-    response = httpx.get(f"{base_url}/metrics", timeout=10.0)
-    response.raise_for_status()
-    totals: dict[str, float] = {}
-    for line in response.text.splitlines():
-        if not line.startswith("vllm:prompt_tokens_by_source_total{"):
-            continue
-        labels, _, value = line.rpartition("} ")
-        source = labels.partition('source="')[2].partition('"')[0]
-        totals[source] = totals.get(source, 0.0) + float(value)
-    return totals
+    return sample_sums(base_url, "vllm:prompt_tokens_by_source_total", "source")
 
 
 _SSE_DONE = "[DONE]"

@@ -192,6 +192,30 @@ def test_decode_turn_is_held_after_both_finish_statuses(engines, stop_token_ids,
     assert all(d.ref_count(b) == 1 for b in held)
 
 
+@pytest.mark.parametrize("config", [BIDIRECTIONAL, {}])
+def test_a_turn_computed_on_d_alone_is_kept_when_its_router_asks(engines, config):
+    """A local continuation (`kvduplex.proxy.continuation`): D computes the prompt itself, pulls
+    nothing, and keeps the finished turn exactly as one prefilled elsewhere, when it keeps
+    turns at all (`bidirectional_kv_xfer`)."""
+    d = engines("D", config)
+    prompt = prompt_tokens(70)
+    keep = {protocol.KEEP_TURN: True, protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION}
+    d.add("d1", prompt, max_tokens=3, params=keep)
+    step = d.step()
+    assert step.meta.loads == [] and step.output.num_scheduled_tokens == {"d1": 70}
+    for _ in range(3):
+        finished = d.step(token=7).finished("d1")
+        if finished is not None:
+            break
+    assert finished is not None
+    if not config:
+        assert finished.kv_transfer_params is None
+        return
+    offer = finished.kv_transfer_params
+    assert offer[protocol.DO_REMOTE_DECODE] is True and offer[protocol.REMOTE_NUM_TOKENS] == 72
+    assert all(d.ref_count(b) == 1 for b in offer[protocol.REMOTE_BLOCK_IDS])
+
+
 def test_a_hold_ends_when_tp_rank_0_reports_it(engines, connector_log):
     """A held turn is a reference of the connector's own in vLLM's block pool, not a request
     that vLLM keeps (which would make the engine step non-stop while the hold lasts); with

@@ -16,12 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
-from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, sample_sums
+from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, metric_samples, sample_sums
 from kvduplex.demo.servers import VllmServer, complete
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.protocol import METRIC_PREFIX
@@ -57,11 +56,10 @@ def pulled(server: VllmServer, before: dict[str, float]) -> float:
 def connector_counts(server: VllmServer) -> dict[str, float]:
     """`server`'s kvduplex counters (`vllm:kvduplex_*_total`), each summed over its labels."""
     counts: dict[str, float] = {}
-    for line in httpx.get(f"{server.base_url}/metrics", timeout=10.0).text.splitlines():
-        name = line.partition(" ")[0].partition("{")[0]
-        if name.startswith(METRIC_PREFIX) and name.endswith("_total"):
-            key = name.removeprefix(METRIC_PREFIX)
-            counts[key] = counts.get(key, 0.0) + float(line.rpartition(" ")[2])
+    for sample in metric_samples(server.base_url):
+        if sample.name.startswith(METRIC_PREFIX) and sample.name.endswith("_total"):
+            key = sample.name.removeprefix(METRIC_PREFIX)
+            counts[key] = counts.get(key, 0.0) + sample.value
     return counts
 
 
@@ -191,14 +189,7 @@ def kv_cache_groups_line(server: VllmServer) -> str:
 
 def group_counters(server: VllmServer, name: str) -> dict[str, float]:
     """`vllm:kvduplex_<name>_total` per KV-cache group, from the server's /metrics."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(f"{METRIC_PREFIX}{name}_total{{"):
-            labels, value = line.rsplit(" ", 1)
-            group = labels.split('kv_cache_group="', 1)[1].split('"', 1)[0]
-            out[group] = out.get(group, 0.0) + float(value)
-    return out
+    return sample_sums(server.base_url, f"{METRIC_PREFIX}{name}_total", "kv_cache_group", 30.0)
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

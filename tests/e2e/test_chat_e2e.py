@@ -34,10 +34,10 @@ import pytest
 from chat_stream import Answer, PullWatch, first_tokens_by_source, pulled, respond, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
-from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
+from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, sample_sums
 from kvduplex.demo.servers import VllmServer, complete, describe_mismatch
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS, VOCAB_SIZE
-from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT, prefill_request_params
+from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT, METRIC_PREFIX, prefill_request_params
 from kvduplex_testing.servers import (
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
@@ -197,6 +197,44 @@ def test_streamed_chat_through_kvduplex_proxy_pulls_every_later_turn(servers):
         # Each answer's first token is P's, streamed as soon as P answered; D continued after it.
         assert first_tokens_by_source(proxy.base_url) == {"prefill": TURNS}
     check_reuse(turns)
+
+
+@pytest.mark.e2e
+def test_a_short_turn_continues_on_the_d_that_holds_its_history_and_p_computes_nothing(servers):
+    """`kvduplex proxy --local-continuation-max-chars`: every later turn goes to the D that
+    served the history, which keeps each turn it computes (`kvduplex_keep_turn`) and finds the
+    history's full blocks in its own cache; P sees the first turn only, and every answer equals
+    the single server's."""
+    decodes = servers.decodes
+    offered = [counter(d.base_url, f"{METRIC_PREFIX}turns_offered_total") for d in decodes]
+    cached = [prompt_tokens_by_source(d.base_url).get("local_cache_hit", 0) for d in decodes]
+    with ProxyThread(
+        [servers.prefill.base_url],
+        [d.base_url for d in decodes],
+        local_continuation_max_chars=4096,
+    ) as proxy:
+        turns = run_chat(
+            servers, lambda turn: lambda m: stream_chat(proxy.base_url, m, MAX_TOKENS), seed=9
+        )
+        local = sample_sums(proxy.base_url, "kvduplex_proxy_local_continuations_total", "result")
+    assert local == {"local": TURNS - 1}
+    assert turns[0][1].get("local_compute", 0) > 0
+    for _, on_p in turns[1:]:
+        assert not any(on_p.values()), on_p
+    held_full_blocks = sum(
+        (len(previous.prompt_ids) + len(previous.token_ids) - 1) // BLOCK * BLOCK
+        for previous, _ in turns[:-1]
+    )
+    hits = sum(
+        prompt_tokens_by_source(d.base_url).get("local_cache_hit", 0) - before
+        for d, before in zip(decodes, cached)
+    )
+    assert hits >= held_full_blocks > 0
+    kept = sum(
+        counter(d.base_url, f"{METRIC_PREFIX}turns_offered_total") - before
+        for d, before in zip(decodes, offered)
+    )
+    assert kept == TURNS
 
 
 @pytest.mark.e2e

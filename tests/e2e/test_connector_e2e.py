@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 from tokenizers import Tokenizer
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
+from kvduplex.demo import metric_samples
 from kvduplex.demo.servers import Completion, complete, describe_mismatch, with_nonce
 from kvduplex.demo.tiny_model import sample_text
 from kvduplex.protocol import prefill_request_params
@@ -70,12 +70,7 @@ def token_prompt(tokenizer: Tokenizer, num_tokens: int, seed: int) -> list[int]:
 def counter(base_url: str, name: str) -> float:
     """Sum of a Prometheus metric's samples on a server: a counter's, or a gauge's over its
     engines."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
+    return sum(s.value for s in metric_samples(base_url) if s.name == name)
 
 
 def wait_for_counter(

@@ -435,7 +435,9 @@ class DuplexScheduler:
         if output_tokens is None:
             return False, None
         hands_off = params.get(protocol.DO_REMOTE_DECODE) is True
-        took_over = params.get(protocol.DO_REMOTE_PREFILL) is True
+        took_over = (
+            params.get(protocol.DO_REMOTE_PREFILL) is True or params.get(protocol.KEEP_TURN) is True
+        )
         if hands_off and not took_over:
             decode_turn = False
             ttl_s = self._config.kv_lease_ttl_s

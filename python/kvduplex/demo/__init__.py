@@ -152,32 +152,27 @@ def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
     The generous timeout is for servers starved of CPU (NixlConnector's busy threads on 2 cores
     have kept /metrics from answering for over 10 s).
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
-    response.raise_for_status()
     prompt_tokens: dict[str, float] = {}
     connector: dict[str, float] = {}
     histograms: dict[str, float] = {}
     values = {"ttft_sum_s": 0.0, "ttft_count": 0.0, "finished_requests": 0.0}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            name = sample.name
-            if name == "vllm:prompt_tokens_by_source_total":
-                source = sample.labels.get("source", "")
-                prompt_tokens[source] = prompt_tokens.get(source, 0.0) + sample.value
-            elif name == "vllm:time_to_first_token_seconds_sum":
-                values["ttft_sum_s"] += sample.value
-            elif name == "vllm:time_to_first_token_seconds_count":
-                values["ttft_count"] += sample.value
-            elif name == "vllm:request_success_total":
-                values["finished_requests"] += sample.value
-            elif name.startswith(METRIC_PREFIX) and name.endswith("_total"):
-                key = name[len(METRIC_PREFIX) : -len("_total")]
-                connector[key] = connector.get(key, 0.0) + sample.value
-            elif name.startswith(METRIC_PREFIX) and name.endswith(("_sum", "_count")):
-                key = name[len(METRIC_PREFIX) :]
-                histograms[key] = histograms.get(key, 0.0) + sample.value
+    for sample in metric_samples(base_url, timeout_s):
+        name = sample.name
+        if name == "vllm:prompt_tokens_by_source_total":
+            source = sample.labels.get("source", "")
+            prompt_tokens[source] = prompt_tokens.get(source, 0.0) + sample.value
+        elif name == "vllm:time_to_first_token_seconds_sum":
+            values["ttft_sum_s"] += sample.value
+        elif name == "vllm:time_to_first_token_seconds_count":
+            values["ttft_count"] += sample.value
+        elif name == "vllm:request_success_total":
+            values["finished_requests"] += sample.value
+        elif name.startswith(METRIC_PREFIX) and name.endswith("_total"):
+            key = name[len(METRIC_PREFIX) : -len("_total")]
+            connector[key] = connector.get(key, 0.0) + sample.value
+        elif name.startswith(METRIC_PREFIX) and name.endswith(("_sum", "_count")):
+            key = name[len(METRIC_PREFIX) :]
+            histograms[key] = histograms.get(key, 0.0) + sample.value
     return MetricsSnapshot(
         prompt_tokens=prompt_tokens, connector=connector, connector_histograms=histograms, **values
     )
@@ -208,19 +203,24 @@ def read_metrics_after(
         time.sleep(0.05)
 
 
-def sample_sums(base_url: str, sample: str, label: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """The values of the Prometheus samples named `sample` on a server's /metrics, summed by the
-    value of their `label` (over every other label, e.g. engines)."""
+def metric_samples(base_url: str, timeout_s: float = 10.0) -> list[Any]:
+    """Every Prometheus sample on a server's /metrics (`prometheus_client`'s `Sample`: name,
+    labels, value): the one reader of /metrics the demo, tests and benchmarks share."""
     from prometheus_client.parser import text_string_to_metric_families
 
     response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
     response.raise_for_status()
+    return [s for family in text_string_to_metric_families(response.text) for s in family.samples]
+
+
+def sample_sums(base_url: str, sample: str, label: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """The values of the Prometheus samples named `sample` on a server's /metrics, summed by the
+    value of their `label` (over every other label, e.g. engines)."""
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for found in family.samples:
-            if found.name == sample:
-                key = found.labels.get(label, "")
-                sums[key] = sums.get(key, 0.0) + found.value
+    for found in metric_samples(base_url, timeout_s):
+        if found.name == sample:
+            key = found.labels.get(label, "")
+            sums[key] = sums.get(key, 0.0) + found.value
     return sums
 
 
@@ -252,26 +252,32 @@ class ProxyThread:
         decode_urls: Sequence[str],
         *,
         start_timeout_s: float = 30,
+        **settings: Any,
     ) -> None:
+        """`settings`: other ProxyConfig settings (e.g. `local_continuation_max_chars`)."""
         import uvicorn
 
         from ..proxy.app import create_app
         from ..proxy.config import ProxyConfig, parse_upstream
 
+        # On a busy 2-core machine a vLLM server's /health can take seconds; with the default
+        # 2 s the proxy would take the only D out of rotation and a turn would recompute.
+        settings.setdefault("health_timeout_s", 10.0)
         config = ProxyConfig(
             prefill=tuple(parse_upstream(url) for url in prefill_urls),
             decode=tuple(parse_upstream(url) for url in decode_urls),
-            # On a busy 2-core machine a vLLM server's /health can take seconds; with the default
-            # 2 s the proxy would take the only D out of rotation and a turn would recompute.
-            health_timeout_s=10.0,
+            **settings,
         )
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
+        app = create_app(config)
+        # The proxy itself, for its metrics (`proxy.metrics.registry`).
+        self.proxy = app.state.proxy
         self._server = uvicorn.Server(
             uvicorn.Config(
-                create_app(config),
+                app,
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=5,

@@ -24,10 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, prefill_request_params
+from ..protocol import DO_REMOTE_DECODE
 from . import first_token
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
 from .config import CONVERSATION_FIELD, CONVERSATION_HEADER, ProxyConfig
+from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params
 from .metrics import ProxyMetrics
 from .relay import (
     PARAMS_FIELD,
@@ -38,16 +39,11 @@ from .relay import (
     sse_error,
     sse_event,
 )
-from .routes import MAX_TOKENS_FIELDS, RESPONSES_ROUTE
+from .routes import RESPONSES_ROUTE, prefill_body
 from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
 
 logger = logging.getLogger(__name__)
-
-# Request fields that make no sense for the one-token prefill step (vLLM rejects stream_options
-# without stream and min_tokens above max_tokens; extra choices would only waste P's compute;
-# a first token streamed from P brings back what it needs, `first_token.prefill_fields`).
-_PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "n", "best_of")
 
 
 class ProxyError(Exception):
@@ -94,31 +90,6 @@ async def _read_limited(response: httpx.Response, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _prefill_body(
-    route: str, body: dict[str, Any], pull_params: dict[str, Any] | None
-) -> dict[str, Any]:
-    """P computes the prompt's KV and keeps it for D. With D's params from the previous turn it
-    first pulls the history's KV from D (the connector checks the blocks' token fingerprints)."""
-    prefill = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED_FIELDS}
-    first, *others = MAX_TOKENS_FIELDS[route]
-    prefill[first] = 1
-    for field in others:
-        if field in prefill:
-            prefill[field] = 1
-    prefill["stream"] = False
-    if route == RESPONSES_ROUTE:
-        # P's one-token answer is not the conversation's: nothing of it is stored.
-        prefill["store"] = False
-    if pull_params is None:
-        params = prefill_request_params()
-    else:
-        params = dict(pull_params)
-        params[DO_REMOTE_DECODE] = True
-        params[DO_REMOTE_PREFILL] = False
-    prefill[PARAMS_FIELD] = params
-    return prefill
-
-
 def _check_stateless_response(body: dict[str, Any]) -> None:
     """P and D each see the whole conversation in every request: a response stored on one
     server (`previous_response_id`, `background`) cannot be continued through both."""
@@ -133,23 +104,27 @@ def _check_stateless_response(body: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _DecodeChoice:
-    """How a request's D is chosen: `pinned` (the D a remembered conversation entry names) if it
-    answers, else rendezvous hashing on `route_key` over the live decode servers."""
+    """How a request's D is chosen: `pinned` (the D a remembered conversation entry names, or
+    that holds the history of a local continuation) if it answers, else rendezvous hashing on
+    `route_key` over the live decode servers; with `only_pinned`, `pinned` or none."""
 
     pinned: Upstream | None
     route_key: bytes
+    only_pinned: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class _DecodeLeg:
     """Where a request's decode leg goes: its route and forwarded headers, how its D is chosen,
-    its conversation entry's key and the routing headers' values."""
+    its conversation entry's key, the routing headers' values and the chat turn the D that
+    accepts it serves (`continuation`)."""
 
     route: str
     headers: dict[str, str]
     choice: _DecodeChoice
     key: ConversationKey | None
     routing: dict[str, str]
+    turn: Turn | None = None
 
 
 class DuplexProxy:
@@ -187,6 +162,12 @@ class DuplexProxy:
             trust_env=False,
         )
         self._warned_no_prefill_params: set[str] = set()
+        self.turns = TurnLedger(
+            max_chars=config.local_continuation_max_chars,
+            ttl_s=config.conversation_ttl_s,
+            max_entries=config.max_conversations,
+            clock=clock,
+        )
 
     @property
     def pools(self) -> list[UpstreamPool]:
@@ -283,17 +264,30 @@ class DuplexProxy:
         forward_headers = {}
         if "authorization" in request.headers:
             forward_headers["authorization"] = request.headers["authorization"]
+        turn = chat_turn(caller, route, body) if self.turns.max_chars > 0 else None
+        if turn is not None:
+            local = _DecodeLeg(
+                route,
+                forward_headers,
+                _DecodeChoice(None, route_key),
+                key,
+                {"prefill": "none", "conversation": lookup},
+                turn,
+            )
+            answer = await self._continue_locally(local, body)
+            if answer is not None:
+                return answer
 
         first_reason = (
             first_token.ineligible_reason(route, body)
             if self.config.first_token_from_prefill
             else "disabled"
         )
-        prefill_body = _prefill_body(route, body, pull_params)
+        to_prefill = prefill_body(route, body, pull_params)
         if first_reason is None:
-            prefill_body.update(first_token.prefill_fields(body))
+            to_prefill.update(first_token.prefill_fields(body))
         prefill_upstream, answer, decode_params = await self._prefill(
-            route, prefill_body, forward_headers
+            route, to_prefill, forward_headers
         )
         first = None
         if first_reason is None:
@@ -315,12 +309,47 @@ class DuplexProxy:
             _DecodeChoice(pinned, route_key),
             key,
             {"prefill": prefill_upstream.address, "conversation": lookup},
+            turn,
         )
         if first is not None:
             return self._continue_stream(leg, first, body, decode_body)
         if stream:
             return await self._decode_stream(leg, decode_body)
         return await self._decode_json(leg, decode_body)
+
+    async def _continue_locally(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response | None:
+        """The turn computed on the D that served its history (`continuation`), or None when it
+        is not a continuation of one, or that D does not take it: then it goes through P."""
+        assert leg.turn is not None
+        found = self.turns.continuation(leg.turn)
+        if found is None:
+            return None
+        holder = self.decode.get(found.decode)
+        if holder is None or not self.decode.is_available(holder):
+            self.metrics.local_continuations.labels("decode_unavailable").inc()
+            return None
+        leg = dataclasses.replace(
+            leg, choice=dataclasses.replace(leg.choice, pinned=holder, only_pinned=True)
+        )
+        local_body = dict(body)
+        local_body[PARAMS_FIELD] = keep_turn_params()
+        try:
+            if body.get("stream", False):
+                answer = await self._decode_stream(leg, local_body)
+            else:
+                answer = await self._decode_json(leg, local_body)
+        except ProxyError as exc:
+            if exc.kind != "no_upstream":
+                raise
+            logger.info(
+                "decode server %s did not take a local continuation (%s); prefilling on P",
+                holder.address,
+                exc.message,
+            )
+            self.metrics.local_continuations.labels("decode_failed").inc()
+            return None
+        self.metrics.local_continuations.labels("local").inc()
+        return answer
 
     async def recall(
         self, key: ConversationKey | None
@@ -385,6 +414,8 @@ class DuplexProxy:
         while True:
             if pinned is not None and pinned.address not in tried:
                 upstream: Upstream | None = pinned
+            elif choice is not None and choice.only_pinned:
+                return
             else:
                 upstream = pool.pick(frozenset(tried), key)
             if upstream is None:
@@ -465,9 +496,15 @@ class DuplexProxy:
             params = None
         return upstream, answer, params
 
-    def _count_decode_route(self, choice: _DecodeChoice, decode: Upstream) -> None:
-        rule = "remembered" if decode is choice.pinned else "hash"
+    def _accepted(self, leg: _DecodeLeg, decode: Upstream) -> None:
+        """`decode` took the request: count what chose it, and record the history it serves."""
+        if leg.choice.only_pinned:
+            rule = "local"
+        else:
+            rule = "remembered" if decode is leg.choice.pinned else "hash"
         self.metrics.decode_routes.labels(rule).inc()
+        if leg.turn is not None:
+            self.turns.served(leg.turn, decode.address)
 
     def _routing_headers(self, routing: dict[str, str], decode: Upstream) -> dict[str, str]:
         if not self.config.routing_headers:
@@ -487,7 +524,7 @@ class DuplexProxy:
             self.metrics.decode_first_byte_seconds,
             leg.choice,
         )
-        self._count_decode_route(leg.choice, upstream)
+        self._accepted(leg, upstream)
         try:
             result = json.loads(raw)
         except ValueError:
@@ -535,7 +572,7 @@ class DuplexProxy:
                     finally:
                         await response.aclose()
                     raise UpstreamErrorResponse(response.status_code, raw, upstream)
-                self._count_decode_route(leg.choice, upstream)
+                self._accepted(leg, upstream)
                 return upstream, response, outstanding.pop_all(), started
         raise self._no_upstream(self.decode.role)
 

@@ -114,6 +114,10 @@ class ProxyConfig:
     # A streamed answer's first token is the one P sampled, sent as soon as P answered; D
     # continues after it (`first_token`). Off: D computes the first token again and streams it.
     first_token_from_prefill: bool = True
+    # A chat turn that adds at most this many characters of messages to a history a D served
+    # (and holds) is computed on that D alone (`continuation`); longer ones, and every turn when
+    # 0, are prefilled on P, which pulls the history back from D.
+    local_continuation_max_chars: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -145,6 +149,8 @@ class ProxyConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if self.local_continuation_max_chars < 0:
+            raise ConfigError("local_continuation_max_chars must be >= 0 (0 turns it off)")
         if self.max_keepalive_connections < 0:
             raise ConfigError("max_keepalive_connections must be >= 0")
         if not self.keepalive_expiry_s > 0:

@@ -45,8 +45,16 @@ class ProxyMetrics:
         self.decode_routes = Counter(
             "kvduplex_proxy_decode_routes",
             "Requests decoded, by what chose their D: remembered (the D a conversation entry "
-            "names) or hash (rendezvous hashing on the conversation's routing key).",
+            "names), hash (rendezvous hashing on the conversation's routing key) or local (the D "
+            "holding the history of a local continuation).",
             ["rule"],
+            registry=self.registry,
+        )
+        self.local_continuations = Counter(
+            "kvduplex_proxy_local_continuations",
+            "Chat turns continuing a history a D served, by result: local (computed on that D "
+            "alone), decode_unavailable or decode_failed (prefilled on P instead).",
+            ["result"],
             registry=self.registry,
         )
         self.first_tokens = Counter(

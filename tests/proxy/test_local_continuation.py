@@ -1,0 +1,211 @@
+"""Local continuations (`kvduplex.proxy.continuation`): the ledger of served chat histories on its
+own, with a fake clock, and the proxy sending a short continuation to the D that served its
+history, against fake engines over real HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conftest import FakeClock
+from kvduplex.protocol import DO_REMOTE_DECODE, KEEP_TURN, PROTOCOL_KEY, PROTOCOL_VERSION
+from kvduplex.proxy.config import ConfigError, ProxyConfig, parse_upstream
+from kvduplex.proxy.continuation import TurnLedger, chat_turn
+from kvduplex.proxy.routes import CHAT_ROUTE, COMPLETIONS_ROUTE
+from test_proxy_flow import sse_events
+
+USER_1 = {"role": "user", "content": "tell me about block pools"}
+ANSWER_1 = {"role": "assistant", "content": "a block pool hands out fixed-size blocks"}
+USER_2 = {"role": "user", "content": "and who frees them?"}
+
+
+def chat(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": list(messages), **fields}
+
+
+def ledger(clock: FakeClock, max_chars: int = 100, max_entries: int = 10) -> TurnLedger:
+    return TurnLedger(max_chars=max_chars, ttl_s=60.0, max_entries=max_entries, clock=clock)
+
+
+def turn(body: dict[str, Any], caller: str = "anonymous", route: str = CHAT_ROUTE) -> Any:
+    found = chat_turn(caller, route, body)
+    assert found is not None
+    return found
+
+
+def test_a_turn_continues_the_history_its_d_served_when_what_it_adds_is_short():
+    clock = FakeClock()
+    turns = ledger(clock)
+    turns.served(turn(chat(USER_1)), "d1:1")
+
+    found = turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2)))
+    assert found is not None and found.decode == "d1:1"
+    assert found.added_chars == len(ANSWER_1["content"]) + len(USER_2["content"])
+
+    # Added more than the limit: P prefills it (and pulls the history back from D).
+    long_turn = turn(chat(USER_1, ANSWER_1, {"role": "user", "content": "x" * 100}))
+    assert turns.continuation(long_turn) is None
+    # The first turn itself continues nothing; neither does another conversation.
+    assert turns.continuation(turn(chat(USER_1))) is None
+    other = {"role": "user", "content": "something else"}
+    assert turns.continuation(turn(chat(other, ANSWER_1, USER_2))) is None
+
+
+def test_the_longest_served_history_wins_and_each_turn_is_recorded():
+    clock = FakeClock()
+    turns = ledger(clock, max_chars=1000)
+    turns.served(turn(chat(USER_1)), "d1:1")
+    turns.served(turn(chat(USER_1, ANSWER_1, USER_2)), "d2:2")
+    answer_2 = {"role": "assistant", "content": "the hold's owner"}
+    user_3 = {"role": "user", "content": "thanks"}
+
+    found = turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2, answer_2, user_3)))
+    assert found is not None and found.decode == "d2:2"
+    assert found.added_chars == len(answer_2["content"]) + len(user_3["content"])
+
+
+def test_what_shapes_the_prompt_and_who_asks_are_part_of_the_history():
+    clock = FakeClock()
+    turns = ledger(clock)
+    turns.served(turn(chat(USER_1), caller="alice"), "d1:1")
+    continued = chat(USER_1, ANSWER_1, USER_2)
+
+    assert turns.continuation(turn(continued, caller="alice")) is not None
+    assert turns.continuation(turn(continued, caller="mallory")) is None
+    other_template = chat(USER_1, ANSWER_1, USER_2, chat_template_kwargs={"x": 1})
+    assert turns.continuation(turn(other_template, caller="alice")) is None
+    # An edited earlier message is another history; an answer other than the one D computed
+    # is part of what the turn adds (D's cache has the history up to it).
+    edited_user = {"role": "user", "content": "tell me about block tables"}
+    assert turns.continuation(turn(chat(edited_user, ANSWER_1, USER_2), caller="alice")) is None
+    edited = {"role": "assistant", "content": "something D never said"}
+    found = turns.continuation(turn(chat(USER_1, edited, USER_2), caller="alice"))
+    assert found is not None
+    assert found.added_chars == len(edited["content"]) + len(USER_2["content"])
+
+
+def test_served_histories_expire_after_the_ttl_and_the_ledger_is_bounded():
+    clock = FakeClock()
+    turns = ledger(clock, max_entries=2)
+    turns.served(turn(chat(USER_1)), "d1:1")
+    clock.advance(59.0)
+    assert turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2))) is not None
+    clock.advance(1.0)
+    assert turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2))) is None
+    assert len(turns) == 0  # the expired entry went when it was found
+
+    for i in range(3):
+        turns.served(turn(chat({"role": "user", "content": f"chat {i}"})), "d1:1")
+    assert len(turns) == 2
+    first = chat({"role": "user", "content": "chat 0"}, ANSWER_1, USER_2)
+    last = chat({"role": "user", "content": "chat 2"}, ANSWER_1, USER_2)
+    assert turns.continuation(turn(first)) is None  # least recently recorded, gone
+    assert turns.continuation(turn(last)) is not None
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        (COMPLETIONS_ROUTE, {"model": "tiny", "prompt": "hello"}),
+        (CHAT_ROUTE, chat(USER_1, n=2)),
+        (CHAT_ROUTE, chat({"role": "user", "content": [{"type": "image_url", "image_url": {}}]})),
+        (CHAT_ROUTE, chat("not a message")),  # type: ignore[arg-type]
+        (CHAT_ROUTE, {"model": "tiny", "messages": []}),
+    ],
+)
+def test_only_single_choice_text_chats_are_continued_locally(route, body):
+    assert chat_turn("anonymous", route, body) is None
+
+
+def test_the_limit_is_checked_as_the_search_goes_back():
+    """The search looks back no further than the limit, however long the conversation: a turn
+    adding more than it never hashes-matches, even when its history was served."""
+    clock = FakeClock()
+    turns = ledger(clock, max_chars=10)
+    turns.served(turn(chat(USER_1)), "d1:1")
+    assert turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2))) is None
+    text_parts = {"role": "user", "content": [{"type": "text", "text": "ab"}]}
+    assert turn(chat(text_parts)).chars == (2,)
+
+
+def test_a_negative_limit_is_refused():
+    with pytest.raises(ConfigError, match="local_continuation_max_chars"):
+        ProxyConfig(
+            prefill=(parse_upstream("127.0.0.1:1"),),
+            decode=(parse_upstream("127.0.0.1:2"),),
+            local_continuation_max_chars=-1,
+        )
+
+
+def post_chat(handle: Any, body: dict[str, Any]) -> Any:
+    response = handle.client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_a_short_continuation_goes_to_the_d_that_served_its_history_alone(cluster):
+    p, d1, d2 = cluster.engine("p"), cluster.engine("d1"), cluster.engine("d2")
+    proxy = cluster.proxy([p], [d1, d2], local_continuation_max_chars=200)
+
+    first = post_chat(proxy, chat(USER_1, stream=True))
+    served_by = first.headers["x-kvduplex-decode"]
+    holder = d1 if served_by == d1.address else d2
+    assert len(p.bodies()) == 1
+
+    second = post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, stream=True))
+    assert len(p.bodies()) == 1, "P must not see a local continuation"
+    assert second.headers["x-kvduplex-decode"] == holder.address
+    assert second.headers["x-kvduplex-prefill"] == "none"
+    local = holder.bodies()[-1]
+    assert local["kv_transfer_params"] == {KEEP_TURN: True, PROTOCOL_KEY: PROTOCOL_VERSION}
+    assert local["messages"] == [USER_1, ANSWER_1, USER_2] and local["stream"] is True
+    assert "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in sse_events(second.content)
+    ).startswith(f"{holder.name} says")
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 1
+    assert proxy.metric("kvduplex_proxy_decode_routes_total", rule="local") == 1
+
+    # The local turn is served too: the next one continues it, not streamed this time.
+    answer_2 = {"role": "assistant", "content": "its owner"}
+    third = post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, answer_2, USER_2))
+    assert len(p.bodies()) == 1 and "kv_transfer_params" not in third.json()
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 2
+
+    # A long addition goes through P, which pulls the history back from D.
+    long_user = {"role": "user", "content": "y" * 300}
+    post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, answer_2, long_user))
+    assert len(p.bodies()) == 2
+    assert p.bodies()[-1]["kv_transfer_params"][DO_REMOTE_DECODE] is True
+
+
+def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d(cluster):
+    p, d1, d2 = cluster.engine("p"), cluster.engine("d1"), cluster.engine("d2")
+    proxy = cluster.proxy([p], [d1, d2], local_continuation_max_chars=200)
+    first = post_chat(proxy, chat(USER_1))
+    holder, other = (d1, d2) if first.headers["x-kvduplex-decode"] == d1.address else (d2, d1)
+    cluster.stop_engine(holder)
+    before_other = len(other.bodies())
+
+    # The request to the stopped D fails to connect: P prefills, another D decodes.
+    second = post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
+    assert second.headers["x-kvduplex-decode"] == other.address
+    assert len(p.bodies()) == 2
+    assert all(KEEP_TURN not in (b.get("kv_transfer_params") or {}) for b in other.bodies())
+    assert len(other.bodies()) == before_other + 1
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_failed") == 1
+
+    # Out of rotation now: not even tried.
+    post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
+    assert proxy.metric(
+        "kvduplex_proxy_local_continuations_total", result="decode_unavailable"
+    ) == 1
+
+
+def test_without_the_setting_every_turn_goes_through_p(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d])
+    post_chat(proxy, chat(USER_1))
+    post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
+    assert len(p.bodies()) == 2
+    assert len(proxy.proxy.turns) == 0
