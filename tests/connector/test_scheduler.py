@@ -192,17 +192,30 @@ def test_decode_turn_is_held_after_both_finish_statuses(engines, stop_token_ids,
     assert all(d.ref_count(b) == 1 for b in held)
 
 
-@pytest.mark.parametrize("config", [BIDIRECTIONAL, {}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        # With an engine to look prompts up on, and a threshold the prompt passes.
+        {
+            **BIDIRECTIONAL,
+            "decode_peers": ["127.0.0.1:41001"],
+            "lookup_timeout_ms": 100,
+            "kv_recompute_threshold": 16,
+        },
+        {},
+    ],
+)
 def test_a_turn_computed_on_d_alone_is_kept_when_its_router_asks(engines, config):
-    """A local continuation (`kvduplex.proxy.continuation`): D computes the prompt itself, pulls
-    nothing, and keeps the finished turn exactly as one prefilled elsewhere, when it keeps
-    turns at all (`bidirectional_kv_xfer`)."""
+    """A local continuation (`kvduplex.proxy.continuation`): D computes the prompt itself, looks
+    nothing up, pulls nothing, and keeps the finished turn exactly as one prefilled elsewhere,
+    when it keeps turns at all (`bidirectional_kv_xfer`)."""
     d = engines("D", config)
     prompt = prompt_tokens(70)
     keep = {protocol.KEEP_TURN: True, protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION}
     d.add("d1", prompt, max_tokens=3, params=keep)
     step = d.step()
-    assert step.meta.loads == [] and step.output.num_scheduled_tokens == {"d1": 70}
+    assert step.meta.loads == [] and step.meta.lookups == []
+    assert step.output.num_scheduled_tokens == {"d1": 70}
     for _ in range(3):
         finished = d.step(token=7).finished("d1")
         if finished is not None:

@@ -4,6 +4,7 @@ history, against fake engines over real HTTP."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -18,6 +19,11 @@ from test_proxy_flow import sse_events
 USER_1 = {"role": "user", "content": "tell me about block pools"}
 ANSWER_1 = {"role": "assistant", "content": "a block pool hands out fixed-size blocks"}
 USER_2 = {"role": "user", "content": "and who frees them?"}
+
+
+def size(*messages: dict[str, Any]) -> int:
+    """What messages add to a history, as the ledger counts it: their text and other fields."""
+    return sum(len(m["content"]) + len(json.dumps({"role": m["role"]}).replace(" ", "")) for m in messages)
 
 
 def chat(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -37,11 +43,11 @@ def turn(body: dict[str, Any], caller: str = "anonymous", route: str = CHAT_ROUT
 def test_a_turn_continues_the_history_its_d_served_when_what_it_adds_is_short():
     clock = FakeClock()
     turns = ledger(clock)
-    turns.served(turn(chat(USER_1)), "d1:1")
+    turns.served(turn(chat(USER_1)), "d1:1", 0)
 
     found = turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2)))
-    assert found is not None and found.decode == "d1:1"
-    assert found.added_chars == len(ANSWER_1["content"]) + len(USER_2["content"])
+    assert found is not None and (found.decode, found.epoch) == ("d1:1", 0)
+    assert found.added_chars == size(ANSWER_1, USER_2)
 
     # Added more than the limit: P prefills it (and pulls the history back from D).
     long_turn = turn(chat(USER_1, ANSWER_1, {"role": "user", "content": "x" * 100}))
@@ -55,20 +61,20 @@ def test_a_turn_continues_the_history_its_d_served_when_what_it_adds_is_short():
 def test_the_longest_served_history_wins_and_each_turn_is_recorded():
     clock = FakeClock()
     turns = ledger(clock, max_chars=1000)
-    turns.served(turn(chat(USER_1)), "d1:1")
-    turns.served(turn(chat(USER_1, ANSWER_1, USER_2)), "d2:2")
+    turns.served(turn(chat(USER_1)), "d1:1", 0)
+    turns.served(turn(chat(USER_1, ANSWER_1, USER_2)), "d2:2", 0)
     answer_2 = {"role": "assistant", "content": "the hold's owner"}
     user_3 = {"role": "user", "content": "thanks"}
 
     found = turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2, answer_2, user_3)))
     assert found is not None and found.decode == "d2:2"
-    assert found.added_chars == len(answer_2["content"]) + len(user_3["content"])
+    assert found.added_chars == size(answer_2, user_3)
 
 
 def test_what_shapes_the_prompt_and_who_asks_are_part_of_the_history():
     clock = FakeClock()
     turns = ledger(clock)
-    turns.served(turn(chat(USER_1), caller="alice"), "d1:1")
+    turns.served(turn(chat(USER_1), caller="alice"), "d1:1", 0)
     continued = chat(USER_1, ANSWER_1, USER_2)
 
     assert turns.continuation(turn(continued, caller="alice")) is not None
@@ -82,13 +88,13 @@ def test_what_shapes_the_prompt_and_who_asks_are_part_of_the_history():
     edited = {"role": "assistant", "content": "something D never said"}
     found = turns.continuation(turn(chat(USER_1, edited, USER_2), caller="alice"))
     assert found is not None
-    assert found.added_chars == len(edited["content"]) + len(USER_2["content"])
+    assert found.added_chars == size(edited, USER_2)
 
 
 def test_served_histories_expire_after_the_ttl_and_the_ledger_is_bounded():
     clock = FakeClock()
     turns = ledger(clock, max_entries=2)
-    turns.served(turn(chat(USER_1)), "d1:1")
+    turns.served(turn(chat(USER_1)), "d1:1", 0)
     clock.advance(59.0)
     assert turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2))) is not None
     clock.advance(1.0)
@@ -96,7 +102,7 @@ def test_served_histories_expire_after_the_ttl_and_the_ledger_is_bounded():
     assert len(turns) == 0  # the expired entry went when it was found
 
     for i in range(3):
-        turns.served(turn(chat({"role": "user", "content": f"chat {i}"})), "d1:1")
+        turns.served(turn(chat({"role": "user", "content": f"chat {i}"})), "d1:1", 0)
     assert len(turns) == 2
     first = chat({"role": "user", "content": "chat 0"}, ANSWER_1, USER_2)
     last = chat({"role": "user", "content": "chat 2"}, ANSWER_1, USER_2)
@@ -118,15 +124,23 @@ def test_only_single_choice_text_chats_are_continued_locally(route, body):
     assert chat_turn("anonymous", route, body) is None
 
 
-def test_the_limit_is_checked_as_the_search_goes_back():
-    """The search looks back no further than the limit, however long the conversation: a turn
-    adding more than it never hashes-matches, even when its history was served."""
+def test_the_search_looks_back_no_further_than_the_limit():
+    """However long the conversation, the search stops once the messages it passed carry more
+    than the limit: an expired record further back is not even reached (reaching it removes
+    it)."""
     clock = FakeClock()
-    turns = ledger(clock, max_chars=10)
-    turns.served(turn(chat(USER_1)), "d1:1")
+    turns = ledger(clock, max_chars=45)
+    assert size(ANSWER_1, USER_2) > 45
+    turns.served(turn(chat(USER_1)), "d1:1", 0)
+    clock.advance(60.0)
     assert turns.continuation(turn(chat(USER_1, ANSWER_1, USER_2))) is None
+    assert len(turns) == 1
+    # Within the limit, the search reaches it and drops it.
+    short = {"role": "assistant", "content": "ok"}
+    assert turns.continuation(turn(chat(USER_1, short, {"role": "user", "content": "?"}))) is None
+    assert len(turns) == 0
     text_parts = {"role": "user", "content": [{"type": "text", "text": "ab"}]}
-    assert turn(chat(text_parts)).chars == (2,)
+    assert turn(chat(text_parts)).chars[0] == 2 + len('{"role":"user"}')
 
 
 def test_a_negative_limit_is_refused():
@@ -166,22 +180,65 @@ def test_a_short_continuation_goes_to_the_d_that_served_its_history_alone(cluste
     assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 1
     assert proxy.metric("kvduplex_proxy_decode_routes_total", rule="local") == 1
 
-    # The local turn is served too: the next one continues it, not streamed this time.
-    answer_2 = {"role": "assistant", "content": "its owner"}
-    third = post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, answer_2, USER_2))
-    assert len(p.bodies()) == 1 and "kv_transfer_params" not in third.json()
-    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 2
+    assert proxy.metric("kvduplex_proxy_first_tokens_total", source="decode", reason="local") == 1
 
-    # A long addition goes through P, which pulls the history back from D.
+    # The local turn is served too: the next one continues it, not streamed this time; D's
+    # answer offers the turn it kept, so that one is recorded as well.
+    answer_2 = {"role": "assistant", "content": "its owner"}
+    history_3 = [USER_1, ANSWER_1, USER_2, answer_2, USER_2]
+    third = post_chat(proxy, chat(*history_3))
+    assert len(p.bodies()) == 1 and "kv_transfer_params" not in third.json()
+    answer_3 = {"role": "assistant", "content": "the scheduler"}
+    post_chat(proxy, chat(*history_3, answer_3, USER_1))
+    assert len(p.bodies()) == 1
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 3
+
+    # A long addition goes through P.
     long_user = {"role": "user", "content": "y" * 300}
-    post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, answer_2, long_user))
+    post_chat(proxy, chat(*history_3, answer_3, long_user))
     assert len(p.bodies()) == 2
-    assert p.bodies()[-1]["kv_transfer_params"][DO_REMOTE_DECODE] is True
+
+
+def test_a_non_streamed_turn_whose_d_offers_no_held_turn_is_not_continued_locally(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d], local_continuation_max_chars=200)
+    d.return_decode_params = False  # a D that keeps no turns (one-way)
+    post_chat(proxy, chat(USER_1))
+    post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
+    assert len(p.bodies()) == 2
+    assert len(proxy.proxy.turns) == 0
+
+
+def test_a_conversation_id_keeps_its_entry_across_local_turns(cluster):
+    """With a conversation id, D's params from a local turn are remembered like any other, and
+    the turn after a long one (through P) hands P the params of the last local turn."""
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d], local_continuation_max_chars=200)
+    headers = {"X-Conversation-Id": "c1"}
+
+    def send(*messages: dict[str, Any]) -> None:
+        response = proxy.client.post("/v1/chat/completions", json=chat(*messages), headers=headers)
+        assert response.status_code == 200, response.text
+        assert "kv_transfer_params" not in response.json()
+
+    send(USER_1)
+    send(USER_1, ANSWER_1, USER_2)  # local: the entry of turn 1 is taken, D's new one stored
+    assert len(p.bodies()) == 1
+    local_params = d.returned_params[-1]
+    assert local_params is not None
+    long_user = {"role": "user", "content": "y" * 300}
+    send(USER_1, ANSWER_1, USER_2, ANSWER_1, long_user)
+    assert len(p.bodies()) == 2
+    pulled = p.bodies()[-1]["kv_transfer_params"]
+    assert pulled[DO_REMOTE_DECODE] is True
+    assert pulled["remote_request_id"] == local_params["remote_request_id"]
+    assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="hit") == 2
 
 
 def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d(cluster):
     p, d1, d2 = cluster.engine("p"), cluster.engine("d1"), cluster.engine("d2")
-    proxy = cluster.proxy([p], [d1, d2], local_continuation_max_chars=200)
+    clock = FakeClock()
+    proxy = cluster.proxy([p], [d1, d2], clock=clock, local_continuation_max_chars=200)
     first = post_chat(proxy, chat(USER_1))
     holder, other = (d1, d2) if first.headers["x-kvduplex-decode"] == d1.address else (d2, d1)
     cluster.stop_engine(holder)
@@ -200,6 +257,19 @@ def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d
     assert proxy.metric(
         "kvduplex_proxy_local_continuations_total", result="decode_unavailable"
     ) == 1
+
+    # Back in rotation, it may have restarted without the history: it is not continued there.
+    cluster.restart_engine(holder)
+    clock.advance(2.0)
+    proxy.check_health()
+    assert proxy.proxy.decode.get(holder.address).healthy
+    held_before = len(holder.bodies())
+    post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
+    assert all(KEEP_TURN not in (b.get("kv_transfer_params") or {}) for b in holder.bodies())
+    assert len(holder.bodies()) >= held_before
+    assert proxy.metric(
+        "kvduplex_proxy_local_continuations_total", result="decode_unavailable"
+    ) == 2
 
 
 def test_without_the_setting_every_turn_goes_through_p(cluster):

@@ -220,7 +220,7 @@ class DuplexScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         state = self._pull_state(request)
-        if state is None:
+        if state is None and not _computes_alone(request):
             found = self._lookups.look_up(request, num_computed_tokens)
             if found is ASK_AGAIN:
                 return None, False
@@ -718,6 +718,13 @@ class DuplexScheduler:
     def take_events(self) -> list[KVCacheEvent]:
         """KV events of the turns held and ended since the last call (`events.py`)."""
         return self._events.take()
+
+
+def _computes_alone(request: Request) -> bool:
+    """A router sent the request here to compute alone (`protocol.KEEP_TURN`): it holds the
+    history itself, so it looks nothing up and pulls nothing."""
+    params = request.kv_transfer_params
+    return isinstance(params, dict) and params.get(protocol.KEEP_TURN) is True
 
 
 def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> int | None:

@@ -29,6 +29,13 @@ from . import first_token
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
 from .config import CONVERSATION_FIELD, CONVERSATION_HEADER, ProxyConfig
 from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params
+from .errors import (
+    PoolExhausted,
+    ProxyError,
+    ResponseTooLarge,
+    UpstreamErrorResponse,
+    bad_request,
+)
 from .metrics import ProxyMetrics
 from .relay import (
     PARAMS_FIELD,
@@ -44,35 +51,6 @@ from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
 
 logger = logging.getLogger(__name__)
-
-
-class ProxyError(Exception):
-    """Ends a request with an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, *, error_type: str, kind: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.kind = kind
-
-
-class UpstreamErrorResponse(Exception):
-    """An upstream answered with an error status; relayed to the caller in OpenAI's shape."""
-
-    def __init__(self, status: int, body: bytes, upstream: Upstream):
-        super().__init__(f"{upstream.role} {upstream.address} answered HTTP {status}")
-        self.status = status
-        self.body = body
-        self.upstream = upstream
-
-
-class ResponseTooLarge(Exception):
-    pass
-
-
-def _bad_request(message: str) -> ProxyError:
-    return ProxyError(400, message, error_type="invalid_request_error", kind="bad_request")
 
 
 def _digest(label: str, value: str) -> str:
@@ -95,7 +73,7 @@ def _check_stateless_response(body: dict[str, Any]) -> None:
     server (`previous_response_id`, `background`) cannot be continued through both."""
     for field in ("previous_response_id", "background", "conversation"):
         if body.get(field):
-            raise _bad_request(
+            raise bad_request(
                 f"'{field}' is not supported through the P/D proxy: send the whole "
                 "conversation in 'input' (the prefill and decode servers do not share stored "
                 "responses)"
@@ -203,25 +181,25 @@ class DuplexProxy:
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:
-            raise _bad_request(f"request body is not valid JSON: {exc}") from None
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise _bad_request("request body must be a JSON object")
+            raise bad_request("request body must be a JSON object")
         return body
 
     def _conversation_id(self, request: Request, body: dict[str, Any]) -> str | None:
         from_header = request.headers.get(CONVERSATION_HEADER)
         from_body = body.pop(CONVERSATION_FIELD, None)
         if from_body is not None and not isinstance(from_body, str):
-            raise _bad_request(f"'{CONVERSATION_FIELD}' must be a string")
+            raise bad_request(f"'{CONVERSATION_FIELD}' must be a string")
         if from_header is not None and from_body is not None and from_header != from_body:
-            raise _bad_request(
+            raise bad_request(
                 f"the {CONVERSATION_HEADER} header and the '{CONVERSATION_FIELD}' field differ"
             )
         conversation = from_header if from_header is not None else from_body
         if conversation is None:
             return None
         if not conversation or len(conversation) > self.config.max_conversation_id_length:
-            raise _bad_request(
+            raise bad_request(
                 "conversation id must have 1 to "
                 f"{self.config.max_conversation_id_length} characters"
             )
@@ -246,10 +224,10 @@ class DuplexProxy:
     async def generate(self, request: Request, route: str) -> Response:
         body = await self._read_json(request)
         if PARAMS_FIELD in body:
-            raise _bad_request("'kv_transfer_params' is set by the proxy, not by callers")
+            raise bad_request("'kv_transfer_params' is set by the proxy, not by callers")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise _bad_request("'stream' must be a boolean")
+            raise bad_request("'stream' must be a boolean")
         if route == RESPONSES_ROUTE:
             _check_stateless_response(body)
         conversation = self._conversation_id(request, body)
@@ -277,6 +255,9 @@ class DuplexProxy:
             answer = await self._continue_locally(local, body)
             if answer is not None:
                 return answer
+            if pinned is not None and not self.decode.is_available(pinned):
+                # The local attempt just found the remembered D gone: P recomputes.
+                pinned = pull_params = None
 
         first_reason = (
             first_token.ineligible_reason(route, body)
@@ -325,7 +306,8 @@ class DuplexProxy:
         if found is None:
             return None
         holder = self.decode.get(found.decode)
-        if holder is None or not self.decode.is_available(holder):
+        if holder is None or not self.decode.is_available(holder) or holder.epoch != found.epoch:
+            # Out of rotation, or taken out since it served the history (which may be gone).
             self.metrics.local_continuations.labels("decode_unavailable").inc()
             return None
         leg = dataclasses.replace(
@@ -333,13 +315,14 @@ class DuplexProxy:
         )
         local_body = dict(body)
         local_body[PARAMS_FIELD] = keep_turn_params()
+        stream = body.get("stream", False)
         try:
-            if body.get("stream", False):
+            if stream:
                 answer = await self._decode_stream(leg, local_body)
             else:
                 answer = await self._decode_json(leg, local_body)
         except ProxyError as exc:
-            if exc.kind != "no_upstream":
+            if exc.kind != "no_upstream" or isinstance(exc, PoolExhausted):
                 raise
             logger.info(
                 "decode server %s did not take a local continuation (%s); prefilling on P",
@@ -349,6 +332,8 @@ class DuplexProxy:
             self.metrics.local_continuations.labels("decode_failed").inc()
             return None
         self.metrics.local_continuations.labels("local").inc()
+        if stream:
+            self.metrics.first_tokens.labels("decode", "local").inc()
         return answer
 
     async def recall(
@@ -396,7 +381,7 @@ class DuplexProxy:
         )
 
     def _pool_exhausted(self) -> ProxyError:
-        return ProxyError(
+        return PoolExhausted(
             503,
             "too many requests in flight to the upstream servers",
             error_type="service_unavailable",
@@ -497,14 +482,17 @@ class DuplexProxy:
         return upstream, answer, params
 
     def _accepted(self, leg: _DecodeLeg, decode: Upstream) -> None:
-        """`decode` took the request: count what chose it, and record the history it serves."""
+        """`decode` took the request: count what chose it."""
         if leg.choice.only_pinned:
             rule = "local"
         else:
             rule = "remembered" if decode is leg.choice.pinned else "hash"
         self.metrics.decode_routes.labels(rule).inc()
-        if leg.turn is not None:
-            self.turns.served(leg.turn, decode.address)
+
+    def served(self, turn: Turn | None, decode: Upstream) -> None:
+        """`decode` answered the chat turn whole: it holds the history for a local continuation."""
+        if turn is not None:
+            self.turns.served(turn, decode.address, decode.epoch)
 
     def _routing_headers(self, routing: dict[str, str], decode: Upstream) -> dict[str, str]:
         if not self.config.routing_headers:
@@ -535,7 +523,10 @@ class DuplexProxy:
                 kind="upstream_status",
             ) from None
         if isinstance(result, dict) and PARAMS_FIELD in result:
-            await self.remember(leg.key, upstream, result.pop(PARAMS_FIELD))
+            offered = result.pop(PARAMS_FIELD)
+            if isinstance(offered, dict) and offered.get(DO_REMOTE_DECODE):
+                self.served(leg.turn, upstream)
+            await self.remember(leg.key, upstream, offered)
             # D's block ids and address stay inside the deployment.
             raw = json.dumps(result, ensure_ascii=False).encode()
         return Response(
@@ -578,7 +569,7 @@ class DuplexProxy:
 
     async def _decode_stream(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response:
         upstream, response, outstanding, started = await self._open_decode_stream(leg, body)
-        relay = StreamRelay(self, response, upstream, outstanding, leg.key, started)
+        relay = StreamRelay(self, response, upstream, outstanding, leg.key, started, leg.turn)
         return RelayResponse(
             relay,
             media_type=response.headers.get("content-type", "text/event-stream"),
@@ -612,6 +603,7 @@ class DuplexProxy:
                 outstanding,
                 leg.key,
                 started,
+                leg.turn,
                 rewrite=first_token.ContinuationRewriter(first),
             )
             try:

@@ -29,6 +29,8 @@ class Upstream:
     consecutive_failures: int = 0
     # While taken out: when a request or probe may try it again (balancer clock).
     retry_at: float = 0.0
+    # How often it was marked failed: what it served before may be gone (a restart).
+    epoch: int = 0
 
     @property
     def address(self) -> str:
@@ -103,6 +105,7 @@ class UpstreamPool:
 
     def mark_failed(self, upstream: Upstream, reason: str) -> None:
         upstream.consecutive_failures += 1
+        upstream.epoch += 1
         backoff = min(
             self._backoff_max_s,
             self._backoff_initial_s * 2 ** (upstream.consecutive_failures - 1),

@@ -13,14 +13,16 @@ document) still goes to P, which keeps long prefills off the decoding server, an
 history back from D.
 
 The proxy knows which D served which history without any tokenizer: for every chat turn a D
-accepted it records a digest of the conversation so far (the caller, the fields that shape the
-rendered prompt, and each message in order; `TurnLedger.served`). A new request is a
-continuation of such a turn when a prefix of its messages, ending before an assistant message,
-has a recorded digest, the rest of its messages carry no more than `max_chars` characters of
-text, and that D is in rotation. What D then computes is bounded by that rest while it still
-holds the turn; if it gave the turn up early (memory pressure), its prefix cache still has
-whatever blocks were not reused, and the rest is recomputed there, as a single server would.
-A recorded turn expires after the proxy's conversation TTL, which stays below D's hold lease.
+answered whole it records a digest of the conversation so far (the caller, the fields that
+shape the rendered prompt, and each message in order; `TurnLedger.served`); a non-streamed
+answer must also offer the held turn. A new request is a continuation of such a turn when a
+prefix of its messages, ending before an assistant message, has a recorded digest, the rest of
+its messages (the answer D computed included, roles and other fields counted) carry no more
+than `max_chars` characters, and that D is in rotation and has not been taken out since. What
+D then computes is bounded by that rest while it still holds the turn; if it gave the turn up
+early (memory pressure), its prefix cache still has whatever blocks were not reused, and the
+rest is recomputed there, as a single server would. A recorded turn expires after the proxy's
+conversation TTL, which stays below D's hold lease.
 
 Only chat completions with text messages are continued locally; completions, responses and
 multimodal messages take the P/D path. The request to D carries `KEEP_TURN`, so D keeps the
@@ -45,19 +47,30 @@ from .routes import CHAT_ROUTE
 PROMPT_FIELDS = (
     "model",
     "tools",
+    "tool_choice",
     "chat_template",
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
     "add_special_tokens",
     "documents",
+    "reasoning_effort",
+    "truncate_prompt_tokens",
+    "mm_processor_kwargs",
+    # A different salt is a different cache: never the history another salt's turn left.
+    "cache_salt",
 )
+# A chat with more messages than this is not continued locally (its digests cost more than a
+# prefill on P saves).
+MAX_MESSAGES = 4096
 _DIGEST_BYTES = 16
 _KEY_VERSION = 1
+# ASCII output: a lone surrogate in a message is escaped, not an encoding error.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
 def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _ENCODER.encode(value).encode()
 
 
 def _text_chars(message: Any) -> int | None:
@@ -79,9 +92,9 @@ def _text_chars(message: Any) -> int | None:
             chars += len(text)
     else:
         return None
-    # Tool calls and other fields are rendered too: count them as text.
-    rest = {k: v for k, v in message.items() if k not in ("role", "content")}
-    return chars + (len(_canonical(rest)) if rest else 0)
+    # The role, tool calls and other fields are rendered too: count them as text.
+    rest = {k: v for k, v in message.items() if k != "content"}
+    return chars + len(_canonical(rest))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +118,9 @@ def chat_turn(caller: str, route: str, body: dict[str, Any]) -> Turn | None:
     if route != CHAT_ROUTE:
         return None
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or body.get("n", 1) != 1:
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        return None
+    if body.get("n", 1) != 1:
         return None
     chars = []
     for message in messages:
@@ -124,15 +139,18 @@ def chat_turn(caller: str, route: str, body: dict[str, Any]) -> Turn | None:
 
 @dataclasses.dataclass(frozen=True)
 class Continuation:
-    """Where a turn continues: the D that served its history, and the characters it adds."""
+    """Where a turn continues: the D that served its history (and that D's `epoch` then: a D
+    taken out of rotation since may have lost it), and the characters the turn adds."""
 
     decode: str
+    epoch: int
     added_chars: int
 
 
 @dataclasses.dataclass
 class _Served:
     decode: str
+    epoch: int
     expires_at: float
 
 
@@ -153,10 +171,11 @@ class TurnLedger:
     def __len__(self) -> int:
         return len(self._served)
 
-    def served(self, turn: Turn, decode: str) -> None:
-        """D accepted the request `turn` was made of: it will hold that history and answer."""
+    def served(self, turn: Turn, decode: str, epoch: int) -> None:
+        """D answered the request `turn` was made of, whole: it holds that history and its
+        answer (`epoch`: how often that D had been taken out of rotation then)."""
         self._served.pop(turn.whole, None)
-        self._served[turn.whole] = _Served(decode, self.clock() + self.ttl_s)
+        self._served[turn.whole] = _Served(decode, epoch, self.clock() + self.ttl_s)
         while len(self._served) > self.max_entries:
             self._served.popitem(last=False)
 
@@ -179,7 +198,7 @@ class TurnLedger:
             if entry.expires_at <= now:
                 del self._served[turn.digests[k]]
                 continue
-            return Continuation(entry.decode, added)
+            return Continuation(entry.decode, entry.epoch, added)
         return None
 
 

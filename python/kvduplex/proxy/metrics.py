@@ -60,7 +60,8 @@ class ProxyMetrics:
         self.first_tokens = Counter(
             "kvduplex_proxy_first_tokens",
             "Streamed answers by where their first token came from: prefill (sent as soon as P "
-            "answered; D continues after it) or decode, with the reason (first_token.py).",
+            "answered; D continues after it) or decode, with the reason (first_token.py; local: a "
+            "local continuation, continuation.py).",
             ["source", "reason"],
             registry=self.registry,
         )

@@ -18,6 +18,7 @@ from .store import ConversationKey
 
 if TYPE_CHECKING:
     from .app import DuplexProxy
+    from .continuation import Turn
 
 # The request and response field of vLLM's OpenAI server that carries kv_transfer_params.
 PARAMS_FIELD = "kv_transfer_params"
@@ -126,6 +127,7 @@ class StreamRelay:
         outstanding: contextlib.ExitStack,
         key: ConversationKey | None,
         started: float,
+        turn: Turn | None = None,
         rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
     ):
         self._proxy = proxy
@@ -133,6 +135,7 @@ class StreamRelay:
         self._upstream = upstream
         self._outstanding = outstanding
         self._key = key
+        self._turn = turn
         self._started = started
         self._rewrite = rewrite
         self._closed = False
@@ -179,6 +182,7 @@ class StreamRelay:
             await self.close()
         if completed:
             # Stored before the stream ends, so a caller's next turn always finds the entry.
+            proxy.served(self._turn, upstream)
             await proxy.remember(self._key, upstream, scanner.params)
 
 

@@ -1,0 +1,41 @@
+"""How a proxied request fails: the errors that end it with an OpenAI-shaped response."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .balancer import Upstream
+
+
+class ProxyError(Exception):
+    """Ends a request with an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, *, error_type: str, kind: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.kind = kind
+
+
+class PoolExhausted(ProxyError):
+    """The proxy's own connections to its upstreams are all in use (`pool_timeout_s`)."""
+
+
+class UpstreamErrorResponse(Exception):
+    """An upstream answered with an error status; relayed to the caller in OpenAI's shape."""
+
+    def __init__(self, status: int, body: bytes, upstream: Upstream):
+        super().__init__(f"{upstream.role} {upstream.address} answered HTTP {status}")
+        self.status = status
+        self.body = body
+        self.upstream = upstream
+
+
+class ResponseTooLarge(Exception):
+    pass
+
+
+def bad_request(message: str) -> ProxyError:
+    return ProxyError(400, message, error_type="invalid_request_error", kind="bad_request")
