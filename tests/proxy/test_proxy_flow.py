@@ -251,6 +251,15 @@ def test_bad_requests_get_openai_shaped_4xx_without_reaching_upstreams(cluster):
         client.post("/v1/completions", content=b"{nope", headers=json_headers), 400
     )
     assert "JSON object" in _error(client.post("/v1/completions", json=[1, 2]), 400)
+    # JSON's parser takes these; no server could be sent them.
+    nan = b'{"model": "tiny", "prompt": "a", "temperature": NaN}'
+    assert "NaN is not a JSON number" in _error(
+        client.post("/v1/completions", content=nan, headers=json_headers), 400
+    )
+    lone = b'{"model": "tiny", "prompt": "a \\ud800 b"}'
+    assert "surrogate" in _error(
+        client.post("/v1/completions", content=lone, headers=json_headers), 400
+    )
     assert "'stream'" in _error(post(proxy, stream="yes"), 400)
     assert "conversation_id" in _error(post(proxy, conversation_id=7), 400)
     assert "differ" in _error(post(proxy, conversation="a", conversation_id="b"), 400)
@@ -263,7 +272,13 @@ def test_bad_requests_get_openai_shaped_4xx_without_reaching_upstreams(cluster):
     assert "not allowed" in _error(client.get("/v1/completions"), 405)
 
     assert p.requests == [] and d.requests == []
-    assert proxy.metric("kvduplex_proxy_errors_total", kind="bad_request") == 11
+    assert proxy.metric("kvduplex_proxy_errors_total", kind="bad_request") == 13
+
+    # A surrogate pair is one character, sent on as such.
+    pair = b'{"model": "tiny", "prompt": "\\ud83d\\ude00"}'
+    response = client.post("/v1/completions", content=pair, headers=json_headers)
+    assert response.status_code == 200, response.text
+    assert p.bodies()[-1]["prompt"] == "\U0001f600"
 
 
 def test_upstream_error_statuses_are_relayed_in_openai_shape(cluster):

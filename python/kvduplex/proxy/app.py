@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -51,6 +52,15 @@ from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
 
 logger = logging.getLogger(__name__)
+
+
+# A JSON escape of a UTF-16 surrogate: a pair is one character, a lone one cannot be sent on.
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_constant(name: str) -> float:
+    """NaN and Infinity are not JSON, and cannot be sent on to the servers."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _digest(label: str, value: str) -> str:
@@ -179,8 +189,12 @@ class DuplexProxy:
                 raise too_large
             chunks.append(chunk)
         try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
+            raw = b"".join(chunks)
+            body = json.loads(raw, parse_constant=_refuse_constant)
+            if _ESCAPED_SURROGATE.search(raw):
+                # What the upstream requests are sent as (httpx): a lone surrogate cannot be.
+                json.dumps(body, ensure_ascii=False).encode()
+        except (ValueError, UnicodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
