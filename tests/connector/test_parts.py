@@ -254,24 +254,6 @@ def test_auto_threshold_from_measured_speeds():
     assert estimator.threshold() == 291
 
 
-def test_a_steps_worth_of_tokens_is_measured_from_steps_alone():
-    """With a fixed threshold, a busy engine's lookup must also gain what one step computes."""
-    estimator = RecomputeThresholdEstimator(default_threshold=64, max_model_len=4096)
-    assert estimator.step_tokens() == 0  # not measured yet
-    for _ in range(3):
-        estimator.observe_step(0.128, 256)  # 0.5 ms per token
-    assert estimator.step_tokens() == 0
-    estimator.observe_step(0.128, 256)
-    assert estimator.step_tokens() == 256
-    # Decode steps (too few tokens to time a prefill) count for the step's time only: shorter
-    # steps are worth fewer tokens.
-    for _ in range(40):
-        estimator.observe_step(0.032, 1)
-    assert 64 <= estimator.step_tokens() < 100
-    # No reads were needed, and the threshold of pulls is still the configured one.
-    assert estimator.threshold() == 64
-
-
 def test_auto_threshold_never_pulls_when_reading_is_slower_than_computing():
     estimator = RecomputeThresholdEstimator(default_threshold=64, max_model_len=4096)
     for tokens in (100, 200, 400, 800):

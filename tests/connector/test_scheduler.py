@@ -642,28 +642,6 @@ def test_no_lookup_and_no_wait_where_no_engine_could_hold_the_prompt(engines):
     assert step.meta.lookups == [] and "s" in step.output.num_scheduled_tokens
 
 
-def test_a_busy_engine_looks_up_only_prompts_that_could_gain_a_step(engines):
-    """A fixed threshold: while another request runs, a lookup by content would wait a step, so
-    the prompt must be able to gain the threshold plus what a step computes; idle, the
-    threshold alone."""
-    busy = engines("P", LOOKUP)
-    busy.duplex._estimator.step_tokens = lambda: 300  # measured from steps (test_parts)
-    busy.add("r", prompt_tokens(10), max_tokens=50)  # shorter than a block: no lookup
-    busy.step()
-    busy.add("p1", prompt_tokens(200, start=700), max_tokens=1, params={"do_remote_decode": True})
-    step = busy.step()
-    assert step.meta.lookups == [] and "p1" in step.output.num_scheduled_tokens
-    assert busy.stats.data.get("lookups_skipped") == 1
-    # 400 tokens could gain more than 16 + 300: asked.
-    busy.add("p2", prompt_tokens(400, start=300), max_tokens=1, params={"do_remote_decode": True})
-    assert [lookup.request_id for lookup in busy.step().meta.lookups] == ["p2"]
-
-    idle = engines("P", LOOKUP)
-    idle.duplex._estimator.step_tokens = lambda: 300
-    idle.add("p3", prompt_tokens(200, start=700), max_tokens=1, params={"do_remote_decode": True})
-    assert [lookup.request_id for lookup in idle.step().meta.lookups] == ["p3"]
-
-
 def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines):
     history, d_params = _held_turn(engines)
     p2 = engines("P", LOOKUP)

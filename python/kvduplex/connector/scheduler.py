@@ -140,8 +140,11 @@ class DuplexScheduler:
         # Tells a turn that ended on a stop string from a client's abort (`_held_output_tokens`). The
         # EngineCore's structured-output manager loaded this tokenizer already (cached).
         self._tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
-        # Measures steps (and, with "auto", reads): `threshold.py`.
-        self._estimator = RecomputeThresholdEstimator(config.recompute_threshold, max_model_len)
+        self._estimator = (
+            RecomputeThresholdEstimator(config.recompute_threshold, max_model_len)
+            if config.auto_recompute_threshold
+            else None
+        )
         # Side channels of this engine's workers, index = TP rank; None until workers report.
         self._host: str | None = None
         self._ports: tuple[int, ...] | None = None
@@ -174,17 +177,16 @@ class DuplexScheduler:
     # ---------------------------------------------------------------- reader
 
     def recompute_threshold(self) -> int:
-        if self._config.auto_recompute_threshold:
+        if self._estimator is not None:
             return self._estimator.threshold()
         return self._config.recompute_threshold
 
     def _lookup_threshold(self, request: Request) -> int:
-        """The fewest tokens a lookup by content of `request` must be able to gain: the
-        threshold, and while other requests run the step it would wait (`threshold.py`)."""
-        busy = self._live.others_running(request.request_id)
-        if self._config.auto_recompute_threshold:
-            return self._estimator.lookup_threshold(busy)
-        return self._config.recompute_threshold + (self._estimator.step_tokens() if busy else 0)
+        """The fewest tokens a lookup by content of `request` must be able to gain: with
+        "auto", a step more while other requests run (`threshold.py`)."""
+        if self._estimator is not None:
+            return self._estimator.lookup_threshold(self._live.others_running(request.request_id))
+        return self._config.recompute_threshold
 
     def on_new_request(self, request: Request) -> None:
         self._live.add(request)
@@ -651,8 +653,9 @@ class DuplexScheduler:
             # waiting per pull and per lookup. Posting costs microseconds.
             scheduler_output.has_sync_kv_loads = True
         self._loads, self._releases, self._holds = [], [], []
-        self._step_started = time.perf_counter()
-        self._step_tokens = scheduler_output.total_num_scheduled_tokens
+        if self._estimator is not None:
+            self._step_started = time.perf_counter()
+            self._step_tokens = scheduler_output.total_num_scheduled_tokens
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -664,6 +667,8 @@ class DuplexScheduler:
             freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
             self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())
             self._on_loads_done(worker_meta.loads_done)
+        if self._estimator is None:
+            return
         if self._step_started is not None:
             self._estimator.observe_step(
                 time.perf_counter() - self._step_started, self._step_tokens

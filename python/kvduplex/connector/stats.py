@@ -43,10 +43,7 @@ COUNTERS: dict[str, str] = {
     "lookups_hit": "Lookups of a prompt's blocks that found a held turn on a peer",
     "lookups_missed": "Lookups that found no held turn (or had no peer to ask)",
     "lookup_failures": "Peers that failed or timed out answering a lookup",
-    "lookups_skipped": (
-        "Requests whose possible gain was under kv_recompute_threshold (and, while others run, "
-        "a step's tokens), not looked up"
-    ),
+    "lookups_skipped": "Requests whose possible gain was under kv_recompute_threshold, not looked up",
     "lookups_hinted": "Lookups asked of the one decode node a router's hint named",
     "lookups_indexed": "Lookups that left out decode nodes whose announcements say they hold none "
     "of the prompt",

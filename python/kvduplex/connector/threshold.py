@@ -21,10 +21,6 @@ millisecond) while it is idle. `lookup_threshold(busy)` adds a step to the fixed
 engine is busy: a busy prefill node looks up only prompts that could gain more than that, so it
 stops paying a step for histories too short to pay it back, goes on looking up long ones, and
 looks up as before once it is idle again (the step's time is measured on every step).
-
-With a fixed `kv_recompute_threshold` the same estimator measures the steps only: a lookup by
-content while other requests run must be able to gain the threshold plus the tokens one step
-computes (`step_tokens`), the step it would wait; an idle engine's lookups keep the threshold.
 """
 
 from __future__ import annotations
@@ -100,12 +96,6 @@ class RecomputeThresholdEstimator:
         """The fewest tokens a lookup must be able to gain to be worth its wait and the pull:
         a step more than a pull while other requests run (`busy`)."""
         return self._smallest_gain(self._step_s.mean if busy and self._step_s.samples else 0.0)
-
-    def step_tokens(self) -> int:
-        """The tokens the engine computes in the time of one of its steps (0 until measured)."""
-        if self._step_s.samples < MIN_SAMPLES or self._prefill_s_per_token.samples < MIN_SAMPLES:
-            return 0
-        return math.ceil(self._step_s.mean / self._prefill_s_per_token.mean)
 
     def _smallest_gain(self, wait_s: float) -> int:
         if (
