@@ -268,7 +268,9 @@ class ProxyThread:
             decode=tuple(parse_upstream(url) for url in decode_urls),
             **settings,
         )
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP: an event loop sets TCP_NODELAY on the connections of a socket that names
+        # it (a reused connection otherwise waits for a delayed ACK between header and body).
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
