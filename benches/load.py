@@ -104,6 +104,7 @@ from kvduplex.demo.servers import (
     describe_mismatch,
 )
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
+from kvduplex.proxy.config import LOCAL_CONTINUATION_WHEN, ProxyConfig
 from kvduplex_testing.servers import async_sse_events, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
@@ -585,7 +586,9 @@ def run_system(
         # Local continuations need D to keep its turns: bidirectional only (module doc).
         local_chars = args.local_continuation_max_chars if system == BIDIRECTIONAL else 0
         proxy = ProxyThread([servers["P"].base_url], [servers["D"].base_url],
-                            local_continuation_max_chars=local_chars) if "P" in servers else None
+                            local_continuation_max_chars=local_chars,
+                            local_continuation_when=args.local_continuation_when,
+                            ) if "P" in servers else None
         with proxy or contextlib.nullcontext():
             # Through the proxy, or chat c straight to ideal server c % (ideal servers).
             urls = [proxy.base_url] if proxy else [s.base_url for s in servers.values()]
@@ -768,6 +771,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pinned": args.pin,
         "connector_config": args.connector_config,
         "local_continuation_max_chars": args.local_continuation_max_chars,
+        "local_continuation_when": args.local_continuation_when,
         "logs": str(args.work_dir),
         "systems": {},
     }
@@ -841,6 +845,11 @@ def main() -> None:
         help="the bidirectional system's proxy computes a turn adding at most CHARS characters "
         "to a history D served on that D alone (kvduplex proxy --local-continuation-max-chars; "
         "default 0: off)",
+    )
+    parser.add_argument(
+        "--local-continuation-when", choices=LOCAL_CONTINUATION_WHEN,
+        default=ProxyConfig.local_continuation_when,
+        help="when such a turn goes to D (kvduplex proxy --local-continuation-when)",
     )
     add_pin_argument(parser)
     args = parser.parse_args()

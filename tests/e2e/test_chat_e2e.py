@@ -212,6 +212,7 @@ def test_a_short_turn_continues_on_the_d_that_holds_its_history_and_p_computes_n
         [servers.prefill.base_url],
         [d.base_url for d in decodes],
         local_continuation_max_chars=4096,
+        local_continuation_when="always",
     ) as proxy:
         turns = run_chat(
             servers, lambda turn: lambda m: stream_chat(proxy.base_url, m, MAX_TOKENS), seed=9

@@ -138,6 +138,8 @@ class FakeEngine:
         self.sampled_prompt = [11, 12, 13]
         # D: open a chat stream with vLLM's role-only chunk.
         self.role_chunk = False
+        # Hold each generation request's answer until this is set (None: answer at once).
+        self.answer_gate: threading.Event | None = None
         self.port = 0
         self._block_ids = itertools.count(1)
 
@@ -186,6 +188,8 @@ class FakeEngine:
             self.requests.append(
                 {"path": request.url.path, "body": body, "headers": dict(request.headers)}
             )
+            if self.answer_gate is not None:
+                await asyncio.to_thread(self.answer_gate.wait, STREAM_GATE_TIMEOUT_S)
             if self.fail_with is not None:
                 status, payload = self.fail_with
                 if isinstance(payload, str):

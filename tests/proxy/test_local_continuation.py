@@ -5,6 +5,8 @@ history, against fake engines over real HTTP."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from conftest import FakeClock
 from kvduplex.protocol import DO_REMOTE_DECODE, KEEP_TURN, PROTOCOL_KEY, PROTOCOL_VERSION
 from kvduplex.proxy.config import ConfigError, ProxyConfig, parse_upstream
-from kvduplex.proxy.continuation import TurnLedger, chat_turn
+from kvduplex.proxy.continuation import TurnLedger, chat_turn, why_not_local
 from kvduplex.proxy.routes import CHAT_ROUTE, COMPLETIONS_ROUTE
 from test_proxy_flow import sse_events
 
@@ -23,7 +25,9 @@ USER_2 = {"role": "user", "content": "and who frees them?"}
 
 def size(*messages: dict[str, Any]) -> int:
     """What messages add to a history, as the ledger counts it: their text and other fields."""
-    return sum(len(m["content"]) + len(json.dumps({"role": m["role"]}).replace(" ", "")) for m in messages)
+    return sum(
+        len(m["content"]) + len(json.dumps({"role": m["role"]}).replace(" ", "")) for m in messages
+    )
 
 
 def chat(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -152,6 +156,29 @@ def test_a_negative_limit_is_refused():
         )
 
 
+@pytest.mark.parametrize(
+    ("when", "prefill_in_flight", "decode_computing_alone", "reason"),
+    [
+        ("always", 0, 3, None),
+        ("prefill_busy", None, 3, None),  # no P in rotation: D it is
+        ("prefill_busy", 0, 0, "prefill_idle"),
+        ("prefill_busy", 1, 0, None),
+        ("prefill_busy", 2, 1, "decode_busy"),
+    ],
+)
+def test_when_a_continuation_goes_to_its_d(when, prefill_in_flight, decode_computing_alone, reason):
+    assert why_not_local(when, prefill_in_flight, decode_computing_alone) == reason
+
+
+def test_an_unknown_when_is_refused():
+    with pytest.raises(ConfigError, match="local_continuation_when"):
+        ProxyConfig(
+            prefill=(parse_upstream("127.0.0.1:1"),),
+            decode=(parse_upstream("127.0.0.1:2"),),
+            local_continuation_when="sometimes",
+        )
+
+
 def post_chat(handle: Any, body: dict[str, Any]) -> Any:
     response = handle.client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
@@ -160,7 +187,9 @@ def post_chat(handle: Any, body: dict[str, Any]) -> Any:
 
 def test_a_short_continuation_goes_to_the_d_that_served_its_history_alone(cluster):
     p, d1, d2 = cluster.engine("p"), cluster.engine("d1"), cluster.engine("d2")
-    proxy = cluster.proxy([p], [d1, d2], local_continuation_max_chars=200)
+    proxy = cluster.proxy(
+        [p], [d1, d2], local_continuation_max_chars=200, local_continuation_when="always"
+    )
 
     first = post_chat(proxy, chat(USER_1, stream=True))
     served_by = first.headers["x-kvduplex-decode"]
@@ -197,11 +226,61 @@ def test_a_short_continuation_goes_to_the_d_that_served_its_history_alone(cluste
     long_user = {"role": "user", "content": "y" * 300}
     post_chat(proxy, chat(*history_3, answer_3, long_user))
     assert len(p.bodies()) == 2
+    assert proxy.proxy.decode.get(holder.address).computing_alone == 0
+
+
+def test_when_prefill_busy_a_continuation_goes_to_its_d_only_while_p_has_a_prefill_in_flight(
+    cluster,
+):
+    """`local_continuation_when="prefill_busy"` (the default): an idle P prefills the turn; while
+    P has a prefill in flight the turn is computed on its D, unless that D computes another
+    turn alone whose first token has not come back."""
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d], local_continuation_max_chars=200)
+    post_chat(proxy, chat(USER_1, stream=True))
+    post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, stream=True))
+    assert len(p.bodies()) == 2, "an idle P prefills the continuation"
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="prefill_idle") == 1
+
+    # A first turn of another chat keeps P busy until the gate opens.
+    p.answer_gate = threading.Event()
+    busy = threading.Thread(target=post_chat, args=(proxy, chat(USER_2, stream=True)))
+    busy.start()
+    try:
+        prefill = proxy.proxy.prefill.upstreams[0]
+        deadline = time.monotonic() + 5
+        while prefill.outstanding == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefill.outstanding == 1
+        post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, stream=True))
+        assert len(p.bodies()) == 3, "the continuation went to D alone"
+        assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 1
+        assert proxy.proxy.decode.get(d.address).computing_alone == 0
+
+        # D computing another turn alone (its first chunk not back): the turn waits for P.
+        proxy.proxy.decode.get(d.address).computing_alone = 1
+        answered: list[Any] = []
+        waiting = threading.Thread(
+            target=lambda: answered.append(post_chat(proxy, chat(USER_1, ANSWER_1, USER_2)))
+        )
+        waiting.start()
+        deadline = time.monotonic() + 5
+        while len(p.bodies()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(p.bodies()) == 4
+        assert proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_busy") == 1
+    finally:
+        p.answer_gate.set()
+        busy.join()
+    waiting.join()
+    assert answered and answered[0].headers["x-kvduplex-prefill"] == p.address
 
 
 def test_a_non_streamed_turn_whose_d_offers_no_held_turn_is_not_continued_locally(cluster):
     p, d = cluster.engine("p"), cluster.engine("d")
-    proxy = cluster.proxy([p], [d], local_continuation_max_chars=200)
+    proxy = cluster.proxy(
+        [p], [d], local_continuation_max_chars=200, local_continuation_when="always"
+    )
     d.return_decode_params = False  # a D that keeps no turns (one-way)
     post_chat(proxy, chat(USER_1))
     post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
@@ -213,7 +292,9 @@ def test_a_conversation_id_keeps_its_entry_across_local_turns(cluster):
     """With a conversation id, D's params from a local turn are remembered like any other, and
     the turn after a long one (through P) hands P the params of the last local turn."""
     p, d = cluster.engine("p"), cluster.engine("d")
-    proxy = cluster.proxy([p], [d], local_continuation_max_chars=200)
+    proxy = cluster.proxy(
+        [p], [d], local_continuation_max_chars=200, local_continuation_when="always"
+    )
     headers = {"X-Conversation-Id": "c1"}
 
     def send(*messages: dict[str, Any]) -> None:
@@ -238,7 +319,13 @@ def test_a_conversation_id_keeps_its_entry_across_local_turns(cluster):
 def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d(cluster):
     p, d1, d2 = cluster.engine("p"), cluster.engine("d1"), cluster.engine("d2")
     clock = FakeClock()
-    proxy = cluster.proxy([p], [d1, d2], clock=clock, local_continuation_max_chars=200)
+    proxy = cluster.proxy(
+        [p],
+        [d1, d2],
+        clock=clock,
+        local_continuation_max_chars=200,
+        local_continuation_when="always",
+    )
     first = post_chat(proxy, chat(USER_1))
     holder, other = (d1, d2) if first.headers["x-kvduplex-decode"] == d1.address else (d2, d1)
     cluster.stop_engine(holder)
@@ -251,12 +338,13 @@ def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d
     assert all(KEEP_TURN not in (b.get("kv_transfer_params") or {}) for b in other.bodies())
     assert len(other.bodies()) == before_other + 1
     assert proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_failed") == 1
+    assert proxy.proxy.decode.get(holder.address).computing_alone == 0
 
     # Out of rotation now: not even tried.
     post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
-    assert proxy.metric(
-        "kvduplex_proxy_local_continuations_total", result="decode_unavailable"
-    ) == 1
+    assert (
+        proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_unavailable") == 1
+    )
 
     # Back in rotation, it may have restarted without the history: it is not continued there.
     cluster.restart_engine(holder)
@@ -267,9 +355,9 @@ def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d
     post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
     assert all(KEEP_TURN not in (b.get("kv_transfer_params") or {}) for b in holder.bodies())
     assert len(holder.bodies()) >= held_before
-    assert proxy.metric(
-        "kvduplex_proxy_local_continuations_total", result="decode_unavailable"
-    ) == 2
+    assert (
+        proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_unavailable") == 2
+    )
 
 
 def test_without_the_setting_every_turn_goes_through_p(cluster):

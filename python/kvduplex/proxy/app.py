@@ -29,8 +29,9 @@ from ..protocol import DO_REMOTE_DECODE
 from . import first_token
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
 from .config import CONVERSATION_FIELD, CONVERSATION_HEADER, ProxyConfig
-from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params
+from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params, why_not_local
 from .errors import (
+    NoUpstream,
     PoolExhausted,
     ProxyError,
     ResponseTooLarge,
@@ -61,6 +62,19 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 def _refuse_constant(name: str) -> float:
     """NaN and Infinity are not JSON, and cannot be sent on to the servers."""
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """`action`, run by the first call only."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run
 
 
 def _digest(label: str, value: str) -> str:
@@ -324,20 +338,35 @@ class DuplexProxy:
             # Out of rotation, or taken out since it served the history (which may be gone).
             self.metrics.local_continuations.labels("decode_unavailable").inc()
             return None
+        prefill_in_flight = min(
+            (u.outstanding for u in self.prefill.upstreams if self.prefill.is_available(u)),
+            default=None,
+        )
+        when = self.config.local_continuation_when
+        declined = why_not_local(when, prefill_in_flight, holder.computing_alone)
+        if declined is not None:
+            self.metrics.local_continuations.labels(declined).inc()
+            return None
         leg = dataclasses.replace(
             leg, choice=dataclasses.replace(leg.choice, pinned=holder, only_pinned=True)
         )
         local_body = dict(body)
         local_body[PARAMS_FIELD] = keep_turn_params()
         stream = body.get("stream", False)
+        holder.computing_alone += 1
+
+        def computed() -> None:
+            holder.computing_alone -= 1
+
+        first_token_back = _once(computed)
         try:
             if stream:
-                answer = await self._decode_stream(leg, local_body)
+                answer = await self._decode_stream(leg, local_body, first_token_back)
             else:
                 answer = await self._decode_json(leg, local_body)
-        except ProxyError as exc:
-            if exc.kind != "no_upstream" or isinstance(exc, PoolExhausted):
-                raise
+                first_token_back()
+        except NoUpstream as exc:
+            first_token_back()
             logger.info(
                 "decode server %s did not take a local continuation (%s); prefilling on P",
                 holder.address,
@@ -345,6 +374,9 @@ class DuplexProxy:
             )
             self.metrics.local_continuations.labels("decode_failed").inc()
             return None
+        except BaseException:
+            first_token_back()
+            raise
         self.metrics.local_continuations.labels("local").inc()
         if stream:
             self.metrics.first_tokens.labels("decode", "local").inc()
@@ -388,19 +420,6 @@ class DuplexProxy:
             self.metrics.conversations_stored.inc()
         if result.evicted:
             self.metrics.conversation_evictions.inc(result.evicted)
-
-    def _no_upstream(self, role: str) -> ProxyError:
-        return ProxyError(
-            503, f"no {role} server available", error_type="service_unavailable", kind="no_upstream"
-        )
-
-    def _pool_exhausted(self) -> ProxyError:
-        return PoolExhausted(
-            503,
-            "too many requests in flight to the upstream servers",
-            error_type="service_unavailable",
-            kind="no_upstream",
-        )
 
     def _candidates(
         self, pool: UpstreamPool, choice: _DecodeChoice | None = None
@@ -447,7 +466,7 @@ class DuplexProxy:
                     ) as response:
                         raw = await _read_limited(response, self.config.max_upstream_response_bytes)
                 except httpx.PoolTimeout:
-                    raise self._pool_exhausted() from None
+                    raise PoolExhausted() from None
                 except httpx.TransportError as exc:
                     pool.mark_failed(upstream, describe(exc))
                     continue
@@ -463,7 +482,7 @@ class DuplexProxy:
             if response.status_code != 200:
                 raise UpstreamErrorResponse(response.status_code, raw, upstream)
             return upstream, raw
-        raise self._no_upstream(pool.role)
+        raise NoUpstream(pool.role)
 
     async def _prefill(
         self, route: str, body: dict[str, Any], headers: dict[str, str]
@@ -564,7 +583,7 @@ class DuplexProxy:
                 try:
                     response = await self.client.send(request, stream=True)
                 except httpx.PoolTimeout:
-                    raise self._pool_exhausted() from None
+                    raise PoolExhausted() from None
                 except httpx.TransportError as exc:
                     self.decode.mark_failed(upstream, describe(exc))
                     continue
@@ -579,11 +598,22 @@ class DuplexProxy:
                     raise UpstreamErrorResponse(response.status_code, raw, upstream)
                 self._accepted(leg, upstream)
                 return upstream, response, outstanding.pop_all(), started
-        raise self._no_upstream(self.decode.role)
+        raise NoUpstream(self.decode.role)
 
-    async def _decode_stream(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response:
+    async def _decode_stream(
+        self, leg: _DecodeLeg, body: dict[str, Any], first_chunk: Callable[[], None] | None = None
+    ) -> Response:
         upstream, response, outstanding, started = await self._open_decode_stream(leg, body)
-        relay = StreamRelay(self, response, upstream, outstanding, leg.key, started, leg.turn)
+        relay = StreamRelay(
+            self,
+            response,
+            upstream,
+            outstanding,
+            leg.key,
+            started,
+            leg.turn,
+            first_chunk=first_chunk,
+        )
         return RelayResponse(
             relay,
             media_type=response.headers.get("content-type", "text/event-stream"),
@@ -653,7 +683,7 @@ class DuplexProxy:
                     ) as response:
                         raw = await _read_limited(response, self.config.max_upstream_response_bytes)
                 except httpx.PoolTimeout:
-                    raise self._pool_exhausted() from None
+                    raise PoolExhausted() from None
                 except (httpx.TransportError, ResponseTooLarge) as exc:
                     pool.mark_failed(upstream, describe(exc))
                     continue
@@ -661,7 +691,7 @@ class DuplexProxy:
                 if response.status_code != 200:
                     raise UpstreamErrorResponse(response.status_code, raw, upstream)
                 return Response(raw, media_type="application/json")
-        raise self._no_upstream("upstream")
+        raise NoUpstream("upstream")
 
     def health(self) -> Response:
         ready = self.prefill.any_healthy() and self.decode.any_healthy()

@@ -18,6 +18,11 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20
 DEFAULT_MAX_UPSTREAM_RESPONSE_BYTES = 64 << 20
 DEFAULT_MAX_CONVERSATION_ID_LENGTH = 256
 # Where a client names its conversation: a request header, or a field of the request body.
+# When a local continuation goes to its D (`continuation.why_not_local`).
+LOCAL_ALWAYS = "always"
+LOCAL_WHEN_PREFILL_BUSY = "prefill_busy"
+LOCAL_CONTINUATION_WHEN = (LOCAL_ALWAYS, LOCAL_WHEN_PREFILL_BUSY)
+
 CONVERSATION_HEADER = "x-conversation-id"
 CONVERSATION_FIELD = "conversation_id"
 
@@ -118,6 +123,9 @@ class ProxyConfig:
     # (and holds) is computed on that D alone (`continuation`); longer ones, and every turn when
     # 0, are prefilled on P, which pulls the history back from D.
     local_continuation_max_chars: int = 0
+    # When such a turn goes to its D (`continuation.why_not_local`): "always", or "prefill_busy",
+    # only while every P has a prefill in flight and that D computes no other turn alone.
+    local_continuation_when: str = LOCAL_WHEN_PREFILL_BUSY
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -151,6 +159,11 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
         if self.local_continuation_max_chars < 0:
             raise ConfigError("local_continuation_max_chars must be >= 0 (0 turns it off)")
+        if self.local_continuation_when not in LOCAL_CONTINUATION_WHEN:
+            raise ConfigError(
+                f"local_continuation_when must be one of {', '.join(LOCAL_CONTINUATION_WHEN)}, "
+                f"got {self.local_continuation_when!r}"
+            )
         if self.max_keepalive_connections < 0:
             raise ConfigError("max_keepalive_connections must be >= 0")
         if not self.keepalive_expiry_s > 0:

@@ -27,6 +27,11 @@ conversation TTL, which stays below D's hold lease.
 Only chat completions with text messages are continued locally; completions, responses and
 multimodal messages take the P/D path. The request to D carries `KEEP_TURN`, so D keeps the
 turn it computes for the turn after it.
+
+When a continuation goes to D is the proxy's `local_continuation_when` (`why_not_local`): `always`,
+or `prefill_busy`, only while every P in rotation has a prefill in flight (the turn would queue
+behind it) and that D computes no other turn alone (its first token has not come back yet): an
+idle P prefills the turn, a busy one passes it to a D whose core is free of prefills.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol import KEEP_TURN, PROTOCOL_KEY, PROTOCOL_VERSION
+from .config import LOCAL_ALWAYS
 from .routes import CHAT_ROUTE
 
 # Request fields besides the messages that change the prompt a chat is rendered into: a turn
@@ -200,6 +206,22 @@ class TurnLedger:
                 continue
             return Continuation(entry.decode, entry.epoch, added)
         return None
+
+
+def why_not_local(
+    when: str, prefill_in_flight: int | None, decode_computing_alone: int
+) -> str | None:
+    """Why a continuation is not computed on its D now (None: it is). `prefill_in_flight` is
+    the least number of requests in flight on a P in rotation (None: no P in rotation, so D it
+    is), `decode_computing_alone` the continuations that D computes whose first token has not
+    come back."""
+    if when == LOCAL_ALWAYS or prefill_in_flight is None:
+        return None
+    if prefill_in_flight == 0:
+        return "prefill_idle"
+    if decode_computing_alone > 0:
+        return "decode_busy"
+    return None
 
 
 def keep_turn_params() -> dict[str, Any]:

@@ -19,8 +19,25 @@ class ProxyError(Exception):
         self.kind = kind
 
 
+class NoUpstream(ProxyError):
+    """No server of a role took the request: none in rotation, or every one tried failed."""
+
+    def __init__(self, role: str):
+        super().__init__(
+            503, f"no {role} server available", error_type="service_unavailable", kind="no_upstream"
+        )
+
+
 class PoolExhausted(ProxyError):
     """The proxy's own connections to its upstreams are all in use (`pool_timeout_s`)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            503,
+            "too many requests in flight to the upstream servers",
+            error_type="service_unavailable",
+            kind="no_upstream",
+        )
 
 
 class UpstreamErrorResponse(Exception):

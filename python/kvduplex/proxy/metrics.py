@@ -53,7 +53,8 @@ class ProxyMetrics:
         self.local_continuations = Counter(
             "kvduplex_proxy_local_continuations",
             "Chat turns continuing a history a D served, by result: local (computed on that D "
-            "alone), decode_unavailable or decode_failed (prefilled on P instead).",
+            "alone); decode_unavailable, decode_failed, or with local_continuation_when "
+            "prefill_busy prefill_idle or decode_busy (prefilled on P instead).",
             ["result"],
             registry=self.registry,
         )

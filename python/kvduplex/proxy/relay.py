@@ -129,7 +129,9 @@ class StreamRelay:
         started: float,
         turn: Turn | None = None,
         rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+        first_chunk: Callable[[], None] | None = None,
     ):
+        """`first_chunk` runs once: at D's first chunk, or at `close` if none came."""
         self._proxy = proxy
         self._response = response
         self._upstream = upstream
@@ -138,9 +140,16 @@ class StreamRelay:
         self._turn = turn
         self._started = started
         self._rewrite = rewrite
+        self._first_chunk = first_chunk
         self._closed = False
 
+    def _first_chunk_came(self) -> None:
+        if self._first_chunk is not None:
+            first_chunk, self._first_chunk = self._first_chunk, None
+            first_chunk()
+
     async def close(self) -> None:
+        self._first_chunk_came()
         if not self._closed:
             self._closed = True
             try:
@@ -157,6 +166,7 @@ class StreamRelay:
             async for chunk in self._response.aiter_bytes():
                 if first:
                     first = False
+                    self._first_chunk_came()
                     proxy.metrics.decode_first_byte_seconds.observe(
                         time.perf_counter() - self._started
                     )
