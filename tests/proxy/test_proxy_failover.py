@@ -231,8 +231,12 @@ def test_an_idle_upstream_connection_is_dropped_before_the_upstream_can_close_it
 ):
     upstream = OneRequestPerConnection()
     try:
+        # A generous probe timeout: on a loaded host a probe must fail only by the race.
         proxy = cluster.proxy(
-            [upstream], [cluster.engine("d")], keepalive_expiry_s=keepalive_expiry_s
+            [upstream],
+            [cluster.engine("d")],
+            keepalive_expiry_s=keepalive_expiry_s,
+            health_timeout_s=10.0,
         )
         proxy.check_health()
         time.sleep(0.4)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -28,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..protocol import DO_REMOTE_DECODE
 from . import first_token
 from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
-from .config import CONVERSATION_FIELD, CONVERSATION_HEADER, ProxyConfig
+from .config import ProxyConfig
 from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params, why_not_local
 from .errors import (
     NoUpstream,
@@ -38,6 +36,7 @@ from .errors import (
     UpstreamErrorResponse,
     bad_request,
 )
+from .intake import caller_of, check_stateless_response, conversation_id, digest, read_json
 from .metrics import ProxyMetrics
 from .relay import (
     PARAMS_FIELD,
@@ -55,15 +54,6 @@ from .store import ConversationKey, ConversationStore, Lookup, create_store
 logger = logging.getLogger(__name__)
 
 
-# A JSON escape of a UTF-16 surrogate: a pair is one character, a lone one cannot be sent on.
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _refuse_constant(name: str) -> float:
-    """NaN and Infinity are not JSON, and cannot be sent on to the servers."""
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def _once(action: Callable[[], None]) -> Callable[[], None]:
     """`action`, run by the first call only."""
     done = False
@@ -77,10 +67,6 @@ def _once(action: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def _digest(label: str, value: str) -> str:
-    return hashlib.sha256(f"{label}\0{value}".encode()).hexdigest()[:32]
-
-
 async def _read_limited(response: httpx.Response, limit: int) -> bytes:
     chunks = []
     size = 0
@@ -90,18 +76,6 @@ async def _read_limited(response: httpx.Response, limit: int) -> bytes:
             raise ResponseTooLarge(f"response exceeds {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _check_stateless_response(body: dict[str, Any]) -> None:
-    """P and D each see the whole conversation in every request: a response stored on one
-    server (`previous_response_id`, `background`) cannot be continued through both."""
-    for field in ("previous_response_id", "background", "conversation"):
-        if body.get(field):
-            raise bad_request(
-                f"'{field}' is not supported through the P/D proxy: send the whole "
-                "conversation in 'input' (the prefill and decode servers do not share stored "
-                "responses)"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,86 +156,21 @@ class DuplexProxy:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    # ---- request parsing -------------------------------------------------------------------
-
-    async def _read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.config.max_body_bytes
-        too_large = ProxyError(
-            413,
-            f"request body exceeds {limit} bytes",
-            error_type="invalid_request_error",
-            kind="bad_request",
-        )
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        try:
-            raw = b"".join(chunks)
-            body = json.loads(raw, parse_constant=_refuse_constant)
-            if _ESCAPED_SURROGATE.search(raw):
-                # What the upstream requests are sent as (httpx): a lone surrogate cannot be.
-                json.dumps(body, ensure_ascii=False).encode()
-        except (ValueError, UnicodeError) as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise bad_request("request body must be a JSON object")
-        return body
-
-    def _conversation_id(self, request: Request, body: dict[str, Any]) -> str | None:
-        from_header = request.headers.get(CONVERSATION_HEADER)
-        from_body = body.pop(CONVERSATION_FIELD, None)
-        if from_body is not None and not isinstance(from_body, str):
-            raise bad_request(f"'{CONVERSATION_FIELD}' must be a string")
-        if from_header is not None and from_body is not None and from_header != from_body:
-            raise bad_request(
-                f"the {CONVERSATION_HEADER} header and the '{CONVERSATION_FIELD}' field differ"
-            )
-        conversation = from_header if from_header is not None else from_body
-        if conversation is None:
-            return None
-        if not conversation or len(conversation) > self.config.max_conversation_id_length:
-            raise bad_request(
-                "conversation id must have 1 to "
-                f"{self.config.max_conversation_id_length} characters"
-            )
-        return conversation
-
-    def _tenant(self, request: Request) -> str:
-        """Who the caller is: the configured tenant header if present, else the bearer API key.
-        Only digests are kept; callers without either share one anonymous namespace."""
-        if self.config.tenant_header:
-            value = request.headers.get(self.config.tenant_header)
-            if value:
-                return _digest("tenant", value)
-        authorization = request.headers.get("authorization")
-        if authorization:
-            scheme, _, token = authorization.partition(" ")
-            credential = token.strip() if scheme.lower() == "bearer" else authorization
-            return _digest("api-key", credential)
-        return "anonymous"
-
     # ---- the P/D flow ----------------------------------------------------------------------
 
     async def generate(self, request: Request, route: str) -> Response:
-        body = await self._read_json(request)
+        body = await read_json(request, self.config.max_body_bytes)
         if PARAMS_FIELD in body:
             raise bad_request("'kv_transfer_params' is set by the proxy, not by callers")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean")
         if route == RESPONSES_ROUTE:
-            _check_stateless_response(body)
-        conversation = self._conversation_id(request, body)
-        caller = self._tenant(request)
+            check_stateless_response(body)
+        conversation = conversation_id(request, body, self.config.max_conversation_id_length)
+        caller = caller_of(request, self.config.tenant_header)
         key = (
-            ConversationKey(caller, _digest("conversation", conversation))
+            ConversationKey(caller, digest("conversation", conversation))
             if conversation is not None
             else None
         )
