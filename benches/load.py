@@ -94,7 +94,6 @@ from kvduplex.demo import (
     duplex_kv_transfer_config,
     read_metrics,
     read_metrics_after,
-    sample_sums,
 )
 from kvduplex.demo.servers import (
     WHOLE_MACHINE_ENV,
@@ -104,6 +103,7 @@ from kvduplex.demo.servers import (
     describe_mismatch,
 )
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
+from kvduplex.protocol import METRIC_PREFIX
 from kvduplex.proxy.config import LOCAL_CONTINUATION_WHEN, ProxyConfig
 from kvduplex_testing.servers import async_sse_events, start_many
 from kvduplex_testing.tiny_model import (
@@ -118,7 +118,6 @@ from multiturn import (
     add_pin_argument,
     bucket_quantile,
     pd_cpus,
-    read_lookup_buckets,
 )
 
 logger = logging.getLogger("load")
@@ -413,68 +412,47 @@ def make_servers(
     }
 
 
-def _preemptions(url: str) -> float:
-    return sum(sample_sums(url, "vllm:num_preemptions_total", "", timeout_s=60).values())
+# P's `vllm:kvduplex_lookup_wait_seconds` as `MetricsSnapshot` names it.
+LOOKUP_WAIT = LOOKUP_WAIT_HISTOGRAM.removeprefix(METRIC_PREFIX)
 
 
-@dataclass(frozen=True)
-class Reading:
-    metrics: MetricsSnapshot
-    preemptions: float
-    # What requests waited in the scheduler for their lookup answer: cumulative bucket counts.
-    lookup_wait: dict[str, float]
-
-
-def _lookup_wait(url: str) -> dict[str, float]:
-    return read_lookup_buckets(url, histogram=LOOKUP_WAIT_HISTOGRAM)
-
-
-def read_all(servers: dict[str, VllmServer]) -> dict[str, Reading]:
-    return {
-        role: Reading(read_metrics(s.base_url), _preemptions(s.base_url), _lookup_wait(s.base_url))
-        for role, s in servers.items()
-    }
+def read_all(servers: dict[str, VllmServer]) -> dict[str, MetricsSnapshot]:
+    return {role: read_metrics(s.base_url) for role, s in servers.items()}
 
 
 def read_all_after(
-    servers: dict[str, VllmServer], before: dict[str, Reading], finished: dict[str, int]
-) -> dict[str, Reading]:
+    servers: dict[str, VllmServer], before: dict[str, MetricsSnapshot], finished: dict[str, int]
+) -> dict[str, MetricsSnapshot]:
     """Readings once every server counted its `finished` requests of the point, minus
     `before`."""
-    out = {}
-    for role, s in servers.items():
-        after = read_metrics_after(s.base_url, before[role].metrics, finished[role])
-        wait = _lookup_wait(s.base_url)
-        out[role] = Reading(
-            after.minus(before[role].metrics),
-            _preemptions(s.base_url) - before[role].preemptions,
-            {le: n - before[role].lookup_wait.get(le, 0.0) for le, n in wait.items()},
-        )
-    return out
+    return {
+        role: read_metrics_after(s.base_url, before[role], finished[role]).minus(before[role])
+        for role, s in servers.items()
+    }
 
 
 FAULTS = ("failed_transfers", "fallbacks", "grants_refused", "lookup_failures")
 
 
-def _bound(reading: Reading | None, q: float) -> float | None:
-    le = bucket_quantile(reading.lookup_wait, q) if reading is not None else None
+def _bound(reading: MetricsSnapshot | None, q: float) -> float | None:
+    le = bucket_quantile(reading.buckets_of(LOOKUP_WAIT), q) if reading is not None else None
     return None if le is None else float(le)
 
 
-def server_counts(deltas: dict[str, Reading]) -> dict[str, Any]:
+def server_counts(deltas: dict[str, MetricsSnapshot]) -> dict[str, Any]:
     def connector(key_start: str) -> int:
-        return int(sum(v for r in deltas.values() for k, v in r.metrics.connector.items()
+        return int(sum(v for r in deltas.values() for k, v in r.connector.items()
                        if k.startswith(key_start)))
 
     p = deltas.get("P")
     d = deltas.get("D")
-    computing = [r.metrics for role, r in deltas.items() if role != "D"]
+    computing = [r for role, r in deltas.items() if role != "D"]
     return {
         "preemptions": int(sum(r.preemptions for r in deltas.values())),
         "evictions": connector("evictions") if p else None,
-        "d_to_p_hits": int(p.metrics.connector.get("lookups_hit", 0)) if p else None,
-        "d_to_p_tokens": p.metrics.transferred_tokens if p else None,
-        "p_to_d_tokens": d.metrics.transferred_tokens if d else None,
+        "d_to_p_hits": int(p.connector.get("lookups_hit", 0)) if p else None,
+        "d_to_p_tokens": p.transferred_tokens if p else None,
+        "p_to_d_tokens": d.transferred_tokens if d else None,
         # Mean time to first token inside the engines that prefill (P, the ideal's servers):
         # arrival in the engine to first token, every turn; the client's TTFT adds the front
         # ends (and the proxy).
@@ -482,7 +460,7 @@ def server_counts(deltas: dict[str, Reading]) -> dict[str, Any]:
             sum(m.ttft_sum_s for m in computing) / count
             if (count := sum(m.ttft_count for m in computing)) else None
         ),
-        "lookup_wait_mean_s": p.metrics.mean_of("lookup_wait_seconds") if p else None,
+        "lookup_wait_mean_s": p.mean_of(LOOKUP_WAIT) if p else None,
         "prefill_computed_tokens": sum(m.computed_tokens for m in computing),
         "prefill_cache_hit_tokens": sum(m.cache_hit_tokens for m in computing),
         "connector_faults": {k: connector(k) for k in FAULTS} if p else None,
@@ -492,8 +470,8 @@ def server_counts(deltas: dict[str, Reading]) -> dict[str, Any]:
         "lookup_wait_p99_s": _bound(p, 0.99),
         # Every DuplexConnector counter that moved, by server role.
         "connector": {
-            role: {k: int(v) for k, v in r.metrics.connector.items() if v}
-            for role, r in deltas.items() if r.metrics.connector
+            role: {k: int(v) for k, v in r.connector.items() if v}
+            for role, r in deltas.items() if r.connector
         },
     }
 

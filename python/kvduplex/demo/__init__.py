@@ -105,10 +105,11 @@ class MetricsSnapshot:
     ttft_sum_s: float = 0.0
     ttft_count: float = 0.0
     finished_requests: float = 0.0
+    preemptions: float = 0.0
     # DuplexConnector's counters (`vllm:kvduplex_<name>_total`) by name; empty for other servers.
     connector: dict[str, float] = field(default_factory=dict)
     # DuplexConnector's histograms' sums and counts (`vllm:kvduplex_<name>_{sum,count}`), by
-    # `<name>_sum` / `<name>_count`.
+    # `<name>_sum` / `<name>_count`, and their cumulative buckets by `<name>_bucket:<le>`.
     connector_histograms: dict[str, float] = field(default_factory=dict)
 
     def minus(self, before: MetricsSnapshot) -> MetricsSnapshot:
@@ -120,9 +121,17 @@ class MetricsSnapshot:
             ttft_sum_s=self.ttft_sum_s - before.ttft_sum_s,
             ttft_count=self.ttft_count - before.ttft_count,
             finished_requests=self.finished_requests - before.finished_requests,
+            preemptions=self.preemptions - before.preemptions,
             connector=diff(self.connector, before.connector),
             connector_histograms=diff(self.connector_histograms, before.connector_histograms),
         )
+
+    def buckets_of(self, histogram: str) -> dict[str, float]:
+        """A DuplexConnector histogram's cumulative counts by bucket upper bound ("le")."""
+        prefix = f"{histogram}_bucket:"
+        return {
+            k[len(prefix) :]: v for k, v in self.connector_histograms.items() if k.startswith(prefix)
+        }
 
     def mean_of(self, histogram: str) -> float | None:
         """Mean of a DuplexConnector histogram (e.g. `lookup_seconds`), None without samples."""
@@ -155,7 +164,7 @@ def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
     prompt_tokens: dict[str, float] = {}
     connector: dict[str, float] = {}
     histograms: dict[str, float] = {}
-    values = {"ttft_sum_s": 0.0, "ttft_count": 0.0, "finished_requests": 0.0}
+    values = {"ttft_sum_s": 0.0, "ttft_count": 0.0, "finished_requests": 0.0, "preemptions": 0.0}
     for sample in metric_samples(base_url, timeout_s):
         name = sample.name
         if name == "vllm:prompt_tokens_by_source_total":
@@ -167,11 +176,15 @@ def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
             values["ttft_count"] += sample.value
         elif name == "vllm:request_success_total":
             values["finished_requests"] += sample.value
+        elif name == "vllm:num_preemptions_total":
+            values["preemptions"] += sample.value
         elif name.startswith(METRIC_PREFIX) and name.endswith("_total"):
             key = name[len(METRIC_PREFIX) : -len("_total")]
             connector[key] = connector.get(key, 0.0) + sample.value
-        elif name.startswith(METRIC_PREFIX) and name.endswith(("_sum", "_count")):
+        elif name.startswith(METRIC_PREFIX) and name.endswith(("_sum", "_count", "_bucket")):
             key = name[len(METRIC_PREFIX) :]
+            if key.endswith("_bucket"):
+                key = f"{key}:{sample.labels.get('le', '')}"
             histograms[key] = histograms.get(key, 0.0) + sample.value
     return MetricsSnapshot(
         prompt_tokens=prompt_tokens, connector=connector, connector_histograms=histograms, **values
