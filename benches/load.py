@@ -103,7 +103,6 @@ from kvduplex.demo.servers import (
     describe_mismatch,
 )
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
-from kvduplex.protocol import METRIC_PREFIX
 from kvduplex.proxy.config import LOCAL_CONTINUATION_WHEN, ProxyConfig
 from kvduplex_testing.servers import async_sse_events, start_many
 from kvduplex_testing.tiny_model import (
@@ -112,7 +111,7 @@ from kvduplex_testing.tiny_model import (
     sample_chat_text,
 )
 from multiturn import (
-    LOOKUP_WAIT_HISTOGRAM,
+    LOOKUP_WAIT,
     RECOMPUTE_THRESHOLD,
     PdCpus,
     add_pin_argument,
@@ -410,10 +409,6 @@ def make_servers(
         "D": VllmServer(model_dir, name=f"{system}-decode", extra_args=args, log_dir=log_dir,
                         cpus=d_cpus),
     }
-
-
-# P's `vllm:kvduplex_lookup_wait_seconds` as `MetricsSnapshot` names it.
-LOOKUP_WAIT = LOOKUP_WAIT_HISTOGRAM.removeprefix(METRIC_PREFIX)
 
 
 def read_all(servers: dict[str, VllmServer]) -> dict[str, MetricsSnapshot]:

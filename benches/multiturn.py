@@ -80,7 +80,6 @@ from kvduplex.demo import (
     duplex_kv_transfer_config,
     read_metrics,
     read_metrics_after,
-    sample_sums,
     user_turns,
 )
 from kvduplex.demo.servers import (
@@ -126,9 +125,12 @@ SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY, NIXL)
 KVDUPLEX_SYSTEMS = (BIDIRECTIONAL, STREAM, ONE_WAY)
 # Systems sent with "stream": true and no conversation id.
 STREAMED_SYSTEMS = (STREAM,)
-LOOKUP_HISTOGRAM = f"{METRIC_PREFIX}lookup_seconds"
-# What a request waited in P's scheduler for its lookup (or grant) answer, steps included.
-LOOKUP_WAIT_HISTOGRAM = f"{METRIC_PREFIX}lookup_wait_seconds"
+# DuplexConnector histograms as `MetricsSnapshot` names them (`vllm:kvduplex_<name>`): how long
+# a lookup took, and what a request waited in P's scheduler for its lookup (or grant) answer,
+# steps included.
+LOOKUP = "lookup_seconds"
+LOOKUP_WAIT = "lookup_wait_seconds"
+LOOKUP_WAIT_HISTOGRAM = f"{METRIC_PREFIX}{LOOKUP_WAIT}"
 LOOKUP_PERCENTILES_NOTE = (
     "lookup p50/p99 are upper bounds of vllm:kvduplex_lookup_seconds buckets (0.5 ms .. 1 s), "
     "pooled over turns whose lookups all missed (miss) or all hit (hit)"
@@ -180,16 +182,8 @@ class TurnStats:
     # Growth of P's lookup-time histogram during the turn: cumulative count per bucket upper
     # bound ("le" label, e.g. "0.001", "+Inf").
     lookup_buckets: dict[str, float] | None = None
-    # The same for P's lookup-wait histogram (`LOOKUP_WAIT_HISTOGRAM`).
+    # The same for P's lookup-wait histogram (`LOOKUP_WAIT`).
     lookup_wait_buckets: dict[str, float] | None = None
-
-
-def read_lookup_buckets(
-    base_url: str, timeout_s: float = 60.0, histogram: str = LOOKUP_HISTOGRAM
-) -> dict[str, float]:
-    """P's `histogram` (default `vllm:kvduplex_lookup_seconds`): cumulative count by bucket
-    upper bound, summed over engines; empty for a server without it."""
-    return sample_sums(base_url, f"{histogram}_bucket", "le", timeout_s)
 
 
 def _le_key(le: str) -> float:
@@ -311,20 +305,14 @@ def run_conversations(
             time.sleep(workload.think_s)
         prompts = [histories[c] + messages[c][turn] for c in range(n)]
         prefill_before = read_metrics(prefill_url)
-        lookups_before = read_lookup_buckets(prefill_url)
-        waits_before = read_lookup_buckets(prefill_url, histogram=LOOKUP_WAIT_HISTOGRAM)
         decode_before = read_metrics(decode_url) if decode_url else None
         answers, wall_s = run_turn(
             url, prompts, workload.max_tokens, conversation_ids, streamed=streamed
         )
         prefill = read_metrics_after(prefill_url, prefill_before, n).minus(prefill_before)
         # A lookup is recorded before its request is scheduled, so before it finishes.
-        lookups_after = read_lookup_buckets(prefill_url)
-        lookup_buckets = {
-            le: count - lookups_before.get(le, 0.0) for le, count in lookups_after.items()
-        }
-        waits_after = read_lookup_buckets(prefill_url, histogram=LOOKUP_WAIT_HISTOGRAM)
-        wait_buckets = {le: count - waits_before.get(le, 0.0) for le, count in waits_after.items()}
+        lookup_buckets = prefill.buckets_of(LOOKUP)
+        wait_buckets = prefill.buckets_of(LOOKUP_WAIT)
         client_ttfts = [
             a.ttft_s for a in answers if isinstance(a, StreamedCompletion) and a.ttft_s is not None
         ]

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from conftest import FakeClock
@@ -234,7 +235,7 @@ def test_when_prefill_busy_a_continuation_goes_to_its_d_only_while_p_has_a_prefi
 ):
     """`local_continuation_when="prefill_busy"` (the default): an idle P prefills the turn; while
     P has a prefill in flight the turn is computed on its D, unless that D computes another
-    turn alone whose first token has not come back."""
+    turn alone that has not answered (its first chunk, streamed) yet."""
     p, d = cluster.engine("p"), cluster.engine("d")
     proxy = cluster.proxy([p], [d], local_continuation_max_chars=200)
     post_chat(proxy, chat(USER_1, stream=True))
@@ -242,38 +243,73 @@ def test_when_prefill_busy_a_continuation_goes_to_its_d_only_while_p_has_a_prefi
     assert len(p.bodies()) == 2, "an idle P prefills the continuation"
     assert proxy.metric("kvduplex_proxy_local_continuations_total", result="prefill_idle") == 1
 
-    # A first turn of another chat keeps P busy until the gate opens.
-    p.answer_gate = threading.Event()
-    busy = threading.Thread(target=post_chat, args=(proxy, chat(USER_2, stream=True)))
-    busy.start()
-    try:
-        prefill = proxy.proxy.prefill.upstreams[0]
-        deadline = time.monotonic() + 5
-        while prefill.outstanding == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert prefill.outstanding == 1
-        post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, stream=True))
-        assert len(p.bodies()) == 3, "the continuation went to D alone"
-        assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 1
-        assert proxy.proxy.decode.get(d.address).computing_alone == 0
+    # A first turn of another chat keeps P busy until its gate opens.
+    p.answer_gate, d.answer_gate = threading.Event(), threading.Event()
+    results: dict[str, Any] = {}
 
-        # D computing another turn alone (its first chunk not back): the turn waits for P.
-        proxy.proxy.decode.get(d.address).computing_alone = 1
-        answered: list[Any] = []
-        waiting = threading.Thread(
-            target=lambda: answered.append(post_chat(proxy, chat(USER_1, ANSWER_1, USER_2)))
-        )
-        waiting.start()
-        deadline = time.monotonic() + 5
-        while len(p.bodies()) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(p.bodies()) == 4
+    def send(name: str, body: dict[str, Any]) -> threading.Thread:
+        def run() -> None:
+            try:
+                results[name] = post_chat(proxy, body)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                results[name] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    holder = proxy.proxy.decode.get(d.address)
+    threads = [send("busy", chat(USER_2, stream=True))]
+    try:
+        wait_until(lambda: proxy.proxy.prefill.upstreams[0].outstanding == 1)
+        # P busy, D free: the continuation goes to D alone, and D computes it until it answers.
+        threads.append(send("local", chat(USER_1, ANSWER_1, USER_2, stream=True)))
+        wait_until(lambda: holder.computing_alone == 1)
+        assert len(p.bodies()) == 3 and len(d.bodies()) == 3
+        # D computing a turn alone: the next continuation goes through P.
+        threads.append(send("through_p", chat(USER_1, ANSWER_1, USER_2)))
+        wait_until(lambda: len(p.bodies()) == 4)
         assert proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_busy") == 1
+        d.answer_gate.set()
+        threads[1].join()
+        assert holder.computing_alone == 0
     finally:
+        d.answer_gate.set()
         p.answer_gate.set()
-        busy.join()
-    waiting.join()
-    assert answered and answered[0].headers["x-kvduplex-prefill"] == p.address
+        for thread in threads:
+            thread.join()
+    assert all(not isinstance(r, BaseException) for r in results.values()), results
+    assert results["local"].headers["x-kvduplex-prefill"] == "none"
+    assert results["through_p"].headers["x-kvduplex-prefill"] == p.address
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 1
+    assert holder.computing_alone == 0
+
+    # A client that leaves before D's first chunk: the relay's close releases D.
+    d.answer_gate = threading.Event()
+    p.answer_gate = threading.Event()
+    threads = [send("busy_2", chat(USER_2, stream=True))]
+    try:
+        wait_until(lambda: proxy.proxy.prefill.upstreams[0].outstanding == 1)
+        with httpx.Client(base_url=proxy.url, timeout=0.5) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                impatient.post(
+                    "/v1/chat/completions", json=chat(USER_1, ANSWER_1, USER_2, stream=True)
+                )
+        assert holder.computing_alone == 1
+        d.answer_gate.set()
+        wait_until(lambda: holder.computing_alone == 0)
+    finally:
+        d.answer_gate.set()
+        p.answer_gate.set()
+        for thread in threads:
+            thread.join()
+
+
+def wait_until(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_a_non_streamed_turn_whose_d_offers_no_held_turn_is_not_continued_locally(cluster):

@@ -371,7 +371,7 @@ class Completion:
 
 
 def completion_body(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[Sequence[int]],
     max_tokens: int,
     logprobs: int,
     kv_transfer_params: Mapping[str, Any] | None,
@@ -379,7 +379,7 @@ def completion_body(
     cache_salt: str | None,
 ) -> dict[str, Any]:
     """The greedy `/v1/completions` body `complete` sends (and `complete_streamed` of
-    `kvduplex_testing.servers`)."""
+    `kvduplex_testing.servers`); several token-id prompts make one request of several."""
     body: dict[str, Any] = {
         "prompt": prompt if isinstance(prompt, str) else list(prompt),
         "max_tokens": max_tokens,

@@ -54,19 +54,6 @@ from .store import ConversationKey, ConversationStore, Lookup, create_store
 logger = logging.getLogger(__name__)
 
 
-def _once(action: Callable[[], None]) -> Callable[[], None]:
-    """`action`, run by the first call only."""
-    done = False
-
-    def run() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            action()
-
-    return run
-
-
 async def _read_limited(response: httpx.Response, limit: int) -> bytes:
     chunks = []
     size = 0
@@ -247,12 +234,8 @@ class DuplexProxy:
             # Out of rotation, or taken out since it served the history (which may be gone).
             self.metrics.local_continuations.labels("decode_unavailable").inc()
             return None
-        prefill_in_flight = min(
-            (u.outstanding for u in self.prefill.upstreams if self.prefill.is_available(u)),
-            default=None,
-        )
         when = self.config.local_continuation_when
-        declined = why_not_local(when, prefill_in_flight, holder.computing_alone)
+        declined = why_not_local(when, self.prefill.least_outstanding(), holder.computing_alone)
         if declined is not None:
             self.metrics.local_continuations.labels(declined).inc()
             return None
@@ -267,15 +250,14 @@ class DuplexProxy:
         def computed() -> None:
             holder.computing_alone -= 1
 
-        first_token_back = _once(computed)
+        relayed = False  # a streamed answer's relay calls `computed` at D's first chunk
         try:
             if stream:
-                answer = await self._decode_stream(leg, local_body, first_token_back)
+                answer = await self._decode_stream(leg, local_body, computed)
+                relayed = True
             else:
                 answer = await self._decode_json(leg, local_body)
-                first_token_back()
         except NoUpstream as exc:
-            first_token_back()
             logger.info(
                 "decode server %s did not take a local continuation (%s); prefilling on P",
                 holder.address,
@@ -283,9 +265,9 @@ class DuplexProxy:
             )
             self.metrics.local_continuations.labels("decode_failed").inc()
             return None
-        except BaseException:
-            first_token_back()
-            raise
+        finally:
+            if not relayed:
+                computed()
         self.metrics.local_continuations.labels("local").inc()
         if stream:
             self.metrics.first_tokens.labels("decode", "local").inc()

@@ -75,6 +75,16 @@ class UpstreamPool:
         """In rotation, or taken out with its backoff over (it gets one trial)."""
         return upstream.healthy or upstream.retry_at <= self._clock()
 
+    def _eligible(self, exclude: frozenset[str] = frozenset()) -> list[Upstream]:
+        """What `pick` chooses from: the healthy upstreams, or else those on trial."""
+        candidates = [u for u in self.upstreams if u.address not in exclude]
+        healthy = [u for u in candidates if u.healthy]
+        return healthy or [u for u in candidates if self.is_available(u)]
+
+    def least_outstanding(self) -> int | None:
+        """The fewest requests in flight on an upstream `pick` could choose (None: none)."""
+        return min((u.outstanding for u in self._eligible()), default=None)
+
     def pick(
         self, exclude: frozenset[str] = frozenset(), key: bytes | None = None
     ) -> Upstream | None:
@@ -82,9 +92,7 @@ class UpstreamPool:
         `key`: the one with the fewest requests in flight, ties going round-robin. With `key`:
         the one rendezvous hashing ranks highest for it, the same on every proxy that lists the
         same upstreams (in any order)."""
-        candidates = [u for u in self.upstreams if u.address not in exclude]
-        healthy = [u for u in candidates if u.healthy]
-        pool = healthy or [u for u in candidates if self.is_available(u)]
+        pool = self._eligible(exclude)
         if not pool:
             return None
         if key is not None:

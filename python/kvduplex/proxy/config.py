@@ -17,12 +17,11 @@ DEFAULT_MAX_STORE_BYTES = 256 << 20
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 DEFAULT_MAX_UPSTREAM_RESPONSE_BYTES = 64 << 20
 DEFAULT_MAX_CONVERSATION_ID_LENGTH = 256
-# Where a client names its conversation: a request header, or a field of the request body.
 # When a local continuation goes to its D (`continuation.why_not_local`).
 LOCAL_ALWAYS = "always"
 LOCAL_WHEN_PREFILL_BUSY = "prefill_busy"
 LOCAL_CONTINUATION_WHEN = (LOCAL_ALWAYS, LOCAL_WHEN_PREFILL_BUSY)
-
+# Where a client names its conversation: a request header, or a field of the request body.
 CONVERSATION_HEADER = "x-conversation-id"
 CONVERSATION_FIELD = "conversation_id"
 
@@ -124,7 +123,8 @@ class ProxyConfig:
     # 0, are prefilled on P, which pulls the history back from D.
     local_continuation_max_chars: int = 0
     # When such a turn goes to its D (`continuation.why_not_local`): "always", or "prefill_busy",
-    # only while every P has a prefill in flight and that D computes no other turn alone.
+    # only while every P has a prefill in flight and that D computes no other turn alone (a
+    # streamed one until its first chunk, a non-streamed one until its answer).
     local_continuation_when: str = LOCAL_WHEN_PREFILL_BUSY
 
     def __post_init__(self) -> None:

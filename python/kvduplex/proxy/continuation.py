@@ -30,8 +30,9 @@ turn it computes for the turn after it.
 
 When a continuation goes to D is the proxy's `local_continuation_when` (`why_not_local`): `always`,
 or `prefill_busy`, only while every P in rotation has a prefill in flight (the turn would queue
-behind it) and that D computes no other turn alone (its first token has not come back yet): an
-idle P prefills the turn, a busy one passes it to a D whose core is free of prefills.
+behind it) and that D computes no other turn alone (a streamed one whose first chunk has not come
+back, a non-streamed one whose answer has not): an idle P prefills the turn, a busy one passes
+it to a D whose core is free of prefills.
 """
 
 from __future__ import annotations
@@ -212,9 +213,9 @@ def why_not_local(
     when: str, prefill_in_flight: int | None, decode_computing_alone: int
 ) -> str | None:
     """Why a continuation is not computed on its D now (None: it is). `prefill_in_flight` is
-    the least number of requests in flight on a P in rotation (None: no P in rotation, so D it
-    is), `decode_computing_alone` the continuations that D computes whose first token has not
-    come back."""
+    the least number of requests in flight on a P the proxy could pick (None: none, so D it
+    is), `decode_computing_alone` the continuations that D computes that have not answered
+    (a streamed one: its first chunk)."""
     if when == LOCAL_ALWAYS or prefill_in_flight is None:
         return None
     if prefill_in_flight == 0:

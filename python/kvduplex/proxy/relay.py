@@ -131,7 +131,8 @@ class StreamRelay:
         rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
         first_chunk: Callable[[], None] | None = None,
     ):
-        """`first_chunk` runs once: at D's first chunk, or at `close` if none came."""
+        """`first_chunk` runs once: at D's first chunk, or at `close` if none came (the relay
+        owns it from here)."""
         self._proxy = proxy
         self._response = response
         self._upstream = upstream
