@@ -460,10 +460,15 @@ class DuplexProxy:
         )
 
     async def _open_decode_stream(
-        self, leg: _DecodeLeg, body: dict[str, Any]
-    ) -> tuple[Upstream, httpx.Response, contextlib.ExitStack, float]:
-        """D's streamed answer from the first D that takes the request: (D, its response with
-        status 200, the stack that ends its outstanding count, when it was sent)."""
+        self,
+        leg: _DecodeLeg,
+        body: dict[str, Any],
+        *,
+        rewrite: first_token.ContinuationRewriter | None = None,
+        first_chunk: Callable[[], None] | None = None,
+    ) -> StreamRelay:
+        """D's streamed answer (status 200) from the first D that takes the request, as the relay
+        that owns the response and its outstanding count (`rewrite`, `first_chunk`: its own)."""
         for upstream in self._candidates(self.decode, leg.choice):
             with contextlib.ExitStack() as outstanding:
                 outstanding.enter_context(self.decode.track(upstream))
@@ -488,27 +493,27 @@ class DuplexProxy:
                         await response.aclose()
                     raise UpstreamErrorResponse(response.status_code, raw, upstream)
                 self._accepted(leg, upstream)
-                return upstream, response, outstanding.pop_all(), started
+                return StreamRelay(
+                    self,
+                    response,
+                    upstream,
+                    outstanding.pop_all(),
+                    leg.key,
+                    started,
+                    leg.turn,
+                    rewrite=rewrite,
+                    first_chunk=first_chunk,
+                )
         raise NoUpstream(self.decode.role)
 
     async def _decode_stream(
         self, leg: _DecodeLeg, body: dict[str, Any], first_chunk: Callable[[], None] | None = None
     ) -> Response:
-        upstream, response, outstanding, started = await self._open_decode_stream(leg, body)
-        relay = StreamRelay(
-            self,
-            response,
-            upstream,
-            outstanding,
-            leg.key,
-            started,
-            leg.turn,
-            first_chunk=first_chunk,
-        )
+        relay = await self._open_decode_stream(leg, body, first_chunk=first_chunk)
         return RelayResponse(
             relay,
-            media_type=response.headers.get("content-type", "text/event-stream"),
-            headers=self._routing_headers(leg.routing, upstream),
+            media_type=relay.response.headers.get("content-type", "text/event-stream"),
+            headers=self._routing_headers(leg.routing, relay.upstream),
         )
 
     def _continue_stream(
@@ -525,22 +530,12 @@ class DuplexProxy:
         async def events() -> AsyncIterator[bytes]:
             yield sse_event(first_token.first_chunk(first, body))
             try:
-                upstream, response, outstanding, started = await self._open_decode_stream(
-                    leg, decode_body
+                relay = await self._open_decode_stream(
+                    leg, decode_body, rewrite=first_token.ContinuationRewriter(first)
                 )
             except (ProxyError, UpstreamErrorResponse) as exc:
                 yield sse_error(self.error_body(exc)[1])
                 return
-            relay = StreamRelay(
-                self,
-                response,
-                upstream,
-                outstanding,
-                leg.key,
-                started,
-                leg.turn,
-                rewrite=first_token.ContinuationRewriter(first),
-            )
             try:
                 async for chunk in relay.stream():
                     yield chunk

@@ -144,6 +144,14 @@ class StreamRelay:
         self._first_chunk = first_chunk
         self._closed = False
 
+    @property
+    def upstream(self) -> Upstream:
+        return self._upstream
+
+    @property
+    def response(self) -> httpx.Response:
+        return self._response
+
     def _first_chunk_came(self) -> None:
         if self._first_chunk is not None:
             first_chunk, self._first_chunk = self._first_chunk, None
