@@ -217,6 +217,12 @@ class Engine:
         `request_id`, owners whose announcements say they hold none of the prompt are not
         asked (`Lookup.asked`). Poll the returned lookup. A match is claimed for us until we
         release the claim."""
+    def lookup_answers_seen(self) -> int:
+        """How many answers this engine's lookups have had so far: read it before looking at
+        the lookups' answers, then pass it to `wait_for_lookup_answers`."""
+    def wait_for_lookup_answers(self, seen: int, timeout_s: float) -> int:
+        """Wait (without the GIL) until the engine's lookups have more than `seen` answers in
+        all, at most `timeout_s`; returns the count."""
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (sender, payload) notifications received so far, in order. The sender is
         `engine-id#connection`: pass it to `release_hold` as the reader."""

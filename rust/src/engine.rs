@@ -42,7 +42,8 @@ use crate::ucx::{boot_id, ucx_tls_allows_cma, MemRegion, Probe, UcxError, Worker
 use copier::CopyThreads;
 use lookup::{lookup_handler, unasked, BookFeed, LookupQuestion};
 pub use lookup::{
-    LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
+    AnswerBell, LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY,
+    NOT_YET_MAX_RETRY,
 };
 use peer::{abort_peer, connect_for_lookup, ready_peer, Peer};
 pub use read::Transfer;
@@ -142,6 +143,8 @@ struct Shared {
     holds: Arc<Mutex<HoldBook>>,
     /// What the owners we are connected to announced they hold ([`lookup::unasked`]).
     held_index: Arc<Mutex<HeldIndex>>,
+    /// Rung by every lookup answer ([`Engine::lookup_answer_bell`]).
+    lookup_answers: Arc<AnswerBell>,
     /// "host:port" of our side channel, announced to the owners we connect to.
     side_channel: String,
     /// Handshakes started by [`Engine::peer_status`], joined by `close`.
@@ -217,6 +220,7 @@ impl Engine {
             inflight: Mutex::new(Vec::new()),
             holds,
             held_index: Arc::new(Mutex::new(HeldIndex::new())),
+            lookup_answers: Arc::default(),
             side_channel,
             handshakes: Mutex::new(Vec::new()),
             outbox: Mutex::new(Some(outbox)),
@@ -408,6 +412,12 @@ impl Engine {
     /// `timeout`, so that a late claim can still be handed back. Without `request_id`, owners
     /// that announced they hold none of the prompt are not asked: their answer (no match) is
     /// there at once (see [`crate::held_index`]).
+    /// Rung by every answer to this engine's lookups: a caller waiting on several at once
+    /// wakes as soon as one is answered.
+    pub fn lookup_answer_bell(&self) -> Arc<AnswerBell> {
+        Arc::clone(&self.shared.lookup_answers)
+    }
+
     pub fn start_lookup(
         &self,
         targets: Vec<(String, u16)>,
@@ -429,6 +439,7 @@ impl Engine {
             }),
             deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
             asked,
+            Arc::clone(&self.shared.lookup_answers),
         );
         for (index, (host, port)) in targets.into_iter().enumerate() {
             if let Some(owner) = unasked[index].take() {
@@ -522,7 +533,7 @@ fn bounds(regions: &[Arc<MemRegion>]) -> Vec<RegionBounds> {
 
 /// `now + timeout`, or a year from now when that overflows the clock (a timeout that large is
 /// as good as none, and must not panic).
-fn deadline_after(timeout: Duration) -> Instant {
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout)
         .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))

@@ -463,6 +463,21 @@ impl Engine {
         self.with(py, |e| Ok(e.hold_occupancy()))
     }
 
+    /// How many answers this engine's lookups have had so far: read before looking at the
+    /// lookups' answers, and passed to `wait_for_lookup_answers`.
+    fn lookup_answers_seen(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |e| Ok(e.lookup_answer_bell().rung()))
+    }
+
+    /// Waits (without the GIL) until the engine's lookups have more than `seen` answers in
+    /// all, at most `timeout_s`; returns the count. `close` does not wait for it.
+    #[pyo3(signature = (seen, timeout_s))]
+    fn wait_for_lookup_answers(&self, py: Python<'_>, seen: u64, timeout_s: f64) -> PyResult<u64> {
+        let wait = seconds("timeout_s", timeout_s)?;
+        let bell = self.with(py, |e| Ok(e.lookup_answer_bell()))?;
+        Ok(py.detach(|| bell.wait_past(seen, wait)))
+    }
+
     /// Asks every `(host, port)` at once for the longest held turn starting with
     /// `fingerprints`, or with `request_id` for a grant of that hold's blocks that carry them,
     /// without waiting (see `engine::Engine::start_lookup`); poll the result.

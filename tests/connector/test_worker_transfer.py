@@ -561,6 +561,8 @@ def test_a_step_that_computes_nothing_reports_its_lookup_once_answered(
             meta = worker.build_connector_worker_meta()
             assert meta is not None, number
             assert [m.matched_blocks for m in meta.lookups[spec.request_id]] == [4], number
+            # Woken by the answer (the transfer core's bell), not by the deadline.
+            assert time.monotonic() < spec.deadline, number
     finally:
         worker.shutdown()
 

@@ -349,7 +349,9 @@ def test_a_conversation_id_keeps_its_entry_across_local_turns(cluster):
     pulled = p.bodies()[-1]["kv_transfer_params"]
     assert pulled[DO_REMOTE_DECODE] is True
     assert pulled["remote_request_id"] == local_params["remote_request_id"]
-    assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="hit") == 2
+    # Turn 2 found turn 1's entry but pulled nothing (local); turn 3 pulled turn 2's.
+    assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="local") == 1
+    assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="hit") == 1
 
 
 def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d(cluster):

@@ -424,7 +424,7 @@ class DuplexWorker:
     def build_connector_worker_meta(self) -> md.DuplexWorkerMetadata | None:
         if self._idle_step and not self._inflight and not self._waiting_loads:
             # Nothing else to do or to notice: the step waits for its lookups' answers.
-            self._lookups.wait_for_answers()
+            self._lookups.wait_for_answers(self._engine)
         lookups, lookup_targets = self._lookups.take(self._engine)
         if (
             not lookups

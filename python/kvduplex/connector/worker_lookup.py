@@ -31,9 +31,8 @@ logger = init_logger(f"vllm.{__name__}")
 # How often TP rank 0 checks its connections to lookup targets (connecting new or lost ones).
 _PEER_SCAN_INTERVAL_S = 1.0
 # The longest a step that computes nothing waits for lookup answers (a hung owner's lookup is
-# then reported over several such steps, by its deadline, as before), and how often it looks.
+# then reported over several such steps, by its deadline, as before).
 IDLE_STEP_WAIT_S = 0.02
-_IDLE_POLL_S = 0.0002
 
 
 class WorkerLookups:
@@ -93,18 +92,24 @@ class WorkerLookups:
         # The scheduler looks nothing up while no engine could answer.
         self._num_targets = len(targets)
 
-    def wait_for_answers(self) -> None:
+    def wait_for_answers(self, engine: _core.Engine | None) -> None:
         """In a step that computes nothing (the engine waits for nothing but its lookups):
         wait until a pending lookup can be reported (`_collect`), at most
         `IDLE_STEP_WAIT_S`, rather than report none and have the engine step again and again
         until the answers are in (each empty step costs about a millisecond here; a lookup on
         an idle engine waited 3.7-4.1 ms for 1.3-1.7 ms of round trip). The worker calls it
-        only in such steps: a forward pass covers the round trip."""
+        only in such steps: a forward pass covers the round trip. It sleeps on the transfer
+        core's answer bell without the GIL and wakes as an answer arrives (or a deadline
+        passes); nothing polls."""
+        if engine is None or not self._pending:
+            return
         give_up = time.monotonic() + IDLE_STEP_WAIT_S
+        seen = engine.lookup_answers_seen()
         while self._pending and (now := time.monotonic()) < give_up:
             if any(pending.reportable(now) for pending in self._pending.values()):
                 return
-            time.sleep(_IDLE_POLL_S)
+            wake = min(give_up, *(pending.deadline for pending in self._pending.values()))
+            seen = engine.wait_for_lookup_answers(seen, max(0.0, wake - now))
 
     def take(self, engine: _core.Engine | None) -> tuple[dict[str, list[md.LookupMatch]], int]:
         """The lookups to report this step, and how many engines a lookup would ask when that

@@ -239,7 +239,7 @@ def sample_sums(base_url: str, sample: str, label: str, timeout_s: float = 10.0)
 
 def read_proxy_lookups(proxy_url: str) -> dict[str, float]:
     """The proxy's conversation-store lookups so far, by result (hit, miss, expired,
-    decode_unavailable)."""
+    decode_unavailable, local: `proxy.metrics`)."""
     return sample_sums(proxy_url, f"{CONVERSATION_LOOKUPS}_total", "result")
 
 

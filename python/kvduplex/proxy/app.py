@@ -37,7 +37,7 @@ from .errors import (
     bad_request,
 )
 from .intake import caller_of, check_stateless_response, conversation_id, digest, read_json
-from .metrics import ProxyMetrics
+from .metrics import LOOKUP_DECODE_UNAVAILABLE, LOOKUP_LOCAL, ProxyMetrics
 from .relay import (
     PARAMS_FIELD,
     RelayResponse,
@@ -168,20 +168,25 @@ class DuplexProxy:
             forward_headers["authorization"] = request.headers["authorization"]
         turn = chat_turn(caller, route, body) if self.turns.max_chars > 0 else None
         if turn is not None:
+            # Computed on the D holding its history, the turn pulls nothing the entry names.
+            served = LOOKUP_LOCAL if lookup == Lookup.HIT.value else lookup
             local = _DecodeLeg(
                 route,
                 forward_headers,
                 _DecodeChoice(None, route_key),
                 key,
-                {"prefill": "none", "conversation": lookup},
+                {"prefill": "none", "conversation": served},
                 turn,
             )
             answer = await self._continue_locally(local, body)
             if answer is not None:
+                self._count_lookup(key, served)
                 return answer
             if pinned is not None and not self.decode.is_available(pinned):
                 # The local attempt just found the remembered D gone: P recomputes.
                 pinned = pull_params = None
+                lookup = LOOKUP_DECODE_UNAVAILABLE
+        self._count_lookup(key, lookup)
 
         first_reason = (
             first_token.ineligible_reason(route, body)
@@ -276,7 +281,8 @@ class DuplexProxy:
     async def recall(
         self, key: ConversationKey | None
     ) -> tuple[str, Upstream | None, dict[str, Any] | None]:
-        """Take the conversation's entry: (lookup result, D holding its blocks, D's params)."""
+        """Take the conversation's entry: (lookup result, D holding its blocks, D's params).
+        The result is counted once the turn's path is chosen (`_count_lookup`)."""
         if key is None:
             return "none", None, None
         try:
@@ -293,9 +299,13 @@ class DuplexProxy:
             if holder is not None and self.decode.is_available(holder):
                 pinned, params = holder, entry.params
             else:
-                result = "decode_unavailable"
-        self.metrics.conversation_lookups.labels(result).inc()
+                result = LOOKUP_DECODE_UNAVAILABLE
         return result, pinned, params
+
+    def _count_lookup(self, key: ConversationKey | None, result: str) -> None:
+        """Counts a request's conversation-store lookup once its turn's path is chosen."""
+        if key is not None:
+            self.metrics.conversation_lookups.labels(result).inc()
 
     async def remember(self, key: ConversationKey | None, upstream: Upstream, params: Any) -> None:
         """Keep D's params for the next turn when D holds the blocks for a readback."""

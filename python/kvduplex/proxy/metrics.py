@@ -7,6 +7,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Read by `kvduplex demo` (as `<name>_total`, with a `result` label).
 CONVERSATION_LOOKUPS = "kvduplex_proxy_conversation_lookups"
+# Its results beyond the store's own (`store.Lookup`).
+LOOKUP_DECODE_UNAVAILABLE = "decode_unavailable"
+LOOKUP_LOCAL = "local"
 
 
 class ProxyMetrics:
@@ -28,7 +31,8 @@ class ProxyMetrics:
         self.conversation_lookups = Counter(
             CONVERSATION_LOOKUPS,
             "Conversation-store lookups on requests naming a conversation: hit (P pulls from D), "
-            "miss, expired, decode_unavailable (the D holding the blocks is down: recompute).",
+            "miss, expired, decode_unavailable (the D holding the blocks is down: recompute), "
+            "local (found, but the turn was computed on that D alone: a local continuation).",
             ["result"],
             registry=self.registry,
         )
@@ -52,8 +56,9 @@ class ProxyMetrics:
         )
         self.local_continuations = Counter(
             "kvduplex_proxy_local_continuations",
-            "Chat turns continuing a history a D served, by result: local (computed on that D "
-            "alone); decode_unavailable, decode_failed, or with local_continuation_when "
+            "Chat turns continuing a history a D served, by result: local (sent to that D alone; "
+            "a stream that breaks after its first chunk also counts as errors stream_aborted); "
+            "decode_unavailable, decode_failed, or with local_continuation_when "
             "prefill_busy prefill_idle or decode_busy (prefilled on P instead).",
             ["result"],
             registry=self.registry,
