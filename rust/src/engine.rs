@@ -34,7 +34,7 @@ use crate::handshake::{
     new_generation, EngineMetadata, Fingerprint, HandshakeError, PeerTable, RegionInfo,
     RetryPolicy, SameHostIdentity,
 };
-use crate::held_index::HeldIndex;
+use crate::held_index::{AnnouncedChanges, HeldIndex};
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
 pub use crate::ucx::RegionMemory;
@@ -401,6 +401,24 @@ impl Engine {
         (holds.num_claims(), holds.held_blocks())
     }
 
+    /// Rung by every answer to this engine's lookups: a caller waiting on several at once
+    /// wakes as soon as one is answered.
+    pub fn lookup_answer_bell(&self) -> Arc<AnswerBell> {
+        Arc::clone(&self.shared.lookup_answers)
+    }
+
+    /// What the set of fingerprints announced by the owners we are connected to gained and
+    /// lost since `cursor` (see [`HeldIndex::changes_since`]), and whether every one of
+    /// `targets` ("host:port") has announced all it holds.
+    pub fn announced_changes(
+        &self,
+        cursor: Option<u64>,
+        targets: &[String],
+    ) -> (AnnouncedChanges, bool) {
+        let index = lock(&self.shared.held_index);
+        (index.changes_since(cursor), index.all_synced(targets))
+    }
+
     /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
     /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
     /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
@@ -412,12 +430,6 @@ impl Engine {
     /// `timeout`, so that a late claim can still be handed back. Without `request_id`, owners
     /// that announced they hold none of the prompt are not asked: their answer (no match) is
     /// there at once (see [`crate::held_index`]).
-    /// Rung by every answer to this engine's lookups: a caller waiting on several at once
-    /// wakes as soon as one is answered.
-    pub fn lookup_answer_bell(&self) -> Arc<AnswerBell> {
-        Arc::clone(&self.shared.lookup_answers)
-    }
-
     pub fn start_lookup(
         &self,
         targets: Vec<(String, u16)>,

@@ -17,7 +17,7 @@
 //!
 //! Pure state: no sockets, no time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::holds::feed::HeldUpdate;
 use crate::holds::BlockFingerprint;
@@ -26,6 +26,22 @@ use crate::holds::BlockFingerprint;
 pub const MAX_ENTRIES_PER_OWNER: usize = 1 << 18;
 /// The most (fingerprint, owner) entries kept over all owners.
 pub const MAX_ENTRIES: usize = 1 << 20;
+
+/// How many changes of the announced set the index keeps for [`HeldIndex::changes_since`];
+/// a reader further behind gets the whole set again.
+pub const MAX_LOGGED_CHANGES: usize = 1 << 16;
+
+/// What a reader of the announced set ([`HeldIndex::changes_since`]) is told: the fingerprints
+/// that some owner announced and no longer any owner does, since its cursor, or the whole set.
+#[derive(Debug, PartialEq, Eq)]
+pub struct AnnouncedChanges {
+    /// Pass it back for the next changes.
+    pub cursor: u64,
+    /// `added` is the whole set (forget what you had).
+    pub whole: bool,
+    pub added: Vec<BlockFingerprint>,
+    pub removed: Vec<BlockFingerprint>,
+}
 
 /// One connection to an owner, as the index numbers it ([`HeldIndex::open`]).
 pub type OwnerSlot = u64;
@@ -59,6 +75,10 @@ pub struct HeldIndex {
     /// Entries over all owners (each owner's distinct fingerprints).
     entries: usize,
     next_slot: OwnerSlot,
+    /// The newest changes of the announced set (`holders`' keys): (fingerprint, now in it).
+    log: VecDeque<(BlockFingerprint, bool)>,
+    /// The cursor after the newest change in `log`.
+    log_end: u64,
 }
 
 impl HeldIndex {
@@ -179,6 +199,48 @@ impl HeldIndex {
         ask
     }
 
+    /// Whether every one of `targets` ("host:port") has a connection whose announcements are
+    /// complete: only then does the announced set say what they hold (see [`OwnerState`]).
+    pub fn all_synced(&self, targets: &[String]) -> bool {
+        targets.iter().all(|address| self.state(address) == Some(OwnerState::Synced))
+    }
+
+    /// What the set of fingerprints announced by any owner gained and lost since `cursor`
+    /// (from an earlier answer), each fingerprint once with where it stands now; the whole set
+    /// for `None` or a cursor the log no longer reaches. Bounded by the log and the set, never
+    /// by what a single owner sends.
+    pub fn changes_since(&self, cursor: Option<u64>) -> AnnouncedChanges {
+        let start = self.log_end - self.log.len() as u64;
+        let Some(cursor) = cursor.filter(|c| (start..=self.log_end).contains(c)) else {
+            return AnnouncedChanges {
+                cursor: self.log_end,
+                whole: true,
+                added: self.holders.keys().copied().collect(),
+                removed: Vec::new(),
+            };
+        };
+        // The last change of each fingerprint is where it stands.
+        let mut last: HashMap<BlockFingerprint, bool> = HashMap::new();
+        for (fingerprint, present) in self.log.iter().skip((cursor - start) as usize) {
+            last.insert(*fingerprint, *present);
+        }
+        let (added, removed): (Vec<_>, Vec<_>) = last.into_iter().partition(|(_, p)| *p);
+        AnnouncedChanges {
+            cursor: self.log_end,
+            whole: false,
+            added: added.into_iter().map(|(fingerprint, _)| fingerprint).collect(),
+            removed: removed.into_iter().map(|(fingerprint, _)| fingerprint).collect(),
+        }
+    }
+
+    fn logged(&mut self, fingerprint: BlockFingerprint, present: bool) {
+        if self.log.len() == MAX_LOGGED_CHANGES {
+            self.log.pop_front();
+        }
+        self.log.push_back((fingerprint, present));
+        self.log_end += 1;
+    }
+
     /// Counts `fingerprint` for `slot`; false when a new entry would pass a bound.
     fn add(&mut self, slot: OwnerSlot, fingerprint: BlockFingerprint) -> bool {
         let Some(owner) = self.owners.get_mut(&slot) else { return true };
@@ -190,7 +252,11 @@ impl HeldIndex {
             return false;
         }
         owner.counts.insert(fingerprint, 1);
-        self.holders.entry(fingerprint).or_default().push(slot);
+        let holders = self.holders.entry(fingerprint).or_default();
+        holders.push(slot);
+        if holders.len() == 1 {
+            self.logged(fingerprint, true);
+        }
         self.entries += 1;
         true
     }
@@ -220,6 +286,7 @@ impl HeldIndex {
             holders.retain(|holder| *holder != slot);
             if holders.is_empty() {
                 self.holders.remove(&fingerprint);
+                self.logged(fingerprint, false);
             }
         }
         self.entries -= 1;
@@ -339,6 +406,54 @@ mod tests {
         // Still asked: it can add itself beside the honest holder, never remove it.
         assert_eq!(index.narrow(&both, &[1, 2, 3]), vec![true, true]);
         assert_eq!(index.narrow(&both, &[1, 2, 3, 4]), vec![false, true]);
+    }
+
+    #[test]
+    fn a_reader_of_the_announced_set_gets_what_changed_since_its_cursor_or_the_whole_set() {
+        let sorted = |mut v: Vec<u64>| {
+            v.sort_unstable();
+            v
+        };
+        let mut index = HeldIndex::new();
+        let (a, b) = (index.open("a:1"), index.open("b:1"));
+        assert!(!index.all_synced(&targets(&["a:1", "b:1"])));
+        index.apply(a, &snapshot(&[1, 2]));
+        let first = index.changes_since(None);
+        assert!(first.whole);
+        assert_eq!(sorted(first.added), vec![1, 2]);
+        assert!(index.all_synced(&targets(&["a:1"])));
+        assert!(!index.all_synced(&targets(&["a:1", "b:1"])), "b has not sent its snapshot");
+        assert!(!index.all_synced(&targets(&["a:1", "c:1"])), "c is not connected");
+        // b announces a block a holds too (no change of the set), and one of its own; a frees
+        // block 1, which b still holds, and block 2, which no one does.
+        index.apply(b, &snapshot(&[1, 3]));
+        index.apply(a, &HeldUpdate { freed: vec![1, 2], ..held(&[]) });
+        let next = index.changes_since(Some(first.cursor));
+        assert!(!next.whole);
+        assert_eq!((next.added, next.removed), (vec![3], vec![2]));
+        assert!(index.all_synced(&targets(&["a:1", "b:1"])));
+        // Held and freed again since: where it stands now, once.
+        index.apply(a, &held(&[2]));
+        index.apply(a, &HeldUpdate { freed: vec![2], ..held(&[]) });
+        index.apply(a, &held(&[2]));
+        let again = index.changes_since(Some(next.cursor));
+        assert_eq!((again.added, again.removed), (vec![2], vec![]));
+        // Nothing new: nothing.
+        let none = index.changes_since(Some(again.cursor));
+        assert!(!none.whole && none.added.is_empty() && none.removed.is_empty());
+        assert_eq!(none.cursor, again.cursor);
+        // A closed connection takes its blocks out of the set (a freed block 1 before).
+        index.close(b);
+        let closed = index.changes_since(Some(none.cursor));
+        assert_eq!((closed.added, sorted(closed.removed)), (vec![], vec![1, 3]));
+        // A cursor the log no longer reaches, or one from the future: the whole set.
+        let churn: Vec<u64> = (100..=100 + MAX_LOGGED_CHANGES as u64).collect();
+        index.apply(a, &held(&churn));
+        let behind = index.changes_since(Some(closed.cursor));
+        assert!(behind.whole);
+        assert_eq!(behind.added.len(), 2 + MAX_LOGGED_CHANGES, "a's block 2 and the churn");
+        assert!(index.changes_since(Some(behind.cursor + 1)).whole);
+        assert!(!index.changes_since(Some(behind.cursor)).whole);
     }
 
     #[test]

@@ -463,6 +463,24 @@ impl Engine {
         self.with(py, |e| Ok(e.hold_occupancy()))
     }
 
+    /// The fingerprints announced by the decode engines we are connected to, as changes since
+    /// `cursor` (None: the whole set): `(cursor, whole, added, removed, synced)`, where
+    /// `whole` says `added` is the whole set and `synced` that every one of `targets`
+    /// (`(host, port)`) has announced all it holds.
+    #[pyo3(signature = (cursor, targets))]
+    fn announced_changes(
+        &self,
+        py: Python<'_>,
+        cursor: Option<u64>,
+        targets: Vec<(String, u16)>,
+    ) -> PyResult<(u64, bool, Vec<String>, Vec<String>, bool)> {
+        let targets: Vec<String> =
+            targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
+        let (changes, synced) = self.with(py, |e| Ok(e.announced_changes(cursor, &targets)))?;
+        let hex = |fps: Vec<u64>| fps.into_iter().map(|fp| format!("{fp:016x}")).collect();
+        Ok((changes.cursor, changes.whole, hex(changes.added), hex(changes.removed), synced))
+    }
+
     /// How many answers this engine's lookups have had so far: read before looking at the
     /// lookups' answers, and passed to `wait_for_lookup_answers`.
     fn lookup_answers_seen(&self, py: Python<'_>) -> PyResult<u64> {

@@ -22,7 +22,8 @@ from duplex_harness import (
     running,
 )
 from kvduplex import protocol
-from kvduplex.connector.metadata import DuplexWorkerMetadata, LookupMatch
+from kvduplex.connector import held_mirror
+from kvduplex.connector.metadata import AnnouncedChanges, DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.scheduler import _held_output_tokens
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt, salt_of
@@ -640,6 +641,74 @@ def test_no_lookup_and_no_wait_where_no_engine_could_hold_the_prompt(engines):
     short.add("s", prompt_tokens(15), max_tokens=1, params={"do_remote_decode": True})
     step = short.step()
     assert step.meta.lookups == [] and "s" in step.output.num_scheduled_tokens
+
+
+def _announced(added=(), removed=(), *, whole=False, synced=True) -> DuplexWorkerMetadata:
+    """TP rank 0's report of what the decode nodes' announcements changed."""
+    return DuplexWorkerMetadata(
+        announced=AnnouncedChanges(whole, tuple(added), tuple(removed), synced)
+    )
+
+
+def _looked_up(engine, request_id: str, prompt: list[int], params: dict | None = None) -> bool:
+    """Adds the request and runs it to its end; whether it was looked up (a miss answered)."""
+    engine.add(request_id, prompt, max_tokens=1, params=params)
+    step = engine.step()
+    asked = [lookup.request_id for lookup in step.meta.lookups] == [request_id]
+    answer = DuplexWorkerMetadata(lookups={request_id: []}) if asked else None
+    for _ in range(5):
+        if step.finished(request_id) is not None:
+            return asked
+        step = engine.step(worker_meta=answer)
+        answer = None
+    raise AssertionError(f"{request_id} did not finish")
+
+
+def test_what_decode_nodes_announced_rules_out_lookups_that_could_gain_nothing(
+    engines, monkeypatch
+):
+    """TP rank 0 reports what the decode nodes announced they hold; while that is recent and
+    complete, a prompt no decode node holds more of than P prefills in the step it arrives
+    (no step spent asking). A prompt whose blocks are announced, a prompt P handed off whose
+    turn is not announced yet, and any prompt once the copy is stale are looked up."""
+    monkeypatch.setattr(held_mirror, "FRESH_S", 0.5)
+    history, d_params = _held_turn(engines)
+    turn_blocks = d_params["remote_block_fingerprints"][: len(history) // BLOCK_SIZE]
+    p = engines("P", LOOKUP)
+    p.step(worker_meta=_announced(whole=True, synced=False))
+    # Some decode node has not announced all it holds yet: asked.
+    assert _looked_up(p, "unsynced", prompt_tokens(100, start=3000))
+    p.step(worker_meta=_announced(whole=True))
+    assert not _looked_up(p, "new", prompt_tokens(100, start=4000))
+    assert p.stats.data["lookups_ruled_out"] == 1
+
+    # D announced the turn: its next turn is asked, even with every full block already here
+    # (the held turn's partial last block may still be gained).
+    p.step(worker_meta=_announced(turn_blocks))
+    assert _looked_up(p, "p2", history + prompt_tokens(40, start=600))
+    assert _looked_up(p, "p2-other", history + prompt_tokens(40, start=900))
+    # Once P has every block D may hold (its own copy of p2's prompt), it is not.
+    assert not _looked_up(p, "p2-again", history + prompt_tokens(40, start=600))
+    # D gave the turn up: nothing to gain beyond what P has.
+    p.step(worker_meta=_announced(removed=turn_blocks))
+    assert not _looked_up(p, "p3", history + prompt_tokens(40, start=600))
+
+    # P hands a prompt off: the turn D computes after it is asked for before D announces it.
+    handed = prompt_tokens(200, start=5000)
+    assert not _looked_up(p, "handoff", handed, {"do_remote_decode": True})
+    assert _looked_up(p, "next", handed + [7] * 20 + prompt_tokens(40, start=700))
+    salt = request_salt(None, None, None)
+    handed_blocks = block_fingerprints(handed, BLOCK_SIZE, salt)[: len(handed) // BLOCK_SIZE]
+    # Announced, then given up: ruled out again.
+    p.step(worker_meta=_announced(handed_blocks))
+    p.step(worker_meta=_announced(removed=handed_blocks))
+    assert not _looked_up(p, "next-again", handed + [7] * 20 + prompt_tokens(40, start=800))
+    assert p.stats.data["lookups_ruled_out"] == 5
+
+    # No step for longer than the copy is trusted: a turn a decode node finished meanwhile is
+    # in no report, so the lookup asks.
+    time.sleep(0.6)
+    assert _looked_up(p, "stale", prompt_tokens(100, start=6000))
 
 
 def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines):

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ import torch
 from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
 from kvduplex.connector import worker_lookup
 from kvduplex.connector.metadata import (
+    AnnouncedChanges,
     DuplexConnectorMetadata,
     EvictOrder,
     HoldSpec,
@@ -674,6 +675,54 @@ def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owne
     finally:
         worker.shutdown()
         other.stop()
+
+
+def test_tp_rank_0_reports_what_the_decode_nodes_announce_with_its_steps(owner, tiny_config_dir):
+    """TP rank 0 reports with its steps what the engines a lookup would ask announced they
+    hold: the whole set first, then only what changed, and whether every one of them has
+    announced all it holds (the scheduler's copy: `held_mirror.py`)."""
+    fingerprints = [f"{i:016x}" for i in (0xE1, 0xE2, 0xE3)]
+    owner.hold(
+        "announced", ttl_s=2.0, num_blocks=3, fingerprints=fingerprints, turn=True, offer="{}"
+    )
+    address = f"{owner.peer.host}:{owner.peer.ports[0]}"
+    worker = make_worker(
+        tiny_config_dir,
+        "reader-announced",
+        make_kv_caches(NUM_BLOCKS),
+        {"decode_peers": [address], "bidirectional_kv_xfer": True},
+    )
+    reports: list[AnnouncedChanges] = []
+    held: set[str] = set()
+
+    def step_until(done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not done():
+            assert time.monotonic() < deadline, what
+            worker.start_load_kv(DuplexConnectorMetadata())
+            worker.get_transfer_results()
+            meta = worker.build_connector_worker_meta()
+            if meta is not None and meta.announced is not None:
+                changes = meta.announced
+                reports.append(changes)
+                if changes.whole:
+                    held.clear()
+                held.difference_update(changes.removed)
+                held.update(changes.added)
+            time.sleep(0.01)
+
+    try:
+        step_until(
+            lambda: bool(reports) and reports[-1].synced and set(fingerprints) <= held,
+            "announced",
+        )
+        assert reports[0].whole
+        # The hold's lease ends: its blocks leave the set.
+        step_until(lambda: not set(fingerprints) & held, "freed")
+        assert not any(changes.whole for changes in reports[1:])
+        assert reports[-1].synced
+    finally:
+        worker.shutdown()
 
 
 def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_once(

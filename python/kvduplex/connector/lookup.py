@@ -32,6 +32,7 @@ from vllm.logger import init_logger
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.held_mirror import HeldMirror
 from kvduplex.connector.params import (
     ParamsContext,
     Rejected,
@@ -132,6 +133,8 @@ class Lookups:
         # vLLM hands the reports back in the order it built the steps.
         self._steps_built = 0
         self._steps_reported = 0
+        # What the decode nodes announced they hold, for lookups that could gain nothing.
+        self._mirror = HeldMirror(config.kv_lease_ttl_s + config.decode_kv_hold_ttl_s)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
@@ -140,9 +143,11 @@ class Lookups:
         """The request's params name this hold: its owner is asked for a grant (`look_up`)."""
         self._named[request_id] = remote
 
-    def peers_known(self) -> None:
-        """An engine could now answer a lookup (a decode node we handed a prompt to)."""
+    def peers_known(self, full_blocks: list[str]) -> None:
+        """A decode node was handed a prompt with these full blocks' fingerprints: it can now
+        answer a lookup, and may hold the turn after it before it announces that."""
         self._peers_known = True
+        self._mirror.handed_off(full_blocks, time.monotonic())
 
     def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
         """What the request's grant or lookup found, None when there is nothing to pull, or
@@ -167,10 +172,20 @@ class Lookups:
             threshold = (
                 self._threshold if named is not None else lambda: self._lookup_threshold(request)
             )
+            prompt = None
+            if timeout_s > 0 and named is None:
+                prompt = prompt_fingerprints(request, self._block_size)
+                most = self._most_held(request, prompt)
+                if most is not None and most <= num_computed_tokens:
+                    # No decode node holds more of the prompt than we have: prefill now.
+                    self._stats.add("lookups_ruled_out")
+                    timeout_s = 0.0
+                elif most is not None:
+                    end = most
             if timeout_s <= 0 or not self._worthwhile(request, num_computed_tokens, end, threshold):
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
                 return None
-            self._ask(request, timeout_s, named)
+            self._ask(request, timeout_s, named, prompt)
             return ASK_AGAIN
         if not lookup.arrived:
             if time.monotonic() < lookup.deadline:
@@ -214,6 +229,11 @@ class Lookups:
         if meta.lookup_targets > 0:
             self._peers_known = True
 
+    def announced(self, changes: md.AnnouncedChanges | None) -> None:
+        """What the decode nodes' announcements changed, from a step's report (None: nothing;
+        called for every step's report)."""
+        self._mirror.on_report(changes, time.monotonic())
+
     def finished(self, request_id: str) -> None:
         """The request is gone: a claim it was granted and did not take goes back."""
         lookup = self._lookups.pop(request_id, None)
@@ -225,6 +245,15 @@ class Lookups:
         """What the request waited for its grant or lookup answer, in time and in steps."""
         self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
         self._stats.data["lookup_wait_steps"].append(self._steps_built - lookup.asked_step)
+
+    def _most_held(self, request: Request, prompt: PromptFingerprints) -> int | None:
+        """The most tokens of the prompt a decode node may hold, by what they announced (a
+        held turn's partial last block, which is not announced, counted), or None when that
+        cannot be told (`held_mirror.py`)."""
+        held = self._mirror.held_blocks(prompt.full_blocks, time.monotonic())
+        if not held:
+            return held
+        return min(request.num_prompt_tokens, (held + 1) * self._block_size)
 
     def _worthwhile(
         self, request: Request, num_computed_tokens: int, end: int, threshold: Callable[[], int]
@@ -240,7 +269,13 @@ class Lookups:
             return False
         return True
 
-    def _ask(self, request: Request, timeout_s: float, named: RemoteBlocks | None) -> None:
+    def _ask(
+        self,
+        request: Request,
+        timeout_s: float,
+        named: RemoteBlocks | None,
+        prompt: PromptFingerprints | None,
+    ) -> None:
         """A lookup compares full blocks (a held turn's partial last block is checked on the
         answer); a grant, the blocks holding the named hold's tokens as the params count them
         (the owner compares the partial last block too).
@@ -250,7 +285,8 @@ class Lookups:
         share one host (vLLM starts TP rank 0 beside its EngineCore), CLOCK_MONOTONIC is
         system-wide on Linux and is what the transfer core's `Instant` reads, and no clock
         step (NTP) stretches or cuts short a lookup of a few hundred milliseconds."""
-        prompt = prompt_fingerprints(request, self._block_size)
+        if prompt is None:
+            prompt = prompt_fingerprints(request, self._block_size)
         asked_at = time.monotonic()
         deadline = asked_at + timeout_s
         self._lookups[request.request_id] = _LookupState(

@@ -132,6 +132,18 @@ class EvictOrder:
         return self.cap_blocks + self.turn_blocks + self.any_blocks
 
 
+@dataclass(frozen=True)
+class AnnouncedChanges:
+    """What the block fingerprints that the decode nodes announced they hold (TP rank 0's
+    index of their announcements) gained and lost since the last report: `whole` says `added`
+    is the whole set. `synced`: every engine a lookup would ask has announced all it holds."""
+
+    whole: bool
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    synced: bool
+
+
 @dataclass
 class DuplexConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
@@ -159,13 +171,15 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
 
     `evictions_done`: eviction orders carried out this step (TP rank 0; the holds they freed
     are in `freed_holds`). `lookup_targets`: how many engines a lookup would ask, when that
-    changed (TP rank 0; -1: unchanged)."""
+    changed (TP rank 0; -1: unchanged). `announced`: what the decode nodes' announcements
+    changed, when they did (TP rank 0; None: unchanged)."""
 
     lookups: dict[str, list[LookupMatch]] = field(default_factory=dict)
     freed_holds: list[str] = field(default_factory=list)
     loads_done: list[str] = field(default_factory=list)
     evictions_done: int = 0
     lookup_targets: int = -1
+    announced: AnnouncedChanges | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DuplexWorkerMetadata:
         if not isinstance(other, DuplexWorkerMetadata):
@@ -176,6 +190,7 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
             loads_done=[*self.loads_done, *other.loads_done],
             evictions_done=self.evictions_done + other.evictions_done,
             lookup_targets=max(self.lookup_targets, other.lookup_targets),
+            announced=self.announced if self.announced is not None else other.announced,
         )
 
 

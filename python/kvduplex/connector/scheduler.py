@@ -531,7 +531,7 @@ class DuplexScheduler:
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.
-            self._lookups.peers_known()
+            self._lookups.peers_known(fingerprints[: num_tokens // self._block_size])
         self._stats.set_gauge("held_blocks", self._retention.held_blocks)
         params = {
             protocol.DO_REMOTE_PREFILL: not decode_turn,
@@ -663,6 +663,7 @@ class DuplexScheduler:
         if not isinstance(worker_meta, md.DuplexWorkerMetadata):
             worker_meta = None
         self._lookups.on_report(worker_meta)
+        self._lookups.announced(worker_meta.announced if worker_meta is not None else None)
         if worker_meta is not None:
             freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
             self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())

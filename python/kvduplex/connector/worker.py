@@ -426,12 +426,14 @@ class DuplexWorker:
             # Nothing else to do or to notice: the step waits for its lookups' answers.
             self._lookups.wait_for_answers(self._engine)
         lookups, lookup_targets = self._lookups.take(self._engine)
+        announced = self._lookups.announced(self._engine)
         if (
             not lookups
             and not self._freed_holds
             and not self._loads_done
             and not self._evictions_done
             and lookup_targets < 0
+            and announced is None
         ):
             return None
         meta = md.DuplexWorkerMetadata(
@@ -440,6 +442,7 @@ class DuplexWorker:
             loads_done=self._loads_done,
             evictions_done=self._evictions_done,
             lookup_targets=lookup_targets,
+            announced=announced,
         )
         self._freed_holds, self._loads_done = [], []
         self._evictions_done = 0

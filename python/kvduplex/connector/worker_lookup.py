@@ -50,6 +50,9 @@ class WorkerLookups:
         self._next_peer_scan = 0.0
         self._num_targets = -1
         self._reported_targets = -1
+        # Where the scheduler's copy of the decode nodes' announcements stands (`announced`).
+        self._announced_cursor: int | None = None
+        self._announced_synced: bool | None = None
 
     def start(self, engine: _core.Engine | None, spec: md.LookupSpec) -> None:
         if engine is None or self._tp_rank != 0:
@@ -119,6 +122,24 @@ class WorkerLookups:
         targets = self._num_targets if self._num_targets != self._reported_targets else -1
         self._reported_targets = self._num_targets
         return results, targets
+
+    def announced(self, engine: _core.Engine | None) -> md.AnnouncedChanges | None:
+        """What the decode nodes' announcements changed since the last step's report (None:
+        nothing), for the scheduler's copy (`held_mirror.py`). TP rank 0 alone; each step,
+        so the scheduler knows how recent its copy is."""
+        if engine is None or self._tp_rank != 0 or not self._config.bidirectional_kv_xfer:
+            return None
+        targets = self._targets(engine, None)
+        cursor, whole, added, removed, synced = engine.announced_changes(
+            self._announced_cursor, targets
+        )
+        self._announced_cursor = cursor
+        # With no engine to ask, there is no announcement to trust either.
+        synced = synced and bool(targets)
+        if not whole and not added and not removed and synced == self._announced_synced:
+            return None
+        self._announced_synced = synced
+        return md.AnnouncedChanges(whole, tuple(added), tuple(removed), synced)
 
     def _targets(self, engine: _core.Engine, owner: str | None) -> list[tuple[str, int]]:
         """Side channels to ask: the owner named in params alone, or (a lookup) the configured
