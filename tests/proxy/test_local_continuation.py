@@ -354,6 +354,28 @@ def test_a_conversation_id_keeps_its_entry_across_local_turns(cluster):
     assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="hit") == 1
 
 
+def test_a_local_turn_that_d_fails_returns_its_error_and_is_counted_once(cluster):
+    """D answers a local turn with an error: the caller gets it (as on the P/D path), the turn
+    counts as decode_error, and the conversation entry it took counts once, as local."""
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy(
+        [p], [d], local_continuation_max_chars=200, local_continuation_when="always"
+    )
+    headers = {"X-Conversation-Id": "c1"}
+    first = proxy.client.post("/v1/chat/completions", json=chat(USER_1), headers=headers)
+    assert first.status_code == 200, first.text
+    d.fail_with = (500, {"error": {"message": "engine dead", "type": "InternalServerError"}})
+    second = proxy.client.post(
+        "/v1/chat/completions", json=chat(USER_1, ANSWER_1, USER_2), headers=headers
+    )
+    assert second.status_code == 500
+    assert len(p.bodies()) == 1, "not prefilled on P after D answered"
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_error") == 1
+    assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="miss") == 1
+    assert proxy.metric("kvduplex_proxy_conversation_lookups_total", result="local") == 1
+    assert proxy.proxy.decode.get(d.address).computing_alone == 0
+
+
 def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d(cluster):
     p, d1, d2 = cluster.engine("p"), cluster.engine("d1"), cluster.engine("d2")
     clock = FakeClock()
@@ -389,10 +411,9 @@ def test_a_continuation_whose_d_is_gone_is_prefilled_on_p_and_never_on_another_d
     clock.advance(2.0)
     proxy.check_health()
     assert proxy.proxy.decode.get(holder.address).healthy
-    held_before = len(holder.bodies())
     post_chat(proxy, chat(USER_1, ANSWER_1, USER_2))
     assert all(KEEP_TURN not in (b.get("kv_transfer_params") or {}) for b in holder.bodies())
-    assert len(holder.bodies()) >= held_before
+    assert len(p.bodies()) == 4, "prefilled on P"
     assert (
         proxy.metric("kvduplex_proxy_local_continuations_total", result="decode_unavailable") == 2
     )

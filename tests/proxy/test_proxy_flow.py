@@ -256,6 +256,10 @@ def test_bad_requests_get_openai_shaped_4xx_without_reaching_upstreams(cluster):
     assert "NaN is not a JSON number" in _error(
         client.post("/v1/completions", content=nan, headers=json_headers), 400
     )
+    huge = b'{"model": "tiny", "prompt": "a", "temperature": -1e999}'
+    assert "out of a JSON number's range" in _error(
+        client.post("/v1/completions", content=huge, headers=json_headers), 400
+    )
     lone = b'{"model": "tiny", "prompt": "a \\ud800 b"}'
     assert "surrogate" in _error(
         client.post("/v1/completions", content=lone, headers=json_headers), 400
@@ -272,7 +276,7 @@ def test_bad_requests_get_openai_shaped_4xx_without_reaching_upstreams(cluster):
     assert "not allowed" in _error(client.get("/v1/completions"), 405)
 
     assert p.requests == [] and d.requests == []
-    assert proxy.metric("kvduplex_proxy_errors_total", kind="bad_request") == 13
+    assert proxy.metric("kvduplex_proxy_errors_total", kind="bad_request") == 14
 
     # A surrogate pair is one character, sent on as such.
     pair = b'{"model": "tiny", "prompt": "\\ud83d\\ude00"}'

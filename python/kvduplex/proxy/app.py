@@ -178,7 +178,11 @@ class DuplexProxy:
                 {"prefill": "none", "conversation": served},
                 turn,
             )
-            answer = await self._continue_locally(local, body)
+            try:
+                answer = await self._continue_locally(local, body)
+            except BaseException:
+                self._count_lookup(key, served)  # sent to D, which failed it
+                raise
             if answer is not None:
                 self._count_lookup(key, served)
                 return answer
@@ -270,6 +274,10 @@ class DuplexProxy:
             )
             self.metrics.local_continuations.labels("decode_failed").inc()
             return None
+        except Exception:
+            # D answered with an error (returned to the caller, as on the P/D path).
+            self.metrics.local_continuations.labels("decode_error").inc()
+            raise
         finally:
             if not relayed:
                 computed()

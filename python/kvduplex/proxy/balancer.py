@@ -31,7 +31,8 @@ class Upstream:
     retry_at: float = 0.0
     # How often it was marked failed: what it served before may be gone (a restart).
     epoch: int = 0
-    # D: local continuations sent to it whose first chunk has not come back (`continuation`).
+    # D: local continuations sent to it that it is computing: a streamed one until its first
+    # chunk, a non-streamed one until its answer (`continuation`).
     computing_alone: int = 0
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Any
 
@@ -20,6 +21,14 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 def _refuse_constant(name: str) -> float:
     """NaN and Infinity are not JSON, and cannot be sent on to the servers."""
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """A number past a double's range would be read as infinity, which cannot be sent on."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:32]} is out of a JSON number's range")
+    return value
 
 
 def digest(label: str, value: str) -> str:
@@ -46,7 +55,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         chunks.append(chunk)
     try:
         raw = b"".join(chunks)
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
         if _ESCAPED_SURROGATE.search(raw):
             # What the upstream requests are sent as (httpx): a lone surrogate cannot be.
             json.dumps(body, ensure_ascii=False).encode()

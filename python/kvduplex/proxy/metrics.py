@@ -58,8 +58,9 @@ class ProxyMetrics:
             "kvduplex_proxy_local_continuations",
             "Chat turns continuing a history a D served, by result: local (sent to that D alone; "
             "a stream that breaks after its first chunk also counts as errors stream_aborted); "
-            "decode_unavailable, decode_failed, or with local_continuation_when "
-            "prefill_busy prefill_idle or decode_busy (prefilled on P instead).",
+            "decode_error (D answered an error, returned to the caller); decode_unavailable, "
+            "decode_failed, or with local_continuation_when prefill_busy prefill_idle or "
+            "decode_busy (prefilled on P instead).",
             ["result"],
             registry=self.registry,
         )
