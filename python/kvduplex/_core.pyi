@@ -218,12 +218,13 @@ class Engine:
         asked (`Lookup.asked`). Poll the returned lookup. A match is claimed for us until we
         release the claim."""
     def announced_changes(
-        self, cursor: int | None, targets: Sequence[tuple[str, int]]
-    ) -> tuple[int, bool, list[str], list[str], bool]:
+        self, cursor: int | None, targets: Sequence[tuple[str, int]], max_whole: int
+    ) -> tuple[int, bool, bool, list[str], list[str], bool]:
         """The block fingerprints the engines we are connected to announced they hold, as
         changes since `cursor` (from the last call; None: the whole set): `(cursor, whole,
-        added, removed, synced)`. `whole`: `added` is the whole set. `synced`: every one of
-        `targets` has announced all it holds."""
+        too_large, added, removed, synced)`. `whole`: `added` is the whole set. `too_large`:
+        the whole set was due but has more than `max_whole` fingerprints (none sent). `synced`:
+        every one of `targets` has announced all it holds."""
     def lookup_answers_seen(self) -> int:
         """How many answers this engine's lookups have had so far: read it before looking at
         the lookups' answers, then pass it to `wait_for_lookup_answers`."""

@@ -408,15 +408,17 @@ impl Engine {
     }
 
     /// What the set of fingerprints announced by the owners we are connected to gained and
-    /// lost since `cursor` (see [`HeldIndex::changes_since`]), and whether every one of
-    /// `targets` ("host:port") has announced all it holds.
+    /// lost since `cursor`, the whole set only up to `max_whole` fingerprints (see
+    /// [`HeldIndex::changes_since`]), and whether every one of `targets` ("host:port") has
+    /// announced all it holds.
     pub fn announced_changes(
         &self,
         cursor: Option<u64>,
         targets: &[String],
+        max_whole: usize,
     ) -> (AnnouncedChanges, bool) {
         let index = lock(&self.shared.held_index);
-        (index.changes_since(cursor), index.all_synced(targets))
+        (index.changes_since(cursor, max_whole), index.all_synced(targets))
     }
 
     /// Asks every `(host, port)` in `targets` at once for the longest held turn starting

@@ -39,6 +39,9 @@ pub struct AnnouncedChanges {
     pub cursor: u64,
     /// `added` is the whole set (forget what you had).
     pub whole: bool,
+    /// The whole set was due but larger than the reader takes: `added` is empty, and the
+    /// reader's copy is incomplete until it asks again.
+    pub too_large: bool,
     pub added: Vec<BlockFingerprint>,
     pub removed: Vec<BlockFingerprint>,
 }
@@ -207,15 +210,18 @@ impl HeldIndex {
 
     /// What the set of fingerprints announced by any owner gained and lost since `cursor`
     /// (from an earlier answer), each fingerprint once with where it stands now; the whole set
-    /// for `None` or a cursor the log no longer reaches. Bounded by the log and the set, never
-    /// by what a single owner sends.
-    pub fn changes_since(&self, cursor: Option<u64>) -> AnnouncedChanges {
+    /// for `None` or a cursor the log no longer reaches, unless it has more than `max_whole`
+    /// fingerprints (then none, `too_large`). Bounded by the log and `max_whole`, never by what
+    /// an owner sends.
+    pub fn changes_since(&self, cursor: Option<u64>, max_whole: usize) -> AnnouncedChanges {
         let start = self.log_end - self.log.len() as u64;
         let Some(cursor) = cursor.filter(|c| (start..=self.log_end).contains(c)) else {
+            let too_large = self.holders.len() > max_whole;
             return AnnouncedChanges {
                 cursor: self.log_end,
                 whole: true,
-                added: self.holders.keys().copied().collect(),
+                too_large,
+                added: if too_large { Vec::new() } else { self.holders.keys().copied().collect() },
                 removed: Vec::new(),
             };
         };
@@ -228,6 +234,7 @@ impl HeldIndex {
         AnnouncedChanges {
             cursor: self.log_end,
             whole: false,
+            too_large: false,
             added: added.into_iter().map(|(fingerprint, _)| fingerprint).collect(),
             removed: removed.into_iter().map(|(fingerprint, _)| fingerprint).collect(),
         }
@@ -418,7 +425,7 @@ mod tests {
         let (a, b) = (index.open("a:1"), index.open("b:1"));
         assert!(!index.all_synced(&targets(&["a:1", "b:1"])));
         index.apply(a, &snapshot(&[1, 2]));
-        let first = index.changes_since(None);
+        let first = index.changes_since(None, usize::MAX);
         assert!(first.whole);
         assert_eq!(sorted(first.added), vec![1, 2]);
         assert!(index.all_synced(&targets(&["a:1"])));
@@ -428,7 +435,7 @@ mod tests {
         // block 1, which b still holds, and block 2, which no one does.
         index.apply(b, &snapshot(&[1, 3]));
         index.apply(a, &HeldUpdate { freed: vec![1, 2], ..held(&[]) });
-        let next = index.changes_since(Some(first.cursor));
+        let next = index.changes_since(Some(first.cursor), usize::MAX);
         assert!(!next.whole);
         assert_eq!((next.added, next.removed), (vec![3], vec![2]));
         assert!(index.all_synced(&targets(&["a:1", "b:1"])));
@@ -436,24 +443,32 @@ mod tests {
         index.apply(a, &held(&[2]));
         index.apply(a, &HeldUpdate { freed: vec![2], ..held(&[]) });
         index.apply(a, &held(&[2]));
-        let again = index.changes_since(Some(next.cursor));
+        let again = index.changes_since(Some(next.cursor), usize::MAX);
         assert_eq!((again.added, again.removed), (vec![2], vec![]));
         // Nothing new: nothing.
-        let none = index.changes_since(Some(again.cursor));
+        let none = index.changes_since(Some(again.cursor), usize::MAX);
         assert!(!none.whole && none.added.is_empty() && none.removed.is_empty());
         assert_eq!(none.cursor, again.cursor);
         // A closed connection takes its blocks out of the set (a freed block 1 before).
         index.close(b);
-        let closed = index.changes_since(Some(none.cursor));
+        let closed = index.changes_since(Some(none.cursor), usize::MAX);
         assert_eq!((closed.added, sorted(closed.removed)), (vec![], vec![1, 3]));
         // A cursor the log no longer reaches, or one from the future: the whole set.
         let churn: Vec<u64> = (100..=100 + MAX_LOGGED_CHANGES as u64).collect();
         index.apply(a, &held(&churn));
-        let behind = index.changes_since(Some(closed.cursor));
+        let behind = index.changes_since(Some(closed.cursor), usize::MAX);
         assert!(behind.whole);
         assert_eq!(behind.added.len(), 2 + MAX_LOGGED_CHANGES, "a's block 2 and the churn");
-        assert!(index.changes_since(Some(behind.cursor + 1)).whole);
-        assert!(!index.changes_since(Some(behind.cursor)).whole);
+        assert!(index.changes_since(Some(behind.cursor + 1), usize::MAX).whole);
+        assert!(!index.changes_since(Some(behind.cursor), usize::MAX).whole);
+        // A whole set past what the reader takes is not built; changes still come.
+        let capped = index.changes_since(None, MAX_LOGGED_CHANGES);
+        assert!(capped.whole && capped.too_large && capped.added.is_empty());
+        let fits = index.changes_since(None, 2 + MAX_LOGGED_CHANGES);
+        assert!(fits.whole && !fits.too_large);
+        index.apply(a, &held(&[7]));
+        let small = index.changes_since(Some(capped.cursor), 0);
+        assert_eq!((small.whole, small.too_large, small.added), (false, false, vec![7]));
     }
 
     #[test]

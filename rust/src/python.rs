@@ -14,6 +14,7 @@ use pyo3::types::PyBytes;
 use crate::descriptors::{BlockLayout, BlockSlice};
 use crate::engine::{self, EngineConfig, EngineError};
 use crate::handshake::{self, Fingerprint};
+use crate::held_index::AnnouncedChanges;
 use crate::holds::{Evict, HoldKind};
 
 create_exception!(
@@ -464,21 +465,25 @@ impl Engine {
     }
 
     /// The fingerprints announced by the decode engines we are connected to, as changes since
-    /// `cursor` (None: the whole set): `(cursor, whole, added, removed, synced)`, where
-    /// `whole` says `added` is the whole set and `synced` that every one of `targets`
-    /// (`(host, port)`) has announced all it holds.
-    #[pyo3(signature = (cursor, targets))]
+    /// `cursor` (None: the whole set): `(cursor, whole, too_large, added, removed, synced)`,
+    /// where `whole` says `added` is the whole set, `too_large` that the whole set was due but
+    /// has more than `max_whole` fingerprints (none sent), and `synced` that every one of
+    /// `targets` (`(host, port)`) has announced all it holds.
+    #[pyo3(signature = (cursor, targets, max_whole))]
     fn announced_changes(
         &self,
         py: Python<'_>,
         cursor: Option<u64>,
         targets: Vec<(String, u16)>,
-    ) -> PyResult<(u64, bool, Vec<String>, Vec<String>, bool)> {
+        max_whole: usize,
+    ) -> PyResult<(u64, bool, bool, Vec<String>, Vec<String>, bool)> {
         let targets: Vec<String> =
             targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
-        let (changes, synced) = self.with(py, |e| Ok(e.announced_changes(cursor, &targets)))?;
+        let (changes, synced) =
+            self.with(py, |e| Ok(e.announced_changes(cursor, &targets, max_whole)))?;
         let hex = |fps: Vec<u64>| fps.into_iter().map(|fp| format!("{fp:016x}")).collect();
-        Ok((changes.cursor, changes.whole, hex(changes.added), hex(changes.removed), synced))
+        let AnnouncedChanges { cursor, whole, too_large, added, removed } = changes;
+        Ok((cursor, whole, too_large, hex(added), hex(removed), synced))
     }
 
     /// How many answers this engine's lookups have had so far: read before looking at the

@@ -688,10 +688,11 @@ def test_what_decode_nodes_announced_rules_out_lookups_that_could_gain_nothing(
     assert _looked_up(p, "p2", history + prompt_tokens(40, start=600))
     assert _looked_up(p, "p2-other", history + prompt_tokens(40, start=900))
     # Once P has every block D may hold (its own copy of p2's prompt), it is not.
-    assert not _looked_up(p, "p2-again", history + prompt_tokens(40, start=600))
-    # D gave the turn up: nothing to gain beyond what P has.
+    p2_prompt = history + prompt_tokens(40, start=600)
+    assert not _looked_up(p, "p2-longer", p2_prompt + prompt_tokens(20, start=1000))
+    # D gave the turn up: nothing to gain beyond what P has (the history, here since p2).
     p.step(worker_meta=_announced(removed=turn_blocks))
-    assert not _looked_up(p, "p3", history + prompt_tokens(40, start=600))
+    assert not _looked_up(p, "p3", history + prompt_tokens(40, start=1100))
 
     # P hands a prompt off: the turn D computes after it is asked for before D announces it.
     handed = prompt_tokens(200, start=5000)
@@ -704,6 +705,29 @@ def test_what_decode_nodes_announced_rules_out_lookups_that_could_gain_nothing(
     p.step(worker_meta=_announced(removed=handed_blocks))
     assert not _looked_up(p, "next-again", handed + [7] * 20 + prompt_tokens(40, start=800))
     assert p.stats.data["lookups_ruled_out"] == 5
+
+    # A router's hint says a decode node holds it: asked, whatever the copy says.
+    hint = {protocol.LOOKUP_HINT: "127.0.0.1:41002"}
+    assert _looked_up(p, "hinted", prompt_tokens(100, start=7000), hint)
+
+    # A prompt shorter than a block handed off: its turn's first block (its tokens and the
+    # answer's first) is asked for until announced.
+    short = prompt_tokens(10, start=8000)
+    assert not _looked_up(p, "short", short, {"do_remote_decode": True})
+    turn = short + [7] * 20
+    assert _looked_up(p, "after-short", turn + prompt_tokens(20, start=8100))
+    first_block = block_fingerprints(turn, BLOCK_SIZE, salt)[:1]
+    p.step(worker_meta=_announced(first_block))
+    assert _looked_up(p, "after-short-2", turn + prompt_tokens(20, start=8200))
+    p.step(worker_meta=_announced(removed=first_block))
+    assert not _looked_up(p, "after-short-3", turn + prompt_tokens(20, start=8300))
+    assert p.stats.data["lookups_ruled_out"] == 6
+
+    # A whole set too large to send leaves the copy incomplete: asked.
+    p.step(worker_meta=DuplexWorkerMetadata(announced=AnnouncedChanges(True, (), (), True, False)))
+    assert _looked_up(p, "incomplete", prompt_tokens(100, start=9000))
+    p.step(worker_meta=_announced(whole=True))
+    assert not _looked_up(p, "complete", prompt_tokens(100, start=9100))
 
     # No step for longer than the copy is trusted: a turn a decode node finished meanwhile is
     # in no report, so the lookup asks.

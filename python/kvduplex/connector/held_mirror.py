@@ -4,20 +4,21 @@ and prefill at once instead of waiting a step for the answer (`lookup.py`).
 
 Decode nodes announce the fingerprints of the blocks their held turns offer to lookups; TP rank
 0's transfer core keeps them (`rust/src/held_index.rs`) and reports what changed with every
-step (`md.AnnouncedChanges`). The copy is trusted only while it is recent, complete and every
-decode node a lookup would ask has announced all it holds:
+step (`md.AnnouncedChanges`). The copy is trusted only while every decode node a lookup would
+ask has announced all it holds, the whole set has arrived, and the last step's report came at
+most `FRESH_S` ago (an idle engine reports nothing: its lookups ask, as before).
 
-- **Recent:** the last step's report came at most `fresh_s` ago. An idle engine reports
-  nothing, and a turn a decode node finished meanwhile is in no report yet: the lookup asks, as
-  before (an idle engine's extra step is short).
-- **Handed off:** a prompt this node handed to a decode node whose turn has not been announced
-  yet (the decode node announces it a step and a thread's wake-up after it finished, possibly
-  after the client sent the next turn) is asked, until that turn's first full blocks are
-  announced or `handoff_ttl_s` passes.
+A decode node announces a turn a step and a thread's wake-up after it finished it, which may be
+after its client sent the next turn. So a prompt that continues one this node handed to a
+decode node is asked until that turn's blocks are announced (the handoff's guard, by its last
+full block's fingerprint, or by its tokens when it has no full block). A turn this node did
+not hand off (another prefill node's, or one a decode node computed alone) has no guard: if its
+next turn arrives here before the decode node's announcement has reached this scheduler, and no
+earlier turn of the conversation is still announced, it is recomputed (never read wrongly).
 
 Otherwise the copy says how many of the prompt's leading full blocks any decode node may hold:
-by the chained fingerprints, a held turn that matches the prompt's block k announced block k.
-A turn's partial last block is not announced, so a lookup may gain one block more.
+by the chained fingerprints, a held turn that matches the prompt's block k announced block k;
+the turn's last block beyond them may hold more of the prompt (it is compared by tokens).
 
 Pure state: the caller passes the time (`time.monotonic()`).
 """
@@ -30,26 +31,27 @@ from collections.abc import Sequence
 from kvduplex.connector import metadata as md
 
 # How recent the last step's report must be for the copy to be trusted: a decode node's turn
-# announced since is in no report, and a lookup then asks. About a few steps of a busy engine.
+# announced since is in no report yet. About a few steps of a busy engine.
 FRESH_S = 0.25
-# The most prompts handed off and not yet announced that are remembered; past it, the oldest is
-# forgotten (its next turn may then be ruled out while its announcement is late).
+# The most handoffs whose turn is not announced yet that are guarded; past it, the oldest guard
+# goes (a guard whose turn is never announced, e.g. by a decode node keeping no turns, stays
+# until then: it only costs the conversation's lookups their step, as before).
 MAX_HANDOFFS = 1 << 16
-# The most fingerprints the copy keeps; past it the copy is not trusted until the next whole set.
-MAX_ANNOUNCED = 1 << 20
 
 
 class HeldMirror:
-    def __init__(self, handoff_ttl_s: float) -> None:
+    def __init__(self) -> None:
         self._fresh_s = FRESH_S
-        self._handoff_ttl_s = handoff_ttl_s
         self._held: set[str] = set()
         self._synced = False
         self._complete = False
-        """A whole set has arrived and the copy stayed within `MAX_ANNOUNCED` since."""
+        """A whole set has arrived (and no report said the copy is incomplete since)."""
         self._fresh_until = 0.0
-        # The last full block's fingerprint of each prompt handed off -> when it is forgotten.
-        self._handoffs: OrderedDict[str, float] = OrderedDict()
+        # Handoffs whose turn is not announced: the last full block's fingerprint, or (a prompt
+        # without one) its tokens by their count.
+        self._handoffs: OrderedDict[str, None] = OrderedDict()
+        self._short: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._short_lengths: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -60,42 +62,56 @@ class HeldMirror:
         if changes is not None:
             if changes.whole:
                 self._held = set(changes.added)
-                self._complete = True
+                self._complete = changes.complete
             else:
                 self._held.difference_update(changes.removed)
                 self._held.update(changes.added)
-            if len(self._held) > MAX_ANNOUNCED:
-                self._held.clear()
-                self._complete = False
             self._synced = changes.synced
             for fingerprint in changes.added:
                 self._handoffs.pop(fingerprint, None)
-        if self._complete:
-            self._fresh_until = now + self._fresh_s
+        self._fresh_until = now + self._fresh_s if self._complete else 0.0
 
-    def handed_off(self, full_blocks: Sequence[str], now: float) -> None:
-        """A prompt with these full blocks' fingerprints went to a decode node, which may hold
-        the turn it computes after it."""
-        if not full_blocks:
+    def handed_off(self, prompt_tokens: Sequence[int], full_blocks: Sequence[str]) -> None:
+        """A prompt (its tokens and its full blocks' fingerprints) went to a decode node, which
+        may hold the turn it computes after it before it announces that."""
+        if full_blocks:
+            self._handoffs.pop(full_blocks[-1], None)
+            self._handoffs[full_blocks[-1]] = None
+            if len(self._handoffs) > MAX_HANDOFFS:
+                self._handoffs.popitem(last=False)
             return
-        last = full_blocks[-1]
-        self._handoffs.pop(last, None)
-        self._handoffs[last] = now + self._handoff_ttl_s
-        while len(self._handoffs) > MAX_HANDOFFS:
-            self._handoffs.popitem(last=False)
+        tokens = tuple(prompt_tokens)
+        if not tokens or tokens in self._short:
+            return
+        self._short[tokens] = None
+        self._short_lengths[len(tokens)] = self._short_lengths.get(len(tokens), 0) + 1
+        if len(self._short) > MAX_HANDOFFS:
+            self._forget_short(next(iter(self._short)))
 
-    def held_blocks(self, full_blocks: Sequence[str], now: float) -> int | None:
+    def _forget_short(self, tokens: tuple[int, ...]) -> None:
+        del self._short[tokens]
+        self._short_lengths[len(tokens)] -= 1
+        if not self._short_lengths[len(tokens)]:
+            del self._short_lengths[len(tokens)]
+
+    def held_blocks(
+        self, prompt_tokens: Sequence[int], full_blocks: Sequence[str], now: float
+    ) -> int | None:
         """How many of a prompt's leading full blocks (their fingerprints) a decode node may
         hold, or None when the copy cannot tell (the lookup then asks)."""
-        while self._handoffs:
-            fingerprint, until = next(iter(self._handoffs.items()))
-            if until > now:
-                break
-            del self._handoffs[fingerprint]
         if not self._synced or now > self._fresh_until:
             return None
         if any(fingerprint in self._handoffs for fingerprint in full_blocks):
             return None
+        # A short prompt handed off: its turn's first full block holds its tokens and more, and
+        # once that block is announced, the guard has done its work.
+        for length in [n for n in self._short_lengths if n <= len(prompt_tokens)]:
+            tokens = tuple(prompt_tokens[:length])
+            if tokens not in self._short:
+                continue
+            if not full_blocks or full_blocks[0] not in self._held:
+                return None
+            self._forget_short(tokens)
         for count in range(len(full_blocks), 0, -1):
             if full_blocks[count - 1] in self._held:
                 return count

@@ -134,7 +134,7 @@ class Lookups:
         self._steps_built = 0
         self._steps_reported = 0
         # What the decode nodes announced they hold, for lookups that could gain nothing.
-        self._mirror = HeldMirror(config.kv_lease_ttl_s + config.decode_kv_hold_ttl_s)
+        self._mirror = HeldMirror()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
@@ -143,11 +143,16 @@ class Lookups:
         """The request's params name this hold: its owner is asked for a grant (`look_up`)."""
         self._named[request_id] = remote
 
-    def peers_known(self, full_blocks: list[str]) -> None:
-        """A decode node was handed a prompt with these full blocks' fingerprints: it can now
-        answer a lookup, and may hold the turn after it before it announces that."""
+    def peers_known(self) -> None:
+        """An engine could now answer a lookup (a decode node we handed a prompt to)."""
         self._peers_known = True
-        self._mirror.handed_off(full_blocks, time.monotonic())
+
+    def handed_off(self, request: Request) -> None:
+        """The request's prompt goes to a decode node, which may hold the turn it computes
+        after it before it announces that: its next turn is asked (`held_mirror.py`)."""
+        if self._possible:
+            prompt = prompt_fingerprints(request, self._block_size)
+            self._mirror.handed_off(prompt.token_ids, prompt.full_blocks)
 
     def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
         """What the request's grant or lookup found, None when there is nothing to pull, or
@@ -173,16 +178,15 @@ class Lookups:
                 self._threshold if named is not None else lambda: self._lookup_threshold(request)
             )
             prompt = None
-            if timeout_s > 0 and named is None:
-                prompt = prompt_fingerprints(request, self._block_size)
-                most = self._most_held(request, prompt)
-                if most is not None and most <= num_computed_tokens:
-                    # No decode node holds more of the prompt than we have: prefill now.
-                    self._stats.add("lookups_ruled_out")
-                    timeout_s = 0.0
-                elif most is not None:
-                    end = most
-            if timeout_s <= 0 or not self._worthwhile(request, num_computed_tokens, end, threshold):
+            if timeout_s > 0 and self._worthwhile(request, num_computed_tokens, end, threshold):
+                if named is None and _lookup_hint(request) is None:
+                    # (A router's hint says a decode node holds it, announced or not.)
+                    prompt = prompt_fingerprints(request, self._block_size)
+                    if self._ruled_out(request, prompt, num_computed_tokens):
+                        timeout_s = 0.0
+            else:
+                timeout_s = 0.0
+            if timeout_s <= 0:
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
                 return None
             self._ask(request, timeout_s, named, prompt)
@@ -246,14 +250,20 @@ class Lookups:
         self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
         self._stats.data["lookup_wait_steps"].append(self._steps_built - lookup.asked_step)
 
-    def _most_held(self, request: Request, prompt: PromptFingerprints) -> int | None:
-        """The most tokens of the prompt a decode node may hold, by what they announced (a
-        held turn's partial last block, which is not announced, counted), or None when that
-        cannot be told (`held_mirror.py`)."""
-        held = self._mirror.held_blocks(prompt.full_blocks, time.monotonic())
-        if not held:
-            return held
-        return min(request.num_prompt_tokens, (held + 1) * self._block_size)
+    def _ruled_out(
+        self, request: Request, prompt: PromptFingerprints, num_computed_tokens: int
+    ) -> bool:
+        """Whether what the decode nodes announced says no lookup could gain a token: none
+        holds more of the prompt than we have (the block after a held turn's matching full
+        blocks counted: it is compared by tokens). The request then prefills in this step."""
+        held = self._mirror.held_blocks(prompt.token_ids, prompt.full_blocks, time.monotonic())
+        if held is None:
+            return False
+        most = min(request.num_prompt_tokens, (held + 1) * self._block_size) if held else 0
+        if most > num_computed_tokens:
+            return False
+        self._stats.add("lookups_ruled_out")
+        return True
 
     def _worthwhile(
         self, request: Request, num_computed_tokens: int, end: int, threshold: Callable[[], int]

@@ -136,12 +136,15 @@ class EvictOrder:
 class AnnouncedChanges:
     """What the block fingerprints that the decode nodes announced they hold (TP rank 0's
     index of their announcements) gained and lost since the last report: `whole` says `added`
-    is the whole set. `synced`: every engine a lookup would ask has announced all it holds."""
+    is the whole set, unless it was too large to send (`complete` false: the copy is incomplete
+    until a whole set comes). `synced`: every engine a lookup would ask has announced all it
+    holds."""
 
     whole: bool
     added: tuple[str, ...]
     removed: tuple[str, ...]
     synced: bool
+    complete: bool = True
 
 
 @dataclass

@@ -441,6 +441,8 @@ class DuplexScheduler:
         if hands_off and not took_over:
             decode_turn = False
             ttl_s = self._config.kv_lease_ttl_s
+            # Whether or not we hold the prompt for it, the decode node may hold its turn.
+            self._lookups.handed_off(request)
         elif took_over and not hands_off and self._config.bidirectional_kv_xfer:
             decode_turn = True
             ttl_s = self._config.decode_kv_hold_ttl_s
@@ -531,7 +533,7 @@ class DuplexScheduler:
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.
-            self._lookups.peers_known(fingerprints[: num_tokens // self._block_size])
+            self._lookups.peers_known()
         self._stats.set_gauge("held_blocks", self._retention.held_blocks)
         params = {
             protocol.DO_REMOTE_PREFILL: not decode_turn,

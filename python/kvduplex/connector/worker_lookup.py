@@ -33,6 +33,10 @@ _PEER_SCAN_INTERVAL_S = 1.0
 # The longest a step that computes nothing waits for lookup answers (a hung owner's lookup is
 # then reported over several such steps, by its deadline, as before).
 IDLE_STEP_WAIT_S = 0.02
+# The scheduler's copy of what the decode nodes announced (`WorkerLookups.announced`): the most
+# fingerprints its whole set is sent with, and how often at most.
+_MAX_WHOLE = 1 << 18
+_WHOLE_INTERVAL_S = 1.0
 
 
 class WorkerLookups:
@@ -51,8 +55,11 @@ class WorkerLookups:
         self._num_targets = -1
         self._reported_targets = -1
         # Where the scheduler's copy of the decode nodes' announcements stands (`announced`).
+        self._possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
         self._announced_cursor: int | None = None
         self._announced_synced: bool | None = None
+        self._incomplete_reported = False
+        self._next_whole = 0.0
 
     def start(self, engine: _core.Engine | None, spec: md.LookupSpec) -> None:
         if engine is None or self._tp_rank != 0:
@@ -126,14 +133,28 @@ class WorkerLookups:
     def announced(self, engine: _core.Engine | None) -> md.AnnouncedChanges | None:
         """What the decode nodes' announcements changed since the last step's report (None:
         nothing), for the scheduler's copy (`held_mirror.py`). TP rank 0 alone; each step,
-        so the scheduler knows how recent its copy is."""
-        if engine is None or self._tp_rank != 0 or not self._config.bidirectional_kv_xfer:
+        so the scheduler knows how recent its copy is. The whole set goes at most every
+        `_WHOLE_INTERVAL_S` and up to `_MAX_WHOLE` fingerprints (owners resetting what they
+        announce again and again, or announcing more, leave the copy incomplete, untrusted)."""
+        if engine is None or self._tp_rank != 0 or not self._possible:
             return None
+        now = time.monotonic()
+        max_whole = _MAX_WHOLE if now >= self._next_whole else 0
         targets = self._targets(engine, None)
-        cursor, whole, added, removed, synced = engine.announced_changes(
-            self._announced_cursor, targets
+        cursor, whole, too_large, added, removed, synced = engine.announced_changes(
+            self._announced_cursor, targets, max_whole
         )
+        if too_large:
+            # Asked for again later; until then the scheduler's copy is incomplete.
+            self._announced_cursor = None
+            if self._incomplete_reported:
+                return None
+            self._incomplete_reported = True
+            return md.AnnouncedChanges(True, (), (), synced, complete=False)
         self._announced_cursor = cursor
+        if whole:
+            self._next_whole = now + _WHOLE_INTERVAL_S
+            self._incomplete_reported = False
         # With no engine to ask, there is no announcement to trust either.
         synced = synced and bool(targets)
         if not whole and not added and not removed and synced == self._announced_synced:
