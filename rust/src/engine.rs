@@ -35,6 +35,7 @@ use crate::handshake::{
     RetryPolicy, SameHostIdentity,
 };
 use crate::held_index::{AnnouncedChanges, HeldIndex};
+use crate::holds::feed::FeedWatch;
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
 pub use crate::ucx::RegionMemory;
@@ -42,8 +43,7 @@ use crate::ucx::{boot_id, ucx_tls_allows_cma, MemRegion, Probe, UcxError, Worker
 use copier::CopyThreads;
 use lookup::{lookup_handler, unasked, BookFeed, LookupQuestion};
 pub use lookup::{
-    AnswerBell, LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY,
-    NOT_YET_MAX_RETRY,
+    LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
 };
 use peer::{abort_peer, connect_for_lookup, ready_peer, Peer};
 pub use read::Transfer;
@@ -143,8 +143,8 @@ struct Shared {
     holds: Arc<Mutex<HoldBook>>,
     /// What the owners we are connected to announced they hold ([`lookup::unasked`]).
     held_index: Arc<Mutex<HeldIndex>>,
-    /// Rung by every lookup answer ([`Engine::lookup_answer_bell`]).
-    lookup_answers: Arc<AnswerBell>,
+    /// Moved by every lookup answer ([`Engine::lookup_answers`]).
+    lookup_answers: Arc<FeedWatch>,
     /// "host:port" of our side channel, announced to the owners we connect to.
     side_channel: String,
     /// Handshakes started by [`Engine::peer_status`], joined by `close`.
@@ -401,9 +401,9 @@ impl Engine {
         (holds.num_claims(), holds.held_blocks())
     }
 
-    /// Rung by every answer to this engine's lookups: a caller waiting on several at once
+    /// Moved by every answer to this engine's lookups: a caller waiting on several at once
     /// wakes as soon as one is answered.
-    pub fn lookup_answer_bell(&self) -> Arc<AnswerBell> {
+    pub fn lookup_answers(&self) -> Arc<FeedWatch> {
         Arc::clone(&self.shared.lookup_answers)
     }
 

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use pyo3::create_exception;
@@ -192,6 +193,9 @@ impl Lookup {
             .collect()
     }
 }
+
+/// `Engine.announced_changes`: (cursor, whole, too_large, added, removed, synced).
+type PyAnnounced = (u64, bool, bool, Vec<String>, Vec<String>, bool);
 
 #[pyclass(module = "kvduplex._core", frozen)]
 struct Engine {
@@ -476,7 +480,7 @@ impl Engine {
         cursor: Option<u64>,
         targets: Vec<(String, u16)>,
         max_whole: usize,
-    ) -> PyResult<(u64, bool, bool, Vec<String>, Vec<String>, bool)> {
+    ) -> PyResult<PyAnnounced> {
         let targets: Vec<String> =
             targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
         let (changes, synced) =
@@ -489,7 +493,7 @@ impl Engine {
     /// How many answers this engine's lookups have had so far: read before looking at the
     /// lookups' answers, and passed to `wait_for_lookup_answers`.
     fn lookup_answers_seen(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with(py, |e| Ok(e.lookup_answer_bell().rung()))
+        self.with(py, |e| Ok(e.lookup_answers().position()))
     }
 
     /// Waits (without the GIL) until the engine's lookups have more than `seen` answers in
@@ -497,8 +501,9 @@ impl Engine {
     #[pyo3(signature = (seen, timeout_s))]
     fn wait_for_lookup_answers(&self, py: Python<'_>, seen: u64, timeout_s: f64) -> PyResult<u64> {
         let wait = seconds("timeout_s", timeout_s)?;
-        let bell = self.with(py, |e| Ok(e.lookup_answer_bell()))?;
-        Ok(py.detach(|| bell.wait_past(seen, wait)))
+        let answered = self.with(py, |e| Ok(e.lookup_answers()))?;
+        let never = AtomicBool::new(false);
+        Ok(py.detach(|| answered.wait_past(seen, wait, &never)))
     }
 
     /// Asks every `(host, port)` at once for the longest held turn starting with

@@ -5,11 +5,11 @@
 //! hold the prompt ([`unasked`]).
 
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::peer::{ready_peer, Peer};
-use super::{deadline_after, lock, Shared};
+use super::{lock, Shared};
 use crate::held_index::{HeldIndex, OwnerSlot, OwnerState};
 use crate::holds::feed::{FeedWatch, HeldUpdate};
 use crate::holds::{BlockFingerprint, HoldBook, LookupMatch, LookupReply};
@@ -42,41 +42,6 @@ pub(super) struct LookupQuestion {
     pub(super) retry_until: Instant,
 }
 
-/// Rung by every answer of every lookup of an engine, so that a caller waiting on several
-/// lookups at once wakes as soon as one of them is answered ([`AnswerBell::wait_past`]).
-#[derive(Default)]
-pub struct AnswerBell {
-    rung: Mutex<u64>,
-    ringing: Condvar,
-}
-
-impl AnswerBell {
-    fn ring(&self) {
-        *lock(&self.rung) += 1;
-        self.ringing.notify_all();
-    }
-
-    /// How many answers arrived so far: read it before looking at the answers, then wait past
-    /// it, and no answer in between is missed.
-    pub fn rung(&self) -> u64 {
-        *lock(&self.rung)
-    }
-
-    /// Blocks until more than `seen` answers arrived or `wait` passed; returns the count.
-    pub fn wait_past(&self, seen: u64, wait: Duration) -> u64 {
-        let until = deadline_after(wait);
-        let mut rung = lock(&self.rung);
-        while *rung <= seen {
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            rung = self.ringing.wait_timeout(rung, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
-        *rung
-    }
-}
-
 /// A lookup sent to several owners at once; answers arrive as the owners reply.
 #[derive(Clone)]
 pub struct LookupFanOut {
@@ -88,7 +53,8 @@ pub struct LookupFanOut {
     gives_up_at: Instant,
     /// Targets asked; the others were answered from the index ([`unasked`]).
     asked: usize,
-    bell: Arc<AnswerBell>,
+    /// Moved by every answer of every lookup of the engine ([`super::Engine::lookup_answers`]).
+    answered: Arc<FeedWatch>,
 }
 
 impl LookupFanOut {
@@ -97,10 +63,10 @@ impl LookupFanOut {
         question: Arc<LookupQuestion>,
         gives_up_at: Instant,
         asked: usize,
-        bell: Arc<AnswerBell>,
+        answered: Arc<FeedWatch>,
     ) -> Self {
         let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
-        Self { addresses: Arc::new(addresses), question, answers, gives_up_at, asked, bell }
+        Self { addresses: Arc::new(addresses), question, answers, gives_up_at, asked, answered }
     }
 
     /// How many targets were asked: the others could not hold the prompt, by what they
@@ -137,7 +103,7 @@ impl LookupFanOut {
         if answers[index].is_none() {
             answers[index] = Some(LookupAnswer { address: self.addresses[index].clone(), outcome });
             drop(answers);
-            self.bell.ring();
+            self.answered.advance();
         }
     }
 
@@ -338,20 +304,20 @@ mod tests {
         let gives_up_at = t0 + Duration::from_secs(10);
         let question =
             Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
-        let bell = Arc::new(AnswerBell::default());
+        let answered = Arc::new(FeedWatch::default());
         let fan_out = LookupFanOut::new(
             vec!["a:1".to_owned(), "b:2".to_owned()],
             question,
             gives_up_at,
             2,
-            Arc::clone(&bell),
+            Arc::clone(&answered),
         );
         assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
         fan_out.answer(0, Ok(("A".to_owned(), None)));
         // A later outcome for the same target (e.g. the link dying afterwards) changes nothing,
         // and rings no one.
         fan_out.answer(0, Err("gone".to_owned()));
-        assert_eq!(bell.rung(), 1);
+        assert_eq!(answered.position(), 1);
         let answers = fan_out.answers_at(gives_up_at - Duration::from_millis(1));
         let first = answers[0].as_ref().unwrap();
         assert_eq!(
@@ -366,25 +332,5 @@ mod tests {
             (silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()),
             ("b:2", "the owner did not reply")
         );
-    }
-
-    #[test]
-    fn a_waiter_wakes_at_the_first_answer_past_what_it_saw_and_not_before() {
-        let bell = Arc::new(AnswerBell::default());
-        // Nothing past 0 yet: the wait runs out.
-        assert_eq!(bell.wait_past(0, Duration::from_millis(5)), 0);
-        bell.ring();
-        // An answer that came before the wait began is not missed.
-        assert_eq!(bell.wait_past(0, Duration::from_secs(10)), 1);
-        let ringer = Arc::clone(&bell);
-        let ring_later = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            ringer.ring();
-        });
-        let started = Instant::now();
-        assert_eq!(bell.wait_past(1, Duration::from_secs(10)), 2);
-        let waited = started.elapsed();
-        assert!(waited >= Duration::from_millis(20) && waited < Duration::from_secs(10));
-        ring_later.join().unwrap();
     }
 }

@@ -150,7 +150,9 @@ impl Chunker {
     }
 }
 
-/// Wakes the threads that send a book's changes when the book changes.
+/// A position that threads wait to move past: the book's change log (waking the threads that
+/// send its changes), or the count of an engine's lookup answers (waking a worker waiting for
+/// any of them).
 #[derive(Debug, Default)]
 pub struct FeedWatch {
     next: Mutex<u64>,
@@ -163,15 +165,27 @@ impl FeedWatch {
         self.moved.notify_all();
     }
 
-    /// Blocks until the log has changes past `cursor`, `stop` is set (and
-    /// [`FeedWatch::wake`] called after it), or `wait` passes.
-    pub fn wait_past(&self, cursor: u64, wait: Duration, stop: &AtomicBool) {
+    /// Moves one past where it was, waking every waiting thread.
+    pub fn advance(&self) {
+        *self.next.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        self.moved.notify_all();
+    }
+
+    /// Where it is now: read it before looking at what it counts, then wait past it, and no
+    /// move in between is missed.
+    pub fn position(&self) -> u64 {
+        *self.next.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Blocks until it is past `cursor`, `stop` is set (and [`FeedWatch::wake`] called after
+    /// it), or `wait` passes (or a spurious wake-up); returns where it is.
+    pub fn wait_past(&self, cursor: u64, wait: Duration, stop: &AtomicBool) -> u64 {
         let next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
         // Checked under the lock `wake` takes: a stop set before a wake is never missed.
         if *next > cursor || stop.load(Ordering::Acquire) {
-            return;
+            return *next;
         }
-        drop(self.moved.wait_timeout(next, wait).unwrap_or_else(PoisonError::into_inner));
+        *self.moved.wait_timeout(next, wait).unwrap_or_else(PoisonError::into_inner).0
     }
 
     /// Wakes every waiting thread (one of them was told to stop).
@@ -184,6 +198,27 @@ impl FeedWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_waiter_wakes_at_the_first_move_past_what_it_saw_and_not_before() {
+        let never = AtomicBool::new(false);
+        let watch = Arc::new(FeedWatch::default());
+        // Nothing past 0 yet: the wait runs out.
+        assert_eq!(watch.wait_past(0, Duration::from_millis(5), &never), 0);
+        watch.advance();
+        // A move that came before the wait began is not missed.
+        assert_eq!(watch.wait_past(0, Duration::from_secs(10), &never), 1);
+        let mover = Arc::clone(&watch);
+        let move_later = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            mover.advance();
+        });
+        let started = std::time::Instant::now();
+        assert_eq!(watch.wait_past(1, Duration::from_secs(10), &never), 2);
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(20) && waited < Duration::from_secs(10));
+        move_later.join().unwrap();
+    }
 
     #[test]
     fn a_cursor_gets_the_changes_past_it_until_the_log_no_longer_reaches_it() {
