@@ -164,6 +164,12 @@ class DuplexConfig:
             same_host_reads=_bool(extra, "same_host_reads", cls.same_host_reads),
         )
 
+    @property
+    def looks_up(self) -> bool:
+        """Whether this engine looks prompts up on the decode nodes (a bidirectional prefill
+        node with lookups on)."""
+        return self.bidirectional_kv_xfer and self.lookup_timeout_s > 0
+
     def auth_secret(self) -> bytes | None:
         """The environment variable's secret; unset, the per-user secret on a loopback side
         channel (None where that file cannot be made: loopback peers then do not

@@ -124,7 +124,6 @@ class Lookups:
         # Params seen on a request, until their owner is asked for a grant.
         self._named: dict[str, RemoteBlocks] = {}
         self._specs: list[md.LookupSpec] = []
-        self._possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
         # Whether an engine could ever answer a lookup: `decode_peers`, a decode node we
         # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
         # Never unset: a peer that went away is found missing by the workers (no answer).
@@ -147,12 +146,15 @@ class Lookups:
         """An engine could now answer a lookup (a decode node we handed a prompt to)."""
         self._peers_known = True
 
-    def handed_off(self, request: Request) -> None:
+    def handed_off(self, request: Request) -> PromptFingerprints | None:
         """The request's prompt goes to a decode node, which may hold the turn it computes
-        after it before it announces that: its next turn is asked (`held_mirror.py`)."""
-        if self._possible:
-            prompt = prompt_fingerprints(request, self._block_size)
-            self._mirror.handed_off(prompt.token_ids, prompt.full_blocks)
+        after it before it announces that: its next turn is asked (`held_mirror.py`). Returns
+        the prompt's fingerprints where they were computed, for the hold to reuse."""
+        if not self._config.looks_up:
+            return None
+        prompt = prompt_fingerprints(request, self._block_size)
+        self._mirror.handed_off(prompt.token_ids, prompt.full_blocks)
+        return prompt
 
     def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
         """What the request's grant or lookup found, None when there is nothing to pull, or
@@ -165,7 +167,7 @@ class Lookups:
                 timeout_s = self._config.handshake_timeout_s
                 end = min(named.num_tokens, request.num_prompt_tokens)
             else:
-                timeout_s = self._config.lookup_timeout_s if self._possible else 0.0
+                timeout_s = self._config.lookup_timeout_s if self._config.looks_up else 0.0
                 # A lookup matches whole blocks from the prompt's first (a held turn's partial
                 # last block is checked on the answer, after its full ones matched): a prompt
                 # without one, or no engine to ask, and nothing could be found. A prompt whose

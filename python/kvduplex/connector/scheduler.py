@@ -438,11 +438,12 @@ class DuplexScheduler:
         took_over = (
             params.get(protocol.DO_REMOTE_PREFILL) is True or params.get(protocol.KEEP_TURN) is True
         )
+        handed = None
         if hands_off and not took_over:
             decode_turn = False
             ttl_s = self._config.kv_lease_ttl_s
             # Whether or not we hold the prompt for it, the decode node may hold its turn.
-            self._lookups.handed_off(request)
+            handed = self._lookups.handed_off(request)
         elif took_over and not hands_off and self._config.bidirectional_kv_xfer:
             decode_turn = True
             ttl_s = self._config.decode_kv_hold_ttl_s
@@ -517,9 +518,12 @@ class DuplexScheduler:
             )
             return False, None
 
-        fingerprints = block_fingerprints(
-            request.all_token_ids[:num_tokens], self._block_size, salt_of(request)
-        )
+        if handed is not None and num_tokens <= len(handed.token_ids):
+            fingerprints = handed.of_prefix(num_tokens)  # hashed once, for the handoff
+        else:
+            fingerprints = block_fingerprints(
+                request.all_token_ids[:num_tokens], self._block_size, salt_of(request)
+            )
         blocks = [self._block_pool.blocks[block_id] for block_id in held_ids]
         # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
         self._block_pool.touch(blocks)

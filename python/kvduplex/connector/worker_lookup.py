@@ -55,7 +55,6 @@ class WorkerLookups:
         self._num_targets = -1
         self._reported_targets = -1
         # Where the scheduler's copy of the decode nodes' announcements stands (`announced`).
-        self._possible = config.bidirectional_kv_xfer and config.lookup_timeout_s > 0
         self._announced_cursor: int | None = None
         self._announced_synced: bool | None = None
         self._incomplete_reported = False
@@ -136,7 +135,7 @@ class WorkerLookups:
         so the scheduler knows how recent its copy is. The whole set goes at most every
         `_WHOLE_INTERVAL_S` and up to `_MAX_WHOLE` fingerprints (owners resetting what they
         announce again and again, or announcing more, leave the copy incomplete, untrusted)."""
-        if engine is None or self._tp_rank != 0 or not self._possible:
+        if engine is None or self._tp_rank != 0 or not self._config.looks_up:
             return None
         now = time.monotonic()
         max_whole = _MAX_WHOLE if now >= self._next_whole else 0
