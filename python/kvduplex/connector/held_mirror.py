@@ -53,9 +53,6 @@ class HeldMirror:
         self._short: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self._short_lengths: dict[int, int] = {}
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def on_report(self, changes: md.AnnouncedChanges | None, now: float) -> None:
         """A step's report: TP rank 0's changes, or None when nothing changed (or the workers
         had nothing at all to report)."""
