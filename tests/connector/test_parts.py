@@ -1,4 +1,5 @@
-"""The connector's pure parts: token fingerprints, config, stats, auto threshold."""
+"""The connector's pure parts: token fingerprints, the copy of announcements, config, stats,
+auto threshold."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvduplex.connector import config as config_module
+from kvduplex.connector import held_mirror
+from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.held_mirror import HeldMirror
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
 from kvduplex.connector.token_fingerprint import (
@@ -55,6 +59,37 @@ def test_prompt_fingerprints_hash_each_block_once_and_equal_the_documented_chain
     for n in range(len(tokens) + 1):
         assert prompt.of_prefix(n) == _documented_chain(tokens[:n], 16, "salt"), n
     assert block_fingerprints(tokens, 16, "salt") == _documented_chain(tokens, 16, "salt")
+    # The partial blocks after k full blocks: one per length, up to a block less one.
+    for full in range(3):
+        tails = list(prompt.tails(full))
+        assert [n for n, _ in tails] == list(range(1, min(15, len(tokens) - 16 * full) + 1))
+        for n, fingerprint in tails:
+            assert fingerprint == _documented_chain(tokens[: 16 * full + n], 16, "salt")[-1]
+
+
+def test_the_copy_of_what_decode_nodes_announced_bounds_what_they_may_hold():
+    """Full blocks by the chain, a held turn's partial last block by its tokens; a copy that
+    is stale, unsynced or guarding a handoff cannot tell."""
+    turn = [1000 + i for i in range(16 * 3 + 10)]  # 3 full blocks and a 10-token tail
+    mirror = HeldMirror()
+    announced = md.AnnouncedChanges(True, tuple(block_fingerprints(turn, 16)), (), True)
+    mirror.on_report(announced, now=100.0)
+    nxt = PromptFingerprints(turn + [5] * 40, 16)
+    assert mirror.may_hold(nxt, 16 * 3, now=100.1)
+    assert mirror.may_hold(nxt, 16 * 3 + 10, now=100.1)
+    assert mirror.may_hold(nxt, 16 * 3 + 11, now=100.1) is False
+    # The tail's last token differs: only the full blocks are held (a tail counts whole).
+    other = PromptFingerprints(turn[:-1] + [6] + [5] * 40, 16)
+    assert mirror.may_hold(other, 16 * 3, now=100.1)
+    assert mirror.may_hold(other, 16 * 3 + 1, now=100.1) is False
+    assert mirror.may_hold(PromptFingerprints([7] * 80, 16), 1, now=100.1) is False
+    assert mirror.may_hold(nxt, 1, now=100.0 + held_mirror.FRESH_S + 0.1) is None
+    # A prompt handed off continues until its turn is announced.
+    handed = [2000 + i for i in range(40)]
+    mirror.handed_off(handed, block_fingerprints(handed, 16)[:2])
+    assert mirror.may_hold(PromptFingerprints(handed + [3] * 30, 16), 1, now=100.1) is None
+    mirror.on_report(md.AnnouncedChanges(False, (), (), False), now=100.2)
+    assert mirror.may_hold(nxt, 1, now=100.2) is None
 
 
 @pytest.mark.parametrize(

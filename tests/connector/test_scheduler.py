@@ -664,16 +664,18 @@ def _looked_up(engine, request_id: str, prompt: list[int], params: dict | None =
     raise AssertionError(f"{request_id} did not finish")
 
 
-def test_what_decode_nodes_announced_rules_out_lookups_that_could_gain_nothing(
+def test_what_decode_nodes_announced_rules_out_lookups_that_could_not_gain_enough(
     engines, monkeypatch
 ):
     """TP rank 0 reports what the decode nodes announced they hold; while that is recent and
-    complete, a prompt no decode node holds more of than P prefills in the step it arrives
-    (no step spent asking). A prompt whose blocks are announced, a prompt P handed off whose
-    turn is not announced yet, and any prompt once the copy is stale are looked up."""
+    complete, a prompt no decode node holds enough more of than P has to reach the recompute
+    threshold prefills in the step it arrives (no step spent asking). A prompt whose blocks
+    are announced, a prompt P handed off whose turn is not announced yet, and any prompt once
+    the copy is stale are looked up."""
     monkeypatch.setattr(held_mirror, "FRESH_S", 0.5)
     history, d_params = _held_turn(engines)
-    turn_blocks = d_params["remote_block_fingerprints"][: len(history) // BLOCK_SIZE]
+    # D announces every block of its turn, the partial last one (3 tokens) by its tokens.
+    turn_blocks = d_params["remote_block_fingerprints"]
     p = engines("P", LOOKUP)
     p.step(worker_meta=_announced(whole=True, synced=False))
     # Some decode node has not announced all it holds yet: asked.
@@ -682,11 +684,12 @@ def test_what_decode_nodes_announced_rules_out_lookups_that_could_gain_nothing(
     assert not _looked_up(p, "new", prompt_tokens(100, start=4000))
     assert p.stats.data["lookups_ruled_out"] == 1
 
-    # D announced the turn: its next turn is asked, even with every full block already here
-    # (the held turn's partial last block may still be gained).
+    # D announced the turn: its next turn is asked.
     p.step(worker_meta=_announced(turn_blocks))
     assert _looked_up(p, "p2", history + prompt_tokens(40, start=600))
-    assert _looked_up(p, "p2-other", history + prompt_tokens(40, start=900))
+    # With every full block here, the held turn's partial last block could still be gained,
+    # but its 3 tokens are fewer than the recompute threshold (16): not asked.
+    assert not _looked_up(p, "p2-other", history + prompt_tokens(40, start=900))
     # Once P has every block D may hold (its own copy of p2's prompt), it is not.
     p2_prompt = history + prompt_tokens(40, start=600)
     assert not _looked_up(p, "p2-longer", p2_prompt + prompt_tokens(20, start=1000))
@@ -704,7 +707,7 @@ def test_what_decode_nodes_announced_rules_out_lookups_that_could_gain_nothing(
     p.step(worker_meta=_announced(handed_blocks))
     p.step(worker_meta=_announced(removed=handed_blocks))
     assert not _looked_up(p, "next-again", handed + [7] * 20 + prompt_tokens(40, start=800))
-    assert p.stats.data["lookups_ruled_out"] == 5
+    assert p.stats.data["lookups_ruled_out"] == 6
 
     # A router's hint says a decode node holds it: asked, whatever the copy says.
     hint = {protocol.LOOKUP_HINT: "127.0.0.1:41002"}
@@ -716,12 +719,14 @@ def test_what_decode_nodes_announced_rules_out_lookups_that_could_gain_nothing(
     assert not _looked_up(p, "short", short, {"do_remote_decode": True})
     turn = short + [7] * 20
     assert _looked_up(p, "after-short", turn + prompt_tokens(20, start=8100))
-    first_block = block_fingerprints(turn, BLOCK_SIZE, salt)[:1]
-    p.step(worker_meta=_announced(first_block))
-    assert _looked_up(p, "after-short-2", turn + prompt_tokens(20, start=8200))
-    p.step(worker_meta=_announced(removed=first_block))
+    # Announced (its full block and its partial one): the guard has done its work, and the 14
+    # tokens D holds beyond P's block are fewer than the threshold.
+    turn_blocks = block_fingerprints(turn, BLOCK_SIZE, salt)
+    p.step(worker_meta=_announced(turn_blocks))
+    assert not _looked_up(p, "after-short-2", turn + prompt_tokens(20, start=8200))
+    p.step(worker_meta=_announced(removed=turn_blocks))
     assert not _looked_up(p, "after-short-3", turn + prompt_tokens(20, start=8300))
-    assert p.stats.data["lookups_ruled_out"] == 6
+    assert p.stats.data["lookups_ruled_out"] == 8
 
     # A whole set too large to send leaves the copy incomplete: asked.
     p.step(worker_meta=DuplexWorkerMetadata(announced=AnnouncedChanges(True, (), (), True, False)))

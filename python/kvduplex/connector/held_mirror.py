@@ -16,9 +16,10 @@ not hand off (another prefill node's, or one a decode node computed alone) has n
 next turn arrives here before the decode node's announcement has reached this scheduler, and no
 earlier turn of the conversation is still announced, it is recomputed (never read wrongly).
 
-Otherwise the copy says how many of the prompt's leading full blocks any decode node may hold:
-by the chained fingerprints, a held turn that matches the prompt's block k announced block k;
-the turn's last block beyond them may hold more of the prompt (it is compared by tokens).
+Otherwise the copy says how many of the prompt's leading tokens any decode node may hold: by
+the chained fingerprints, a held turn that matches the prompt's block k announced block k, and
+a held turn's partial last block is announced by the fingerprint of the tokens it holds, which
+the prompt's own fingerprint of as many tokens after its matching blocks equals (`may_hold`).
 
 Pure state: the caller passes the time (`time.monotonic()`).
 """
@@ -29,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvduplex.connector import metadata as md
+from kvduplex.connector.token_fingerprint import PromptFingerprints
 
 # How recent the last step's report must be for the copy to be trusted: a decode node's turn
 # announced since is in no report yet. About a few steps of a busy engine.
@@ -91,11 +93,23 @@ class HeldMirror:
         if not self._short_lengths[len(tokens)]:
             del self._short_lengths[len(tokens)]
 
-    def held_blocks(
+    def may_hold(self, prompt: PromptFingerprints, tokens: int, now: float) -> bool | None:
+        """Whether a decode node may hold the prompt's first `tokens` tokens, or None when the
+        copy cannot tell (the lookup then asks). Its work is bounded by the prompt's length."""
+        full = self._held_blocks(prompt.token_ids, prompt.full_blocks, now)
+        if full is None:
+            return None
+        least = tokens - full * prompt.block_size
+        if least <= 0:
+            return True
+        # A held turn's partial last block after the matching full blocks, with enough tokens.
+        return any(n >= least and fp in self._held for n, fp in prompt.tails(full))
+
+    def _held_blocks(
         self, prompt_tokens: Sequence[int], full_blocks: Sequence[str], now: float
     ) -> int | None:
         """How many of a prompt's leading full blocks (their fingerprints) a decode node may
-        hold, or None when the copy cannot tell (the lookup then asks)."""
+        hold, or None when the copy cannot tell."""
         if not self._synced or now > self._fresh_until:
             return None
         if any(fingerprint in self._handoffs for fingerprint in full_blocks):

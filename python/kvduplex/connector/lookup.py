@@ -184,7 +184,7 @@ class Lookups:
                 if named is None and _lookup_hint(request) is None:
                     # (A router's hint says a decode node holds it, announced or not.)
                     prompt = prompt_fingerprints(request, self._block_size)
-                    if self._ruled_out(request, prompt, num_computed_tokens):
+                    if self._ruled_out(prompt, num_computed_tokens, threshold()):
                         timeout_s = 0.0
             else:
                 timeout_s = 0.0
@@ -252,17 +252,13 @@ class Lookups:
         self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
         self._stats.data["lookup_wait_steps"].append(self._steps_built - lookup.asked_step)
 
-    def _ruled_out(
-        self, request: Request, prompt: PromptFingerprints, num_computed_tokens: int
-    ) -> bool:
-        """Whether what the decode nodes announced says no lookup could gain a token: none
-        holds more of the prompt than we have (the block after a held turn's matching full
-        blocks counted: it is compared by tokens). The request then prefills in this step."""
-        held = self._mirror.held_blocks(prompt.token_ids, prompt.full_blocks, time.monotonic())
-        if held is None:
-            return False
-        most = min(request.num_prompt_tokens, (held + 1) * self._block_size) if held else 0
-        if most > num_computed_tokens:
+    def _ruled_out(self, prompt: PromptFingerprints, num_computed_tokens: int, gain: int) -> bool:
+        """Whether what the decode nodes announced says no lookup could gain `gain` tokens
+        beyond the `num_computed_tokens` we have: none holds that much of the prompt (a held
+        turn's partial last block counted by its tokens). The request then prefills in this
+        step."""
+        needed = num_computed_tokens + max(1, gain)
+        if self._mirror.may_hold(prompt, needed, time.monotonic()) is not False:
             return False
         self._stats.add("lookups_ruled_out")
         return True

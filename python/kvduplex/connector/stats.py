@@ -47,8 +47,9 @@ COUNTERS: dict[str, str] = {
     "lookups_hinted": "Lookups asked of the one decode node a router's hint named",
     "lookups_indexed": "Lookups that left out decode nodes whose announcements say they hold none "
     "of the prompt",
-    "lookups_ruled_out": "Requests not looked up because no decode node announced more of the "
-    "prompt than the prefill node has (prefilled in the step they arrived)",
+    "lookups_ruled_out": "Requests not looked up because no decode node announced enough more "
+    "of the prompt than the prefill node has to reach the recompute threshold (prefilled in the "
+    "step they arrived)",
 }
 SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s", "lookup_wait_s", "lookup_wait_steps")
 # Values at the end of the interval (-1: not reported in it).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -68,6 +68,18 @@ class PromptFingerprints:
             start = full * self.block_size * 8
             out.append(_digest(self._digests[full], self._data[start : start + tail * 8]).hex())
         return out
+
+
+    def tails(self, full: int) -> Iterator[tuple[int, str]]:
+        """(n, fingerprint) of a partial block after the prompt's first `full` full blocks
+        holding its next n tokens, for n from 1 to a block less one (or the prompt's end):
+        each token is hashed once."""
+        start = full * self.block_size
+        count = max(0, min(self.block_size - 1, len(self.token_ids) - start))
+        running = hashlib.blake2b(self._digests[full], digest_size=FINGERPRINT_BYTES)
+        for n in range(1, count + 1):
+            running.update(self._data[(start + n - 1) * 8 : (start + n) * 8])
+            yield n, running.copy().hexdigest()
 
 
 def _digest(parent: bytes, block: bytes) -> bytes:
