@@ -128,8 +128,26 @@ pub enum Refusal {
 pub enum Evict {
     /// Decode nodes' turns only: room for new turns under their cap.
     Turns,
+    /// Turns, and prompts held for decode nodes that no reader has claimed for this long:
+    /// room for waiting requests. A decode node asks for its prompt within moments of
+    /// getting it, or never (it computes a prompt itself when a pull would gain too little).
+    TurnsAndUnread(Duration),
     /// Any hold, prompts held for decode nodes too: the engine runs short of free blocks.
     AnyHold,
+}
+
+impl Evict {
+    fn may_free(self, held: &Held, now: Instant) -> bool {
+        held.claims.is_empty()
+            && match self {
+                Self::AnyHold => true,
+                Self::Turns => held.kind == HoldKind::Turn,
+                Self::TurnsAndUnread(unread) => {
+                    held.kind == HoldKind::Turn
+                        || now.saturating_duration_since(held.last_used) >= unread
+                }
+            }
+    }
 }
 
 #[derive(Debug)]
@@ -400,9 +418,7 @@ impl HoldBook {
         let mut candidates: Vec<(Instant, String, usize)> = self
             .held
             .iter()
-            .filter(|(_, h)| {
-                h.claims.is_empty() && (which == Evict::AnyHold || h.kind == HoldKind::Turn)
-            })
+            .filter(|(_, h)| which.may_free(h, now))
             .map(|(id, h)| (h.last_used, id.clone(), h.num_blocks))
             .collect();
         candidates.sort();
@@ -641,9 +657,17 @@ mod tests {
         assert_eq!(book.evict(100, Evict::Turns, t1), vec!["new".to_string()]);
         assert_eq!(book.evict(100, Evict::Turns, t1), Vec::<String>::new());
         assert_eq!(book.len(), 1);
-        // A prefill node's prompts held for their decode nodes are not evicted for turns.
+        // A prefill node's prompts held for their decode nodes are not evicted for turns,
+        // nor for waiting requests until no reader has claimed them for the time given.
         prompt_hold(&mut book, "lease", &[7, 8], t1);
+        prompt_hold(&mut book, "read", &[9], t1);
+        book.grant("D", "read", &[9], CLAIM, t1).unwrap();
         assert!(book.evict(100, Evict::Turns, t1).is_empty());
+        let unread = Evict::TurnsAndUnread(Duration::from_secs(1));
+        assert!(book.evict(100, unread, t1 + Duration::from_millis(999)).is_empty());
+        let t2 = t1 + Duration::from_secs(5);
+        assert_eq!(book.evict(100, unread, t2), vec!["lease".to_string()]);
+        assert!(book.evict(100, unread, t2).is_empty()); // claimed: being read
     }
 
     #[test]

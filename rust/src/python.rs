@@ -451,15 +451,27 @@ impl Engine {
     }
 
     /// `prompts`: prompts held for decode nodes may go too (the engine is short of blocks),
-    /// not only finished turns.
-    #[pyo3(signature = (num_blocks, *, prompts=false))]
+    /// not only finished turns; `unread_prompts_s`: those that no reader has claimed for
+    /// that many seconds may.
+    #[pyo3(signature = (num_blocks, *, prompts=false, unread_prompts_s=None))]
     fn evict_holds(
         &self,
         py: Python<'_>,
         num_blocks: usize,
         prompts: bool,
+        unread_prompts_s: Option<f64>,
     ) -> PyResult<Vec<String>> {
-        let which = if prompts { Evict::AnyHold } else { Evict::Turns };
+        let which = match (prompts, unread_prompts_s) {
+            (true, _) => Evict::AnyHold,
+            (false, None) => Evict::Turns,
+            (false, Some(seconds)) => {
+                Evict::TurnsAndUnread(Duration::try_from_secs_f64(seconds).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "unread_prompts_s must be a finite number of seconds >= 0, got {seconds}"
+                    ))
+                })?)
+            }
+        };
         self.with(py, |e| Ok(e.evict_holds(num_blocks, which)))
     }
 

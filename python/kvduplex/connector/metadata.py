@@ -119,9 +119,10 @@ class LookupMatch:
 @dataclass(frozen=True)
 class EvictOrder:
     """Free unclaimed holds, least recently used first, at least: `cap_blocks` blocks of
-    held turns (their cap), `turn_blocks` of held turns (waiting requests need blocks), then
-    `any_blocks` of any holds, prompts too (running requests need blocks). TP rank 0
-    acknowledges every order once (`evictions_done`)."""
+    held turns (their cap), `turn_blocks` of held turns and of prompts no reader claimed for
+    `retention.UNREAD_PROMPT_S` (waiting requests need blocks), then `any_blocks` of any
+    holds, prompts too (running requests need blocks). TP rank 0 acknowledges every order once
+    (`evictions_done`)."""
 
     cap_blocks: int = 0
     turn_blocks: int = 0

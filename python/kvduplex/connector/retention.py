@@ -5,10 +5,13 @@ for the next turn) are worth less than the requests the engine runs: they are gi
 least recently used and unclaimed first, when the engine's free blocks fall below what its
 requests need, before vLLM would preempt one of them. Two tiers: what running requests need
 for their next step(s) may take any unclaimed hold; what the next step could admit of the
-waiting requests may take held turns only. A prompt held for a decode node is read within
-moments of its hand-off (its reader asks for it as soon as it gets the request), and giving it
-up makes the decode node compute the whole prompt, to let a waiting request in a little
-sooner; a held turn waits for a next turn that may never come. The scheduler owns
+waiting requests may take held turns, and prompts no reader has claimed for `UNREAD_PROMPT_S`.
+A prompt held for a decode node is read within moments of its hand-off (its reader asks for it
+as soon as it gets the request), and giving it up then makes the decode node compute the whole
+prompt, to let a waiting request in a little sooner; but a decode node that computes the prompt
+itself (a pull would gain less than its recompute threshold) never asks, and such a prompt
+would keep its blocks from waiting requests until its lease ends. A held turn waits for a next
+turn that may never come. The scheduler owns
 the blocks' references (it frees them once TP rank 0 reports a hold ended); TP rank 0's hold
 book owns the claims, so the scheduler orders evictions of *a number of blocks* and the hold
 book picks which holds (unclaimed only: no block is freed under a read).
@@ -61,6 +64,9 @@ IDLE_CHECK_S = 1.0
 ORDER_TIMEOUT_S = 5.0
 # After an order freed less than asked (claimed holds), no pressure order for this long.
 FRUITLESS_BACKOFF_S = 0.5
+# A prompt held for a decode node that no reader has claimed for this long may be given up for
+# waiting requests (TP rank 0's hold book counts from its own hold, a step later).
+UNREAD_PROMPT_S = 1.0
 
 
 @dataclass
@@ -68,6 +74,7 @@ class _Held:
     num_blocks: int
     turn: bool
     expires_at: float
+    held_at: float
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,10 @@ class Retention:
 
     # ---------------------------------------------------------------- holds
 
-    def hold(self, request_id: str, num_blocks: int, turn: bool, expires_at: float) -> None:
-        """A hold was taken; a turn past the cap orders room among the older turns."""
+    def hold(
+        self, request_id: str, num_blocks: int, turn: bool, expires_at: float, now: float
+    ) -> None:
+        """A hold was taken at `now`; a turn past the cap orders room among the older turns."""
         with self._lock:
             if turn:
                 overflow = (
@@ -104,7 +113,7 @@ class Retention:
                 if overflow > 0:
                     self._add(cap_blocks=overflow)
                 self.turn_blocks += num_blocks
-            self._held[request_id] = _Held(num_blocks, turn, expires_at)
+            self._held[request_id] = _Held(num_blocks, turn, expires_at, now)
             self.held_blocks += num_blocks
             self._changed.notify_all()
 
@@ -124,15 +133,22 @@ class Retention:
     def pressure(self, free_blocks: int, running_need: int, waiting_need: int, now: float) -> int:
         """Running requests need `running_need` blocks, the waiting ones the next step could
         admit `waiting_need`, and `free_blocks` are free: order the shortfall from the holds
-        (any for the running, turns for the waiting), beyond what orders outstanding free
-        already. Returns the blocks ordered."""
+        (any for the running, turns and unread prompts for the waiting), beyond what orders
+        outstanding free already. Returns the blocks ordered."""
         with self._lock:
             if now < self._backoff_until:
                 return 0
             outstanding = self._outstanding(False)
             evictable = self.held_blocks - outstanding
             for_running = max(0, min(running_need - free_blocks - outstanding, evictable))
-            turns = min(self.turn_blocks - self._outstanding(True), evictable - for_running)
+            unread = sum(
+                h.num_blocks
+                for h in self._held.values()
+                if not h.turn and h.held_at + UNREAD_PROMPT_S <= now
+            )
+            turns = min(
+                self.turn_blocks + unread - self._outstanding(True), evictable - for_running
+            )
             for_waiting = max(
                 0,
                 min(running_need + waiting_need - free_blocks - outstanding - for_running, turns),

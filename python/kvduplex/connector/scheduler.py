@@ -530,10 +530,11 @@ class DuplexScheduler:
         self._held[request.request_id] = blocks
         if decode_turn:
             self._events.held(request, num_tokens, self._block_pool.hash_block_size)
-        lease_expiry = time.time() + ttl_s
+        now = time.time()
+        lease_expiry = now + ttl_s
         # A turn past the cap orders room: the workers free the least recently used unclaimed
         # turns (every read of a held turn is claimed, so none is freed under a read).
-        self._retention.hold(request.request_id, len(blocks), decode_turn, lease_expiry)
+        self._retention.hold(request.request_id, len(blocks), decode_turn, lease_expiry, now)
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.

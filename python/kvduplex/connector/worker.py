@@ -35,6 +35,7 @@ from kvduplex.connector import metadata as md
 from kvduplex.connector import tp
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
+from kvduplex.connector.retention import UNREAD_PROMPT_S
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.worker_lookup import WorkerLookups
 
@@ -701,7 +702,7 @@ class DuplexWorker:
             logger.debug("Held turn %s evicted to make room for new turns", request_id)
         freed: list[str] = []
         if order.turn_blocks:
-            freed += self._engine.evict_holds(order.turn_blocks)
+            freed += self._engine.evict_holds(order.turn_blocks, unread_prompts_s=UNREAD_PROMPT_S)
         if order.any_blocks:
             freed += self._engine.evict_holds(order.any_blocks, prompts=True)
         for request_id in freed:
