@@ -22,7 +22,7 @@ from duplex_harness import (
     running,
 )
 from kvduplex import protocol
-from kvduplex.connector import held_mirror
+from kvduplex.connector import held_mirror, retention
 from kvduplex.connector.metadata import AnnouncedChanges, DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.scheduler import _held_output_tokens
 from kvduplex.connector.stats import DuplexConnectorStats
@@ -910,6 +910,35 @@ def test_held_blocks_are_evicted_before_any_preemption_under_a_burst(engines):
     preemptions, _, d, held = _burst_on_a_small_cache(engines, evictable=False)
     assert preemptions > 0
     assert all(d.ref_count(b) == 1 for b in held)
+
+
+def test_a_prompt_no_decode_node_asks_for_gives_way_to_waiting_requests(engines, monkeypatch):
+    """A decode node that computes a prompt itself (a pull would gain too little) never asks
+    for it. Waiting requests short of blocks may take such a prompt once no reader claimed it
+    for `UNREAD_PROMPT_S`; before that, and while it lasts, they wait, as for a prompt about to
+    be read (a running request's need takes any hold at once)."""
+    monkeypatch.setattr(retention, "UNREAD_PROMPT_S", 0.3)
+    p = engines("P", BIDIRECTIONAL, num_blocks=16)  # 15 usable
+    prefill(p, "p1", prompt_tokens(100))  # 7 blocks held for a D that never reads them
+    assert p.duplex._retention.held_blocks == 7
+    waiting = p.add("w", prompt_tokens(150, start=2000), max_tokens=1)  # needs 10 blocks
+    ordered = []
+    freed, acks = [], 0
+    deadline = time.monotonic() + 5
+    while not waiting.is_finished() and time.monotonic() < deadline:
+        step = p.step(freed_holds=freed, evictions_done=acks)
+        freed, acks = [], 0
+        if step.meta.evict is not None:
+            ordered.append((time.time(), step.meta.evict))
+            acks = 1
+            if "p1" in p.duplex._held:
+                freed = ["p1"]
+        time.sleep(0.02)
+    assert waiting.is_finished()
+    (when, order), *_ = ordered
+    assert order.turn_blocks > 0 and order.any_blocks == 0
+    assert when - waiting.arrival_time >= 0.2  # not before the prompt went unread a while
+    assert "p1" not in p.duplex._held and p.duplex._retention.held_blocks == 0
 
 
 def test_an_idle_engine_steps_when_a_hold_expires(engines):
