@@ -65,6 +65,8 @@ def test_prompt_fingerprints_hash_each_block_once_and_equal_the_documented_chain
         assert [n for n, _ in tails] == list(range(1, min(15, len(tokens) - 16 * full) + 1))
         for n, fingerprint in tails:
             assert fingerprint == _documented_chain(tokens[: 16 * full + n], 16, "salt")[-1]
+        assert list(prompt.tails(full, 5)) == tails[4:]
+    assert list(prompt.tails(2, 15)) == []  # the prompt has 14 tokens after its full blocks
 
 
 def test_the_copy_of_what_decode_nodes_announced_bounds_what_they_may_hold():

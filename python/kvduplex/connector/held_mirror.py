@@ -103,7 +103,7 @@ class HeldMirror:
         if least <= 0:
             return True
         # A held turn's partial last block after the matching full blocks, with enough tokens.
-        return any(n >= least and fp in self._held for n, fp in prompt.tails(full))
+        return any(fp in self._held for _, fp in prompt.tails(full, least))
 
     def _held_blocks(
         self, prompt_tokens: Sequence[int], full_blocks: Sequence[str], now: float

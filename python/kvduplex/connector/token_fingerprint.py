@@ -70,14 +70,18 @@ class PromptFingerprints:
         return out
 
 
-    def tails(self, full: int) -> Iterator[tuple[int, str]]:
+    def tails(self, full: int, shortest: int = 1) -> Iterator[tuple[int, str]]:
         """(n, fingerprint) of a partial block after the prompt's first `full` full blocks
-        holding its next n tokens, for n from 1 to a block less one (or the prompt's end):
-        each token is hashed once."""
+        holding its next n tokens, for n from `shortest` to a block less one (or the prompt's
+        end): each token is hashed once."""
         start = full * self.block_size
         count = max(0, min(self.block_size - 1, len(self.token_ids) - start))
+        shortest = max(1, shortest)
+        if shortest > count:
+            return
         running = hashlib.blake2b(self._digests[full], digest_size=FINGERPRINT_BYTES)
-        for n in range(1, count + 1):
+        running.update(self._data[start * 8 : (start + shortest - 1) * 8])
+        for n in range(shortest, count + 1):
             running.update(self._data[(start + n - 1) * 8 : (start + n) * 8])
             yield n, running.copy().hexdigest()
 
