@@ -195,10 +195,13 @@ class Engine:
         ends the hold of a turn). True when this freed the hold."""
     def expire_holds(self) -> list[str]:
         """End holds and claims whose time is up; returns the holds freed."""
-    def evict_holds(self, num_blocks: int, *, prompts: bool = False) -> list[str]:
-        """Free unclaimed held turns (`prompts`: prompts held for decode nodes too), least
-        recently used first, until `num_blocks` blocks were freed or none is left; returns the
-        holds freed."""
+    def evict_holds(
+        self, num_blocks: int, *, prompts: bool = False, unread_prompts_s: float | None = None
+    ) -> list[str]:
+        """Free unclaimed held turns (`prompts`: prompts held for decode nodes too;
+        `unread_prompts_s`: those no reader has claimed for that many seconds), least recently
+        used first, until `num_blocks` blocks were freed or none is left; returns the holds
+        freed. Raises ValueError for an `unread_prompts_s` that is negative or not finite."""
     def hold_occupancy(self) -> tuple[int, int]:
         """(claims alive now, blocks held) on this engine's hold book."""
     def start_lookup(

@@ -647,7 +647,7 @@ mod tests {
     }
 
     #[test]
-    fn eviction_frees_least_recently_used_unclaimed_turns_only() {
+    fn eviction_frees_least_recently_used_unclaimed_turns_and_unread_prompts_only() {
         let t0 = Instant::now();
         let mut book = book_with(&[("old", &[1]), ("claimed", &[2])], t0);
         let t1 = t0 + Duration::from_secs(1);
@@ -666,6 +666,7 @@ mod tests {
         let unread = Evict::TurnsAndUnread(Duration::from_secs(1));
         assert!(book.evict(100, unread, t1 + Duration::from_millis(999)).is_empty());
         let t2 = t1 + Duration::from_secs(5);
+        assert!(book.evict(100, Evict::Turns, t2).is_empty());
         assert_eq!(book.evict(100, unread, t2), vec!["lease".to_string()]);
         assert!(book.evict(100, unread, t2).is_empty()); // claimed: being read
     }

@@ -15,8 +15,8 @@ from kvduplex.connector.retention import (
 
 def test_pressure_orders_the_shortfall_once_until_it_is_acknowledged():
     r = Retention(max_turn_blocks=100)
-    r.hold("a", 4, True, 100.0, now=0.0)
-    r.hold("b", 3, False, 100.0, now=0.0)
+    r.hold("a", 4, True, 100.0)
+    r.hold("b", 3, False, 100.0)
     assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.0) == 3
     # Ordered, not shipped yet: asking again orders nothing more.
     assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.0) == 0
@@ -37,8 +37,8 @@ def test_pressure_orders_the_shortfall_once_until_it_is_acknowledged():
 
 def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_while():
     r = Retention(max_turn_blocks=100)
-    r.hold("prompt", 4, False, 100.0, now=0.0)
-    r.hold("turn", 3, True, 100.0, now=0.0)
+    r.hold("prompt", 4, False, 100.0)
+    r.hold("turn", 3, True, 100.0)
     # Nothing running needs blocks; the waiting ones need 6 more than are free: the turn's 3.
     assert r.pressure(free_blocks=2, running_need=0, waiting_need=8, now=0.0) == 3
     order = r.take_order(now=0.0)
@@ -48,7 +48,9 @@ def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_wh
     assert r.take_order(now=0.0).any_blocks == 2
     # No reader asked for a prompt: after UNREAD_PROMPT_S the waiting ones may take it.
     r = Retention(max_turn_blocks=100)
-    r.hold("prompt", 4, False, 100.0, now=0.0)
+    r.hold("prompt", 4, False, 100.0)
+    assert r.pressure(free_blocks=0, running_need=0, waiting_need=2, now=60.0) == 0  # unshipped
+    r.shipped(["prompt"], now=0.0)
     before = retention_module.UNREAD_PROMPT_S - 0.1
     assert r.pressure(free_blocks=0, running_need=0, waiting_need=2, now=before) == 0
     after = retention_module.UNREAD_PROMPT_S
@@ -58,7 +60,7 @@ def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_wh
 
 def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while():
     r = Retention(max_turn_blocks=100)
-    r.hold("claimed", 5, True, 100.0, now=0.0)
+    r.hold("claimed", 5, True, 100.0)
     r.pressure(0, 5, 0, now=0.0)
     r.take_order(now=0.0)
     r.acknowledged(1, freed_blocks=0, now=0.1)
@@ -69,7 +71,7 @@ def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while():
 
 def test_an_order_never_acknowledged_stops_counting_after_its_timeout():
     r = Retention(max_turn_blocks=100)
-    r.hold("a", 2, True, 100.0, now=0.0)
+    r.hold("a", 2, True, 100.0)
     r.pressure(0, 2, 0, now=0.0)
     r.take_order(now=0.0)
     assert r.frees_pending(retention_module.ORDER_TIMEOUT_S - 0.1)
@@ -80,7 +82,7 @@ def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last():
     r = Retention(max_turn_blocks=100)
     assert r.wake_at() is None
     r.stepped(10.0)
-    r.hold("a", 1, False, expires_at=10.4, now=0.0)
+    r.hold("a", 1, False, expires_at=10.4)
     assert r.wake_at() == 10.4 and not r.step_due(10.3) and r.step_due(10.4)
     r.stepped(10.5)  # the expiry was checked in this step; "a" is claimed and stays
     assert r.wake_at() == 10.5 + IDLE_CHECK_S

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
-from kvduplex.connector import worker_lookup
+from kvduplex.connector import retention, worker_lookup
 from kvduplex.connector.metadata import (
     AnnouncedChanges,
     DuplexConnectorMetadata,
@@ -726,11 +726,13 @@ def test_tp_rank_0_reports_what_the_decode_nodes_announce_with_its_steps(owner, 
 
 
 def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_once(
-    tiny_config_dir,
+    tiny_config_dir, monkeypatch
 ):
-    """A turn and a prompt held: a cap order frees turns only, a running-pressure order the
-    prompt too; every order is acknowledged once, what it freed reported once. Another TP
-    rank neither evicts nor acknowledges."""
+    """A turn and a prompt held: a cap order frees turns only, a waiting-pressure order the
+    prompt once no reader claimed it for `UNREAD_PROMPT_S`, a running-pressure order any
+    prompt; every order is acknowledged once, what it freed reported once. Another TP rank
+    neither evicts nor acknowledges."""
+    monkeypatch.setattr(retention, "UNREAD_PROMPT_S", 60.0)
     worker = make_worker(tiny_config_dir, "evicting", make_kv_caches(NUM_BLOCKS))
     try:
         expiry = time.time() + 60
@@ -746,12 +748,20 @@ def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_o
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         assert meta.freed_holds == [] and meta.evictions_done == 1
-        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(any_blocks=1)))
+        monkeypatch.setattr(retention, "UNREAD_PROMPT_S", retention.UNREAD_MARGIN_S + 0.05)
+        time.sleep(0.1)  # unread for longer than that
+        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(turn_blocks=1)))
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         assert meta.freed_holds == ["prompt"] and meta.evictions_done == 1
+        fresh = HoldSpec("fresh", expiry, 3, ("00000000000000d1",), turn=False, offer=b"{}")
+        order = EvictOrder(any_blocks=1)
+        worker.start_load_kv(DuplexConnectorMetadata(holds=[fresh], evict=order))
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        assert meta.freed_holds == ["fresh"] and meta.evictions_done == 1
         stats = worker.get_kv_connector_stats().data
-        assert stats["evictions"] == 1 and stats["pressure_evictions"] == 1
+        assert stats["evictions"] == 1 and stats["pressure_evictions"] == 2
     finally:
         worker.shutdown()
     other = make_worker(tiny_config_dir, "evicting", make_kv_caches(NUM_BLOCKS, kv_heads=1), tp_size=2, tp_rank=1)

@@ -1,6 +1,7 @@
 """The scheduler's copy of what the decode nodes announced they hold, so that a prefill node's
-scheduler can tell, in the step a request arrives, that a lookup by content could gain nothing
-and prefill at once instead of waiting a step for the answer (`lookup.py`).
+scheduler can tell, in the step a request arrives, that a lookup by content could not gain
+enough to be worth it and prefill at once instead of waiting a step for the answer
+(`lookup.py`).
 
 Decode nodes announce the fingerprints of the blocks their held turns offer to lookups; TP rank
 0's transfer core keeps them (`rust/src/held_index.rs`) and reports what changed with every
@@ -102,6 +103,8 @@ class HeldMirror:
         least = tokens - full * prompt.block_size
         if least <= 0:
             return True
+        if not full:
+            return False  # a lookup matches full blocks first: a shorter turn is never found
         # A held turn's partial last block after the matching full blocks, with enough tokens.
         return any(fp in self._held for _, fp in prompt.tails(full, least))
 

@@ -132,7 +132,7 @@ class Lookups:
         # vLLM hands the reports back in the order it built the steps.
         self._steps_built = 0
         self._steps_reported = 0
-        # What the decode nodes announced they hold, for lookups that could gain nothing.
+        # What the decode nodes announced they hold, for lookups that could not gain enough.
         self._mirror = HeldMirror()
 
     def __contains__(self, request_id: str) -> bool:

@@ -64,9 +64,12 @@ IDLE_CHECK_S = 1.0
 ORDER_TIMEOUT_S = 5.0
 # After an order freed less than asked (claimed holds), no pressure order for this long.
 FRUITLESS_BACKOFF_S = 0.5
-# A prompt held for a decode node that no reader has claimed for this long may be given up for
-# waiting requests (TP rank 0's hold book counts from its own hold, a step later).
+# A prompt held for a decode node that no reader has claimed for this long since its hold was
+# shipped to the workers may be given up for waiting requests. TP rank 0's hold book takes the
+# hold a moment after it is shipped and counts from there: it is asked to free prompts unread
+# for `UNREAD_MARGIN_S` less, so that what the scheduler counts as unread is unread there too.
 UNREAD_PROMPT_S = 1.0
+UNREAD_MARGIN_S = 0.1
 
 
 @dataclass
@@ -74,7 +77,8 @@ class _Held:
     num_blocks: int
     turn: bool
     expires_at: float
-    held_at: float
+    # When the hold was shipped to the workers (None: not yet).
+    shipped_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,8 @@ class Retention:
 
     # ---------------------------------------------------------------- holds
 
-    def hold(
-        self, request_id: str, num_blocks: int, turn: bool, expires_at: float, now: float
-    ) -> None:
-        """A hold was taken at `now`; a turn past the cap orders room among the older turns."""
+    def hold(self, request_id: str, num_blocks: int, turn: bool, expires_at: float) -> None:
+        """A hold was taken; a turn past the cap orders room among the older turns."""
         with self._lock:
             if turn:
                 overflow = (
@@ -113,9 +115,17 @@ class Retention:
                 if overflow > 0:
                     self._add(cap_blocks=overflow)
                 self.turn_blocks += num_blocks
-            self._held[request_id] = _Held(num_blocks, turn, expires_at, now)
+            self._held[request_id] = _Held(num_blocks, turn, expires_at)
             self.held_blocks += num_blocks
             self._changed.notify_all()
+
+    def shipped(self, request_ids: list[str], now: float) -> None:
+        """These holds went to the workers with the step built at `now`."""
+        with self._lock:
+            for request_id in request_ids:
+                held = self._held.get(request_id)
+                if held is not None and held.shipped_at is None:
+                    held.shipped_at = now
 
     def freed(self, request_id: str) -> int | None:
         """A hold ended: its blocks go back (None: not held)."""
@@ -141,18 +151,18 @@ class Retention:
             outstanding = self._outstanding(False)
             evictable = self.held_blocks - outstanding
             for_running = max(0, min(running_need - free_blocks - outstanding, evictable))
-            unread = sum(
-                h.num_blocks
-                for h in self._held.values()
-                if not h.turn and h.held_at + UNREAD_PROMPT_S <= now
-            )
-            turns = min(
-                self.turn_blocks + unread - self._outstanding(True), evictable - for_running
-            )
-            for_waiting = max(
-                0,
-                min(running_need + waiting_need - free_blocks - outstanding - for_running, turns),
-            )
+            short = running_need + waiting_need - free_blocks - outstanding - for_running
+            for_waiting = 0
+            if short > 0:
+                unread = sum(
+                    h.num_blocks
+                    for h in self._held.values()
+                    if not h.turn
+                    and h.shipped_at is not None
+                    and h.shipped_at + UNREAD_PROMPT_S <= now
+                )
+                turns = self.turn_blocks + unread - self._outstanding(True)
+                for_waiting = max(0, min(short, turns, evictable - for_running))
             if for_running or for_waiting:
                 self._add(turn_blocks=for_waiting, any_blocks=for_running)
             return for_running + for_waiting

@@ -530,11 +530,10 @@ class DuplexScheduler:
         self._held[request.request_id] = blocks
         if decode_turn:
             self._events.held(request, num_tokens, self._block_pool.hash_block_size)
-        now = time.time()
-        lease_expiry = now + ttl_s
+        lease_expiry = time.time() + ttl_s
         # A turn past the cap orders room: the workers free the least recently used unclaimed
         # turns (every read of a held turn is claimed, so none is freed under a read).
-        self._retention.hold(request.request_id, len(blocks), decode_turn, lease_expiry, now)
+        self._retention.hold(request.request_id, len(blocks), decode_turn, lease_expiry)
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.
@@ -654,6 +653,8 @@ class DuplexScheduler:
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._retention.stepped(now)
+        if meta.holds:
+            self._retention.shipped([hold.request_id for hold in meta.holds], now)
         if meta.loads or meta.lookups:
             # Post reads and send lookups before this step's forward pass, not after it (vLLM's
             # default for asynchronous loads): on a busy engine that saves one forward pass of

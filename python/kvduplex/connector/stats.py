@@ -48,7 +48,7 @@ COUNTERS: dict[str, str] = {
     "lookups_indexed": "Lookups that left out decode nodes whose announcements say they hold none "
     "of the prompt",
     "lookups_ruled_out": "Requests not looked up because no decode node announced enough more "
-    "of the prompt than the prefill node has to reach the recompute threshold (prefilled in the "
+    "of the prompt than the prefill node has to reach the lookup's threshold (prefilled in the "
     "step they arrived)",
 }
 SAMPLES = ("transfer_s", "transfer_tokens", "lookup_s", "lookup_wait_s", "lookup_wait_steps")

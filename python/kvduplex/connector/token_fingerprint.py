@@ -69,7 +69,6 @@ class PromptFingerprints:
             out.append(_digest(self._digests[full], self._data[start : start + tail * 8]).hex())
         return out
 
-
     def tails(self, full: int, shortest: int = 1) -> Iterator[tuple[int, str]]:
         """(n, fingerprint) of a partial block after the prompt's first `full` full blocks
         holding its next n tokens, for n from `shortest` to a block less one (or the prompt's

@@ -32,10 +32,9 @@ from vllm.logger import init_logger
 
 from kvduplex import _core, protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector import tp
+from kvduplex.connector import retention, tp
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
-from kvduplex.connector.retention import UNREAD_PROMPT_S
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.worker_lookup import WorkerLookups
 
@@ -702,7 +701,8 @@ class DuplexWorker:
             logger.debug("Held turn %s evicted to make room for new turns", request_id)
         freed: list[str] = []
         if order.turn_blocks:
-            freed += self._engine.evict_holds(order.turn_blocks, unread_prompts_s=UNREAD_PROMPT_S)
+            unread_s = retention.UNREAD_PROMPT_S - retention.UNREAD_MARGIN_S
+            freed += self._engine.evict_holds(order.turn_blocks, unread_prompts_s=unread_s)
         if order.any_blocks:
             freed += self._engine.evict_holds(order.any_blocks, prompts=True)
         for request_id in freed:
