@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import E2E_LOOKUP_TIMEOUT_MS
+from conftest import E2E_LOOKUP_TIMEOUT_MS, E2E_PEER_HEARTBEAT_S
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, metric_samples, sample_sums
 from kvduplex.demo.servers import VllmServer, complete
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
@@ -223,6 +223,7 @@ def reference_and_pair(
     def server(name: str, kv: bool) -> VllmServer:
         config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=16)
         config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
+        config["kv_connector_extra_config"]["peer_heartbeat_s"] = E2E_PEER_HEARTBEAT_S
         extra = [*server_args, "--kv-transfer-config", json.dumps(config)] if kv else server_args
         return VllmServer(model_dir, name=f"{prefix}-{name}", extra_args=extra, log_dir=log_dir)
 

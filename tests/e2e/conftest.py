@@ -38,6 +38,10 @@ PdPairFactory = Callable[..., ServerPair]
 # a side-channel round trip was seen to take ~300 ms once; the tests check reuse, not timing,
 # so they give lookups more time than the 250 ms default.
 E2E_LOOKUP_TIMEOUT_MS = 3000
+# There an engine's side channel went silent for 3 s once (CI, four servers of the chat suite):
+# its peer took it for dead at the default heartbeat (1 s, 3 missed) and a lookup found nothing.
+# Liveness gets 6 s; a killed server is still seen at once (its connections close).
+E2E_PEER_HEARTBEAT_S = 2.0
 
 
 def pytest_configure(config: pytest.Config) -> None:

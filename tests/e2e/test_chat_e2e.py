@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from chat_stream import Answer, PullWatch, first_tokens_by_source, pulled, respond, stream_chat
-from conftest import E2E_LOOKUP_TIMEOUT_MS
+from conftest import E2E_LOOKUP_TIMEOUT_MS, E2E_PEER_HEARTBEAT_S
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, sample_sums
 from kvduplex.demo.servers import VllmServer, complete, describe_mismatch
@@ -83,6 +83,7 @@ def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Serve
     ) -> VllmServer:
         config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
         config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
+        config["kv_connector_extra_config"]["peer_heartbeat_s"] = E2E_PEER_HEARTBEAT_S
         config["kv_connector_extra_config"].update(extra_config)
         extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
         if events_port is not None:
