@@ -88,7 +88,7 @@ def test_the_copy_of_what_decode_nodes_announced_bounds_what_they_may_hold():
     assert mirror.may_hold(nxt, 1, now=100.0 + held_mirror.FRESH_S + 0.1) is None
     # A prompt handed off continues until its turn is announced.
     handed = [2000 + i for i in range(40)]
-    mirror.handed_off(handed, block_fingerprints(handed, 16)[:2])
+    mirror.handed_off(PromptFingerprints(handed, 16))
     assert mirror.may_hold(PromptFingerprints(handed + [3] * 30, 16), 1, now=100.1) is None
     mirror.on_report(md.AnnouncedChanges(False, (), (), False), now=100.2)
     assert mirror.may_hold(nxt, 1, now=100.2) is None

@@ -28,7 +28,6 @@ Pure state: the caller passes the time (`time.monotonic()`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 
 from kvduplex.connector import metadata as md
 from kvduplex.connector.token_fingerprint import PromptFingerprints
@@ -71,16 +70,17 @@ class HeldMirror:
                 self._handoffs.pop(fingerprint, None)
         self._fresh_until = now + self._fresh_s if self._complete else 0.0
 
-    def handed_off(self, prompt_tokens: Sequence[int], full_blocks: Sequence[str]) -> None:
-        """A prompt (its tokens and its full blocks' fingerprints) went to a decode node, which
-        may hold the turn it computes after it before it announces that."""
+    def handed_off(self, prompt: PromptFingerprints) -> None:
+        """A prompt went to a decode node, which may hold the turn it computes after it before
+        it announces that."""
+        full_blocks = prompt.full_blocks
         if full_blocks:
             self._handoffs.pop(full_blocks[-1], None)
             self._handoffs[full_blocks[-1]] = None
             if len(self._handoffs) > MAX_HANDOFFS:
                 self._handoffs.popitem(last=False)
             return
-        tokens = tuple(prompt_tokens)
+        tokens = tuple(prompt.token_ids)
         if not tokens or tokens in self._short:
             return
         self._short[tokens] = None
@@ -97,7 +97,7 @@ class HeldMirror:
     def may_hold(self, prompt: PromptFingerprints, tokens: int, now: float) -> bool | None:
         """Whether a decode node may hold the prompt's first `tokens` tokens, or None when the
         copy cannot tell (the lookup then asks). Its work is bounded by the prompt's length."""
-        full = self._held_blocks(prompt.token_ids, prompt.full_blocks, now)
+        full = self._held_blocks(prompt, now)
         if full is None:
             return None
         least = tokens - full * prompt.block_size
@@ -108,13 +108,12 @@ class HeldMirror:
         # A held turn's partial last block after the matching full blocks, with enough tokens.
         return any(fp in self._held for _, fp in prompt.tails(full, least))
 
-    def _held_blocks(
-        self, prompt_tokens: Sequence[int], full_blocks: Sequence[str], now: float
-    ) -> int | None:
-        """How many of a prompt's leading full blocks (their fingerprints) a decode node may
-        hold, or None when the copy cannot tell."""
+    def _held_blocks(self, prompt: PromptFingerprints, now: float) -> int | None:
+        """How many of a prompt's leading full blocks a decode node may hold, or None when the
+        copy cannot tell."""
         if not self._synced or now > self._fresh_until:
             return None
+        full_blocks, prompt_tokens = prompt.full_blocks, prompt.token_ids
         if any(fingerprint in self._handoffs for fingerprint in full_blocks):
             return None
         # A short prompt handed off: its turn's first full block holds its tokens and more, and

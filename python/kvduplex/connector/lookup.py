@@ -153,7 +153,7 @@ class Lookups:
         if not self._config.looks_up:
             return None
         prompt = prompt_fingerprints(request, self._block_size)
-        self._mirror.handed_off(prompt.token_ids, prompt.full_blocks)
+        self._mirror.handed_off(prompt)
         return prompt
 
     def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
