@@ -557,6 +557,69 @@ fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     assert_eq!(only_answer(&fan_out).1.map(|m| m.matched_blocks), Some(1));
 }
 
+#[test]
+fn a_lookup_extending_a_turn_the_owner_still_computes_waits_for_its_hold() {
+    let buf = || vec![3u8; BLOCK * BLOCKS];
+    let reader = engine("reader", "f32", buf());
+    // a holds an older turn of the conversation; b computes the latest, and holds it late (a
+    // turn ended on a stop string is finished by an abort that comes after the client has it).
+    let owners = [engine("a", "f32", buf()), engine("b", "f32", buf())];
+    owners[0].hold("turn-0", HoldKind::Turn, 1, vec![11], vec![], TIMEOUT).unwrap();
+    owners[1].expect_turn("turn-1", vec![11, 12]).unwrap();
+    let targets: Vec<(String, u16)> = owners
+        .iter()
+        .map(|o| ("127.0.0.1".to_string(), o.side_channel_addr().unwrap().port()))
+        .collect();
+    for owner in &owners {
+        connect(&reader, owner).unwrap();
+    }
+    // b announces the turn it computes: once its announcement is in, a lookup of the next
+    // turn asks b alone (a announced less of the prompt).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reader.start_lookup(targets.clone(), vec![11, 12, 13], None, TIMEOUT).asked() != 1 {
+        assert!(Instant::now() < deadline, "b's announcement never came");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::scope(|scope| {
+        let asked_at = Instant::now();
+        let fan_out = reader.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, TIMEOUT);
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            owners[1]
+                .hold("turn-1", HoldKind::Turn, 4, vec![11, 12, 13, 14], vec![], TIMEOUT)
+                .unwrap();
+            owners[1].settle_turns(&["turn-1".to_string()]);
+        });
+        let found: Vec<Option<u32>> = all_answers(&fan_out)
+            .iter()
+            .map(|(_, m)| m.as_ref().map(|m| m.matched_blocks))
+            .collect();
+        assert_eq!(found, vec![None, Some(4)], "the whole prompt, once b held its turn");
+        assert!(asked_at.elapsed() >= Duration::from_millis(300));
+    });
+    // A turn that ends without a hold (aborted before it was offered): the lookup is answered
+    // with what is held once the owner settles it, well before its timeout.
+    owners[1].expect_turn("turn-2", vec![21, 22]).unwrap();
+    std::thread::scope(|scope| {
+        let asked_at = Instant::now();
+        let fan_out = reader.start_lookup(targets[1..].to_vec(), vec![21, 22, 23], None, TIMEOUT);
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            owners[1].settle_turns(&["turn-2".to_string()]);
+        });
+        assert!(only_answer(&fan_out).1.is_none());
+        let waited = asked_at.elapsed();
+        assert!(waited >= Duration::from_millis(300) && waited < TIMEOUT, "{waited:?}");
+    });
+    // Never settled: asked again until the lookup's timeout, then nothing.
+    owners[1].expect_turn("turn-3", vec![31]).unwrap();
+    let asked_at = Instant::now();
+    let short = Duration::from_millis(400);
+    let fan_out = reader.start_lookup(targets[1..].to_vec(), vec![31, 32], None, short);
+    assert!(only_answer(&fan_out).1.is_none());
+    assert!(asked_at.elapsed() >= short - Duration::from_millis(100), "gave up before its timeout");
+}
+
 fn status_until_settled(
     reader: &Engine,
     host: &str,

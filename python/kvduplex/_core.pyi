@@ -190,6 +190,13 @@ class Engine:
         releases its claim; `turn=True`: a decode node's finished turn, also found by lookups
         and evictable. Raises ValueError for a request already held, over 65,536 fingerprints
         or an offer over 512 KiB."""
+    def expect_turn(self, request_id: str, fingerprints: Sequence[str]) -> None:
+        """A decode node computes `request_id`'s turn and will hold it when it finishes
+        (`fingerprints`: its prompt's full blocks): until `settle_turns`, a lookup whose prompt
+        extends it is told to ask again, and readers are told its blocks as if held. Raises
+        ValueError for over 65,536 fingerprints or past 4,096 turns expected at once."""
+    def settle_turns(self, request_ids: Sequence[str]) -> None:
+        """These expected turns are held now, or will not be (unknown ids are ignored)."""
     def release_hold(self, reader: str, request_id: str, claim_id: int) -> bool:
         """`reader` is done with its claim (only the claim's own reader can end it; it never
         ends the hold of a turn). True when this freed the hold."""

@@ -378,6 +378,24 @@ impl Engine {
         )?)
     }
 
+    /// Expects `request_id`'s turn, being computed, to be held when it finishes (`prompt`:
+    /// its prompt's full blocks), until [`Engine::settle_turns`] (see [`HoldBook::expect`]).
+    pub fn expect_turn(
+        &self,
+        request_id: &str,
+        prompt: Vec<BlockFingerprint>,
+    ) -> Result<(), EngineError> {
+        Ok(lock(&self.shared.holds).expect(request_id, prompt)?)
+    }
+
+    /// These expected turns are held now, or will not be.
+    pub fn settle_turns(&self, request_ids: &[String]) {
+        let mut holds = lock(&self.shared.holds);
+        for request_id in request_ids {
+            holds.settle(request_id);
+        }
+    }
+
     /// `reader` is done with its claim `claim_id` on `request_id`'s blocks. Returns true when
     /// this freed the hold.
     pub fn release_hold(&self, reader: &str, request_id: &str, claim_id: u64) -> bool {
@@ -424,7 +442,8 @@ impl Engine {
     /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
     /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
     /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
-    /// after answering its request) is asked for again, less and less often (see
+    /// after the request finishes), or a turn the owner still computes that the prompt
+    /// extends ([`HoldBook::awaited`]), is asked for again, less and less often (see
     /// [`NOT_YET_FIRST_RETRY`]), until `timeout` has passed. A connected owner is asked from this thread right away: a new
     /// thread may wait long for a core on a busy host. Others are connected to first, each on
     /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the

@@ -18,6 +18,10 @@
 //! exactly once: [`HoldBook::expire`], [`HoldBook::release`] and [`HoldBook::evict`] each
 //! return the request ids they freed and forget them.
 //!
+//! A decode node also tells its book which turns it is computing ([`HoldBook::expect`]): a
+//! lookup that extends one is told to ask again until the turn is held or settled
+//! ([`HoldBook::awaited`], see `expected.rs`).
+//!
 //! Pure state: time comes in as `now`, nothing here does I/O.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -26,8 +30,11 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+mod expected;
 pub mod feed;
 
+use expected::ExpectedTurns;
+pub use expected::MAX_EXPECTED;
 use feed::{ChangeLog, Chunker, FeedWatch, HeldUpdate};
 
 /// One block's chained token fingerprint (see `token_fingerprint.py`): equal fingerprints at
@@ -80,8 +87,9 @@ pub struct LookupMatch {
 pub struct LookupReply {
     pub id: u64,
     pub found: Option<LookupMatch>,
-    /// Nothing granted, and the named hold was never seen: the owner may not have taken it yet
-    /// (its engine registers a hold one step after answering the request), so asking again
+    /// Nothing granted, and the named hold was never seen, or a lookup extends a turn the
+    /// owner is still computing ([`HoldBook::awaited`]): the owner may not have taken the hold
+    /// yet (its engine registers a hold one step after the request finishes), so asking again
     /// shortly may find it.
     #[serde(default)]
     pub not_yet: bool,
@@ -108,6 +116,8 @@ pub enum HoldError {
     TooManyFingerprints(usize),
     #[error("a hold's offer is at most {MAX_OFFER_BYTES} bytes, got {0}")]
     OfferTooLarge(usize),
+    #[error("at most {MAX_EXPECTED} turns are expected at once")]
+    TooManyExpected,
 }
 
 /// Why a grant was refused.
@@ -180,6 +190,8 @@ pub struct HoldBook {
     ended_ids: HashSet<String>,
     next_claim: u64,
     num_claims: usize,
+    /// Turns being computed that will be held when they finish ([`HoldBook::expect`]).
+    expected: ExpectedTurns,
     /// The lookup index's changes, announced to readers ([`HoldBook::held_since`]).
     log: ChangeLog,
 }
@@ -284,6 +296,47 @@ impl HoldBook {
         Ok(self.claim(reader, request_id.to_owned(), matched, claim_for, now))
     }
 
+    /// Expects `request_id`'s turn, being computed, to be held when it finishes; `prompt`: its
+    /// prompt's full blocks. Until [`HoldBook::settle`], a lookup that extends the prompt is
+    /// told to ask again ([`HoldBook::awaited`]), and readers are told the prompt's blocks as
+    /// if held, so that their lookups ask this owner. A prompt without a full block, or a
+    /// request expected or held already, is left as it is.
+    pub fn expect(
+        &mut self,
+        request_id: &str,
+        prompt: Vec<BlockFingerprint>,
+    ) -> Result<(), HoldError> {
+        if prompt.len() > MAX_FINGERPRINTS {
+            return Err(HoldError::TooManyFingerprints(prompt.len()));
+        }
+        if self.held.contains_key(request_id) || self.expected.contains(request_id) {
+            return Ok(());
+        }
+        if self.expected.len() >= MAX_EXPECTED {
+            return Err(HoldError::TooManyExpected);
+        }
+        if self.expected.insert(request_id, prompt.clone()) {
+            self.log.held(prompt);
+        }
+        Ok(())
+    }
+
+    /// `request_id`'s expected turn is held now, or will not be; false if it was not expected.
+    pub fn settle(&mut self, request_id: &str) -> bool {
+        let Some(prompt) = self.expected.remove(request_id) else { return false };
+        self.log.freed(prompt);
+        true
+    }
+
+    /// Whether a lookup of `fingerprints` should ask again shortly: they extend the prompt of
+    /// a turn being computed here, which will be held when it finishes, and no offered turn
+    /// holds all of them yet.
+    pub fn awaited(&self, fingerprints: &[BlockFingerprint]) -> bool {
+        fingerprints.len() <= MAX_FINGERPRINTS
+            && self.expected.extended_by(fingerprints) > 0
+            && self.longest_match(fingerprints).is_none_or(|(_, m)| m < fingerprints.len())
+    }
+
     /// The longest prefix of `fingerprints` that an offered turn holds, claimed for `reader`
     /// until `now + claim_for` (or until it releases the claim). Turns that ended are not
     /// offered any more.
@@ -303,10 +356,16 @@ impl HoldBook {
         if distinct.len() != fingerprints.len() {
             return None;
         }
+        let (request_id, matched) = self.longest_match(fingerprints)?;
+        Some(self.claim(reader, request_id, matched, claim_for, now))
+    }
+
+    /// The offered turn holding the longest prefix of `fingerprints`, and that prefix's blocks.
+    fn longest_match(&self, fingerprints: &[BlockFingerprint]) -> Option<(String, usize)> {
         // Chained fingerprints: a hold that has the reader's block i at position i has all
         // of blocks 0..=i, so the last position found is the longest match.
         let mut examined = 0usize;
-        let (request_id, matched) = fingerprints.iter().enumerate().rev().find_map(|(i, fp)| {
+        fingerprints.iter().enumerate().rev().find_map(|(i, fp)| {
             let candidates = self.index.get(fp)?;
             examined += candidates.len();
             if examined > MAX_EXAMINED {
@@ -319,8 +378,7 @@ impl HoldBook {
                 // Several holds share the prefix: the one whose lease lasts longest.
                 .max_by_key(|(_, h)| h.lease_ends)
                 .map(|(id, _)| (id.clone(), i + 1))
-        })?;
-        Some(self.claim(reader, request_id, matched, claim_for, now))
+        })
     }
 
     fn claim(
@@ -398,6 +456,7 @@ impl HoldBook {
         for (fingerprint, turns) in &self.index {
             turns.iter().for_each(|_| snapshot.push(*fingerprint, true));
         }
+        self.expected.fingerprints().for_each(|fingerprint| snapshot.push(*fingerprint, true));
         (next, snapshot.finish(true))
     }
 
@@ -491,292 +550,4 @@ fn far_future(now: Instant) -> Instant {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const TTL: Duration = Duration::from_secs(120);
-    const CLAIM: Duration = Duration::from_secs(30);
-
-    fn book_with(turns: &[(&str, &[u64])], now: Instant) -> HoldBook {
-        let mut book = HoldBook::new();
-        for (id, fps) in turns {
-            let offer = format!("offer-{id}").into_bytes();
-            assert_eq!(
-                book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, TTL, now),
-                Ok(())
-            );
-        }
-        book
-    }
-
-    fn prompt_hold(book: &mut HoldBook, id: &str, fps: &[u64], now: Instant) {
-        assert_eq!(
-            book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], TTL, now),
-            Ok(())
-        );
-    }
-
-    #[test]
-    fn lookup_finds_the_longest_held_prefix() {
-        let t0 = Instant::now();
-        let mut book =
-            book_with(&[("short", &[1, 2]), ("long", &[1, 2, 3, 4]), ("other", &[9])], t0);
-        let found = book.lookup("P", &[1, 2, 3, 7, 8], CLAIM, t0).unwrap();
-        assert_eq!(found.owner_request_id, "long");
-        assert_eq!(found.matched_blocks, 3);
-        assert_eq!(found.offer, b"offer-long");
-        assert_eq!(found.claim_ms, 30_000);
-        assert!(book.lookup("P", &[5, 6], CLAIM, t0).is_none());
-        // A fingerprint at another position is not a match (the chain differs).
-        assert!(book.lookup("P", &[3], CLAIM, t0).is_none());
-    }
-
-    #[test]
-    fn a_prompt_held_for_a_decode_node_is_granted_by_name_only_and_ends_once_read() {
-        let t0 = Instant::now();
-        let mut book = HoldBook::new();
-        prompt_hold(&mut book, "p1", &[1, 2, 3], t0);
-        // Not offered to lookups.
-        assert!(book.lookup("D1", &[1, 2, 3], CLAIM, t0).is_none());
-        // Two readers at once (a retried decode leg) both hold it.
-        let d1 = book.grant("D1", "p1", &[1, 2, 3], CLAIM, t0).unwrap();
-        let d2 = book.grant("D2", "p1", &[1, 2], CLAIM, t0).unwrap();
-        assert_eq!((d1.matched_blocks, d2.matched_blocks), (3, 2));
-        // A release by another reader than the claim's ends nothing.
-        assert_eq!(book.release("D2", "p1", d1.claim_id, t0), None);
-        assert_eq!(book.release("D1", "p1", d1.claim_id, t0), None);
-        // Read by one reader: no new grant, freed when the last claim goes.
-        assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0), Err(Refusal::Ended));
-        assert_eq!(book.release("D2", "p1", d2.claim_id, t0), Some("p1".into()));
-        assert!(book.is_empty());
-        // Gone, and said so (not "not held yet"), while it is remembered.
-        assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0), Err(Refusal::Ended));
-        assert_eq!(
-            book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0 + ENDED_KEEP),
-            Err(Refusal::NotHeldYet)
-        );
-    }
-
-    #[test]
-    fn a_grant_needs_the_readers_own_tokens_in_the_first_block() {
-        let t0 = Instant::now();
-        let mut book = HoldBook::new();
-        prompt_hold(&mut book, "p1", &[1, 2, 3], t0);
-        // Another prompt's fingerprints name the hold: refused, nothing claimed.
-        assert_eq!(book.grant("D", "p1", &[7, 2, 3], CLAIM, t0), Err(Refusal::Mismatch));
-        assert_eq!(book.grant("D", "p1", &[], CLAIM, t0), Err(Refusal::Mismatch));
-        assert_eq!(book.num_claims(), 0);
-        // A prompt that shares the first two blocks is granted those only.
-        assert_eq!(book.grant("D", "p1", &[1, 2, 9, 10], CLAIM, t0).unwrap().matched_blocks, 2);
-        assert_eq!(book.grant("D", "unknown", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
-    }
-
-    #[test]
-    fn releases_end_claims_never_a_turn() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("turn", &[1, 2])], t0);
-        let claim = book.grant("P", "turn", &[1, 2], CLAIM, t0).unwrap();
-        assert_eq!(book.release("P", "turn", claim.claim_id, t0), None);
-        assert_eq!(book.release("P", "turn", claim.claim_id + 1, t0), None);
-        // Still offered to the next turn.
-        assert_eq!(book.lookup("P", &[1, 2], CLAIM, t0).unwrap().owner_request_id, "turn");
-    }
-
-    #[test]
-    fn claims_keep_a_turn_past_its_lease_until_released() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("turn", &[1, 2, 3])], t0);
-        // Claimed shortly before the lease ends.
-        let t1 = t0 + TTL - Duration::from_secs(1);
-        let a = book.lookup("P1", &[1, 2, 3], CLAIM, t1).unwrap();
-        let b = book.lookup("P2", &[1, 2], CLAIM, t1).unwrap();
-        assert_ne!(a.claim_id, b.claim_id);
-        assert_eq!(book.num_claims(), 2);
-        // The lease ends while both read: nothing is freed.
-        assert!(book.expire(t0 + TTL).is_empty());
-        // A claim is released only by the reader that made it.
-        assert_eq!(book.release("P2", "turn", a.claim_id, t0 + TTL), None);
-        assert_eq!(book.release("P1", "turn", a.claim_id, t0 + TTL), None);
-        // Released twice: nothing happens the second time.
-        assert_eq!(book.release("P1", "turn", a.claim_id, t0 + TTL), None);
-        assert_eq!(book.release("P2", "turn", b.claim_id, t0 + TTL), Some("turn".into()));
-        assert!(book.is_empty());
-        assert_eq!(book.num_claims(), 0);
-        assert!(book.expire(t0 + TTL * 2).is_empty());
-    }
-
-    #[test]
-    fn a_claim_past_its_deadline_no_longer_holds_the_turn() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("turn", &[1])], t0);
-        book.lookup("P", &[1], Duration::from_secs(200), t0).unwrap();
-        assert!(book.expire(t0 + TTL).is_empty());
-        assert_eq!(book.expire(t0 + Duration::from_secs(200)), vec!["turn".to_string()]);
-        assert_eq!(book.num_claims(), 0);
-    }
-
-    #[test]
-    fn an_ended_hold_is_not_offered_nor_granted() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("turn", &[1, 2])], t0);
-        let claim = book.lookup("P1", &[1, 2], CLAIM, t0 + TTL - Duration::from_secs(1)).unwrap();
-        assert!(book.expire(t0 + TTL).is_empty());
-        assert!(book.lookup("P2", &[1, 2], CLAIM, t0 + TTL).is_none());
-        assert_eq!(book.grant("P2", "turn", &[1, 2], CLAIM, t0 + TTL), Err(Refusal::Ended));
-        assert_eq!(book.release("P1", "turn", claim.claim_id, t0 + TTL), Some("turn".into()));
-    }
-
-    #[test]
-    fn ended_holds_are_remembered_within_bounds() {
-        let t0 = Instant::now();
-        let mut book = HoldBook::new();
-        for i in 0..MAX_ENDED_KEPT + 10 {
-            let id = format!("r{i}");
-            prompt_hold(&mut book, &id, &[1], t0);
-            let claim = book.grant("D", &id, &[1], CLAIM, t0).unwrap();
-            assert_eq!(book.release("D", &id, claim.claim_id, t0), Some(id));
-        }
-        assert_eq!(book.ended.len(), MAX_ENDED_KEPT);
-        assert_eq!(book.ended_ids.len(), MAX_ENDED_KEPT);
-        // The oldest were forgotten; the newest are known to be gone.
-        assert_eq!(book.grant("D", "r0", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
-        assert_eq!(
-            book.grant("D", &format!("r{}", MAX_ENDED_KEPT + 9), &[1], CLAIM, t0),
-            Err(Refusal::Ended)
-        );
-    }
-
-    #[test]
-    fn eviction_frees_least_recently_used_unclaimed_turns_and_unread_prompts_only() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("old", &[1]), ("claimed", &[2])], t0);
-        let t1 = t0 + Duration::from_secs(1);
-        assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], vec![], TTL, t1), Ok(()));
-        book.lookup("P", &[2], CLAIM, t1).unwrap();
-        assert_eq!(book.evict(1, Evict::Turns, t1), vec!["old".to_string()]);
-        assert_eq!(book.evict(100, Evict::Turns, t1), vec!["new".to_string()]);
-        assert_eq!(book.evict(100, Evict::Turns, t1), Vec::<String>::new());
-        assert_eq!(book.len(), 1);
-        // A prefill node's prompts held for their decode nodes are not evicted for turns,
-        // nor for waiting requests until no reader has claimed them for the time given.
-        prompt_hold(&mut book, "lease", &[7, 8], t1);
-        prompt_hold(&mut book, "read", &[9], t1);
-        book.grant("D", "read", &[9], CLAIM, t1).unwrap();
-        assert!(book.evict(100, Evict::Turns, t1).is_empty());
-        let unread = Evict::TurnsAndUnread(Duration::from_secs(1));
-        assert!(book.evict(100, unread, t1 + Duration::from_millis(999)).is_empty());
-        let t2 = t1 + Duration::from_secs(5);
-        assert!(book.evict(100, Evict::Turns, t2).is_empty());
-        assert_eq!(book.evict(100, unread, t2), vec!["lease".to_string()]);
-        assert!(book.evict(100, unread, t2).is_empty()); // claimed: being read
-    }
-
-    #[test]
-    fn under_pressure_unclaimed_prompts_and_turns_go_least_recently_used_first_and_once() {
-        let t0 = Instant::now();
-        let t1 = t0 + Duration::from_secs(1);
-        let t2 = t0 + Duration::from_secs(2);
-        let mut book = book_with(&[("turn", &[1, 2])], t1);
-        prompt_hold(&mut book, "prompt", &[7, 8, 9], t0);
-        prompt_hold(&mut book, "read", &[5], t2);
-        book.grant("D", "read", &[5], CLAIM, t2).unwrap();
-        assert_eq!(book.held_blocks(), 6);
-        // The prompt is the least recently used; 3 blocks are enough.
-        assert_eq!(book.evict(3, Evict::AnyHold, t2), vec!["prompt".to_string()]);
-        // A later reader of the evicted prompt is told it ended, and computes.
-        assert_eq!(book.grant("D", "prompt", &[7], CLAIM, t2), Err(Refusal::Ended));
-        // The claimed prompt stays under its read; the turn goes; nothing is freed twice.
-        assert_eq!(book.evict(100, Evict::AnyHold, t2), vec!["turn".to_string()]);
-        assert!(book.evict(100, Evict::AnyHold, t2).is_empty());
-        assert!(book.expire(t2).is_empty());
-        assert_eq!(book.held_blocks(), 1);
-    }
-
-    #[test]
-    fn holds_are_checked() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("a", &[1])], t0);
-        assert_eq!(
-            book.hold("a", HoldKind::Turn, 1, vec![], vec![], TTL, t0),
-            Err(HoldError::AlreadyHeld("a".into()))
-        );
-        let too_many = vec![0; MAX_FINGERPRINTS + 1];
-        assert!(matches!(
-            book.hold("b", HoldKind::Turn, 1, too_many, vec![], TTL, t0),
-            Err(HoldError::TooManyFingerprints(_))
-        ));
-        let huge = vec![0; MAX_OFFER_BYTES + 1];
-        assert!(matches!(
-            book.hold("b", HoldKind::Turn, 1, vec![], huge, TTL, t0),
-            Err(HoldError::OfferTooLarge(_))
-        ));
-        // A TTL that overflows Instant is a hold that lasts, not a panic.
-        assert_eq!(
-            book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], Duration::MAX, t0),
-            Ok(())
-        );
-    }
-
-    #[test]
-    fn lookups_that_repeat_fingerprints_or_examine_too_much_find_nothing() {
-        let t0 = Instant::now();
-        let mut book = HoldBook::new();
-        // Many holds sharing a first block (a long common system prompt).
-        for n in 0..(MAX_EXAMINED as u64 + 1) {
-            assert_eq!(
-                book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], TTL, t0),
-                Ok(())
-            );
-        }
-        assert!(book.lookup("P", &[1, 1, 1], CLAIM, t0).is_none());
-        // The shared block alone examines every hold sharing it: more than allowed.
-        assert!(book.lookup("P", &[1], CLAIM, t0).is_none());
-        // A distinct second block is found at once.
-        assert_eq!(book.lookup("P", &[1, 1005], CLAIM, t0).unwrap().owner_request_id, "t5");
-    }
-
-    #[test]
-    fn claims_are_bounded() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("turn", &[1])], t0);
-        for _ in 0..MAX_CLAIMS {
-            assert!(book.lookup("P", &[1], CLAIM, t0).is_some());
-        }
-        assert!(book.lookup("P", &[1], CLAIM, t0).is_none());
-        assert_eq!(book.grant("P", "turn", &[1], CLAIM, t0), Err(Refusal::TooMany));
-        assert_eq!(book.expire(t0 + CLAIM).len(), 0);
-        assert_eq!(book.num_claims(), 0);
-    }
-
-    #[test]
-    fn readers_are_told_what_the_lookup_index_gains_and_loses() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("a", &[1, 2])], t0);
-        prompt_hold(&mut book, "prompt", &[7], t0);
-        let (cursor, snapshot) = book.held_since(None);
-        assert_eq!(snapshot.len(), 1);
-        assert!(snapshot[0].reset && snapshot[0].synced, "{snapshot:?}");
-        let mut held = snapshot[0].held.clone();
-        held.sort_unstable();
-        assert_eq!(held, vec![1, 2], "turns only, not prompts held for a decode node");
-        assert_eq!(book.hold("b", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
-        let (next, updates) = book.held_since(Some(cursor));
-        assert_eq!(updates, vec![HeldUpdate { held: vec![1, 2, 3], ..HeldUpdate::default() }]);
-        assert_eq!(book.evict(1, Evict::Turns, t0), vec!["a".to_string()]);
-        let (_, updates) = book.held_since(Some(next));
-        assert_eq!(updates, vec![HeldUpdate { freed: vec![1, 2], ..HeldUpdate::default() }]);
-        // A snapshot counts a fingerprint once per turn that has it.
-        assert_eq!(book.hold("c", HoldKind::Turn, 1, vec![1], vec![], TTL, t0), Ok(()));
-        let mut held = book.held_since(None).1[0].held.clone();
-        held.sort_unstable();
-        assert_eq!(held, vec![1, 1, 2, 3]);
-    }
-
-    #[test]
-    fn index_is_cleaned_when_turns_are_freed() {
-        let t0 = Instant::now();
-        let mut book = book_with(&[("a", &[1, 2]), ("b", &[1, 3])], t0);
-        assert_eq!(book.expire(t0 + TTL).len(), 2);
-        assert!(book.index.is_empty());
-    }
-}
+mod tests;

@@ -436,6 +436,25 @@ impl Engine {
         self.with(py, |e| e.hold(&request_id, kind, num_blocks, fingerprints, offer, ttl))
     }
 
+    /// Expect the turn `request_id` computes to be held when it finishes (`fingerprints`: its
+    /// prompt's full blocks) until `settle_turns`.
+    fn expect_turn(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        fingerprints: Vec<String>,
+    ) -> PyResult<()> {
+        let prompt = parse_fingerprints(&fingerprints)?;
+        self.with(py, |e| e.expect_turn(&request_id, prompt))
+    }
+
+    fn settle_turns(&self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
+        self.with(py, |e| {
+            e.settle_turns(&request_ids);
+            Ok(())
+        })
+    }
+
     fn release_hold(
         &self,
         py: Python<'_>,

@@ -10,6 +10,7 @@ which every request that completes its prompt samples `token`; what the workers 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,8 @@ NUM_LAYERS = 2
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64
 EOS_TOKEN_ID = 2
+# The longest a test steps a worker for its lookup's report.
+LOOKUP_WAIT_S = 60.0
 SIDE_CHANNEL_PORT = {"P": 41001, "D": 41002}
 
 TINY_LLAMA = {
@@ -468,3 +471,29 @@ def make_worker(
     )
     worker.register_kv_caches(kv_caches)
     return worker
+
+
+def look_up(
+    worker,
+    request_id: str,
+    fingerprints: list[str],
+    timeout_s: float = 2.0,
+    owner: str | None = None,
+    owner_request_id: str | None = None,
+):
+    """Step the reader like vLLM does until its lookup (or grant), asked now with `timeout_s`
+    to its deadline, is reported; returns the longest match (None: no owner holds any of the
+    blocks, or the grant was refused)."""
+    spec = LookupSpec(
+        request_id, tuple(fingerprints), time.monotonic() + timeout_s, owner, owner_request_id
+    )
+    worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
+    deadline = time.monotonic() + LOOKUP_WAIT_S
+    while time.monotonic() < deadline:
+        worker.get_transfer_results()
+        meta = worker.build_connector_worker_meta()
+        if meta is not None and request_id in meta.lookups:
+            matches = meta.lookups[request_id]
+            return matches[0] if matches else None
+        time.sleep(0.002)
+    raise AssertionError(f"lookup {request_id} was never reported")

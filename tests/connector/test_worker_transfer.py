@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, make_kv_caches, make_worker
+from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, look_up, make_kv_caches, make_worker
 from kvduplex.connector import retention, worker_lookup
 from kvduplex.connector.metadata import (
     AnnouncedChanges,
@@ -427,32 +427,6 @@ def test_a_state_space_layer_is_read_at_the_attention_page_length():
 # ------------------------------------------------------------------------------ lookups
 
 TURN_FINGERPRINTS = [f"{i:016x}" for i in (0xA1, 0xA2, 0xA3, 0xA4)]
-
-
-def look_up(
-    worker: DuplexWorker,
-    request_id: str,
-    fingerprints: list[str],
-    timeout_s: float = 2.0,
-    owner: str | None = None,
-    owner_request_id: str | None = None,
-):
-    """Step the reader like vLLM does until its lookup (or grant), asked now with `timeout_s`
-    to its deadline, is reported; returns the longest match (None: no owner holds any of the
-    blocks, or the grant was refused)."""
-    spec = LookupSpec(
-        request_id, tuple(fingerprints), time.monotonic() + timeout_s, owner, owner_request_id
-    )
-    worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        worker.get_transfer_results()
-        meta = worker.build_connector_worker_meta()
-        if meta is not None and request_id in meta.lookups:
-            matches = meta.lookups[request_id]
-            return matches[0] if matches else None
-        time.sleep(0.002)
-    raise AssertionError(f"lookup {request_id} was never reported")
 
 
 def grant(worker: DuplexWorker, owner: OwnerProcess, owner_request_id: str, fingerprints):

@@ -122,7 +122,8 @@ class Lookups:
         self._release = release
         self._lookups: dict[str, _LookupState] = {}
         # Params seen on a request, until their owner is asked for a grant.
-        self._named: dict[str, RemoteBlocks] = {}
+        # Grants to ask for: the hold params named, and the prompt's fingerprints if computed.
+        self._named: dict[str, tuple[RemoteBlocks, PromptFingerprints | None]] = {}
         self._specs: list[md.LookupSpec] = []
         # Whether an engine could ever answer a lookup: `decode_peers`, a decode node we
         # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
@@ -138,9 +139,12 @@ class Lookups:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
 
-    def name_owner(self, request_id: str, remote: RemoteBlocks) -> None:
-        """The request's params name this hold: its owner is asked for a grant (`look_up`)."""
-        self._named[request_id] = remote
+    def name_owner(
+        self, request_id: str, remote: RemoteBlocks, prompt: PromptFingerprints | None
+    ) -> None:
+        """The request's params name this hold: its owner is asked for a grant (`look_up`),
+        with `prompt`'s fingerprints where they were computed already."""
+        self._named[request_id] = (remote, prompt)
 
     def peers_known(self) -> None:
         """An engine could now answer a lookup (a decode node we handed a prompt to)."""
@@ -161,7 +165,7 @@ class Lookups:
         ASK_AGAIN while it runs."""
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
-            named = self._named.pop(request.request_id, None)
+            named, prompt = self._named.pop(request.request_id, (None, None))
             if named is not None:
                 # The grant may need a first handshake with the owner.
                 timeout_s = self._config.handshake_timeout_s
@@ -179,7 +183,6 @@ class Lookups:
             threshold = (
                 self._threshold if named is not None else lambda: self._lookup_threshold(request)
             )
-            prompt = None
             if timeout_s > 0 and self._worthwhile(request, num_computed_tokens, end, threshold):
                 if named is None and _lookup_hint(request) is None:
                     # (A router's hint says a decode node holds it, announced or not.)

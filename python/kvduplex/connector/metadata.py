@@ -84,6 +84,15 @@ class HoldSpec:
 
 
 @dataclass(frozen=True)
+class ExpectedTurn:
+    """A decode request this engine may hold as a turn when it finishes, from its first step
+    until it is settled (`expected_turns.py`); `fingerprints`: its prompt's full blocks."""
+
+    request_id: str
+    fingerprints: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class LookupSpec:
     """Ask the known owners which of them holds the longest prefix of these blocks or, with
     `owner_request_id`, ask `owner` for a grant of that hold's blocks that carry them."""
@@ -153,6 +162,9 @@ class DuplexConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
+    expected: list[ExpectedTurn] = field(default_factory=list)
+    settled: list[str] = field(default_factory=list)
+    """Expected turns that finished: held (in `holds`) or not."""
     lookups: list[LookupSpec] = field(default_factory=list)
     evict: EvictOrder | None = None
     idle: bool = False

@@ -96,6 +96,31 @@ def unsupported_reason(request: Request) -> str | None:
     return None
 
 
+def hands_off(params: Any) -> bool:
+    """Whether a request's params make it a prefill for another engine (`do_remote_decode`
+    alone), whose prompt this engine holds for its decode node."""
+    return (
+        isinstance(params, dict)
+        and params.get(protocol.DO_REMOTE_DECODE) is True
+        and not _took_over(params)
+    )
+
+
+def takes_over(params: Any) -> bool:
+    """Whether a request's params make it a decode request (`do_remote_prefill` or
+    `keep_turn`, without `do_remote_decode`), whose finished turn a bidirectional decode
+    node holds."""
+    return (
+        isinstance(params, dict)
+        and _took_over(params)
+        and params.get(protocol.DO_REMOTE_DECODE) is not True
+    )
+
+
+def _took_over(params: dict) -> bool:
+    return params.get(protocol.DO_REMOTE_PREFILL) is True or params.get(protocol.KEEP_TURN) is True
+
+
 class _Invalid(Exception):
     pass
 

@@ -54,6 +54,7 @@ from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.events import HeldTurnEvents
+from kvduplex.connector.expected_turns import ExpectedTurns
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.lookup import ASK_AGAIN, Lookups
 from kvduplex.connector.params import (
@@ -61,7 +62,9 @@ from kvduplex.connector.params import (
     Rejected,
     RemoteBlocks,
     claim_release,
+    hands_off,
     parse_remote_blocks,
+    takes_over,
     unsupported_reason,
 )
 from kvduplex.connector.retention import IdleWaker, LiveRequests, Retention
@@ -160,6 +163,7 @@ class DuplexScheduler:
         self._loads: list[md.LoadSpec] = []
         self._releases: list[md.ReleaseSpec] = []
         self._holds: list[md.HoldSpec] = []
+        self._expected = ExpectedTurns(config.bidirectional_kv_xfer, self._block_size)
         self._stats = DuplexConnectorStats()
         # Grants for params and lookups by prompt (`lookup.py`).
         self._lookups = Lookups(
@@ -191,7 +195,9 @@ class DuplexScheduler:
     def on_new_request(self, request: Request) -> None:
         self._live.add(request)
         self._stop_prefill_short(request)
-        self._pull_state(request)
+        # Hashed once, for the turn it may hold and the grant of its params' blocks.
+        prompt = self._expected.started(request)
+        self._pull_state(request, prompt)
 
     def _stop_prefill_short(self, request: Request) -> None:
         """A prefill for another engine (`do_remote_decode`) of a model with a state-space
@@ -352,7 +358,9 @@ class DuplexScheduler:
         if release is not None:
             self._releases.append(release)
 
-    def _pull_state(self, request: Request) -> _PullState | None:
+    def _pull_state(
+        self, request: Request, prompt: PromptFingerprints | None = None
+    ) -> _PullState | None:
         state = self._pulls.get(request.request_id)
         if state is not None or request.request_id in self._lookups:
             return state
@@ -365,7 +373,7 @@ class DuplexScheduler:
                 remote = Rejected(unsupported)
             else:
                 # A hint: its owner is asked for a grant first (`Lookups.look_up`).
-                self._lookups.name_owner(request.request_id, remote)
+                self._lookups.name_owner(request.request_id, remote, prompt)
                 return None
         if isinstance(remote, Rejected):
             self._stats.add("fallbacks")
@@ -422,6 +430,7 @@ class DuplexScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         """`block_ids`: the request's block table of every KV-cache group (vLLM's order)."""
         self._live.remove(request.request_id)
+        self._expected.finished(request.request_id)
         state = self._pulls.pop(request.request_id, None)
         self._lookups.finished(request.request_id)
         if state is not None and not state.consumed:
@@ -434,17 +443,13 @@ class DuplexScheduler:
         output_tokens = _held_output_tokens(request, self._tokenizer)
         if output_tokens is None:
             return False, None
-        hands_off = params.get(protocol.DO_REMOTE_DECODE) is True
-        took_over = (
-            params.get(protocol.DO_REMOTE_PREFILL) is True or params.get(protocol.KEEP_TURN) is True
-        )
         handed = None
-        if hands_off and not took_over:
+        if hands_off(params):
             decode_turn = False
             ttl_s = self._config.kv_lease_ttl_s
             # Whether or not we hold the prompt for it, the decode node may hold its turn.
             handed = self._lookups.handed_off(request)
-        elif took_over and not hands_off and self._config.bidirectional_kv_xfer:
+        elif takes_over(params) and self._config.bidirectional_kv_xfer:
             decode_turn = True
             ttl_s = self._config.decode_kv_hold_ttl_s
         else:
@@ -644,10 +649,13 @@ class DuplexScheduler:
             # Before vLLM would preempt: free held blocks the live requests are about to need.
             free = self._block_pool.get_num_free_blocks()
             self._retention.pressure(free, *self._live.blocks_needed(free), now)
+        expected, settled = self._expected.take()
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,
             releases=self._releases,
             holds=self._holds,
+            expected=expected,
+            settled=settled,
             lookups=self._lookups.take_specs(),
             evict=self._retention.take_order(now),
             idle=scheduler_output.total_num_scheduled_tokens == 0,

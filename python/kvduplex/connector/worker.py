@@ -366,8 +366,13 @@ class DuplexWorker:
 
     def start_load_kv(self, meta: md.DuplexConnectorMetadata) -> None:
         self._idle_step = meta.idle
+        for turn in meta.expected:
+            self._expect(turn)
         for hold in meta.holds:
             self._hold(hold)
+        if meta.settled and self._engine is not None and self._tp_rank == 0:
+            # After the holds: a reader is never told the turn's prompt gone before its hold.
+            self._engine.settle_turns(meta.settled)
         if meta.evict is not None:
             self._evict(meta.evict)
         for lookup in meta.lookups:
@@ -687,6 +692,16 @@ class DuplexWorker:
             return
         if hold.turn:
             self._stats.add("turns_offered")
+
+    def _expect(self, turn: md.ExpectedTurn) -> None:
+        """TP rank 0 answers lookups that extend a turn in flight with "ask again"
+        (`expected_turns.py`)."""
+        if self._engine is None or self._tp_rank != 0:
+            return
+        try:
+            self._engine.expect_turn(turn.request_id, list(turn.fingerprints))
+        except ValueError as exc:
+            logger.warning("Request %s's turn is not expected: %s", turn.request_id, exc)
 
     def _evict(self, order: md.EvictOrder) -> None:
         """TP rank 0 frees unclaimed holds and acknowledges the order (`retention.py`)."""

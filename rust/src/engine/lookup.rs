@@ -181,8 +181,14 @@ pub(super) fn lookup_handler(
                 }
             }
             None => {
-                let found =
-                    lock(&holds).lookup(reader, &request.fingerprints, claim, Instant::now());
+                let mut book = lock(&holds);
+                if book.awaited(&request.fingerprints) {
+                    drop(book);
+                    log::debug!("lookup from {reader}: a turn it extends is not held yet");
+                    return LookupReply { id: request.id, found: None, not_yet: true };
+                }
+                let found = book.lookup(reader, &request.fingerprints, claim, Instant::now());
+                drop(book);
                 match &found {
                     Some(m) => log::debug!(
                         "lookup from {reader}: {} of {asked} blocks held by request {} (claim {})",

@@ -1,0 +1,350 @@
+//! The hold book's unit tests.
+
+use super::*;
+
+const TTL: Duration = Duration::from_secs(120);
+const CLAIM: Duration = Duration::from_secs(30);
+
+fn book_with(turns: &[(&str, &[u64])], now: Instant) -> HoldBook {
+    let mut book = HoldBook::new();
+    for (id, fps) in turns {
+        let offer = format!("offer-{id}").into_bytes();
+        assert_eq!(book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, TTL, now), Ok(()));
+    }
+    book
+}
+
+fn prompt_hold(book: &mut HoldBook, id: &str, fps: &[u64], now: Instant) {
+    assert_eq!(
+        book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], TTL, now),
+        Ok(())
+    );
+}
+
+#[test]
+fn lookup_finds_the_longest_held_prefix() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("short", &[1, 2]), ("long", &[1, 2, 3, 4]), ("other", &[9])], t0);
+    let found = book.lookup("P", &[1, 2, 3, 7, 8], CLAIM, t0).unwrap();
+    assert_eq!(found.owner_request_id, "long");
+    assert_eq!(found.matched_blocks, 3);
+    assert_eq!(found.offer, b"offer-long");
+    assert_eq!(found.claim_ms, 30_000);
+    assert!(book.lookup("P", &[5, 6], CLAIM, t0).is_none());
+    // A fingerprint at another position is not a match (the chain differs).
+    assert!(book.lookup("P", &[3], CLAIM, t0).is_none());
+}
+
+#[test]
+fn a_prompt_held_for_a_decode_node_is_granted_by_name_only_and_ends_once_read() {
+    let t0 = Instant::now();
+    let mut book = HoldBook::new();
+    prompt_hold(&mut book, "p1", &[1, 2, 3], t0);
+    // Not offered to lookups.
+    assert!(book.lookup("D1", &[1, 2, 3], CLAIM, t0).is_none());
+    // Two readers at once (a retried decode leg) both hold it.
+    let d1 = book.grant("D1", "p1", &[1, 2, 3], CLAIM, t0).unwrap();
+    let d2 = book.grant("D2", "p1", &[1, 2], CLAIM, t0).unwrap();
+    assert_eq!((d1.matched_blocks, d2.matched_blocks), (3, 2));
+    // A release by another reader than the claim's ends nothing.
+    assert_eq!(book.release("D2", "p1", d1.claim_id, t0), None);
+    assert_eq!(book.release("D1", "p1", d1.claim_id, t0), None);
+    // Read by one reader: no new grant, freed when the last claim goes.
+    assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0), Err(Refusal::Ended));
+    assert_eq!(book.release("D2", "p1", d2.claim_id, t0), Some("p1".into()));
+    assert!(book.is_empty());
+    // Gone, and said so (not "not held yet"), while it is remembered.
+    assert_eq!(book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0), Err(Refusal::Ended));
+    assert_eq!(
+        book.grant("D3", "p1", &[1, 2, 3], CLAIM, t0 + ENDED_KEEP),
+        Err(Refusal::NotHeldYet)
+    );
+}
+
+#[test]
+fn a_grant_needs_the_readers_own_tokens_in_the_first_block() {
+    let t0 = Instant::now();
+    let mut book = HoldBook::new();
+    prompt_hold(&mut book, "p1", &[1, 2, 3], t0);
+    // Another prompt's fingerprints name the hold: refused, nothing claimed.
+    assert_eq!(book.grant("D", "p1", &[7, 2, 3], CLAIM, t0), Err(Refusal::Mismatch));
+    assert_eq!(book.grant("D", "p1", &[], CLAIM, t0), Err(Refusal::Mismatch));
+    assert_eq!(book.num_claims(), 0);
+    // A prompt that shares the first two blocks is granted those only.
+    assert_eq!(book.grant("D", "p1", &[1, 2, 9, 10], CLAIM, t0).unwrap().matched_blocks, 2);
+    assert_eq!(book.grant("D", "unknown", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
+}
+
+#[test]
+fn releases_end_claims_never_a_turn() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1, 2])], t0);
+    let claim = book.grant("P", "turn", &[1, 2], CLAIM, t0).unwrap();
+    assert_eq!(book.release("P", "turn", claim.claim_id, t0), None);
+    assert_eq!(book.release("P", "turn", claim.claim_id + 1, t0), None);
+    // Still offered to the next turn.
+    assert_eq!(book.lookup("P", &[1, 2], CLAIM, t0).unwrap().owner_request_id, "turn");
+}
+
+#[test]
+fn claims_keep_a_turn_past_its_lease_until_released() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1, 2, 3])], t0);
+    // Claimed shortly before the lease ends.
+    let t1 = t0 + TTL - Duration::from_secs(1);
+    let a = book.lookup("P1", &[1, 2, 3], CLAIM, t1).unwrap();
+    let b = book.lookup("P2", &[1, 2], CLAIM, t1).unwrap();
+    assert_ne!(a.claim_id, b.claim_id);
+    assert_eq!(book.num_claims(), 2);
+    // The lease ends while both read: nothing is freed.
+    assert!(book.expire(t0 + TTL).is_empty());
+    // A claim is released only by the reader that made it.
+    assert_eq!(book.release("P2", "turn", a.claim_id, t0 + TTL), None);
+    assert_eq!(book.release("P1", "turn", a.claim_id, t0 + TTL), None);
+    // Released twice: nothing happens the second time.
+    assert_eq!(book.release("P1", "turn", a.claim_id, t0 + TTL), None);
+    assert_eq!(book.release("P2", "turn", b.claim_id, t0 + TTL), Some("turn".into()));
+    assert!(book.is_empty());
+    assert_eq!(book.num_claims(), 0);
+    assert!(book.expire(t0 + TTL * 2).is_empty());
+}
+
+#[test]
+fn a_claim_past_its_deadline_no_longer_holds_the_turn() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1])], t0);
+    book.lookup("P", &[1], Duration::from_secs(200), t0).unwrap();
+    assert!(book.expire(t0 + TTL).is_empty());
+    assert_eq!(book.expire(t0 + Duration::from_secs(200)), vec!["turn".to_string()]);
+    assert_eq!(book.num_claims(), 0);
+}
+
+#[test]
+fn an_ended_hold_is_not_offered_nor_granted() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1, 2])], t0);
+    let claim = book.lookup("P1", &[1, 2], CLAIM, t0 + TTL - Duration::from_secs(1)).unwrap();
+    assert!(book.expire(t0 + TTL).is_empty());
+    assert!(book.lookup("P2", &[1, 2], CLAIM, t0 + TTL).is_none());
+    assert_eq!(book.grant("P2", "turn", &[1, 2], CLAIM, t0 + TTL), Err(Refusal::Ended));
+    assert_eq!(book.release("P1", "turn", claim.claim_id, t0 + TTL), Some("turn".into()));
+}
+
+#[test]
+fn ended_holds_are_remembered_within_bounds() {
+    let t0 = Instant::now();
+    let mut book = HoldBook::new();
+    for i in 0..MAX_ENDED_KEPT + 10 {
+        let id = format!("r{i}");
+        prompt_hold(&mut book, &id, &[1], t0);
+        let claim = book.grant("D", &id, &[1], CLAIM, t0).unwrap();
+        assert_eq!(book.release("D", &id, claim.claim_id, t0), Some(id));
+    }
+    assert_eq!(book.ended.len(), MAX_ENDED_KEPT);
+    assert_eq!(book.ended_ids.len(), MAX_ENDED_KEPT);
+    // The oldest were forgotten; the newest are known to be gone.
+    assert_eq!(book.grant("D", "r0", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
+    assert_eq!(
+        book.grant("D", &format!("r{}", MAX_ENDED_KEPT + 9), &[1], CLAIM, t0),
+        Err(Refusal::Ended)
+    );
+}
+
+#[test]
+fn eviction_frees_least_recently_used_unclaimed_turns_and_unread_prompts_only() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("old", &[1]), ("claimed", &[2])], t0);
+    let t1 = t0 + Duration::from_secs(1);
+    assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], vec![], TTL, t1), Ok(()));
+    book.lookup("P", &[2], CLAIM, t1).unwrap();
+    assert_eq!(book.evict(1, Evict::Turns, t1), vec!["old".to_string()]);
+    assert_eq!(book.evict(100, Evict::Turns, t1), vec!["new".to_string()]);
+    assert_eq!(book.evict(100, Evict::Turns, t1), Vec::<String>::new());
+    assert_eq!(book.len(), 1);
+    // A prefill node's prompts held for their decode nodes are not evicted for turns,
+    // nor for waiting requests until no reader has claimed them for the time given.
+    prompt_hold(&mut book, "lease", &[7, 8], t1);
+    prompt_hold(&mut book, "read", &[9], t1);
+    book.grant("D", "read", &[9], CLAIM, t1).unwrap();
+    assert!(book.evict(100, Evict::Turns, t1).is_empty());
+    let unread = Evict::TurnsAndUnread(Duration::from_secs(1));
+    assert!(book.evict(100, unread, t1 + Duration::from_millis(999)).is_empty());
+    let t2 = t1 + Duration::from_secs(5);
+    assert!(book.evict(100, Evict::Turns, t2).is_empty());
+    assert_eq!(book.evict(100, unread, t2), vec!["lease".to_string()]);
+    assert!(book.evict(100, unread, t2).is_empty()); // claimed: being read
+}
+
+#[test]
+fn under_pressure_unclaimed_prompts_and_turns_go_least_recently_used_first_and_once() {
+    let t0 = Instant::now();
+    let t1 = t0 + Duration::from_secs(1);
+    let t2 = t0 + Duration::from_secs(2);
+    let mut book = book_with(&[("turn", &[1, 2])], t1);
+    prompt_hold(&mut book, "prompt", &[7, 8, 9], t0);
+    prompt_hold(&mut book, "read", &[5], t2);
+    book.grant("D", "read", &[5], CLAIM, t2).unwrap();
+    assert_eq!(book.held_blocks(), 6);
+    // The prompt is the least recently used; 3 blocks are enough.
+    assert_eq!(book.evict(3, Evict::AnyHold, t2), vec!["prompt".to_string()]);
+    // A later reader of the evicted prompt is told it ended, and computes.
+    assert_eq!(book.grant("D", "prompt", &[7], CLAIM, t2), Err(Refusal::Ended));
+    // The claimed prompt stays under its read; the turn goes; nothing is freed twice.
+    assert_eq!(book.evict(100, Evict::AnyHold, t2), vec!["turn".to_string()]);
+    assert!(book.evict(100, Evict::AnyHold, t2).is_empty());
+    assert!(book.expire(t2).is_empty());
+    assert_eq!(book.held_blocks(), 1);
+}
+
+#[test]
+fn holds_are_checked() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("a", &[1])], t0);
+    assert_eq!(
+        book.hold("a", HoldKind::Turn, 1, vec![], vec![], TTL, t0),
+        Err(HoldError::AlreadyHeld("a".into()))
+    );
+    let too_many = vec![0; MAX_FINGERPRINTS + 1];
+    assert!(matches!(
+        book.hold("b", HoldKind::Turn, 1, too_many, vec![], TTL, t0),
+        Err(HoldError::TooManyFingerprints(_))
+    ));
+    let huge = vec![0; MAX_OFFER_BYTES + 1];
+    assert!(matches!(
+        book.hold("b", HoldKind::Turn, 1, vec![], huge, TTL, t0),
+        Err(HoldError::OfferTooLarge(_))
+    ));
+    // A TTL that overflows Instant is a hold that lasts, not a panic.
+    assert_eq!(book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], Duration::MAX, t0), Ok(()));
+}
+
+#[test]
+fn lookups_that_repeat_fingerprints_or_examine_too_much_find_nothing() {
+    let t0 = Instant::now();
+    let mut book = HoldBook::new();
+    // Many holds sharing a first block (a long common system prompt).
+    for n in 0..(MAX_EXAMINED as u64 + 1) {
+        assert_eq!(
+            book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], TTL, t0),
+            Ok(())
+        );
+    }
+    assert!(book.lookup("P", &[1, 1, 1], CLAIM, t0).is_none());
+    // The shared block alone examines every hold sharing it: more than allowed.
+    assert!(book.lookup("P", &[1], CLAIM, t0).is_none());
+    // A distinct second block is found at once.
+    assert_eq!(book.lookup("P", &[1, 1005], CLAIM, t0).unwrap().owner_request_id, "t5");
+}
+
+#[test]
+fn claims_are_bounded() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1])], t0);
+    for _ in 0..MAX_CLAIMS {
+        assert!(book.lookup("P", &[1], CLAIM, t0).is_some());
+    }
+    assert!(book.lookup("P", &[1], CLAIM, t0).is_none());
+    assert_eq!(book.grant("P", "turn", &[1], CLAIM, t0), Err(Refusal::TooMany));
+    assert_eq!(book.expire(t0 + CLAIM).len(), 0);
+    assert_eq!(book.num_claims(), 0);
+}
+
+#[test]
+fn readers_are_told_what_the_lookup_index_gains_and_loses() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("a", &[1, 2])], t0);
+    prompt_hold(&mut book, "prompt", &[7], t0);
+    let (cursor, snapshot) = book.held_since(None);
+    assert_eq!(snapshot.len(), 1);
+    assert!(snapshot[0].reset && snapshot[0].synced, "{snapshot:?}");
+    let mut held = snapshot[0].held.clone();
+    held.sort_unstable();
+    assert_eq!(held, vec![1, 2], "turns only, not prompts held for a decode node");
+    assert_eq!(book.hold("b", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
+    let (next, updates) = book.held_since(Some(cursor));
+    assert_eq!(updates, vec![HeldUpdate { held: vec![1, 2, 3], ..HeldUpdate::default() }]);
+    assert_eq!(book.evict(1, Evict::Turns, t0), vec!["a".to_string()]);
+    let (_, updates) = book.held_since(Some(next));
+    assert_eq!(updates, vec![HeldUpdate { freed: vec![1, 2], ..HeldUpdate::default() }]);
+    // A snapshot counts a fingerprint once per turn that has it.
+    assert_eq!(book.hold("c", HoldKind::Turn, 1, vec![1], vec![], TTL, t0), Ok(()));
+    let mut held = book.held_since(None).1[0].held.clone();
+    held.sort_unstable();
+    assert_eq!(held, vec![1, 1, 2, 3]);
+}
+
+#[test]
+fn index_is_cleaned_when_turns_are_freed() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("a", &[1, 2]), ("b", &[1, 3])], t0);
+    assert_eq!(book.expire(t0 + TTL).len(), 2);
+    assert!(book.index.is_empty());
+}
+
+#[test]
+fn a_lookup_extending_a_turn_being_computed_is_awaited_until_the_turn_is_settled() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("older", &[1])], t0);
+    assert_eq!(book.expect("turn", vec![1, 2]), Ok(()));
+    // The next turn's prompt extends the turn's prompt: ask again, even though an older turn
+    // holds part of it. The prompt itself, another prompt, or one an offered turn holds
+    // wholly are answered at once.
+    assert!(book.awaited(&[1, 2, 3]));
+    assert!(!book.awaited(&[1, 2]));
+    assert!(!book.awaited(&[9, 8, 3]));
+    assert!(!book.awaited(&[1]));
+    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
+    assert!(!book.awaited(&[1, 2, 3]), "held: nothing more to wait for");
+    assert!(book.awaited(&[1, 2, 3, 4]), "expected until settled");
+    assert!(book.settle("turn"));
+    assert!(!book.settle("turn"));
+    assert!(!book.awaited(&[1, 2, 3, 4]));
+    let found = book.lookup("P", &[1, 2, 3, 4], CLAIM, t0).expect("the held turn");
+    assert_eq!((found.owner_request_id.as_str(), found.matched_blocks), ("turn", 3));
+    // Settled without a hold (aborted, or not offered): nothing is awaited.
+    assert_eq!(book.expect("gone", vec![5]), Ok(()));
+    assert!(book.awaited(&[5, 6]));
+    assert!(book.settle("gone"));
+    assert!(!book.awaited(&[5, 6]));
+    assert!(book.lookup("P", &[5, 6], CLAIM, t0).is_none());
+}
+
+#[test]
+fn expected_turns_are_bounded_and_a_held_request_is_not_expected() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("held", &[1])], t0);
+    assert_eq!(book.expect("held", vec![1]), Ok(()));
+    assert!(!book.awaited(&[1, 2]), "a held request is not expected again");
+    assert_eq!(
+        book.expect("long", vec![1; MAX_FINGERPRINTS + 1]),
+        Err(HoldError::TooManyFingerprints(MAX_FINGERPRINTS + 1))
+    );
+    assert_eq!(book.expect("no full block", vec![]), Ok(()));
+    assert!(!book.settle("no full block"));
+    for i in 0..MAX_EXPECTED as u64 {
+        assert_eq!(book.expect(&format!("r{i}"), vec![100 + i]), Ok(()));
+    }
+    assert_eq!(book.expect("one more", vec![7]), Err(HoldError::TooManyExpected));
+    assert_eq!(book.expect("r0", vec![100]), Ok(()), "expected already: left as it is");
+    assert!(book.settle("r0"));
+    assert_eq!(book.expect("one more", vec![7]), Ok(()));
+}
+
+#[test]
+fn readers_are_told_a_turn_being_computed_as_held_until_it_is_settled() {
+    let t0 = Instant::now();
+    let mut book = HoldBook::new();
+    assert_eq!(book.expect("turn", vec![1, 2]), Ok(()));
+    let (cursor, snapshot) = book.held_since(None);
+    let mut held = snapshot[0].held.clone();
+    held.sort_unstable();
+    assert_eq!(held, vec![1, 2]);
+    // Held, then settled: readers see the turn before the prompt goes, never a gap.
+    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
+    assert!(book.settle("turn"));
+    let (_, updates) = book.held_since(Some(cursor));
+    assert_eq!(
+        updates,
+        vec![HeldUpdate { held: vec![1, 2, 3], freed: vec![1, 2], ..HeldUpdate::default() }]
+    );
+}
