@@ -355,6 +355,7 @@ fn a_reader_finds_a_held_turn_by_content_and_the_owner_learns_where_it_listens()
             target.clone(),
             fingerprints,
             None,
+            None,
             Duration::from_secs(5),
         ));
         assert_eq!(owner_id, "owner");
@@ -393,6 +394,7 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
             target.clone(),
             fingerprints,
             Some(name.to_owned()),
+            None,
             Duration::from_secs(5),
         ))
         .1
@@ -429,6 +431,7 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
         target.clone(),
         vec![11],
         None,
+        None,
         Duration::from_secs(5)
     ))
     .1
@@ -439,6 +442,7 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
         target,
         vec![11],
         Some("p-never".to_owned()),
+        None,
         Duration::from_millis(600),
     );
     assert!(only_answer(&never).1.is_none());
@@ -463,7 +467,7 @@ fn a_lookup_connects_to_an_owner_it_does_not_know_yet_and_reports_one_it_cannot_
     let owner_port = owner.side_channel_addr().unwrap().port();
     let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let targets = vec![("127.0.0.1".to_string(), owner_port), ("127.0.0.1".to_string(), nobody)];
-    let fan_out = reader.start_lookup(targets, vec![11, 12], None, Duration::from_secs(1));
+    let fan_out = reader.start_lookup(targets, vec![11, 12], None, None, Duration::from_secs(1));
     let deadline = Instant::now() + Duration::from_secs(10);
     let answers = loop {
         let answers = fan_out.answers();
@@ -512,7 +516,8 @@ fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     }
     turn(&owners[1], "turn-b", vec![21, 22, 23]);
     // Announcements take a moment: until they are in, owners are asked as before the index.
-    let lookup = |fps: &[u64]| reader.start_lookup(targets.clone(), fps.to_vec(), None, TIMEOUT);
+    let lookup =
+        |fps: &[u64]| reader.start_lookup(targets.clone(), fps.to_vec(), None, None, TIMEOUT);
     // Looks `fps` up until `asked` owners are asked and `holder` alone answers with a match.
     let settled = |fps: &[u64], asked: usize, holder: Option<&str>| {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -546,26 +551,28 @@ fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     assert_eq!(owners[2].evict_holds(100, Evict::Turns), vec!["turn-c".to_string()]);
     settled(&[52], 3, None);
     // A named hold's owner is always asked.
-    let named = reader.start_lookup(targets.clone(), vec![21], Some("turn-b".into()), TIMEOUT);
+    let named =
+        reader.start_lookup(targets.clone(), vec![21], Some("turn-b".into()), None, TIMEOUT);
     assert_eq!(named.asked(), 3);
     // An owner the reader is not connected to is asked (and connected to) as before.
     let d = engine("d", "f32", buf());
     turn(&d, "turn-d", vec![41]);
     let with_d = vec![("127.0.0.1".to_string(), d.side_channel_addr().unwrap().port())];
-    let fan_out = reader.start_lookup(with_d, vec![41], None, TIMEOUT);
+    let fan_out = reader.start_lookup(with_d, vec![41], None, None, TIMEOUT);
     assert_eq!(fan_out.asked(), 1);
     assert_eq!(only_answer(&fan_out).1.map(|m| m.matched_blocks), Some(1));
 }
 
 #[test]
-fn a_lookup_extending_a_turn_the_owner_still_computes_waits_for_its_hold() {
+fn a_lookup_continuing_a_turn_the_owner_still_computes_waits_for_its_hold() {
     let buf = || vec![3u8; BLOCK * BLOCKS];
     let reader = engine("reader", "f32", buf());
-    // a holds an older turn of the conversation; b computes the latest, and holds it late (a
-    // turn ended on a stop string is finished by an abort that comes after the client has it).
+    // a holds an older turn of the conversation; b computes the latest (whose prompt ends
+    // with 120), and holds it late: a turn ended on a stop string is finished by an abort that
+    // comes after the client has it.
     let owners = [engine("a", "f32", buf()), engine("b", "f32", buf())];
     owners[0].hold("turn-0", HoldKind::Turn, 1, vec![11], vec![], TIMEOUT).unwrap();
-    owners[1].expect_turn("turn-1", vec![11, 12]).unwrap();
+    owners[1].expect_turn("turn-1", 120).unwrap();
     let targets: Vec<(String, u16)> = owners
         .iter()
         .map(|o| ("127.0.0.1".to_string(), o.side_channel_addr().unwrap().port()))
@@ -573,36 +580,38 @@ fn a_lookup_extending_a_turn_the_owner_still_computes_waits_for_its_hold() {
     for owner in &owners {
         connect(&reader, owner).unwrap();
     }
-    // b announces the turn it computes: once its announcement is in, a lookup of the next
-    // turn asks b alone (a announced less of the prompt).
+    // Once a's announcement is in, a lookup that names no handoff asks a alone; one that
+    // continues a handoff asks every owner (the one computing the turn announced none of it).
     let deadline = Instant::now() + Duration::from_secs(10);
-    while reader.start_lookup(targets.clone(), vec![11, 12, 13], None, TIMEOUT).asked() != 1 {
-        assert!(Instant::now() < deadline, "b's announcement never came");
+    while reader.start_lookup(targets.clone(), vec![11, 12, 13], None, None, TIMEOUT).asked() != 1 {
+        assert!(Instant::now() < deadline, "a's announcement never came");
         std::thread::sleep(Duration::from_millis(5));
     }
     std::thread::scope(|scope| {
         let asked_at = Instant::now();
-        let fan_out = reader.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, TIMEOUT);
+        let fan_out =
+            reader.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, Some(120), TIMEOUT);
+        assert_eq!(fan_out.asked(), 2);
         scope.spawn(|| {
             std::thread::sleep(Duration::from_millis(300));
-            owners[1]
-                .hold("turn-1", HoldKind::Turn, 4, vec![11, 12, 13, 14], vec![], TIMEOUT)
-                .unwrap();
+            let turn = vec![11, 12, 13, 14];
+            owners[1].hold("turn-1", HoldKind::Turn, 4, turn, vec![], TIMEOUT).unwrap();
             owners[1].settle_turns(&["turn-1".to_string()]);
         });
         let found: Vec<Option<u32>> = all_answers(&fan_out)
             .iter()
             .map(|(_, m)| m.as_ref().map(|m| m.matched_blocks))
             .collect();
-        assert_eq!(found, vec![None, Some(4)], "the whole prompt, once b held its turn");
+        assert_eq!(found, vec![Some(1), Some(4)], "the whole prompt, once b held its turn");
         assert!(asked_at.elapsed() >= Duration::from_millis(300));
     });
     // A turn that ends without a hold (aborted before it was offered): the lookup is answered
     // with what is held once the owner settles it, well before its timeout.
-    owners[1].expect_turn("turn-2", vec![21, 22]).unwrap();
+    owners[1].expect_turn("turn-2", 220).unwrap();
+    let b = targets[1..].to_vec();
     std::thread::scope(|scope| {
         let asked_at = Instant::now();
-        let fan_out = reader.start_lookup(targets[1..].to_vec(), vec![21, 22, 23], None, TIMEOUT);
+        let fan_out = reader.start_lookup(b.clone(), vec![21, 22, 23], None, Some(220), TIMEOUT);
         scope.spawn(|| {
             std::thread::sleep(Duration::from_millis(300));
             owners[1].settle_turns(&["turn-2".to_string()]);
@@ -611,11 +620,16 @@ fn a_lookup_extending_a_turn_the_owner_still_computes_waits_for_its_hold() {
         let waited = asked_at.elapsed();
         assert!(waited >= Duration::from_millis(300) && waited < TIMEOUT, "{waited:?}");
     });
-    // Never settled: asked again until the lookup's timeout, then nothing.
-    owners[1].expect_turn("turn-3", vec![31]).unwrap();
+    // Never settled: asked again until the lookup's timeout, then nothing. A lookup that
+    // continues another prompt is answered at once.
+    owners[1].expect_turn("turn-3", 320).unwrap();
     let asked_at = Instant::now();
     let short = Duration::from_millis(400);
-    let fan_out = reader.start_lookup(targets[1..].to_vec(), vec![31, 32], None, short);
+    assert!(only_answer(&reader.start_lookup(b.clone(), vec![31], None, Some(321), TIMEOUT))
+        .1
+        .is_none());
+    assert!(asked_at.elapsed() < short, "not the computed turn's prompt: no wait");
+    let fan_out = reader.start_lookup(b, vec![31, 32], None, Some(320), short);
     assert!(only_answer(&fan_out).1.is_none());
     assert!(asked_at.elapsed() >= short - Duration::from_millis(100), "gave up before its timeout");
 }

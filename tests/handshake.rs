@@ -87,6 +87,7 @@ fn every_frame_kind_round_trips() {
             id: 7,
             fingerprints: vec![1, u64::MAX, 3],
             request_id: Some("req-1".into()),
+            continues: Some(u64::MAX - 1),
         }),
         Frame::LookupReply(kvduplex::holds::LookupReply {
             id: 7,

@@ -502,7 +502,12 @@ fn lookups_are_served_only_after_authentication_and_echo_their_id() {
     }));
     // Before any hello: the server refuses and closes, and never consults the hold book.
     let mut raw = RawClient::connect(&server);
-    raw.send(&Frame::Lookup(LookupRequest { id: 1, fingerprints: vec![7], request_id: None }));
+    raw.send(&Frame::Lookup(LookupRequest {
+        id: 1,
+        fingerprints: vec![7],
+        request_id: None,
+        continues: None,
+    }));
     assert!(matches!(raw.receive(), Some(Ok(Frame::Refused(_))) | None));
     assert!(raw.receive().is_none());
     // An authenticated link: each lookup gets its own reply, misses included.
@@ -527,7 +532,14 @@ fn after_an_authenticated_handshake_untagged_replayed_or_forged_frames_end_the_c
         found: None,
         not_yet: false,
     }));
-    let lookup = |id| Frame::Lookup(LookupRequest { id, fingerprints: vec![1], request_id: None });
+    let lookup = |id| {
+        Frame::Lookup(LookupRequest {
+            id,
+            fingerprints: vec![1],
+            request_id: None,
+            continues: None,
+        })
+    };
 
     // A correctly tagged lookup is answered with a tagged reply (the buffer checks its tag).
     let mut raw = RawClient::connect(&server);
@@ -580,12 +592,14 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
     link.send_lookup(
         vec![1],
         None,
+        None,
         Duration::from_millis(50),
         Box::new(move |outcome| drop(first.send(("first", outcome)))),
     );
     thread::sleep(Duration::from_millis(60));
     link.send_lookup(
         vec![1],
+        None,
         None,
         TIMEOUT,
         Box::new(move |outcome| drop(tx.send(("second", outcome)))),
@@ -604,7 +618,13 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
     );
     // A lookup waiting when the owner goes fails with it, and so does one sent afterwards.
     let (tx, outcome) = mpsc::channel();
-    link.send_lookup(vec![1], None, Duration::from_secs(60), Box::new(move |o| drop(tx.send(o))));
+    link.send_lookup(
+        vec![1],
+        None,
+        None,
+        Duration::from_secs(60),
+        Box::new(move |o| drop(tx.send(o))),
+    );
     drop(server);
     let outcome = outcome.recv_timeout(TIMEOUT).unwrap();
     assert!(
@@ -618,7 +638,7 @@ fn a_lookup_to_a_silent_or_dead_owner_fails_instead_of_hanging() {
 /// A lookup's outcome, waited for (the link hands it over on its own thread).
 fn ask(link: &PeerLink, fingerprints: Vec<u64>, timeout: Duration) -> LookupOutcome {
     let (tx, outcome) = mpsc::channel();
-    link.send_lookup(fingerprints, None, timeout, Box::new(move |o| drop(tx.send(o))));
+    link.send_lookup(fingerprints, None, None, timeout, Box::new(move |o| drop(tx.send(o))));
     outcome.recv_timeout(timeout + TIMEOUT).expect("the lookup's outcome was never handed over")
 }
 

@@ -28,6 +28,10 @@ fuzz_target!(|data: &[u8]| {
         let held: Vec<u64> = request.fingerprints.iter().take(8).copied().collect();
         let _ = book.hold("turn", HoldKind::Turn, held.len(), held.clone(), b"offer".to_vec(), Duration::from_secs(60), now);
         let _ = book.hold("prompt", HoldKind::ForDecode, held.len(), held, Vec::new(), Duration::from_secs(60), now);
+        if let Some(end) = request.continues {
+            let _ = book.expect("computing", end);
+        }
+        let _ = book.awaited(&request.fingerprints, request.continues);
         let _ = book.lookup("reader#1", &request.fingerprints, Duration::from_secs(5), now);
         if let Some(name) = &request.request_id {
             let _ = book.grant("reader#1", name, &request.fingerprints, Duration::from_secs(5), now);

@@ -190,11 +190,11 @@ class Engine:
         releases its claim; `turn=True`: a decode node's finished turn, also found by lookups
         and evictable. Raises ValueError for a request already held, over 65,536 fingerprints
         or an offer over 512 KiB."""
-    def expect_turn(self, request_id: str, fingerprints: Sequence[str]) -> None:
+    def expect_turn(self, request_id: str, end: str) -> None:
         """A decode node computes `request_id`'s turn and will hold it when it finishes
-        (`fingerprints`: its prompt's full blocks): until `settle_turns`, a lookup whose prompt
-        extends it is told to ask again, and readers are told its blocks as if held. Raises
-        ValueError for over 65,536 fingerprints or past 4,096 turns expected at once."""
+        (`end`: the fingerprint of its whole prompt, 16 hex characters): until `settle_turns`,
+        a lookup that says it `continues` that prompt is told to ask again. Raises ValueError
+        for a malformed fingerprint or past 4,096 turns expected at once."""
     def settle_turns(self, request_ids: Sequence[str]) -> None:
         """These expected turns are held now, or will not be (unknown ids are ignored)."""
     def release_hold(self, reader: str, request_id: str, claim_id: int) -> bool:
@@ -218,15 +218,18 @@ class Engine:
         timeout_s: float = 1.0,
         *,
         request_id: str | None = None,
+        continues: str | None = None,
     ) -> Lookup:
         """Ask every side channel in `targets` at once for the longest held turn starting with
         these blocks or, with `request_id`, for a grant of that hold's leading blocks that
         carry them, without waiting: a connected owner is asked right away, others are
         connected to first (within `timeout_s`) on the transfer core's own threads. A named
-        hold the owner has not taken yet is asked for again until `timeout_s`. Without
-        `request_id`, owners whose announcements say they hold none of the prompt are not
-        asked (`Lookup.asked`). Poll the returned lookup. A match is claimed for us until we
-        release the claim."""
+        hold the owner has not taken yet is asked for again until `timeout_s`, and so is an
+        owner still computing the turn whose prompt ends with `continues` (the fingerprint of
+        a whole prompt handed to a decode node, which this prompt continues). Without
+        `request_id` or `continues`, owners whose announcements say they hold none of the
+        prompt are not asked (`Lookup.asked`). Poll the returned lookup. A match is claimed
+        for us until we release the claim."""
     def announced_changes(
         self, cursor: int | None, targets: Sequence[tuple[str, int]], max_whole: int
     ) -> tuple[int, bool, bool, list[str], list[str], bool]:

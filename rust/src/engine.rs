@@ -378,14 +378,10 @@ impl Engine {
         )?)
     }
 
-    /// Expects `request_id`'s turn, being computed, to be held when it finishes (`prompt`:
-    /// its prompt's full blocks), until [`Engine::settle_turns`] (see [`HoldBook::expect`]).
-    pub fn expect_turn(
-        &self,
-        request_id: &str,
-        prompt: Vec<BlockFingerprint>,
-    ) -> Result<(), EngineError> {
-        Ok(lock(&self.shared.holds).expect(request_id, prompt)?)
+    /// Expects `request_id`'s turn, being computed, to be held when it finishes (`end`: its
+    /// whole prompt's fingerprint), until [`Engine::settle_turns`] (see [`HoldBook::expect`]).
+    pub fn expect_turn(&self, request_id: &str, end: BlockFingerprint) -> Result<(), EngineError> {
+        Ok(lock(&self.shared.holds).expect(request_id, end)?)
     }
 
     /// These expected turns are held now, or will not be.
@@ -442,8 +438,8 @@ impl Engine {
     /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
     /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
     /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
-    /// after the request finishes), or a turn the owner still computes that the prompt
-    /// extends ([`HoldBook::awaited`]), is asked for again, less and less often (see
+    /// after the request finishes), or a turn the owner still computes whose prompt ends with
+    /// `continues` ([`HoldBook::awaited`]), is asked for again, less and less often (see
     /// [`NOT_YET_FIRST_RETRY`]), until `timeout` has passed. A connected owner is asked from this thread right away: a new
     /// thread may wait long for a core on a busy host. Others are connected to first, each on
     /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
@@ -456,18 +452,23 @@ impl Engine {
         targets: Vec<(String, u16)>,
         fingerprints: Vec<BlockFingerprint>,
         request_id: Option<String>,
+        continues: Option<BlockFingerprint>,
         timeout: Duration,
     ) -> LookupFanOut {
         let connect_deadline = deadline_after(timeout);
         let addresses: Vec<String> =
             targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
-        let mut unasked = unasked(&self.shared, &addresses, &fingerprints, request_id.is_some());
+        // A prompt that continues a handoff asks every owner: the one computing its turn has
+        // announced none of it yet.
+        let ask_all = request_id.is_some() || continues.is_some();
+        let mut unasked = unasked(&self.shared, &addresses, &fingerprints, ask_all);
         let asked = unasked.iter().filter(|owner| owner.is_none()).count();
         let fan_out = LookupFanOut::new(
             addresses,
             Arc::new(LookupQuestion {
                 fingerprints,
                 request_id,
+                continues,
                 retry_until: deadline_after(timeout),
             }),
             deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),

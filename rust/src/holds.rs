@@ -19,7 +19,7 @@
 //! return the request ids they freed and forget them.
 //!
 //! A decode node also tells its book which turns it is computing ([`HoldBook::expect`]): a
-//! lookup that extends one is told to ask again until the turn is held or settled
+//! lookup that continues one's prompt is told to ask again until the turn is held or settled
 //! ([`HoldBook::awaited`], see `expected.rs`).
 //!
 //! Pure state: time comes in as `now`, nothing here does I/O.
@@ -67,6 +67,11 @@ pub struct LookupRequest {
     /// The hold the reader's params name; `None` asks every offered turn.
     #[serde(default)]
     pub request_id: Option<String>,
+    /// A lookup's prompt continues the prompt with this end (the chained fingerprint of all
+    /// its tokens), which the reader handed to a decode node: if the owner is computing that
+    /// turn, it answers "not yet" ([`HoldBook::awaited`]).
+    #[serde(default)]
+    pub continues: Option<BlockFingerprint>,
 }
 
 /// The longest held prefix of a lookup's blocks, claimed for the reader.
@@ -87,7 +92,7 @@ pub struct LookupMatch {
 pub struct LookupReply {
     pub id: u64,
     pub found: Option<LookupMatch>,
-    /// Nothing granted, and the named hold was never seen, or a lookup extends a turn the
+    /// Nothing granted, and the named hold was never seen, or a lookup continues a turn the
     /// owner is still computing ([`HoldBook::awaited`]): the owner may not have taken the hold
     /// yet (its engine registers a hold one step after the request finishes), so asking again
     /// shortly may find it.
@@ -296,44 +301,36 @@ impl HoldBook {
         Ok(self.claim(reader, request_id.to_owned(), matched, claim_for, now))
     }
 
-    /// Expects `request_id`'s turn, being computed, to be held when it finishes; `prompt`: its
-    /// prompt's full blocks. Until [`HoldBook::settle`], a lookup that extends the prompt is
-    /// told to ask again ([`HoldBook::awaited`]), and readers are told the prompt's blocks as
-    /// if held, so that their lookups ask this owner. A prompt without a full block, or a
-    /// request expected or held already, is left as it is.
-    pub fn expect(
-        &mut self,
-        request_id: &str,
-        prompt: Vec<BlockFingerprint>,
-    ) -> Result<(), HoldError> {
-        if prompt.len() > MAX_FINGERPRINTS {
-            return Err(HoldError::TooManyFingerprints(prompt.len()));
-        }
+    /// Expects `request_id`'s turn, being computed, to be held when it finishes; `end`: the
+    /// fingerprint of its whole prompt (see `expected.rs`). Until [`HoldBook::settle`], a
+    /// lookup that says it continues that prompt is told to ask again
+    /// ([`HoldBook::awaited`]). A request expected or held already is left as it is.
+    pub fn expect(&mut self, request_id: &str, end: BlockFingerprint) -> Result<(), HoldError> {
         if self.held.contains_key(request_id) || self.expected.contains(request_id) {
             return Ok(());
         }
         if self.expected.len() >= MAX_EXPECTED {
             return Err(HoldError::TooManyExpected);
         }
-        if self.expected.insert(request_id, prompt.clone()) {
-            self.log.held(prompt);
-        }
+        self.expected.insert(request_id, end);
         Ok(())
     }
 
     /// `request_id`'s expected turn is held now, or will not be; false if it was not expected.
     pub fn settle(&mut self, request_id: &str) -> bool {
-        let Some(prompt) = self.expected.remove(request_id) else { return false };
-        self.log.freed(prompt);
-        true
+        self.expected.remove(request_id)
     }
 
-    /// Whether a lookup of `fingerprints` should ask again shortly: they extend the prompt of
-    /// a turn being computed here, which will be held when it finishes, and no offered turn
-    /// holds all of them yet.
-    pub fn awaited(&self, fingerprints: &[BlockFingerprint]) -> bool {
-        fingerprints.len() <= MAX_FINGERPRINTS
-            && self.expected.extended_by(fingerprints) > 0
+    /// Whether a lookup of `fingerprints` should ask again shortly: it continues the prompt
+    /// that ends with `continues`, whose turn is being computed here and will be held when it
+    /// finishes, and no offered turn holds all of `fingerprints` yet.
+    pub fn awaited(
+        &self,
+        fingerprints: &[BlockFingerprint],
+        continues: Option<BlockFingerprint>,
+    ) -> bool {
+        continues.is_some_and(|end| self.expected.computing(end))
+            && fingerprints.len() <= MAX_FINGERPRINTS
             && self.longest_match(fingerprints).is_none_or(|(_, m)| m < fingerprints.len())
     }
 
@@ -456,7 +453,6 @@ impl HoldBook {
         for (fingerprint, turns) in &self.index {
             turns.iter().for_each(|_| snapshot.push(*fingerprint, true));
         }
-        self.expected.fingerprints().for_each(|fingerprint| snapshot.push(*fingerprint, true));
         (next, snapshot.finish(true))
     }
 

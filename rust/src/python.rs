@@ -436,16 +436,11 @@ impl Engine {
         self.with(py, |e| e.hold(&request_id, kind, num_blocks, fingerprints, offer, ttl))
     }
 
-    /// Expect the turn `request_id` computes to be held when it finishes (`fingerprints`: its
-    /// prompt's full blocks) until `settle_turns`.
-    fn expect_turn(
-        &self,
-        py: Python<'_>,
-        request_id: String,
-        fingerprints: Vec<String>,
-    ) -> PyResult<()> {
-        let prompt = parse_fingerprints(&fingerprints)?;
-        self.with(py, |e| e.expect_turn(&request_id, prompt))
+    /// Expect the turn `request_id` computes to be held when it finishes (`end`: the
+    /// fingerprint of its whole prompt) until `settle_turns`.
+    fn expect_turn(&self, py: Python<'_>, request_id: String, end: String) -> PyResult<()> {
+        let end = parse_fingerprint(&end)?;
+        self.with(py, |e| e.expect_turn(&request_id, end))
     }
 
     fn settle_turns(&self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
@@ -539,8 +534,10 @@ impl Engine {
 
     /// Asks every `(host, port)` at once for the longest held turn starting with
     /// `fingerprints`, or with `request_id` for a grant of that hold's blocks that carry them,
-    /// without waiting (see `engine::Engine::start_lookup`); poll the result.
-    #[pyo3(signature = (targets, fingerprints, timeout_s=1.0, *, request_id=None))]
+    /// without waiting (see `engine::Engine::start_lookup`); poll the result. `continues`: the
+    /// end of a prompt handed to a decode node that this prompt continues (an owner computing
+    /// that turn answers "not yet", and is asked again).
+    #[pyo3(signature = (targets, fingerprints, timeout_s=1.0, *, request_id=None, continues=None))]
     fn start_lookup(
         &self,
         py: Python<'_>,
@@ -548,11 +545,14 @@ impl Engine {
         fingerprints: Vec<String>,
         timeout_s: f64,
         request_id: Option<String>,
+        continues: Option<String>,
     ) -> PyResult<Lookup> {
         let timeout = seconds("timeout_s", timeout_s)?;
         let fingerprints = parse_fingerprints(&fingerprints)?;
-        let inner =
-            self.with(py, |e| Ok(e.start_lookup(targets, fingerprints, request_id, timeout)))?;
+        let continues = continues.as_deref().map(parse_fingerprint).transpose()?;
+        let inner = self.with(py, |e| {
+            Ok(e.start_lookup(targets, fingerprints, request_id, continues, timeout))
+        })?;
         Ok(Lookup { inner })
     }
 
@@ -587,17 +587,17 @@ impl Engine {
 
 /// Token fingerprints travel as 16-character lowercase hex strings (`token_fingerprint.py`).
 fn parse_fingerprints(hex: &[String]) -> PyResult<Vec<u64>> {
-    hex.iter()
-        .map(|h| {
-            let valid = h.len() == 16
-                && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-            valid.then(|| u64::from_str_radix(h, 16).ok()).flatten().ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "a fingerprint must be 16 lowercase hex characters, got {h:?}"
-                ))
-            })
-        })
-        .collect()
+    hex.iter().map(|h| parse_fingerprint(h)).collect()
+}
+
+fn parse_fingerprint(h: &str) -> PyResult<u64> {
+    let valid =
+        h.len() == 16 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    valid.then(|| u64::from_str_radix(h, 16).ok()).flatten().ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "a fingerprint must be 16 lowercase hex characters, got {h:?}"
+        ))
+    })
 }
 
 #[pymodule]

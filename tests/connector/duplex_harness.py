@@ -480,12 +480,18 @@ def look_up(
     timeout_s: float = 2.0,
     owner: str | None = None,
     owner_request_id: str | None = None,
+    continues: str | None = None,
 ):
     """Step the reader like vLLM does until its lookup (or grant), asked now with `timeout_s`
     to its deadline, is reported; returns the longest match (None: no owner holds any of the
     blocks, or the grant was refused)."""
     spec = LookupSpec(
-        request_id, tuple(fingerprints), time.monotonic() + timeout_s, owner, owner_request_id
+        request_id,
+        tuple(fingerprints),
+        time.monotonic() + timeout_s,
+        owner,
+        owner_request_id,
+        continues=continues,
     )
     worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
     deadline = time.monotonic() + LOOKUP_WAIT_S

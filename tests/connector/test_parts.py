@@ -94,6 +94,30 @@ def test_the_copy_of_what_decode_nodes_announced_bounds_what_they_may_hold():
     assert mirror.may_hold(nxt, 1, now=100.2) is None
 
 
+def test_a_prompt_continuing_a_handoff_names_that_prompts_end_until_its_turn_is_announced():
+    """Its every token, the partial last block's included: a prompt that only shares full
+    blocks with the handoff (a common system prompt) names nothing."""
+    mirror = HeldMirror()
+    handed = [2000 + i for i in range(40)]  # 2 full blocks and an 8-token tail
+    handoff = PromptFingerprints(handed, 16)
+    mirror.handed_off(handoff)
+    assert mirror.continued(PromptFingerprints(handed + [3] * 30, 16)) == handoff.end
+    assert mirror.continued(PromptFingerprints(handed, 16)) == handoff.end
+    assert mirror.continued(PromptFingerprints(handed[:-1] + [4] + [3] * 30, 16)) is None
+    assert mirror.continued(PromptFingerprints(handed[:39], 16)) is None
+    # Whole blocks, and a prompt without one.
+    whole, short = [3000 + i for i in range(32)], [4000 + i for i in range(9)]
+    for prompt in (whole, short):
+        mirror.handed_off(PromptFingerprints(prompt, 16))
+        end = PromptFingerprints(prompt, 16).end
+        assert mirror.continued(PromptFingerprints(prompt + [5] * 20, 16)) == end
+    assert mirror.continued(PromptFingerprints(short[:8] + [5] * 20, 16)) is None
+    # Once the turn is announced (its blocks include the handoff's last full one): nothing.
+    turn = block_fingerprints(handed + [9] * 24, 16)
+    mirror.on_report(md.AnnouncedChanges(False, tuple(turn), (), True), now=1.0)
+    assert mirror.continued(PromptFingerprints(handed + [9] * 24 + [3] * 30, 16)) is None
+
+
 @pytest.mark.parametrize(
     "local,expected",
     [

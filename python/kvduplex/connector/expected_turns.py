@@ -4,11 +4,12 @@ A client sends its next turn as soon as it has the answer, and the prefill node'
 reach the decode node before the decode node has taken the finished turn's hold: its engine
 takes it one step after the request finishes, and a turn that ends on a stop string is
 finished by an abort that vLLM's frontend sends only once the client has its answer. So the
-scheduler tells TP rank 0's transfer core, from a request's first step, the prompt of each turn
-it may hold (`md.ExpectedTurn`), and that it is settled when the request finishes (held in the
-same step's metadata, or not held). Until then a lookup that extends the prompt is told to ask
-again (the hold book's `awaited`, until the lookup's deadline) rather than "none held", and
-readers are told the prompt's blocks as if held, so their lookups ask this engine.
+scheduler tells TP rank 0's transfer core, from a request's first step, each turn it may hold
+(`md.ExpectedTurn`, by its prompt's end: the fingerprint of all the prompt's tokens), and
+settles it when the request finishes (held in the same step's metadata, or not held). Until
+then a lookup that says it continues that very prompt (the prefill node handed it off:
+`held_mirror.py`) is told to ask again, until its deadline, rather than "none held". A prompt
+that merely shares blocks with a turn in flight (a common system prompt) never waits.
 """
 
 from __future__ import annotations
@@ -34,19 +35,18 @@ class ExpectedTurns:
         self._settled: list[str] = []
 
     def started(self, request: Request) -> PromptFingerprints | None:
-        """A new request: expected when this engine may hold its turn and a lookup could
-        extend its prompt (one full block at least). Returns the prompt's fingerprints where
-        they were computed."""
+        """A new request: expected when this engine may hold its turn. Returns the prompt's
+        fingerprints where they were computed."""
         if (
             not self._bidirectional
             or not takes_over(request.kv_transfer_params)
-            or request.num_prompt_tokens < self._block_size
+            or not request.num_prompt_tokens
             or unsupported_reason(request) is not None
         ):
             return None
         prompt = prompt_fingerprints(request, self._block_size)
         self._expected.add(request.request_id)
-        self._new.append(md.ExpectedTurn(request.request_id, tuple(prompt.full_blocks)))
+        self._new.append(md.ExpectedTurn(request.request_id, prompt.end))
         return prompt
 
     def finished(self, request_id: str) -> None:

@@ -12,10 +12,12 @@ most `FRESH_S` ago (an idle engine reports nothing: its lookups ask, as before).
 A decode node announces a turn a step and a thread's wake-up after it finished it, which may be
 after its client sent the next turn. So a prompt that continues one this node handed to a
 decode node is asked until that turn's blocks are announced (the handoff's guard, by its last
-full block's fingerprint, or by its tokens when it has no full block). A turn this node did
-not hand off (another prefill node's, or one a decode node computed alone) has no guard: if its
-next turn arrives here before the decode node's announcement has reached this scheduler, and no
-earlier turn of the conversation is still announced, it is recomputed (never read wrongly).
+full block's fingerprint, or by its tokens when it has no full block), and such a lookup names
+the handed prompt's end (`continued`): the decode node answers "not yet" while it computes that
+turn (`expected_turns.py`), and every decode node is asked. A turn this node did not hand off
+(another prefill node's, or one a decode node computed alone) has no guard: if its next turn
+arrives here before the decode node's announcement has reached this scheduler, and no earlier
+turn of the conversation is still announced, it is recomputed (never read wrongly).
 
 Otherwise the copy says how many of the prompt's leading tokens any decode node may hold: by
 the chained fingerprints, a held turn that matches the prompt's block k announced block k, and
@@ -49,10 +51,10 @@ class HeldMirror:
         self._complete = False
         """A whole set has arrived (and no report said the copy is incomplete since)."""
         self._fresh_until = 0.0
-        # Handoffs whose turn is not announced: the last full block's fingerprint, or (a prompt
-        # without one) its tokens by their count.
-        self._handoffs: OrderedDict[str, None] = OrderedDict()
-        self._short: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        # Handoffs whose turn is not announced, each with its prompt's end: by the last full
+        # block's fingerprint (with the tokens after it), or (a prompt without one) its tokens.
+        self._handoffs: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        self._short: OrderedDict[tuple[int, ...], str] = OrderedDict()
         self._short_lengths: dict[int, int] = {}
 
     def on_report(self, changes: md.AnnouncedChanges | None, now: float) -> None:
@@ -75,15 +77,16 @@ class HeldMirror:
         it announces that."""
         full_blocks = prompt.full_blocks
         if full_blocks:
+            tail = len(prompt.token_ids) - len(full_blocks) * prompt.block_size
             self._handoffs.pop(full_blocks[-1], None)
-            self._handoffs[full_blocks[-1]] = None
+            self._handoffs[full_blocks[-1]] = (tail, prompt.end)
             if len(self._handoffs) > MAX_HANDOFFS:
                 self._handoffs.popitem(last=False)
             return
         tokens = tuple(prompt.token_ids)
         if not tokens or tokens in self._short:
             return
-        self._short[tokens] = None
+        self._short[tokens] = prompt.end
         self._short_lengths[len(tokens)] = self._short_lengths.get(len(tokens), 0) + 1
         if len(self._short) > MAX_HANDOFFS:
             self._forget_short(next(iter(self._short)))
@@ -93,6 +96,28 @@ class HeldMirror:
         self._short_lengths[len(tokens)] -= 1
         if not self._short_lengths[len(tokens)]:
             del self._short_lengths[len(tokens)]
+
+    def continued(self, prompt: PromptFingerprints) -> str | None:
+        """The end of a prompt handed to a decode node, whose turn is not announced yet, that
+        `prompt` continues (all its tokens, the partial last block's included), or None. Its
+        work is bounded by the prompt's length."""
+        full_blocks = prompt.full_blocks
+        for count in range(len(full_blocks), 0, -1):
+            handoff = self._handoffs.get(full_blocks[count - 1])
+            if handoff is None:
+                continue
+            tail, end = handoff
+            if not tail:
+                return end
+            first = next(prompt.tails(count, tail), None)
+            if first is not None and first[1] == end:
+                return end
+        tokens = prompt.token_ids
+        for length in [n for n in self._short_lengths if n <= len(tokens)]:
+            end = self._short.get(tuple(tokens[:length]))
+            if end is not None:
+                return end
+        return None
 
     def may_hold(self, prompt: PromptFingerprints, tokens: int, now: float) -> bool | None:
         """Whether a decode node may hold the prompt's first `tokens` tokens, or None when the

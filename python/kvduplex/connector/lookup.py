@@ -318,6 +318,7 @@ class Lookups:
                 owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
                 owner_request_id=None if named is None else named.remote_request_id,
                 hint=None if named is not None else _lookup_hint(request),
+                continues=None if named is not None else self._mirror.continued(prompt),
             )
         )
 

@@ -86,10 +86,10 @@ class HoldSpec:
 @dataclass(frozen=True)
 class ExpectedTurn:
     """A decode request this engine may hold as a turn when it finishes, from its first step
-    until it is settled (`expected_turns.py`); `fingerprints`: its prompt's full blocks."""
+    until it is settled (`expected_turns.py`); `end`: the fingerprint of its whole prompt."""
 
     request_id: str
-    fingerprints: tuple[str, ...]
+    end: str
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,10 @@ class LookupSpec:
     hint: str | None = None
     """A lookup's "host:port" that a router named as the likely holder
     (`protocol.LOOKUP_HINT`): asked alone when it is one of the engines a lookup would ask."""
+    continues: str | None = None
+    """A lookup's prompt continues this prompt (its end's fingerprint), which this engine handed
+    to a decode node whose turn is not announced yet: an owner computing that turn answers "not
+    yet", and every engine a lookup would ask is asked (`held_mirror.py`)."""
 
 
 @dataclass(frozen=True)

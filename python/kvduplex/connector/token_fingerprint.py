@@ -59,6 +59,14 @@ class PromptFingerprints:
         """The fingerprints of the prompt's full blocks."""
         return [digest.hex() for digest in self._digests[1:]]
 
+    @property
+    def end(self) -> str:
+        """The fingerprint of the whole prompt (its last block's, partial or full)."""
+        full = len(self._digests) - 1
+        if full * self.block_size == len(self.token_ids):
+            return self._digests[-1].hex()
+        return _digest(self._digests[-1], self._data[full * self.block_size * 8 :]).hex()
+
     def of_prefix(self, num_tokens: int) -> list[str]:
         """The fingerprints of the blocks holding the prompt's first `num_tokens` tokens."""
         num_tokens = max(0, min(num_tokens, len(self.token_ids)))

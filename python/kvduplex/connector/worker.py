@@ -699,7 +699,7 @@ class DuplexWorker:
         if self._engine is None or self._tp_rank != 0:
             return
         try:
-            self._engine.expect_turn(turn.request_id, list(turn.fingerprints))
+            self._engine.expect_turn(turn.request_id, turn.end)
         except ValueError as exc:
             logger.warning("Request %s's turn is not expected: %s", turn.request_id, exc)
 

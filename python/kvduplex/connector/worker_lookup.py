@@ -228,6 +228,7 @@ def _ask(engine: _core.Engine, targets: list[tuple[str, int]], spec: md.LookupSp
         list(spec.fingerprints),
         max(0.0, spec.deadline - time.monotonic()),
         request_id=spec.owner_request_id,
+        continues=spec.continues,
     )
 
 

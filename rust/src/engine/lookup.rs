@@ -38,6 +38,8 @@ pub const NOT_YET_MAX_RETRY: Duration = Duration::from_millis(64);
 pub(super) struct LookupQuestion {
     pub(super) fingerprints: Vec<BlockFingerprint>,
     pub(super) request_id: Option<String>,
+    /// The end of the prompt handed to a decode node that this lookup's prompt continues.
+    pub(super) continues: Option<BlockFingerprint>,
     /// A "not yet" is asked again until then.
     pub(super) retry_until: Instant,
 }
@@ -131,6 +133,7 @@ impl LookupFanOut {
         peer.link.send_lookup(
             question.fingerprints.clone(),
             question.request_id.clone(),
+            question.continues,
             timeout,
             on_reply,
         );
@@ -182,9 +185,9 @@ pub(super) fn lookup_handler(
             }
             None => {
                 let mut book = lock(&holds);
-                if book.awaited(&request.fingerprints) {
+                if book.awaited(&request.fingerprints, request.continues) {
                     drop(book);
-                    log::debug!("lookup from {reader}: a turn it extends is not held yet");
+                    log::debug!("lookup from {reader}: the turn it continues is not held yet");
                     return LookupReply { id: request.id, found: None, not_yet: true };
                 }
                 let found = book.lookup(reader, &request.fingerprints, claim, Instant::now());
@@ -207,14 +210,14 @@ pub(super) fn lookup_handler(
 /// The targets a lookup need not ask, each with its owner's engine id: without a named hold,
 /// those [`HeldIndex::narrow`] passes over (synced owners that announced none of the prompt's
 /// longest announced prefix, while another announced it), and that have a live connection to
-/// answer for. A named hold's owner is always asked.
+/// answer for. With `ask_all` (a named hold, or a prompt continuing a handoff) all are asked.
 pub(super) fn unasked(
     shared: &Shared,
     addresses: &[String],
     fingerprints: &[BlockFingerprint],
-    named: bool,
+    ask_all: bool,
 ) -> Vec<Option<String>> {
-    if named {
+    if ask_all {
         return vec![None; addresses.len()];
     }
     let ask = lock(&shared.held_index).narrow(addresses, fingerprints);
@@ -308,8 +311,12 @@ mod tests {
     fn a_fan_out_takes_each_targets_first_answer_and_gives_up_on_the_silent_at_its_time() {
         let t0 = Instant::now();
         let gives_up_at = t0 + Duration::from_secs(10);
-        let question =
-            Arc::new(LookupQuestion { fingerprints: vec![1], request_id: None, retry_until: t0 });
+        let question = Arc::new(LookupQuestion {
+            fingerprints: vec![1],
+            request_id: None,
+            continues: None,
+            retry_until: t0,
+        });
         let answered = Arc::new(FeedWatch::default());
         let fan_out = LookupFanOut::new(
             vec!["a:1".to_owned(), "b:2".to_owned()],

@@ -282,69 +282,43 @@ fn index_is_cleaned_when_turns_are_freed() {
 }
 
 #[test]
-fn a_lookup_extending_a_turn_being_computed_is_awaited_until_the_turn_is_settled() {
+fn a_lookup_continuing_a_turn_being_computed_is_awaited_until_the_turn_is_settled() {
     let t0 = Instant::now();
     let mut book = book_with(&[("older", &[1])], t0);
-    assert_eq!(book.expect("turn", vec![1, 2]), Ok(()));
-    // The next turn's prompt extends the turn's prompt: ask again, even though an older turn
-    // holds part of it. The prompt itself, another prompt, or one an offered turn holds
-    // wholly are answered at once.
-    assert!(book.awaited(&[1, 2, 3]));
-    assert!(!book.awaited(&[1, 2]));
-    assert!(!book.awaited(&[9, 8, 3]));
-    assert!(!book.awaited(&[1]));
+    // The turn's prompt: blocks 1, 2 and a partial block, whose end is 20.
+    assert_eq!(book.expect("turn", 20), Ok(()));
+    // The next turn continues it: ask again, even though an older turn holds part of it. A
+    // lookup that names no end, or another, is answered at once.
+    assert!(book.awaited(&[1, 2, 3], Some(20)));
+    assert!(!book.awaited(&[1, 2, 3], None));
+    assert!(!book.awaited(&[1, 2, 3], Some(21)));
     assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
-    assert!(!book.awaited(&[1, 2, 3]), "held: nothing more to wait for");
-    assert!(book.awaited(&[1, 2, 3, 4]), "expected until settled");
+    assert!(!book.awaited(&[1, 2, 3], Some(20)), "held: nothing more to wait for");
+    assert!(book.awaited(&[1, 2, 3, 4], Some(20)), "expected until settled");
     assert!(book.settle("turn"));
     assert!(!book.settle("turn"));
-    assert!(!book.awaited(&[1, 2, 3, 4]));
+    assert!(!book.awaited(&[1, 2, 3, 4], Some(20)));
     let found = book.lookup("P", &[1, 2, 3, 4], CLAIM, t0).expect("the held turn");
     assert_eq!((found.owner_request_id.as_str(), found.matched_blocks), ("turn", 3));
     // Settled without a hold (aborted, or not offered): nothing is awaited.
-    assert_eq!(book.expect("gone", vec![5]), Ok(()));
-    assert!(book.awaited(&[5, 6]));
+    assert_eq!(book.expect("gone", 50), Ok(()));
+    assert!(book.awaited(&[5, 6], Some(50)));
     assert!(book.settle("gone"));
-    assert!(!book.awaited(&[5, 6]));
-    assert!(book.lookup("P", &[5, 6], CLAIM, t0).is_none());
+    assert!(!book.awaited(&[5, 6], Some(50)));
+    assert!(!book.awaited(&vec![5; MAX_FINGERPRINTS + 1], Some(50)));
 }
 
 #[test]
 fn expected_turns_are_bounded_and_a_held_request_is_not_expected() {
     let t0 = Instant::now();
     let mut book = book_with(&[("held", &[1])], t0);
-    assert_eq!(book.expect("held", vec![1]), Ok(()));
-    assert!(!book.awaited(&[1, 2]), "a held request is not expected again");
-    assert_eq!(
-        book.expect("long", vec![1; MAX_FINGERPRINTS + 1]),
-        Err(HoldError::TooManyFingerprints(MAX_FINGERPRINTS + 1))
-    );
-    assert_eq!(book.expect("no full block", vec![]), Ok(()));
-    assert!(!book.settle("no full block"));
+    assert_eq!(book.expect("held", 10), Ok(()));
+    assert!(!book.awaited(&[1, 2], Some(10)), "a held request is not expected again");
     for i in 0..MAX_EXPECTED as u64 {
-        assert_eq!(book.expect(&format!("r{i}"), vec![100 + i]), Ok(()));
+        assert_eq!(book.expect(&format!("r{i}"), 100 + i), Ok(()));
     }
-    assert_eq!(book.expect("one more", vec![7]), Err(HoldError::TooManyExpected));
-    assert_eq!(book.expect("r0", vec![100]), Ok(()), "expected already: left as it is");
+    assert_eq!(book.expect("one more", 7), Err(HoldError::TooManyExpected));
+    assert_eq!(book.expect("r0", 100), Ok(()), "expected already: left as it is");
     assert!(book.settle("r0"));
-    assert_eq!(book.expect("one more", vec![7]), Ok(()));
-}
-
-#[test]
-fn readers_are_told_a_turn_being_computed_as_held_until_it_is_settled() {
-    let t0 = Instant::now();
-    let mut book = HoldBook::new();
-    assert_eq!(book.expect("turn", vec![1, 2]), Ok(()));
-    let (cursor, snapshot) = book.held_since(None);
-    let mut held = snapshot[0].held.clone();
-    held.sort_unstable();
-    assert_eq!(held, vec![1, 2]);
-    // Held, then settled: readers see the turn before the prompt goes, never a gap.
-    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
-    assert!(book.settle("turn"));
-    let (_, updates) = book.held_since(Some(cursor));
-    assert_eq!(
-        updates,
-        vec![HeldUpdate { held: vec![1, 2, 3], freed: vec![1, 2], ..HeldUpdate::default() }]
-    );
+    assert_eq!(book.expect("one more", 7), Ok(()));
 }

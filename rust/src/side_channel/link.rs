@@ -242,6 +242,7 @@ impl PeerLink {
         &self,
         fingerprints: Vec<u64>,
         request_id: Option<String>,
+        continues: Option<u64>,
         timeout: Duration,
         on_reply: LookupReplyHandler,
     ) {
@@ -250,7 +251,7 @@ impl PeerLink {
         // Registered before sending, so a fast reply finds it.
         // A link that dies after this fails every waiting lookup, this one included.
         if let Err(e) = self.send(
-            &Frame::Lookup(LookupRequest { id, fingerprints, request_id }),
+            &Frame::Lookup(LookupRequest { id, fingerprints, request_id, continues }),
             "sending a lookup",
         ) {
             self.lookups.fail(id, e);
