@@ -409,6 +409,12 @@ impl Engine {
         lock(&self.shared.holds).evict(num_blocks, which, Instant::now())
     }
 
+    /// How many lookups this engine told to ask again so far, as it computed the turn they
+    /// continue ([`HoldBook::awaited`]).
+    pub fn lookups_awaited(&self) -> u64 {
+        lock(&self.shared.holds).num_awaited()
+    }
+
     /// Claims alive now over all holds, and the blocks held.
     pub fn hold_occupancy(&self) -> (usize, usize) {
         let holds = lock(&self.shared.holds);

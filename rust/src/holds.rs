@@ -197,6 +197,8 @@ pub struct HoldBook {
     num_claims: usize,
     /// Turns being computed that will be held when they finish ([`HoldBook::expect`]).
     expected: ExpectedTurns,
+    /// Lookups told to ask again so far ([`HoldBook::awaited`]).
+    awaited: u64,
     /// The lookup index's changes, announced to readers ([`HoldBook::held_since`]).
     log: ChangeLog,
 }
@@ -325,13 +327,20 @@ impl HoldBook {
     /// that ends with `continues`, whose turn is being computed here and will be held when it
     /// finishes, and no offered turn holds all of `fingerprints` yet.
     pub fn awaited(
-        &self,
+        &mut self,
         fingerprints: &[BlockFingerprint],
         continues: Option<BlockFingerprint>,
     ) -> bool {
-        continues.is_some_and(|end| self.expected.computing(end))
+        let awaited = continues.is_some_and(|end| self.expected.computing(end))
             && fingerprints.len() <= MAX_FINGERPRINTS
-            && self.longest_match(fingerprints).is_none_or(|(_, m)| m < fingerprints.len())
+            && self.longest_match(fingerprints).is_none_or(|(_, m)| m < fingerprints.len());
+        self.awaited += u64::from(awaited);
+        awaited
+    }
+
+    /// How many lookups [`HoldBook::awaited`] told to ask again so far.
+    pub fn num_awaited(&self) -> u64 {
+        self.awaited
     }
 
     /// The longest prefix of `fingerprints` that an offered turn holds, claimed for `reader`

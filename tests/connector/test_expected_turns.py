@@ -101,6 +101,8 @@ def test_a_lookup_continuing_a_turn_in_flight_waits_for_its_hold(tiny_config_dir
         finisher.join()
         assert match is not None and match.owner_request_id == "turn", match
         assert match.matched_blocks == 4 and time.monotonic() - asked_at >= 0.3
+        owner.get_transfer_results()
+        assert owner.get_kv_connector_stats().data["lookups_awaited"] >= 1
         # Settled without a hold: the lookup gets its answer (none) then, not at its deadline.
         owner.start_load_kv(DuplexConnectorMetadata(expected=[ExpectedTurn("gone", gone)]))
         threading.Timer(

@@ -47,6 +47,8 @@ COUNTERS: dict[str, str] = {
     "lookups_hinted": "Lookups asked of the one decode node a router's hint named",
     "lookups_indexed": "Lookups that left out decode nodes whose announcements say they hold none "
     "of the prompt",
+    "lookups_awaited": "Lookup asks this decode node answered \"not yet\": the turn their prompt "
+    "continues was still computed here (the prefill node asks again)",
     "lookups_ruled_out": "Requests not looked up because no decode node announced enough more "
     "of the prompt than the prefill node has to reach the lookup's threshold (prefilled in the "
     "step they arrived)",

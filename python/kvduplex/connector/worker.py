@@ -283,6 +283,7 @@ class DuplexWorker:
         self._loads_done: list[str] = []
         self._evictions_done = 0
         self._claims = 0
+        self._awaited = 0
         self._load_errors: set[int] = set()
         self._stats = DuplexConnectorStats()
         # Grants and lookups, TP rank 0's (`worker_lookup.py`).
@@ -732,13 +733,18 @@ class DuplexWorker:
             )
 
     def _record_occupancy(self) -> None:
-        """Claims alive on this engine's holds (TP rank 0), for the stats when it changes."""
+        """Claims alive on this engine's holds (TP rank 0), for the stats when it changes,
+        and the lookups it told to ask again since the last step."""
         if self._engine is None or self._tp_rank != 0:
             return
         claims, _ = self._engine.hold_occupancy()
         if claims != self._claims:
             self._claims = claims
             self._stats.set_gauge("claims", claims)
+        awaited = self._engine.lookups_awaited()
+        if awaited != self._awaited:
+            self._stats.add("lookups_awaited", awaited - self._awaited)
+            self._awaited = awaited
 
     def _take_notifications(self) -> None:
         if self._engine is None:

@@ -306,6 +306,7 @@ fn a_lookup_continuing_a_turn_being_computed_is_awaited_until_the_turn_is_settle
     assert!(book.settle("gone"));
     assert!(!book.awaited(&[5, 6], Some(50)));
     assert!(!book.awaited(&vec![5; MAX_FINGERPRINTS + 1], Some(50)));
+    assert_eq!(book.num_awaited(), 3, "each ask told to ask again is counted");
 }
 
 #[test]
