@@ -634,6 +634,35 @@ fn a_lookup_continuing_a_turn_the_owner_still_computes_waits_for_its_hold() {
     assert!(asked_at.elapsed() >= short - Duration::from_millis(100), "gave up before its timeout");
 }
 
+#[test]
+fn lookups_waiting_for_a_turn_in_flight_never_hold_up_another_answer_on_the_link() {
+    let (owner, reader) = owner_holding_a_turn_and_reader();
+    owner.expect_turn("in-flight", 500).unwrap();
+    let target = vec![("127.0.0.1".to_string(), owner.side_channel_addr().unwrap().port())];
+    connect(&reader, &owner).unwrap();
+    // Many next turns wait for the turn in flight, each asked again and again over one link.
+    let waiting: Vec<LookupFanOut> = (0..48)
+        .map(|i| {
+            let fps = vec![51, 52, 1000 + i];
+            reader.start_lookup(target.clone(), fps, None, Some(500), Duration::from_secs(8))
+        })
+        .collect();
+    // Long enough for their asks to be 64 ms apart (a link that waited between them would
+    // now wait 48 x 64 ms before reading the next reply).
+    std::thread::sleep(Duration::from_millis(1500));
+    // Another prompt's answer comes in one round trip, not after their waits.
+    let asked_at = Instant::now();
+    let found = only_answer(&reader.start_lookup(target, vec![11, 12], None, None, TIMEOUT)).1;
+    assert_eq!(found.map(|m| m.matched_blocks), Some(2));
+    let took = asked_at.elapsed();
+    assert!(took < Duration::from_millis(500), "held up for {took:?}");
+    assert!(waiting.iter().all(|fan_out| fan_out.answers()[0].is_none()), "still waiting");
+    owner.settle_turns(&["in-flight".to_string()]);
+    for fan_out in &waiting {
+        assert!(only_answer(fan_out).1.is_none(), "settled without a hold: nothing");
+    }
+}
+
 fn status_until_settled(
     reader: &Engine,
     host: &str,

@@ -41,7 +41,7 @@ use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChanne
 pub use crate::ucx::RegionMemory;
 use crate::ucx::{boot_id, ucx_tls_allows_cma, MemRegion, Probe, UcxError, Worker};
 use copier::CopyThreads;
-use lookup::{lookup_handler, unasked, BookFeed, LookupQuestion};
+use lookup::{lookup_handler, retry_loop, unasked, BookFeed, LookupQuestion};
 pub use lookup::{
     LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
 };
@@ -151,6 +151,8 @@ struct Shared {
     handshakes: Mutex<Vec<JoinHandle<()>>>,
     /// Read-done notifications for the notifier thread; `None` once the engine closes.
     outbox: Mutex<Option<mpsc::Sender<Outgoing>>>,
+    /// Lookups' asks to make again ([`lookup::retry_loop`]).
+    retries: mpsc::Sender<lookup::Retry>,
     stop: AtomicBool,
 }
 
@@ -202,6 +204,7 @@ impl Engine {
         );
         let holds = Arc::new(Mutex::new(HoldBook::new()));
         let (outbox, queue) = mpsc::channel();
+        let (retries, retry_queue) = mpsc::channel();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
         server.set_held_source(Arc::new(BookFeed::new(&holds)));
         let shared = Arc::new(Shared {
@@ -224,8 +227,16 @@ impl Engine {
             side_channel,
             handshakes: Mutex::new(Vec::new()),
             outbox: Mutex::new(Some(outbox)),
+            retries,
             stop: AtomicBool::new(false),
         });
+        // Not joined: it ends by itself once the engine and its lookups are gone.
+        std::thread::Builder::new()
+            .name("kvduplex-lookup-retry".into())
+            .spawn(move || retry_loop(&retry_queue))
+            .map_err(|e| {
+                EngineError::InvalidArgument(format!("cannot start the lookup retry thread: {e}"))
+            })?;
         let notifier_thread = std::thread::Builder::new()
             .name("kvduplex-notify".into())
             .spawn(move || send_notifications(&queue))
@@ -480,6 +491,7 @@ impl Engine {
             deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
             asked,
             Arc::clone(&self.shared.lookup_answers),
+            self.shared.retries.clone(),
         );
         for (index, (host, port)) in targets.into_iter().enumerate() {
             if let Some(owner) = unasked[index].take() {

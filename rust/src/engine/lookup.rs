@@ -4,8 +4,10 @@
 //! a reader keeps it in its [`HeldIndex`] ([`IndexFeed`]) and asks only the owners that may
 //! hold the prompt ([`unasked`]).
 
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::peer::{ready_peer, Peer};
@@ -27,10 +29,11 @@ pub struct LookupAnswer {
 /// lookup at its deadline and keeps polling, to hand back the claim of a reply that came late.
 pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
 
-/// A grant of a hold the owner has not taken yet is asked again after 2 ms, then after twice
-/// the previous wait up to 64 ms, until the grant's timeout (an owner takes a hold one engine
-/// step after answering its request, and a busy engine's step can take long: its workers were
-/// seen without a core for seconds on an overloaded host, where a shorter window missed pulls).
+/// A grant of a hold the owner has not taken yet, or a lookup of a turn it still computes, is
+/// asked again after 2 ms, then after twice the previous wait up to 64 ms, until its timeout
+/// (an owner takes a hold one engine step after the request ends, and a busy engine's step can
+/// take long: its workers were seen without a core for seconds on an overloaded host, where a
+/// shorter window missed pulls). The asks wait on the engine's retry thread ([`retry_loop`]).
 pub const NOT_YET_FIRST_RETRY: Duration = Duration::from_millis(2);
 pub const NOT_YET_MAX_RETRY: Duration = Duration::from_millis(64);
 
@@ -57,6 +60,8 @@ pub struct LookupFanOut {
     asked: usize,
     /// Moved by every answer of every lookup of the engine ([`super::Engine::lookup_answers`]).
     answered: Arc<FeedWatch>,
+    /// Where an ask answered "not yet" goes to be asked again ([`retry_loop`]).
+    retries: mpsc::Sender<Retry>,
 }
 
 impl LookupFanOut {
@@ -66,9 +71,11 @@ impl LookupFanOut {
         gives_up_at: Instant,
         asked: usize,
         answered: Arc<FeedWatch>,
+        retries: mpsc::Sender<Retry>,
     ) -> Self {
         let answers = Arc::new(Mutex::new(vec![None; addresses.len()]));
-        Self { addresses: Arc::new(addresses), question, answers, gives_up_at, asked, answered }
+        let addresses = Arc::new(addresses);
+        Self { addresses, question, answers, gives_up_at, asked, answered, retries }
     }
 
     /// How many targets were asked: the others could not hold the prompt, by what they
@@ -110,17 +117,22 @@ impl LookupFanOut {
     }
 
     /// Sends the lookup to `peer`, target `index`, without waiting for its reply; a "not yet"
-    /// is asked again (from the link's thread, after `retry`, see [`NOT_YET_FIRST_RETRY`])
-    /// until `retry_until`.
+    /// is asked again after `retry` (see [`NOT_YET_FIRST_RETRY`]) until `retry_until`, from
+    /// the engine's retry thread: the link's thread, which takes the reply, also reads the
+    /// owner's other replies and keeps the link's heartbeats, and never waits.
     pub(super) fn ask(&self, index: usize, peer: &Arc<Peer>, retry: Duration) {
         let (fan_out, again) = (self.clone(), Arc::downgrade(peer));
         let owner = peer.meta.engine_id.clone();
         let on_reply = Box::new(move |outcome: LookupOutcome| match outcome {
             Ok(reply) if reply.not_yet && Instant::now() + retry < fan_out.question.retry_until => {
-                std::thread::sleep(retry);
-                match again.upgrade() {
+                let retries = fan_out.retries.clone();
+                let (due, closed) = (Instant::now() + retry, fan_out.clone());
+                let ask = Box::new(move || match again.upgrade() {
                     Some(peer) => fan_out.ask(index, &peer, (retry * 2).min(NOT_YET_MAX_RETRY)),
                     None => fan_out.answer(index, Err("the owner went away".to_owned())),
+                });
+                if retries.send(Retry { due, ask }).is_err() {
+                    closed.answer(index, Err("the engine closed".to_owned()));
                 }
             }
             outcome => fan_out.answer(
@@ -137,6 +149,70 @@ impl LookupFanOut {
             timeout,
             on_reply,
         );
+    }
+}
+
+/// An ask to make again when it is due (an owner answered "not yet").
+pub(super) struct Retry {
+    pub(super) due: Instant,
+    pub(super) ask: Box<dyn FnOnce() + Send>,
+}
+
+/// A [`Retry`] in the queue, earliest (then first queued) first.
+struct Queued(Retry, u64);
+
+impl PartialEq for Queued {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Queued {}
+
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Queued {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // `BinaryHeap` pops the greatest: the earliest due is the greatest.
+        (other.0.due, other.1).cmp(&(self.0.due, self.1))
+    }
+}
+
+/// The engine's retry thread: makes each queued ask when it is due, in order. Ends once every
+/// sender is gone (the engine and its lookups) and nothing is queued.
+pub(super) fn retry_loop(queue: &mpsc::Receiver<Retry>) {
+    let mut queued: BinaryHeap<Queued> = BinaryHeap::new();
+    let mut next_seq = 0u64;
+    let mut senders_gone = false;
+    loop {
+        let now = Instant::now();
+        while queued.peek().is_some_and(|next| next.0.due <= now) {
+            if let Some(Queued(retry, _)) = queued.pop() {
+                (retry.ask)();
+            }
+        }
+        let wait = queued.peek().map(|next| next.0.due.saturating_duration_since(now));
+        let received = match (wait, senders_gone) {
+            (None, true) => return,
+            (Some(wait), true) => {
+                std::thread::sleep(wait);
+                continue;
+            }
+            (None, false) => queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            (Some(wait), false) => queue.recv_timeout(wait),
+        };
+        match received {
+            Ok(retry) => {
+                queued.push(Queued(retry, next_seq));
+                next_seq += 1;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => senders_gone = true,
+        }
     }
 }
 
@@ -324,6 +400,7 @@ mod tests {
             gives_up_at,
             2,
             Arc::clone(&answered),
+            mpsc::channel().0,
         );
         assert!(fan_out.answers_at(t0).iter().all(Option::is_none));
         fan_out.answer(0, Ok(("A".to_owned(), None)));
@@ -345,5 +422,28 @@ mod tests {
             (silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()),
             ("b:2", "the owner did not reply")
         );
+    }
+
+    #[test]
+    fn the_retry_thread_asks_again_in_due_order_and_ends_with_its_senders() {
+        let (retries, queue) = mpsc::channel();
+        let thread = std::thread::spawn(move || retry_loop(&queue));
+        let (done, asked) = mpsc::channel();
+        let t0 = Instant::now();
+        for (name, after_ms) in [("late", 60), ("early", 20), ("early-too", 20)] {
+            let done = done.clone();
+            let ask = Box::new(move || {
+                let _ = done.send((name, Instant::now()));
+            });
+            let due = t0 + Duration::from_millis(after_ms);
+            retries.send(Retry { due, ask }).unwrap();
+        }
+        drop(retries);
+        let order: Vec<(&str, Instant)> = (0..3).map(|_| asked.recv().unwrap()).collect();
+        let names: Vec<&str> = order.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["early", "early-too", "late"]);
+        assert!(order[2].1 >= t0 + Duration::from_millis(60), "not before it was due");
+        // Every sender gone and nothing queued: the thread ends.
+        thread.join().unwrap();
     }
 }
