@@ -497,6 +497,18 @@ fn all_answers(fan_out: &LookupFanOut) -> Vec<(String, Option<LookupMatch>)> {
     }
 }
 
+/// Connects `reader` to every owner; their side channels, as lookup targets.
+fn connect_all(reader: &Engine, owners: &[TestEngine]) -> Vec<(String, u16)> {
+    let targets = owners
+        .iter()
+        .map(|o| ("127.0.0.1".to_string(), o.side_channel_addr().unwrap().port()))
+        .collect();
+    for owner in owners {
+        connect(reader, owner).unwrap();
+    }
+    targets
+}
+
 #[test]
 fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     let buf = || vec![3u8; BLOCK * BLOCKS];
@@ -507,13 +519,7 @@ fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     };
     // a holds its turn before the reader connects (its snapshot), b after (an update).
     turn(&owners[0], "turn-a", vec![11, 12]);
-    let targets: Vec<(String, u16)> = owners
-        .iter()
-        .map(|o| ("127.0.0.1".to_string(), o.side_channel_addr().unwrap().port()))
-        .collect();
-    for owner in &owners {
-        connect(&reader, owner).unwrap();
-    }
+    let targets = connect_all(&reader, &owners);
     turn(&owners[1], "turn-b", vec![21, 22, 23]);
     // Announcements take a moment: until they are in, owners are asked as before the index.
     let lookup =
@@ -573,13 +579,7 @@ fn a_lookup_continuing_a_turn_the_owner_still_computes_waits_for_its_hold() {
     let owners = [engine("a", "f32", buf()), engine("b", "f32", buf())];
     owners[0].hold("turn-0", HoldKind::Turn, 1, vec![11], vec![], TIMEOUT).unwrap();
     owners[1].expect_turn("turn-1", 120).unwrap();
-    let targets: Vec<(String, u16)> = owners
-        .iter()
-        .map(|o| ("127.0.0.1".to_string(), o.side_channel_addr().unwrap().port()))
-        .collect();
-    for owner in &owners {
-        connect(&reader, owner).unwrap();
-    }
+    let targets = connect_all(&reader, &owners);
     // Once a's announcement is in, a lookup that names no handoff asks a alone; one that
     // continues a handoff asks every owner (the one computing the turn announced none of it).
     let deadline = Instant::now() + Duration::from_secs(10);
