@@ -3,8 +3,13 @@
 
 use super::*;
 
+/// How long a link that seems silent reads its socket before it calls the peer gone.
+const LATE_FRAME_WAIT: Duration = Duration::from_millis(1);
+
 /// Runs an established link until it ends; returns why it ended. Pings only keep the link
-/// alive; every other frame goes to `on_frame`.
+/// alive; every other frame goes to `on_frame`. Silence is the socket's, not this thread's: a
+/// thread that went without a core past the peer's heartbeats reads what the peer sent
+/// meanwhile before it calls the peer gone.
 pub(super) fn run_link(
     reader: &mut FrameReader,
     mut liveness: Liveness,
@@ -13,29 +18,38 @@ pub(super) fn run_link(
 ) -> HandshakeError {
     loop {
         let now = Instant::now();
-        match liveness.poll(now) {
+        let read = match liveness.poll(now) {
             LivenessAction::Dead { silent_for } => {
-                return HandshakeError::PeerGone(format!(
-                    "no frame for {silent_for:?}, {} of the peer's heartbeats",
-                    Liveness::MISSED_HEARTBEATS
-                ))
+                match reader.read_frame_within(LATE_FRAME_WAIT) {
+                    Ok(None) => {
+                        return HandshakeError::PeerGone(format!(
+                            "no frame for {silent_for:?}, {} of the peer's heartbeats",
+                            Liveness::MISSED_HEARTBEATS
+                        ))
+                    }
+                    read => read,
+                }
             }
             LivenessAction::SendPing => match send_ping() {
-                Ok(()) => liveness.on_ping_sent(now),
+                Ok(()) => {
+                    liveness.on_ping_sent(now);
+                    continue;
+                }
                 Err(e) => return e,
             },
-            LivenessAction::Wait(wait) => match reader.read_frame_within(wait) {
-                Ok(Some(frame)) => {
-                    liveness.on_frame_received(Instant::now());
-                    if !matches!(frame, Frame::Ping) {
-                        if let Err(e) = on_frame(frame) {
-                            return e;
-                        }
+            LivenessAction::Wait(wait) => reader.read_frame_within(wait),
+        };
+        match read {
+            Ok(Some(frame)) => {
+                liveness.on_frame_received(Instant::now());
+                if !matches!(frame, Frame::Ping) {
+                    if let Err(e) = on_frame(frame) {
+                        return e;
                     }
                 }
-                Ok(None) => {}
-                Err(e) => return e,
-            },
+            }
+            Ok(None) => {}
+            Err(e) => return e,
         }
     }
 }
@@ -172,4 +186,44 @@ pub(super) fn frame_auths(
         Direction::ServerToClient => Direction::ClientToServer,
     };
     Ok((FrameAuth::new(secret, ours, transcript)?, FrameAuth::new(secret, theirs, transcript)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+
+    use super::*;
+    use crate::handshake::wire::encode_frame;
+
+    /// A link whose reader last heard the peer `silent` ago, and the peer's end of it.
+    fn link_silent_for(silent: Duration) -> (FrameReader, Liveness, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let now = Instant::now();
+        let heard = now.checked_sub(silent).unwrap_or(now);
+        let heartbeat = Duration::from_millis(100);
+        (FrameReader::new(ours), Liveness::new(heard, heartbeat, heartbeat), peer)
+    }
+
+    #[test]
+    fn a_starved_reader_reads_what_the_peer_sent_before_calling_it_gone() {
+        let (mut reader, liveness, mut peer) = link_silent_for(Duration::from_secs(5));
+        peer.write_all(&encode_frame(&Frame::Ping).unwrap()).unwrap();
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(peer);
+        });
+        let end = run_link(&mut reader, liveness, || Ok(()), |_| Ok(()));
+        closer.join().unwrap();
+        assert!(end.to_string().contains("closed"), "{end}");
+    }
+
+    #[test]
+    fn a_silent_peer_is_gone_after_its_heartbeats() {
+        let (mut reader, liveness, _peer) = link_silent_for(Duration::from_secs(5));
+        let end = run_link(&mut reader, liveness, || Ok(()), |_| Ok(()));
+        assert!(end.to_string().contains("no frame for"), "{end}");
+    }
 }
