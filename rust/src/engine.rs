@@ -160,6 +160,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     progress_thread: Option<JoinHandle<()>>,
     notifier_thread: Option<JoinHandle<()>>,
+    retry_thread: Option<JoinHandle<()>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -230,10 +231,14 @@ impl Engine {
             retries,
             stop: AtomicBool::new(false),
         });
-        // Not joined: it ends by itself once the engine and its lookups are gone.
-        std::thread::Builder::new()
+        let weak = Arc::downgrade(&shared);
+        let retry_thread = std::thread::Builder::new()
             .name("kvduplex-lookup-retry".into())
-            .spawn(move || retry_loop(&retry_queue))
+            .spawn(move || {
+                retry_loop(&retry_queue, || {
+                    weak.upgrade().is_none_or(|shared| shared.stop.load(Ordering::Acquire))
+                })
+            })
             .map_err(|e| {
                 EngineError::InvalidArgument(format!("cannot start the lookup retry thread: {e}"))
             })?;
@@ -254,6 +259,7 @@ impl Engine {
             shared,
             progress_thread: Some(progress_thread),
             notifier_thread: Some(notifier_thread),
+            retry_thread: Some(retry_thread),
         })
     }
 
@@ -530,6 +536,10 @@ impl Engine {
         }
         self.shared.worker.wake();
         if let Some(t) = self.progress_thread.take() {
+            let _ = t.join();
+        }
+        // Asks no owner again (within `RETRY_STOP_POLL`); the lookups' links close below.
+        if let Some(t) = self.retry_thread.take() {
             let _ = t.join();
         }
         // Delivers what is queued (each write bounded by the side channel's write timeout)

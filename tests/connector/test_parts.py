@@ -55,7 +55,7 @@ def _documented_chain(tokens, block_size, salt):
 def test_prompt_fingerprints_hash_each_block_once_and_equal_the_documented_chain():
     tokens = [1000 + i for i in range(45)] + [-3]
     prompt = PromptFingerprints(tokens, 16, "salt")
-    assert prompt.full_blocks == _documented_chain(tokens[:32], 16, "salt")
+    assert list(prompt.full_blocks) == _documented_chain(tokens[:32], 16, "salt")
     for n in range(len(tokens) + 1):
         assert prompt.of_prefix(n) == _documented_chain(tokens[:n], 16, "salt"), n
     assert block_fingerprints(tokens, 16, "salt") == _documented_chain(tokens, 16, "salt")

@@ -138,6 +138,8 @@ class FakeEngine:
         self.sampled_prompt = [11, 12, 13]
         # D: open a chat stream with vLLM's role-only chunk.
         self.role_chunk = False
+        # D: end a streamed answer's body this long after its last event (`data: [DONE]`).
+        self.stream_end_delay_s = 0.0
         # Hold each generation request's answer until this is set (None: answer at once).
         self.answer_gate: threading.Event | None = None
         self.port = 0
@@ -283,6 +285,7 @@ class FakeEngine:
             self.sent_chunks.append(chunk)
             yield chunk
             await asyncio.sleep(0)
+        await asyncio.sleep(self.stream_end_delay_s)
 
     def _stream_chunks(
         self, chat: bool | None, request_id: str, pieces: list[str],

@@ -230,6 +230,28 @@ def test_a_short_continuation_goes_to_the_d_that_served_its_history_alone(cluste
     assert proxy.proxy.decode.get(holder.address).computing_alone == 0
 
 
+def test_a_turn_sent_the_moment_its_stream_says_done_continues_it(cluster):
+    """A chat client's SDK ends a stream at `data: [DONE]` and may send its next turn before D's
+    response has ended: the proxy records the turn before it passes `[DONE]` on."""
+    p, d = cluster.engine("p"), cluster.engine("d")
+    d.stream_end_delay_s = 1.0
+    proxy = cluster.proxy([p], [d], local_continuation_max_chars=200, local_continuation_when="always")
+    request = proxy.client.build_request(
+        "POST", "/v1/chat/completions", json=chat(USER_1, stream=True)
+    )
+    first = proxy.client.send(request, stream=True)
+    try:
+        lines = first.iter_lines()
+        while next(lines).strip() != "data: [DONE]":
+            pass
+        second = post_chat(proxy, chat(USER_1, ANSWER_1, USER_2, stream=True))
+    finally:
+        first.close()
+    assert second.headers["x-kvduplex-prefill"] == "none"
+    assert proxy.metric("kvduplex_proxy_local_continuations_total", result="local") == 1
+    assert len(p.bodies()) == 1
+
+
 def test_when_prefill_busy_a_continuation_goes_to_its_d_only_while_p_has_a_prefill_in_flight(
     cluster,
 ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -54,10 +55,11 @@ class PromptFingerprints:
         for start in range(0, len(token_ids) // block_size * stride, stride):
             self._digests.append(_digest(self._digests[-1], self._data[start : start + stride]))
 
-    @property
-    def full_blocks(self) -> list[str]:
-        """The fingerprints of the prompt's full blocks."""
-        return [digest.hex() for digest in self._digests[1:]]
+    @cached_property
+    def full_blocks(self) -> tuple[str, ...]:
+        """The fingerprints of the prompt's full blocks (made once: lookups, their copy of
+        the announcements and handoffs each read them)."""
+        return tuple(digest.hex() for digest in self._digests[1:])
 
     @property
     def end(self) -> str:

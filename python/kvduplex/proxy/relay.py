@@ -1,5 +1,6 @@
 """D's SSE stream on its way to the caller: lines passed through as they come, D's params lifted
-out (and remembered for the conversation's next turn once the stream completed), events
+out (and remembered for the conversation's next turn once the stream completed: before the
+caller has its `[DONE]`, at which a chat SDK ends the stream and may send the next turn), events
 rewritten where the stream continues a first token sent before (`first_token`)."""
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class SseParamsScanner:
         rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
     ):
         self.params: dict[str, Any] | None = None
+        self.done = False
+        """The stream's `data: [DONE]` has passed: a chat client's SDK ends its stream there."""
         self._rewrite = rewrite
         self._max_line_bytes = max_line_bytes
         self._partial = b""
@@ -84,13 +87,14 @@ class SseParamsScanner:
         if self._skipping_long_line:
             self._skipping_long_line = False
             return line
+        if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
+            self.done = True
+            return line
         if not line.startswith(b"data:") or (
             self._rewrite is None and _PARAMS_FIELD_JSON not in line
         ):
             return line
         body = line[5:].strip()
-        if body == b"[DONE]":
-            return line
         try:
             event = json.loads(body)
         except ValueError:
@@ -169,7 +173,7 @@ class StreamRelay:
     async def stream(self) -> AsyncIterator[bytes]:
         proxy, upstream = self._proxy, self._upstream
         scanner = SseParamsScanner(rewrite=self._rewrite)
-        completed = False
+        recorded = False
         try:
             first = True
             async for chunk in self._response.aiter_bytes():
@@ -180,12 +184,19 @@ class StreamRelay:
                         time.perf_counter() - self._started
                     )
                 out = scanner.feed(chunk)
+                if scanner.done and not recorded:
+                    # Before the caller has `[DONE]`: its SDK ends the stream there, and may
+                    # send the next turn before D's response ends.
+                    recorded = True
+                    await self._record(scanner)
                 if out:
                     yield out
             tail = scanner.finish()
+            if not recorded:
+                recorded = True
+                await self._record(scanner)
             if tail:
                 yield tail
-            completed = True
         except httpx.TransportError as exc:
             proxy.decode.mark_failed(upstream, describe(exc))
             proxy.metrics.errors.labels("stream_aborted").inc()
@@ -199,10 +210,12 @@ class StreamRelay:
             )
         finally:
             await self.close()
-        if completed:
-            # Stored before the stream ends, so a caller's next turn always finds the entry.
-            proxy.served(self._turn, upstream)
-            await proxy.remember(self._key, upstream, scanner.params)
+
+    async def _record(self, scanner: SseParamsScanner) -> None:
+        """D answered the turn whole: stored before the caller sees the stream end, so that
+        its next turn always finds the entry (the served history, D's params)."""
+        self._proxy.served(self._turn, self._upstream)
+        await self._proxy.remember(self._key, self._upstream, scanner.params)
 
 
 class RelayResponse(StreamingResponse):

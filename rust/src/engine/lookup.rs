@@ -182,30 +182,38 @@ impl Ord for Queued {
     }
 }
 
-/// The engine's retry thread: makes each queued ask when it is due, in order. Ends once every
-/// sender is gone (the engine and its lookups) and nothing is queued.
-pub(super) fn retry_loop(queue: &mpsc::Receiver<Retry>) {
+/// How often the retry thread checks whether its engine closed, at the least.
+const RETRY_STOP_POLL: Duration = Duration::from_millis(50);
+
+/// The engine's retry thread: makes each queued ask when it is due, in order, until `stopped`
+/// (the engine closed: what is queued is dropped, and the lookups' owners are not asked again)
+/// or every sender is gone and nothing is queued.
+pub(super) fn retry_loop(queue: &mpsc::Receiver<Retry>, stopped: impl Fn() -> bool) {
     let mut queued: BinaryHeap<Queued> = BinaryHeap::new();
     let mut next_seq = 0u64;
     let mut senders_gone = false;
     loop {
+        if stopped() {
+            return;
+        }
         let now = Instant::now();
         while queued.peek().is_some_and(|next| next.0.due <= now) {
             if let Some(Queued(retry, _)) = queued.pop() {
                 (retry.ask)();
             }
         }
-        let wait = queued.peek().map(|next| next.0.due.saturating_duration_since(now));
-        let received = match (wait, senders_gone) {
-            (None, true) => return,
-            (Some(wait), true) => {
-                std::thread::sleep(wait);
-                continue;
+        let wait = queued
+            .peek()
+            .map_or(RETRY_STOP_POLL, |next| next.0.due.saturating_duration_since(now))
+            .min(RETRY_STOP_POLL);
+        if senders_gone {
+            if queued.is_empty() {
+                return;
             }
-            (None, false) => queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            (Some(wait), false) => queue.recv_timeout(wait),
-        };
-        match received {
+            std::thread::sleep(wait);
+            continue;
+        }
+        match queue.recv_timeout(wait) {
             Ok(retry) => {
                 queued.push(Queued(retry, next_seq));
                 next_seq += 1;
@@ -427,7 +435,7 @@ mod tests {
     #[test]
     fn the_retry_thread_asks_again_in_due_order_and_ends_with_its_senders() {
         let (retries, queue) = mpsc::channel();
-        let thread = std::thread::spawn(move || retry_loop(&queue));
+        let thread = std::thread::spawn(move || retry_loop(&queue, || false));
         let (done, asked) = mpsc::channel();
         let t0 = Instant::now();
         for (name, after_ms) in [("late", 60), ("early", 20), ("early-too", 20)] {
@@ -445,5 +453,24 @@ mod tests {
         assert!(order[2].1 >= t0 + Duration::from_millis(60), "not before it was due");
         // Every sender gone and nothing queued: the thread ends.
         thread.join().unwrap();
+    }
+
+    #[test]
+    fn the_retry_thread_ends_when_its_engine_closes_and_asks_nothing_more() {
+        let (retries, queue) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            retry_loop(&queue, || stopped.load(std::sync::atomic::Ordering::Acquire))
+        });
+        let (done, asked) = mpsc::channel::<()>();
+        let due = Instant::now() + Duration::from_millis(300);
+        let ask = Box::new(move || done.send(()).unwrap());
+        retries.send(Retry { due, ask }).unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        // Ends within its poll though a sender lives and an ask is queued.
+        thread.join().unwrap();
+        assert!(asked.recv().is_err(), "the queued ask was dropped, never made");
+        drop(retries);
     }
 }
