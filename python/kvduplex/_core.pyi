@@ -209,11 +209,9 @@ class Engine:
         `unread_prompts_s`: those no reader has claimed for that many seconds), least recently
         used first, until `num_blocks` blocks were freed or none is left; returns the holds
         freed. Raises ValueError for an `unread_prompts_s` that is negative or not finite."""
-    def lookups_awaited(self) -> int:
-        """How many lookups this engine told to ask again so far, as it computed the turn
-        they continue (see `expect_turn`)."""
-    def hold_occupancy(self) -> tuple[int, int]:
-        """(claims alive now, blocks held) on this engine's hold book."""
+    def hold_occupancy(self) -> tuple[int, int, int]:
+        """(claims alive now, blocks held, lookups told to ask again so far, as this engine
+        computed the turn they continue: see `expect_turn`) on this engine's hold book."""
     def start_lookup(
         self,
         targets: Sequence[tuple[str, int]],

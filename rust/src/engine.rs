@@ -426,16 +426,12 @@ impl Engine {
         lock(&self.shared.holds).evict(num_blocks, which, Instant::now())
     }
 
-    /// How many lookups this engine told to ask again so far, as it computed the turn they
-    /// continue ([`HoldBook::awaited`]).
-    pub fn lookups_awaited(&self) -> u64 {
-        lock(&self.shared.holds).num_awaited()
-    }
-
-    /// Claims alive now over all holds, and the blocks held.
-    pub fn hold_occupancy(&self) -> (usize, usize) {
+    /// Claims alive now over all holds, the blocks held, and how many lookups this engine
+    /// told to ask again so far, as it computed the turn they continue
+    /// ([`HoldBook::awaited`]).
+    pub fn hold_occupancy(&self) -> (usize, usize, u64) {
         let holds = lock(&self.shared.holds);
-        (holds.num_claims(), holds.held_blocks())
+        (holds.num_claims(), holds.held_blocks(), holds.num_awaited())
     }
 
     /// Moved by every answer to this engine's lookups: a caller waiting on several at once
@@ -538,7 +534,9 @@ impl Engine {
         if let Some(t) = self.progress_thread.take() {
             let _ = t.join();
         }
-        // Asks no owner again (within `RETRY_STOP_POLL`); the lookups' links close below.
+        // Woken to see the engine closed, it asks no owner again; the lookups' links close below.
+        let _ =
+            self.shared.retries.send(lookup::Retry { due: Instant::now(), ask: Box::new(|| ()) });
         if let Some(t) = self.retry_thread.take() {
             let _ = t.join();
         }

@@ -489,14 +489,9 @@ impl Engine {
         self.with(py, |e| Ok(e.evict_holds(num_blocks, which)))
     }
 
-    /// How many lookups this engine told to ask again so far, as it computed the turn they
-    /// continue.
-    fn lookups_awaited(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with(py, |e| Ok(e.lookups_awaited()))
-    }
-
-    /// (claims alive now, blocks held) on this engine's hold book.
-    fn hold_occupancy(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+    /// (claims alive now, blocks held, lookups told to ask again so far) on this engine's
+    /// hold book.
+    fn hold_occupancy(&self, py: Python<'_>) -> PyResult<(usize, usize, u64)> {
         self.with(py, |e| Ok(e.hold_occupancy()))
     }
 

@@ -737,11 +737,10 @@ class DuplexWorker:
         and the lookups it told to ask again since the last step."""
         if self._engine is None or self._tp_rank != 0:
             return
-        claims, _ = self._engine.hold_occupancy()
+        claims, _, awaited = self._engine.hold_occupancy()
         if claims != self._claims:
             self._claims = claims
             self._stats.set_gauge("claims", claims)
-        awaited = self._engine.lookups_awaited()
         if awaited != self._awaited:
             self._stats.add("lookups_awaited", awaited - self._awaited)
             self._awaited = awaited

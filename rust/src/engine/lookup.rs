@@ -182,12 +182,10 @@ impl Ord for Queued {
     }
 }
 
-/// How often the retry thread checks whether its engine closed, at the least.
-const RETRY_STOP_POLL: Duration = Duration::from_millis(50);
-
 /// The engine's retry thread: makes each queued ask when it is due, in order, until `stopped`
-/// (the engine closed: what is queued is dropped, and the lookups' owners are not asked again)
-/// or every sender is gone and nothing is queued.
+/// (checked at every wake-up: the engine's close sends a no-op [`Retry`] to wake it, and what
+/// is queued is then dropped, no owner asked again) or every sender is gone and nothing is
+/// queued. It sleeps while nothing is queued.
 pub(super) fn retry_loop(queue: &mpsc::Receiver<Retry>, stopped: impl Fn() -> bool) {
     let mut queued: BinaryHeap<Queued> = BinaryHeap::new();
     let mut next_seq = 0u64;
@@ -202,18 +200,17 @@ pub(super) fn retry_loop(queue: &mpsc::Receiver<Retry>, stopped: impl Fn() -> bo
                 (retry.ask)();
             }
         }
-        let wait = queued
-            .peek()
-            .map_or(RETRY_STOP_POLL, |next| next.0.due.saturating_duration_since(now))
-            .min(RETRY_STOP_POLL);
-        if senders_gone {
-            if queued.is_empty() {
-                return;
+        let wait = queued.peek().map(|next| next.0.due.saturating_duration_since(now));
+        let received = match (wait, senders_gone) {
+            (None, true) => return,
+            (Some(wait), true) => {
+                std::thread::sleep(wait);
+                continue;
             }
-            std::thread::sleep(wait);
-            continue;
-        }
-        match queue.recv_timeout(wait) {
+            (None, false) => queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            (Some(wait), false) => queue.recv_timeout(wait),
+        };
+        match received {
             Ok(retry) => {
                 queued.push(Queued(retry, next_seq));
                 next_seq += 1;
@@ -468,7 +465,9 @@ mod tests {
         let ask = Box::new(move || done.send(()).unwrap());
         retries.send(Retry { due, ask }).unwrap();
         stop.store(true, std::sync::atomic::Ordering::Release);
-        // Ends within its poll though a sender lives and an ask is queued.
+        // Woken as the engine's close wakes it, it ends though a sender lives and an ask is
+        // queued.
+        retries.send(Retry { due: Instant::now(), ask: Box::new(|| ()) }).unwrap();
         thread.join().unwrap();
         assert!(asked.recv().is_err(), "the queued ask was dropped, never made");
         drop(retries);
