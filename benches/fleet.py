@@ -66,7 +66,7 @@ def owner(index: int, fleet: int, turns: int, blocks: int) -> None:
     engine.set_layout([ctypes.addressof(buffer)], 4096, 4096, 4)
     for t in range(turns):
         conversation = index + t * fleet
-        engine.hold(f"turn-{conversation}", 4, 3600.0,
+        engine.hold(f"turn-{conversation}", 4, time.time() + 3600,
                     fingerprints=fingerprints(conversation, blocks), turn=True, offer=b"{}")
     print(json.dumps({"port": engine.side_channel_port, "pid": os.getpid()}), flush=True)
     # Take the readers' releases every 10 ms (an engine step would), until stdin closes.

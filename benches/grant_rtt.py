@@ -35,7 +35,7 @@ def owner(blocks: int, rounds: int) -> None:
     engine.set_layout([ctypes.addressof(buffer)], 4096, 4096, 4)
     fingerprints = [f"{i + 1:016x}" for i in range(blocks)]
     for i in range(rounds):
-        engine.hold(f"turn-{i}", 4, 600.0, fingerprints=fingerprints, turn=True, offer=b"{}")
+        engine.hold(f"turn-{i}", 4, time.time() + 600, fingerprints=fingerprints, turn=True, offer=b"{}")
     print(json.dumps({"port": engine.side_channel_port}), flush=True)
     # Take the readers' releases as an engine step would, until stdin closes.
     while not select.select([sys.stdin], [], [], 0.001)[0] or sys.stdin.readline():

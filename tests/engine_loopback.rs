@@ -326,7 +326,7 @@ fn owner_holding_a_turn_and_reader() -> (TestEngine, TestEngine) {
             3,
             vec![11, 12, 13],
             b"params".to_vec(),
-            Duration::from_secs(60),
+            Instant::now() + Duration::from_secs(60),
         )
         .unwrap();
     (owner, reader)
@@ -412,7 +412,7 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
                     3,
                     vec![11, 12, 13],
                     b"params".to_vec(),
-                    Duration::from_secs(60),
+                    Instant::now() + Duration::from_secs(60),
                 )
                 .unwrap();
         });
@@ -515,7 +515,8 @@ fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     let reader = engine("reader", "f32", buf());
     let owners = [engine("a", "f32", buf()), engine("b", "f32", buf()), engine("c", "f32", buf())];
     let turn = |owner: &Engine, id: &str, fps: Vec<u64>| {
-        owner.hold(id, HoldKind::Turn, fps.len(), fps, vec![], Duration::from_secs(60)).unwrap()
+        let lease_ends = Instant::now() + Duration::from_secs(60);
+        owner.hold(id, HoldKind::Turn, fps.len(), fps, vec![], lease_ends).unwrap()
     };
     // a holds its turn before the reader connects (its snapshot), b after (an update).
     turn(&owners[0], "turn-a", vec![11, 12]);
@@ -577,7 +578,9 @@ fn a_lookup_continuing_a_turn_the_owner_still_computes_waits_for_its_hold() {
     // with 120), and holds it late: a turn ended on a stop string is finished by an abort that
     // comes after the client has it.
     let owners = [engine("a", "f32", buf()), engine("b", "f32", buf())];
-    owners[0].hold("turn-0", HoldKind::Turn, 1, vec![11], vec![], TIMEOUT).unwrap();
+    owners[0]
+        .hold("turn-0", HoldKind::Turn, 1, vec![11], vec![], Instant::now() + TIMEOUT)
+        .unwrap();
     owners[1].expect_turn("turn-1", 120).unwrap();
     let targets = connect_all(&reader, &owners);
     // Once a's announcement is in, a lookup that names no handoff asks a alone; one that
@@ -595,7 +598,8 @@ fn a_lookup_continuing_a_turn_the_owner_still_computes_waits_for_its_hold() {
         scope.spawn(|| {
             std::thread::sleep(Duration::from_millis(300));
             let turn = vec![11, 12, 13, 14];
-            owners[1].hold("turn-1", HoldKind::Turn, 4, turn, vec![], TIMEOUT).unwrap();
+            let lease_ends = Instant::now() + TIMEOUT;
+            owners[1].hold("turn-1", HoldKind::Turn, 4, turn, vec![], lease_ends).unwrap();
             owners[1].settle_turns(&["turn-1".to_string()]);
         });
         let found: Vec<Option<u32>> = all_answers(&fan_out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import time
 from pathlib import Path
 
 import pytest
@@ -135,4 +136,4 @@ def test_defaults_the_extension_cannot_spell_are_the_stubs():
         assert engine.side_channel_host == init["host"]
         hold = {name: default for name, _, default in _stub_parameters(stub_methods["hold"])}
         assert hold["offer"] == b""
-        engine.hold("r", 1, 30.0, fingerprints=["0" * 16], turn=True)  # offer left out: b""
+        engine.hold("r", 1, time.time() + 30, fingerprints=["0" * 16], turn=True)  # offer left out: b""

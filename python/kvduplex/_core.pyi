@@ -177,14 +177,15 @@ class Engine:
         self,
         request_id: str,
         num_blocks: int,
-        ttl_s: float,
+        lease_expiry: float,
         *,
         fingerprints: Sequence[str],
         turn: bool,
         offer: bytes = b"",
     ) -> None:
         """Hold a finished request's blocks, whose tokens have `fingerprints` (16 hex
-        characters per block), for readers for `ttl_s`. A reader is granted the leading blocks
+        characters per block), for readers until `lease_expiry` (seconds since the Unix epoch;
+        one already past ends the hold at the next `expire_holds`). A reader is granted the leading blocks
         whose fingerprints equal its own, with a claim and `offer`. `turn=False`: a prefill
         node's prompt for its decode node, granted by name only and ended once a reader
         releases its claim; `turn=True`: a decode node's finished turn, also found by lookups

@@ -29,6 +29,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::clock::deadline_after;
 use crate::descriptors::{BlockLayout, PlanError, RegionBounds};
 use crate::handshake::{
     new_generation, EngineMetadata, Fingerprint, HandshakeError, PeerTable, RegionInfo,
@@ -373,8 +374,8 @@ impl Engine {
     }
 
     /// Holds `request_id`'s `num_blocks` blocks, whose tokens have `fingerprints`, for readers
-    /// for `ttl`; a reader is granted them against its own fingerprints and gets `offer`
-    /// (see [`HoldBook`]).
+    /// until `lease_ends` (one already past ends at the next [`Engine::expire_holds`]); a
+    /// reader is granted them against its own fingerprints and gets `offer` (see [`HoldBook`]).
     pub fn hold(
         &self,
         request_id: &str,
@@ -382,17 +383,12 @@ impl Engine {
         num_blocks: usize,
         fingerprints: Vec<BlockFingerprint>,
         offer: Vec<u8>,
-        ttl: Duration,
+        lease_ends: Instant,
     ) -> Result<(), EngineError> {
-        Ok(lock(&self.shared.holds).hold(
-            request_id,
-            kind,
-            num_blocks,
-            fingerprints,
-            offer,
-            ttl,
-            Instant::now(),
-        )?)
+        let mut holds = lock(&self.shared.holds);
+        let now = Instant::now();
+        let ttl = lease_ends.saturating_duration_since(now);
+        Ok(holds.hold(request_id, kind, num_blocks, fingerprints, offer, ttl, now)?)
     }
 
     /// Expects `request_id`'s turn, being computed, to be held when it finishes (`end`: its
@@ -589,13 +585,4 @@ impl Drop for Engine {
 
 fn bounds(regions: &[Arc<MemRegion>]) -> Vec<RegionBounds> {
     regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect()
-}
-
-/// `now + timeout`, or a year from now when that overflows the clock (a timeout that large is
-/// as good as none, and must not panic).
-pub(crate) fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
-        .unwrap_or(now)
 }

@@ -30,6 +30,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::clock::later;
+
 mod expected;
 pub mod feed;
 
@@ -249,7 +251,7 @@ impl HoldBook {
             }
             self.log.held(fingerprints.clone());
         }
-        let lease_ends = now.checked_add(ttl).unwrap_or_else(|| far_future(now));
+        let lease_ends = later(now, ttl);
         self.held.insert(
             request_id.to_owned(),
             Held {
@@ -397,7 +399,7 @@ impl HoldBook {
     ) -> LookupMatch {
         let claim_id = self.next_claim;
         self.next_claim += 1;
-        let deadline = now.checked_add(claim_for).unwrap_or_else(|| far_future(now));
+        let deadline = later(now, claim_for);
         let held = self.held.get_mut(&request_id).expect("a claimed hold is held");
         held.claims.insert(claim_id, Claim { reader: reader.to_owned(), deadline });
         held.last_used = now;
@@ -533,7 +535,7 @@ impl HoldBook {
                 self.ended_ids.remove(&oldest);
             }
         }
-        let keep_until = now.checked_add(ENDED_KEEP).unwrap_or_else(|| far_future(now));
+        let keep_until = later(now, ENDED_KEEP);
         self.ended.push_back((request_id.to_owned(), keep_until));
         self.ended_ids.insert(request_id.to_owned());
     }
@@ -547,11 +549,6 @@ impl HoldBook {
             self.ended.pop_front();
         }
     }
-}
-
-/// A deadline that never comes in practice, for durations that overflow `Instant`.
-fn far_future(now: Instant) -> Instant {
-    now + Duration::from_secs(100 * 365 * 24 * 3600)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! announces what it holds, and a reader's [`held_index`] asks only the owners that may hold a
 //! prompt.
 
+mod clock;
 pub mod descriptors;
 pub mod engine;
 pub mod handshake;

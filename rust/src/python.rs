@@ -418,22 +418,30 @@ impl Engine {
     /// Holds a request's blocks for readers: `turn=False`, a prefill node's prompt for its
     /// decode node (granted by name, ends once read); `turn=True`, a decode node's finished
     /// turn (also found by lookups, evictable).
-    #[pyo3(signature = (request_id, num_blocks, ttl_s, *, fingerprints, turn, offer=Vec::new()))]
+    /// The lease ends at `lease_expiry`, the moment (Unix seconds) the scheduler announced to
+    /// readers and wakes an idle engine at: it is turned into a time left only here, next to
+    /// the hold book's own clock, so the hold has ended whenever that wake-up's step looks.
+    #[pyo3(signature = (request_id, num_blocks, lease_expiry, *, fingerprints, turn, offer=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn hold(
         &self,
         py: Python<'_>,
         request_id: String,
         num_blocks: usize,
-        ttl_s: f64,
+        lease_expiry: f64,
         fingerprints: Vec<String>,
         turn: bool,
         offer: Vec<u8>,
     ) -> PyResult<()> {
-        let ttl = seconds("ttl_s", ttl_s)?;
+        if !lease_expiry.is_finite() {
+            return Err(PyValueError::new_err(format!(
+                "lease_expiry must be a finite time in seconds since the Unix epoch, got {lease_expiry}"
+            )));
+        }
         let fingerprints = parse_fingerprints(&fingerprints)?;
         let kind = if turn { HoldKind::Turn } else { HoldKind::ForDecode };
-        self.with(py, |e| e.hold(&request_id, kind, num_blocks, fingerprints, offer, ttl))
+        let lease_ends = crate::clock::instant_of_unix(lease_expiry);
+        self.with(py, |e| e.hold(&request_id, kind, num_blocks, fingerprints, offer, lease_ends))
     }
 
     /// Expect the turn `request_id` computes to be held when it finishes (`end`: the

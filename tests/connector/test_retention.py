@@ -1,9 +1,15 @@
-"""`retention.py`'s pure logic: orders, acknowledgements, pressure, wake times."""
+"""`retention.py`'s pure logic: orders, acknowledgements, pressure, wake times; and the hold
+book's lease end, which those wake times count on."""
 
 from __future__ import annotations
 
+import math
 import random
+import time
 
+import pytest
+
+from kvduplex import _core
 from kvduplex.connector import retention as retention_module
 from kvduplex.connector.retention import (
     IDLE_CHECK_S,
@@ -88,6 +94,27 @@ def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last():
     assert r.wake_at() == 10.5 + IDLE_CHECK_S
     r.freed("a")
     assert r.wake_at() is None and not r.step_due(100.0)
+
+
+def test_the_hold_book_has_ended_a_lease_when_the_scheduler_wakes_for_its_end():
+    """The scheduler wakes an idle engine at the lease end it announced (time.time()); the hold
+    book ends leases on its own clock. CI: the book's end came a moment after the wake-up's
+    step, which freed nothing, and the blocks waited for the next once-a-second step."""
+    fingerprints = ["0" * 16]
+    with _core.Engine("lease-clock", {"model": "none"}) as engine:
+        engine.hold("past", 1, time.time() - 0.5, fingerprints=fingerprints, turn=False)
+        engine.hold("far", 1, 1e300, fingerprints=fingerprints, turn=True)
+        with pytest.raises(ValueError, match="finite"):
+            engine.hold("nan", 1, math.nan, fingerprints=fingerprints, turn=True)
+        assert engine.expire_holds() == ["past"]
+        for attempt in range(20):
+            lease_expiry = time.time() + 0.02
+            engine.hold(f"soon-{attempt}", 1, lease_expiry, fingerprints=fingerprints, turn=False)
+            assert engine.expire_holds() == []
+            while time.time() < lease_expiry:  # the scheduler's step_due(now), to the microsecond
+                pass
+            assert engine.expire_holds() == [f"soon-{attempt}"], "the lease outlived its wake-up"
+        assert engine.hold_occupancy()[1] == 1  # "far" stays
 
 
 def test_blocks_needed_counts_running_growth_and_what_the_next_step_admits():

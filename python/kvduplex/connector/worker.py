@@ -680,8 +680,9 @@ class DuplexWorker:
                 hold.request_id,
                 hold.num_blocks,
                 # The moment the scheduler counts too (and the params announce), not a TTL
-                # from now: the scheduler wakes an idle engine then (`retention.py`).
-                max(1e-3, hold.lease_expiry - time.time()),
+                # from now: the scheduler wakes an idle engine then (`retention.py`), and
+                # the hold must have ended when that step looks.
+                hold.lease_expiry,
                 fingerprints=list(hold.fingerprints),
                 turn=hold.turn,
                 offer=hold.offer,

@@ -20,7 +20,8 @@ use super::copier::CopyQueue;
 use super::lookup::IndexFeed;
 #[allow(unused_imports)] // rustdoc links
 use super::Engine;
-use super::{deadline_after, lock, EngineError, Inflight, Shared};
+use super::{lock, EngineError, Inflight, Shared};
+use crate::clock::deadline_after;
 use crate::descriptors::{RegionBounds, RegionIndex};
 use crate::handshake::{
     ConnectDecision, EngineMetadata, HandshakeError, MemoryType, PeerState, SameHostIdentity,

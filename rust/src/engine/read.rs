@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::peer::{abort_peer, resolve, Peer, PostError};
-use super::{deadline_after, lock, Engine, EngineError, Shared};
+use super::{lock, Engine, EngineError, Shared};
+use crate::clock::deadline_after;
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockSlice};
 use crate::handshake::MemoryType;
 use crate::ucx::{BatchState, Read};

@@ -116,9 +116,7 @@ pub(super) struct Deadline {
 
 impl Deadline {
     pub(super) fn after(total: Duration) -> Self {
-        // A timeout too large for the clock is as good as none.
-        let at = Instant::now().checked_add(total).unwrap_or_else(far_future);
-        Self { at, total }
+        Self { at: deadline_after(total), total }
     }
 
     /// Time left, never zero; `Timeout` once the deadline has passed.
@@ -129,12 +127,6 @@ impl Deadline {
         }
         Ok(left)
     }
-}
-
-pub(super) fn far_future() -> Instant {
-    let year = Duration::from_secs(365 * 24 * 3600);
-    let now = Instant::now();
-    now.checked_add(year).unwrap_or(now)
 }
 
 /// Writes whole frames on an established connection, each followed by its tag when the

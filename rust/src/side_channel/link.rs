@@ -36,7 +36,7 @@ pub(super) struct PendingLookups {
 impl PendingLookups {
     pub(super) fn add(&self, id: u64, timeout: Duration, handler: LookupReplyHandler) {
         let now = Instant::now();
-        let deadline = now.checked_add(timeout).unwrap_or_else(far_future);
+        let deadline = later(now, timeout);
         // Sweeping here bounds the map by the lookups sent within one timeout, however
         // silent the owner.
         self.expire(now);

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use log::{info, warn};
 
+use crate::clock::{deadline_after, later};
 use crate::handshake::auth::{self, Direction, FrameAuth};
 use crate::handshake::peers::{Liveness, LivenessAction};
 use crate::handshake::wire::{
