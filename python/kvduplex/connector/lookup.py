@@ -183,14 +183,18 @@ class Lookups:
             threshold = (
                 self._threshold if named is not None else lambda: self._lookup_threshold(request)
             )
-            if timeout_s > 0 and self._worthwhile(request, num_computed_tokens, end, threshold):
-                if named is None and _lookup_hint(request) is None:
-                    # (A router's hint says a decode node holds it, announced or not.)
-                    prompt = prompt_fingerprints(request, self._block_size)
-                    if self._ruled_out(prompt, num_computed_tokens, threshold()):
-                        timeout_s = 0.0
-            else:
+            gain = (
+                self._gain_to_ask(request, num_computed_tokens, end, threshold)
+                if timeout_s > 0
+                else None
+            )
+            if gain is None:
                 timeout_s = 0.0
+            elif named is None and _lookup_hint(request) is None:
+                # (A router's hint says a decode node holds it, announced or not.)
+                prompt = prompt_fingerprints(request, self._block_size)
+                if self._ruled_out(prompt, num_computed_tokens, gain):
+                    timeout_s = 0.0
             if timeout_s <= 0:
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
                 return None
@@ -266,19 +270,22 @@ class Lookups:
         self._stats.add("lookups_ruled_out")
         return True
 
-    def _worthwhile(
+    def _gain_to_ask(
         self, request: Request, num_computed_tokens: int, end: int, threshold: Callable[[], int]
-    ) -> bool:
-        """Whether a pull of the prompt's first `end` tokens could gain `threshold()` tokens."""
+    ) -> int | None:
+        """The tokens a pull must gain to be worth it, `threshold()` (read once, and only where
+        a pull of the prompt's first `end` tokens could gain any), or None when it could not
+        gain that many."""
         if unsupported_reason(request) is not None or request.skip_reading_prefix_cache:
-            return False
+            return None
         gain = end - num_computed_tokens
         if gain <= 0:
-            return False
-        if gain < threshold():
+            return None
+        needed = threshold()
+        if gain < needed:
             self._stats.add("lookups_skipped")
-            return False
-        return True
+            return None
+        return needed
 
     def _ask(
         self,
