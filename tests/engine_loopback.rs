@@ -822,3 +822,59 @@ fn a_handle_reads_only_the_connection_that_was_checked_not_its_replacement() {
     assert!(reader.buf()[BLOCK..2 * BLOCK].iter().all(|&b| b == 0x55));
     drop(second);
 }
+
+#[test]
+fn a_lookup_continuing_a_handoff_asks_the_engine_granted_the_prompt_not_every_engine() {
+    let buf = || vec![3u8; BLOCK * BLOCKS];
+    let p = engine("p", "f32", buf());
+    let decoders =
+        [engine("d1", "f32", buf()), engine("d2", "f32", buf()), engine("d3", "f32", buf())];
+    let lease_ends = || Instant::now() + TIMEOUT;
+    // p hands two prompts off: d1 is granted the first (ends with 13), d3 the second (32).
+    p.hold("prompt-1", HoldKind::ForDecode, 3, vec![11, 12, 13], vec![], lease_ends()).unwrap();
+    p.hold("prompt-2", HoldKind::ForDecode, 2, vec![31, 32], vec![], lease_ends()).unwrap();
+    for (reader, id, fps) in [(0, "prompt-1", vec![11, 12, 13]), (2, "prompt-2", vec![31, 32])] {
+        let at_p = vec![("127.0.0.1".to_string(), p.side_channel_addr().unwrap().port())];
+        let grant =
+            decoders[reader].start_lookup(at_p, fps.clone(), Some(id.into()), None, TIMEOUT);
+        assert_eq!(only_answer(&grant).1.map(|m| m.matched_blocks), Some(fps.len() as u32));
+    }
+    // d1 computes the turn after the first prompt; d2 holds a turn sharing its first block.
+    decoders[0].expect_turn("turn-1", 13).unwrap();
+    decoders[1].hold("other", HoldKind::Turn, 1, vec![11], vec![], lease_ends()).unwrap();
+    let targets = connect_all(&p, &decoders);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, None, TIMEOUT).asked() != 1 {
+        assert!(Instant::now() < deadline, "d2's announcement never came");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The next turn's prompt continues the first: d1 (computing the turn, announced none of
+    // it) and d2 (announced its first block) are asked, d3 is not.
+    std::thread::scope(|scope| {
+        let fan_out =
+            p.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, Some(13), TIMEOUT);
+        assert_eq!(fan_out.asked(), 2);
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            let turn = vec![11, 12, 13, 14];
+            decoders[0].hold("turn-1", HoldKind::Turn, 4, turn, vec![], lease_ends()).unwrap();
+            decoders[0].settle_turns(&["turn-1".to_string()]);
+        });
+        let found: Vec<(String, Option<u32>)> = all_answers(&fan_out)
+            .into_iter()
+            .map(|(owner, m)| (owner, m.map(|m| m.matched_blocks)))
+            .collect();
+        let expected = [("d1", Some(4)), ("d2", Some(1)), ("d3", None)];
+        assert_eq!(found, expected.map(|(o, m)| (o.to_string(), m)));
+    });
+    // The second continues a prompt nobody announced any of: d3 alone is asked.
+    let fan_out = p.start_lookup(targets.clone(), vec![31, 32, 33], None, Some(32), TIMEOUT);
+    assert_eq!(fan_out.asked(), 1);
+    assert!(all_answers(&fan_out).iter().all(|(_, m)| m.is_none()));
+    // A handoff p granted nobody (or forgot): every engine, as before.
+    let fan_out = p.start_lookup(targets.clone(), vec![41, 42], None, Some(42), TIMEOUT);
+    assert_eq!(fan_out.asked(), 3);
+    // Handed to an engine that is not among the targets: every target.
+    let fan_out = p.start_lookup(targets[1..].to_vec(), vec![11, 12, 13], None, Some(13), TIMEOUT);
+    assert_eq!(fan_out.asked(), 2);
+}

@@ -42,7 +42,7 @@ use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChanne
 pub use crate::ucx::RegionMemory;
 use crate::ucx::{boot_id, ucx_tls_allows_cma, MemRegion, Probe, UcxError, Worker};
 use copier::CopyThreads;
-use lookup::{lookup_handler, retry_loop, unasked, BookFeed, LookupQuestion};
+use lookup::{lookup_handler, retry_loop, unasked, BookFeed, LookupQuestion, MustAsk};
 pub use lookup::{
     LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
 };
@@ -455,13 +455,15 @@ impl Engine {
     /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
     /// after the request finishes), or a turn the owner still computes whose prompt ends with
     /// `continues` ([`HoldBook::awaited`]), is asked for again, less and less often (see
-    /// [`NOT_YET_FIRST_RETRY`]), until `timeout` has passed. A connected owner is asked from this thread right away: a new
-    /// thread may wait long for a core on a busy host. Others are connected to first, each on
-    /// a thread of its own, within `timeout`. Nothing here needs the caller: poll the
-    /// returned [`LookupFanOut`]; an owner's reply is taken until [`LATE_REPLY_WINDOW`] after
-    /// `timeout`, so that a late claim can still be handed back. Without `request_id`, owners
-    /// that announced they hold none of the prompt are not asked: their answer (no match) is
-    /// there at once (see [`crate::held_index`]).
+    /// [`NOT_YET_FIRST_RETRY`]), until `timeout` has passed. A connected owner is asked from
+    /// this thread right away: a new thread may wait long for a core on a busy host. Others
+    /// are connected to first, each on a thread of its own, within `timeout`. Nothing here
+    /// needs the caller: poll the returned [`LookupFanOut`]; an owner's reply is taken until
+    /// [`LATE_REPLY_WINDOW`] after `timeout`, so that a late claim can still be handed back.
+    /// Without `request_id`, owners that announced they hold none of the prompt are not
+    /// asked: their answer (no match) is there at once (see [`crate::held_index`]); with
+    /// `continues`, the engines this one granted that prompt to are asked whatever they
+    /// announced ([`HoldBook::handed_to`]), or every owner when it granted it to none.
     pub fn start_lookup(
         &self,
         targets: Vec<(String, u16)>,
@@ -473,10 +475,18 @@ impl Engine {
         let connect_deadline = deadline_after(timeout);
         let addresses: Vec<String> =
             targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
-        // A prompt that continues a handoff asks every owner: the one computing its turn has
-        // announced none of it yet.
-        let ask_all = request_id.is_some() || continues.is_some();
-        let mut unasked = unasked(&self.shared, &addresses, &fingerprints, ask_all);
+        let must_ask = match (&request_id, continues) {
+            // A named hold: every owner (the one that holds it announces no prompts).
+            (Some(_), _) => MustAsk::All,
+            // A prompt that continues a handoff: the engines it was handed to (the one
+            // computing its turn has announced none of it yet), or all when none is known.
+            (None, Some(end)) => match lock(&self.shared.holds).handed_to(end) {
+                readers if readers.is_empty() => MustAsk::All,
+                readers => MustAsk::Readers(readers),
+            },
+            (None, None) => MustAsk::Readers(Vec::new()),
+        };
+        let mut unasked = unasked(&self.shared, &addresses, &fingerprints, must_ask);
         let asked = unasked.iter().filter(|owner| owner.is_none()).count();
         let fan_out = LookupFanOut::new(
             addresses,

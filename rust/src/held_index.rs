@@ -163,13 +163,19 @@ impl HeldIndex {
 
     /// Which of `targets` (owners' side channels, "host:port") a lookup of `fingerprints`
     /// asks: the synced owners that announced the longest announced fingerprint of the
-    /// prompt, and every owner that is not synced; every target when that is none of them
-    /// (a prompt nobody announced: the owner of the turn its client just saw answered may
-    /// not have announced it yet, a thread's wake-up after its hold, seconds on a starved
-    /// host, so such a prompt costs the fan-out it cost before the index; every hit is asked
-    /// of its holders alone). Its work is bounded by the
-    /// prompt's length and the number of targets, never by what owners announced.
-    pub fn narrow(&self, targets: &[String], fingerprints: &[BlockFingerprint]) -> Vec<bool> {
+    /// prompt, every owner that is not synced, and those `must` marks (by position; missing
+    /// ones are not); every target when that is none of them (a prompt nobody announced:
+    /// the owner of the turn its client just saw answered may not have announced it yet, a
+    /// thread's wake-up after its hold, seconds on a starved host, so such a prompt costs
+    /// the fan-out it cost before the index; every hit is asked of its holders alone). Its
+    /// work is bounded by the prompt's length and the number of targets, never by what
+    /// owners announced.
+    pub fn narrow(
+        &self,
+        targets: &[String],
+        fingerprints: &[BlockFingerprint],
+        must: &[bool],
+    ) -> Vec<bool> {
         let synced: Vec<Option<OwnerSlot>> = targets
             .iter()
             .map(|address| {
@@ -177,7 +183,11 @@ impl HeldIndex {
                 (self.owners.get(&slot)?.state == OwnerState::Synced).then_some(slot)
             })
             .collect();
-        let mut ask: Vec<bool> = synced.iter().map(Option::is_none).collect();
+        let mut ask: Vec<bool> = synced
+            .iter()
+            .enumerate()
+            .map(|(index, slot)| slot.is_none() || must.get(index).copied().unwrap_or(false))
+            .collect();
         let by_slot: HashMap<OwnerSlot, Vec<usize>> =
             synced.iter().enumerate().fold(HashMap::new(), |mut by_slot, (index, slot)| {
                 if let Some(slot) = slot {
@@ -328,18 +338,22 @@ mod tests {
         assert_eq!(index.state("c:1"), Some(OwnerState::Syncing));
         assert_eq!(index.state("d:1"), None);
         // a holds the longest prefix; c is syncing and d unknown: asked as before the index.
-        assert_eq!(index.narrow(&all, &[1, 2, 3, 4]), vec![true, false, true, true]);
+        assert_eq!(index.narrow(&all, &[1, 2, 3, 4], &[]), vec![true, false, true, true]);
         // Both hold the prompt's longest announced block.
-        assert_eq!(index.narrow(&all, &[1, 2, 7]), vec![true, true, true, true]);
+        assert_eq!(index.narrow(&all, &[1, 2, 7], &[]), vec![true, true, true, true]);
         // No synced owner announced any of it: all are asked (it may not be announced yet).
         let synced = targets(&["a:1", "b:1"]);
-        assert_eq!(index.narrow(&synced, &[5, 6]), vec![true, true]);
-        assert_eq!(index.narrow(&synced, &[]), vec![true, true]);
+        assert_eq!(index.narrow(&synced, &[5, 6], &[]), vec![true, true]);
+        assert_eq!(index.narrow(&synced, &[], &[]), vec![true, true]);
+        // Unless the lookup must ask one of them (the engine its prompt was handed to); that
+        // one is asked beside the holders too.
+        assert_eq!(index.narrow(&synced, &[5, 6], &[false, true]), vec![false, true]);
+        assert_eq!(index.narrow(&synced, &[1, 2, 3], &[false, true]), vec![true, true]);
         // A holder that is not among the targets is passed over for the next longest.
-        assert_eq!(index.narrow(&targets(&["b:1"]), &[1, 2, 3]), vec![true]);
+        assert_eq!(index.narrow(&targets(&["b:1"]), &[1, 2, 3], &[]), vec![true]);
         // c completes its snapshot.
         index.apply(c, &HeldUpdate { synced: true, ..held(&[]) });
-        assert_eq!(index.narrow(&all, &[9]), vec![false, false, true, true]);
+        assert_eq!(index.narrow(&all, &[9], &[]), vec![false, false, true, true]);
     }
 
     #[test]
@@ -351,7 +365,7 @@ mod tests {
         index.apply(z, &snapshot(&[500]));
         let asked = |index: &HeldIndex, fps: &[u64]| {
             let prompt: Vec<u64> = [500].iter().chain(fps).copied().collect();
-            index.narrow(&targets(&["a:1", "z:1"]), &prompt)[0]
+            index.narrow(&targets(&["a:1", "z:1"]), &prompt, &[])[0]
         };
         // Two turns had block 1; one freed: still held.
         index.apply(a, &HeldUpdate { freed: vec![1, 2], ..held(&[]) });
@@ -388,8 +402,9 @@ mod tests {
         index.apply(old, &held(&[3]));
         index.close(old);
         assert_eq!(index.state("a:1"), Some(OwnerState::Synced));
-        let asked =
-            |index: &HeldIndex, fp: u64| index.narrow(&targets(&["a:1", "z:1"]), &[500, fp])[0];
+        let asked = |index: &HeldIndex, fp: u64| {
+            index.narrow(&targets(&["a:1", "z:1"]), &[500, fp], &[])[0]
+        };
         assert_eq!((asked(&index, 1), asked(&index, 2), asked(&index, 3)), (false, true, false));
         // A new snapshot on the same connection replaces the view.
         index.apply(new, &snapshot(&[4]));
@@ -408,11 +423,11 @@ mod tests {
         index.apply(hostile, &HeldUpdate { freed: vec![1, 2, 3], ..held(&[]) });
         index.apply(hostile, &HeldUpdate { freed: vec![1, 2, 3], ..held(&[]) });
         let both = targets(&["honest:1", "hostile:1"]);
-        assert_eq!(index.narrow(&both, &[1, 2, 3]), vec![true, false]);
+        assert_eq!(index.narrow(&both, &[1, 2, 3], &[]), vec![true, false]);
         index.apply(hostile, &held(&[3, 4]));
         // Still asked: it can add itself beside the honest holder, never remove it.
-        assert_eq!(index.narrow(&both, &[1, 2, 3]), vec![true, true]);
-        assert_eq!(index.narrow(&both, &[1, 2, 3, 4]), vec![false, true]);
+        assert_eq!(index.narrow(&both, &[1, 2, 3], &[]), vec![true, true]);
+        assert_eq!(index.narrow(&both, &[1, 2, 3, 4], &[]), vec![false, true]);
     }
 
     #[test]
@@ -481,14 +496,14 @@ mod tests {
         assert_eq!(index.state("big:1"), Some(OwnerState::Overflowed));
         assert_eq!(index.len(), 1, "its entries are dropped");
         let both = targets(&["small:1", "big:1"]);
-        assert_eq!(index.narrow(&both, &[7]), vec![false, true]);
+        assert_eq!(index.narrow(&both, &[7], &[]), vec![false, true]);
         // It stays so until a new snapshot fits.
         assert!(!index.apply(big, &HeldUpdate { synced: true, ..held(&[7]) }));
         assert_eq!(index.state("big:1"), Some(OwnerState::Overflowed));
         assert!(!index.apply(big, &snapshot(&[7])));
-        assert_eq!(index.narrow(&both, &[7]), vec![false, true]);
-        assert_eq!(index.narrow(&both, &[u64::MAX, 7]), vec![false, true]);
-        assert_eq!(index.narrow(&both, &[u64::MAX, 8]), vec![true, false]);
+        assert_eq!(index.narrow(&both, &[7], &[]), vec![false, true]);
+        assert_eq!(index.narrow(&both, &[u64::MAX, 7], &[]), vec![false, true]);
+        assert_eq!(index.narrow(&both, &[u64::MAX, 8], &[]), vec![true, false]);
         // The total bound holds over many owners.
         let per_owner: Vec<u64> = (0..MAX_ENTRIES_PER_OWNER as u64).collect();
         let mut overflowed = 0;

@@ -34,10 +34,12 @@ use crate::clock::later;
 
 mod expected;
 pub mod feed;
+mod handed;
 
 use expected::ExpectedTurns;
 pub use expected::MAX_EXPECTED;
 use feed::{ChangeLog, Chunker, FeedWatch, HeldUpdate};
+use handed::HandedOff;
 
 /// One block's chained token fingerprint (see `token_fingerprint.py`): equal fingerprints at
 /// block `i` mean equal tokens (and salt) at every position up to the end of block `i`.
@@ -201,6 +203,8 @@ pub struct HoldBook {
     expected: ExpectedTurns,
     /// Lookups told to ask again so far ([`HoldBook::awaited`]).
     awaited: u64,
+    /// The readers granted each prompt held for a decode node ([`HoldBook::handed_to`]).
+    handed: HandedOff,
     /// The lookup index's changes, announced to readers ([`HoldBook::held_since`]).
     log: ChangeLog,
 }
@@ -302,6 +306,11 @@ impl HoldBook {
         if matched == 0 {
             return Err(Refusal::Mismatch);
         }
+        if held.kind == HoldKind::ForDecode {
+            if let Some(&end) = held.fingerprints.last() {
+                self.handed.record(end, reader);
+            }
+        }
         Ok(self.claim(reader, request_id.to_owned(), matched, claim_for, now))
     }
 
@@ -338,6 +347,13 @@ impl HoldBook {
             && self.longest_match(fingerprints).is_none_or(|(_, m)| m < fingerprints.len());
         self.awaited += u64::from(awaited);
         awaited
+    }
+
+    /// The readers (as the side channel names them, `engine#connection`) granted a prompt
+    /// held for a decode node whose fingerprints end with `end`, oldest first: a turn that
+    /// continues that prompt is computed on one of them (see `handed.rs`).
+    pub fn handed_to(&self, end: BlockFingerprint) -> Vec<String> {
+        self.handed.readers(end).to_vec()
     }
 
     /// How many lookups [`HoldBook::awaited`] told to ask again so far.

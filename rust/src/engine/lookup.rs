@@ -15,7 +15,7 @@ use super::{lock, Shared};
 use crate::held_index::{HeldIndex, OwnerSlot, OwnerState};
 use crate::holds::feed::{FeedWatch, HeldUpdate};
 use crate::holds::{BlockFingerprint, HoldBook, LookupMatch, LookupReply};
-use crate::side_channel::{HeldSink, HeldSource, LookupOutcome};
+use crate::side_channel::{sender_engine, HeldSink, HeldSource, LookupOutcome};
 
 /// One owner's answer to a lookup: `(owner engine id, its match)`, or why there is none.
 #[derive(Clone, Debug)]
@@ -288,30 +288,42 @@ pub(super) fn lookup_handler(
     })
 }
 
-/// The targets a lookup need not ask, each with its owner's engine id: without a named hold,
-/// those [`HeldIndex::narrow`] passes over (synced owners that announced none of the prompt's
-/// longest announced prefix, while another announced it), and that have a live connection to
-/// answer for. With `ask_all` (a named hold, or a prompt continuing a handoff) all are asked.
+/// The owners a lookup asks whatever they announced.
+pub(super) enum MustAsk {
+    All,
+    /// The owners among these readers (side-channel sender names, `engine#connection`); all
+    /// owners when there are readers and none of them is a connected target.
+    Readers(Vec<String>),
+}
+
+/// The targets a lookup need not ask, each with its owner's engine id: those
+/// [`HeldIndex::narrow`] passes over (synced owners that announced none of the prompt's
+/// longest announced prefix, while another announced it), that have a live connection to
+/// answer for and that `must_ask` does not name.
 pub(super) fn unasked(
     shared: &Shared,
     addresses: &[String],
     fingerprints: &[BlockFingerprint],
-    ask_all: bool,
+    must_ask: MustAsk,
 ) -> Vec<Option<String>> {
-    if ask_all {
+    let MustAsk::Readers(readers) = must_ask else {
+        return vec![None; addresses.len()];
+    };
+    let readers: Vec<&str> = readers.iter().map(|reader| sender_engine(reader)).collect();
+    let owners: Vec<Option<String>> = addresses
+        .iter()
+        .map(|address| ready_peer(shared, address).map(|peer| peer.meta.engine_id.clone()))
+        .collect();
+    let must: Vec<bool> = owners
+        .iter()
+        .map(|owner| owner.as_deref().is_some_and(|id| readers.contains(&id)))
+        .collect();
+    if !readers.is_empty() && !must.contains(&true) {
+        // Handed to engines this lookup cannot tell among its targets: ask them all.
         return vec![None; addresses.len()];
     }
-    let ask = lock(&shared.held_index).narrow(addresses, fingerprints);
-    addresses
-        .iter()
-        .zip(ask)
-        .map(|(address, ask)| {
-            if ask {
-                return None;
-            }
-            ready_peer(shared, address).map(|peer| peer.meta.engine_id.clone())
-        })
-        .collect()
+    let ask = lock(&shared.held_index).narrow(addresses, fingerprints, &must);
+    owners.into_iter().zip(ask).map(|(owner, ask)| if ask { None } else { owner }).collect()
 }
 
 /// Announces an engine's hold book to the readers connected to its side channel.

@@ -130,6 +130,11 @@ pub fn sender_name(engine_id: &str, connection: u64) -> String {
     format!("{engine_id}#{connection}")
 }
 
+/// The engine id of a [`sender_name`].
+pub fn sender_engine(sender: &str) -> &str {
+    sender.rsplit_once('#').map_or(sender, |(engine_id, _)| engine_id)
+}
+
 /// An authenticated client that announced where its own side channel listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KnownPeer {
