@@ -419,8 +419,9 @@ impl Engine {
     /// decode node (granted by name, ends once read); `turn=True`, a decode node's finished
     /// turn (also found by lookups, evictable).
     /// The lease ends at `lease_expiry`, the moment (Unix seconds) the scheduler announced to
-    /// readers and wakes an idle engine at: it is turned into a time left only here, next to
-    /// the hold book's own clock, so the hold has ended whenever that wake-up's step looks.
+    /// readers and wakes an idle engine at: it becomes an instant of the hold book's clock
+    /// only here, both clocks read together, so the hold has ended when that wake-up's step
+    /// looks (a TTL taken earlier ended a moment late, and that step freed nothing).
     #[pyo3(signature = (request_id, num_blocks, lease_expiry, *, fingerprints, turn, offer=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn hold(
