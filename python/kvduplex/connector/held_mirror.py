@@ -15,10 +15,11 @@ decode node is asked until that turn's blocks are announced (the handoff's guard
 full block's fingerprint, or by its tokens when it has no full block), and such a lookup names
 the handed prompt's end (`continued`): the decode node answers "not yet" while it computes that
 turn (`expected_turns.py`); the transfer core asks the decode node it granted that prompt to
-(and those whose announcements hold more of the prompt), or every one when it knows none. A turn this node did not hand off
-(another prefill node's, or one a decode node computed alone) has no guard: if its next turn
-arrives here before the decode node's announcement has reached this scheduler, and no earlier
-turn of the conversation is still announced, it is recomputed (never read wrongly).
+(and those whose announcements hold more of the prompt), or every one when it knows none. A
+turn this node did not hand off (another prefill node's, or one a decode node computed alone)
+has no guard: if its next turn arrives here before the decode node's announcement has reached
+this scheduler, and no earlier turn of the conversation is still announced, it is recomputed
+(never read wrongly).
 
 Otherwise the copy says how many of the prompt's leading tokens any decode node may hold: by
 the chained fingerprints, a held turn that matches the prompt's block k announced block k, and
