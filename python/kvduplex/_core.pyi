@@ -229,9 +229,10 @@ class Engine:
         hold the owner has not taken yet is asked for again until `timeout_s`, and so is an
         owner still computing the turn whose prompt ends with `continues` (the fingerprint of
         a whole prompt handed to a decode node, which this prompt continues). Without
-        `request_id` or `continues`, owners whose announcements say they hold none of the
-        prompt are not asked (`Lookup.asked`). Poll the returned lookup. A match is claimed
-        for us until we release the claim."""
+        `request_id`, owners whose announcements say they hold none of the prompt are not
+        asked (`Lookup.asked`), except, with `continues`, the engines this one granted that
+        prompt to (every owner when it knows none of them among `targets`). Poll the returned
+        lookup. A match is claimed for us until we release the claim."""
     def announced_changes(
         self, cursor: int | None, targets: Sequence[tuple[str, int]], max_whole: int
     ) -> tuple[int, bool, bool, list[str], list[str], bool]:

@@ -463,7 +463,8 @@ impl Engine {
     /// Without `request_id`, owners that announced they hold none of the prompt are not
     /// asked: their answer (no match) is there at once (see [`crate::held_index`]); with
     /// `continues`, the engines this one granted that prompt to are asked whatever they
-    /// announced ([`HoldBook::handed_to`]), or every owner when it granted it to none.
+    /// announced ([`HoldBook::handed_to`]), and every owner when it knows none or none of
+    /// them is a connected target.
     pub fn start_lookup(
         &self,
         targets: Vec<(String, u16)>,
@@ -478,13 +479,13 @@ impl Engine {
         let must_ask = match (&request_id, continues) {
             // A named hold: every owner (the one that holds it announces no prompts).
             (Some(_), _) => MustAsk::All,
-            // A prompt that continues a handoff: the engines it was handed to (the one
+            // A prompt that continues a handoff: the engines it was granted to (the one
             // computing its turn has announced none of it yet), or all when none is known.
             (None, Some(end)) => match lock(&self.shared.holds).handed_to(end) {
-                readers if readers.is_empty() => MustAsk::All,
-                readers => MustAsk::Readers(readers),
+                engines if engines.is_empty() => MustAsk::All,
+                engines => MustAsk::Engines(engines),
             },
-            (None, None) => MustAsk::Readers(Vec::new()),
+            (None, None) => MustAsk::Engines(Vec::new()),
         };
         let mut unasked = unasked(&self.shared, &addresses, &fingerprints, must_ask);
         let asked = unasked.iter().filter(|owner| owner.is_none()).count();

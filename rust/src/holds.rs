@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::clock::later;
+use crate::side_channel::sender_engine;
 
 mod expected;
 pub mod feed;
@@ -254,6 +255,8 @@ impl HoldBook {
                 self.index.entry(*fingerprint).or_default().push(request_id.to_owned());
             }
             self.log.held(fingerprints.clone());
+        } else if let Some(&end) = fingerprints.last() {
+            self.handed.held(end);
         }
         let lease_ends = later(now, ttl);
         self.held.insert(
@@ -308,7 +311,7 @@ impl HoldBook {
         }
         if held.kind == HoldKind::ForDecode {
             if let Some(&end) = held.fingerprints.last() {
-                self.handed.record(end, reader);
+                self.handed.granted(end, sender_engine(reader));
             }
         }
         Ok(self.claim(reader, request_id.to_owned(), matched, claim_for, now))
@@ -349,11 +352,11 @@ impl HoldBook {
         awaited
     }
 
-    /// The readers (as the side channel names them, `engine#connection`) granted a prompt
-    /// held for a decode node whose fingerprints end with `end`, oldest first: a turn that
-    /// continues that prompt is computed on one of them (see `handed.rs`).
+    /// The engine ids granted the prompt held for a decode node whose fingerprints end with
+    /// `end`, oldest first: a turn that continues that prompt is computed on one of them
+    /// (none: not known, see `handed.rs`).
     pub fn handed_to(&self, end: BlockFingerprint) -> Vec<String> {
-        self.handed.readers(end).to_vec()
+        self.handed.engines(end).to_vec()
     }
 
     /// How many lookups [`HoldBook::awaited`] told to ask again so far.

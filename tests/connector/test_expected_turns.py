@@ -72,6 +72,9 @@ def test_the_next_turns_lookup_names_the_prompt_handed_off_until_its_turn_is_ann
     lookups = {spec.request_id: spec for spec in p.step().meta.lookups}
     assert lookups["p2"].continues == handed.end
     assert lookups["p3"].continues is None
+    # P's transfer core knows which D it granted that prompt to by the hold's last fingerprint.
+    (hold,) = [h for step in p.steps for h in step.meta.holds if h.request_id == "p1"]
+    assert hold.fingerprints[-1] == handed.end
 
 
 def test_a_lookup_continuing_a_turn_in_flight_waits_for_its_hold(tiny_config_dir):

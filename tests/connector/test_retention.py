@@ -107,12 +107,13 @@ def test_the_hold_book_has_ended_a_lease_when_the_scheduler_wakes_for_its_end():
         with pytest.raises(ValueError, match="finite"):
             engine.hold("nan", 1, math.nan, fingerprints=fingerprints, turn=True)
         assert engine.expire_holds() == ["past"]
-        for attempt in range(20):
-            lease_expiry = time.time() + 0.02
+        for attempt in range(5):
+            lease_expiry = time.time() + 0.3
             engine.hold(f"soon-{attempt}", 1, lease_expiry, fingerprints=fingerprints, turn=False)
-            assert engine.expire_holds() == []
+            early = engine.expire_holds()
+            assert early == [] or time.time() >= lease_expiry  # (a starved host's late look)
             while time.time() < lease_expiry:  # the scheduler's step_due(now), to the microsecond
-                pass
+                time.sleep(max(0.0, lease_expiry - time.time() - 0.01))
             assert engine.expire_holds() == [f"soon-{attempt}"], "the lease outlived its wake-up"
         assert engine.hold_occupancy()[1] == 1  # "far" stays
 

@@ -183,17 +183,17 @@ class Lookups:
             threshold = (
                 self._threshold if named is not None else lambda: self._lookup_threshold(request)
             )
-            gain = (
+            needed = (
                 self._gain_to_ask(request, num_computed_tokens, end, threshold)
                 if timeout_s > 0
                 else None
             )
-            if gain is None:
+            if needed is None:
                 timeout_s = 0.0
             elif named is None and _lookup_hint(request) is None:
                 # (A router's hint says a decode node holds it, announced or not.)
                 prompt = prompt_fingerprints(request, self._block_size)
-                if self._ruled_out(prompt, num_computed_tokens, gain):
+                if self._ruled_out(prompt, num_computed_tokens, needed):
                     timeout_s = 0.0
             if timeout_s <= 0:
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)

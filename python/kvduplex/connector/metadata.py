@@ -111,7 +111,8 @@ class LookupSpec:
     continues: str | None = None
     """A lookup's prompt continues this prompt (its end's fingerprint), which this engine handed
     to a decode node whose turn is not announced yet: an owner computing that turn answers "not
-    yet", and every engine a lookup would ask is asked (`held_mirror.py`)."""
+    yet"; the engines granted that prompt are asked whatever they announced, every engine when
+    the transfer core knows none (`held_mirror.py`)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ use super::{lock, Shared};
 use crate::held_index::{HeldIndex, OwnerSlot, OwnerState};
 use crate::holds::feed::{FeedWatch, HeldUpdate};
 use crate::holds::{BlockFingerprint, HoldBook, LookupMatch, LookupReply};
-use crate::side_channel::{sender_engine, HeldSink, HeldSource, LookupOutcome};
+use crate::side_channel::{HeldSink, HeldSource, LookupOutcome};
 
 /// One owner's answer to a lookup: `(owner engine id, its match)`, or why there is none.
 #[derive(Clone, Debug)]
@@ -291,9 +291,9 @@ pub(super) fn lookup_handler(
 /// The owners a lookup asks whatever they announced.
 pub(super) enum MustAsk {
     All,
-    /// The owners among these readers (side-channel sender names, `engine#connection`); all
-    /// owners when there are readers and none of them is a connected target.
-    Readers(Vec<String>),
+    /// The owners with these engine ids; every owner when there are some and none of them
+    /// is a connected target.
+    Engines(Vec<String>),
 }
 
 /// The targets a lookup need not ask, each with its owner's engine id: those
@@ -306,19 +306,16 @@ pub(super) fn unasked(
     fingerprints: &[BlockFingerprint],
     must_ask: MustAsk,
 ) -> Vec<Option<String>> {
-    let MustAsk::Readers(readers) = must_ask else {
+    let MustAsk::Engines(engines) = must_ask else {
         return vec![None; addresses.len()];
     };
-    let readers: Vec<&str> = readers.iter().map(|reader| sender_engine(reader)).collect();
     let owners: Vec<Option<String>> = addresses
         .iter()
         .map(|address| ready_peer(shared, address).map(|peer| peer.meta.engine_id.clone()))
         .collect();
-    let must: Vec<bool> = owners
-        .iter()
-        .map(|owner| owner.as_deref().is_some_and(|id| readers.contains(&id)))
-        .collect();
-    if !readers.is_empty() && !must.contains(&true) {
+    let must: Vec<bool> =
+        owners.iter().map(|owner| owner.as_ref().is_some_and(|id| engines.contains(id))).collect();
+    if !engines.is_empty() && !must.contains(&true) {
         // Handed to engines this lookup cannot tell among its targets: ask them all.
         return vec![None; addresses.len()];
     }

@@ -62,6 +62,28 @@ fn a_prompt_held_for_a_decode_node_is_granted_by_name_only_and_ends_once_read() 
 }
 
 #[test]
+fn the_engines_granted_a_prompt_held_for_a_decode_node_are_named_by_its_end() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1, 2, 3])], t0);
+    prompt_hold(&mut book, "p1", &[1, 2, 3], t0);
+    // Refused grants, and turns found or granted, name nobody.
+    assert_eq!(book.grant("d9#1", "p1", &[7], CLAIM, t0), Err(Refusal::Mismatch));
+    assert!(book.lookup("d8#1", &[1, 2, 3], CLAIM, t0).is_some());
+    assert!(book.grant("d8#1", "turn", &[1, 2, 3], CLAIM, t0).is_ok());
+    assert!(book.handed_to(3).is_empty());
+    // A granted engine is named by its id, once over several connections.
+    assert!(book.grant("d1#4", "p1", &[1, 2, 3], CLAIM, t0).is_ok());
+    assert!(book.grant("d1#5", "p1", &[1, 2], CLAIM, t0).is_ok());
+    assert_eq!(book.handed_to(3), ["d1"]);
+    assert!(book.handed_to(2).is_empty(), "by the prompt's end only");
+    // The same prompt held again for a decode node: which engine computes which turn is
+    // not known any more.
+    prompt_hold(&mut book, "p2", &[1, 2, 3], t0);
+    assert!(book.grant("d2#1", "p2", &[1, 2, 3], CLAIM, t0).is_ok());
+    assert!(book.handed_to(3).is_empty());
+}
+
+#[test]
 fn a_grant_needs_the_readers_own_tokens_in_the_first_block() {
     let t0 = Instant::now();
     let mut book = HoldBook::new();
