@@ -309,18 +309,27 @@ pub(super) fn unasked(
     let MustAsk::Engines(engines) = must_ask else {
         return vec![None; addresses.len()];
     };
-    let owners: Vec<Option<String>> = addresses
-        .iter()
-        .map(|address| ready_peer(shared, address).map(|peer| peer.meta.engine_id.clone()))
-        .collect();
-    let must: Vec<bool> =
-        owners.iter().map(|owner| owner.as_ref().is_some_and(|id| engines.contains(id))).collect();
+    let owner =
+        |address: &String| ready_peer(shared, address).map(|peer| peer.meta.engine_id.clone());
+    // Only a lookup that names engines looks at every target's owner up front.
+    let must: Vec<bool> = if engines.is_empty() {
+        Vec::new()
+    } else {
+        addresses
+            .iter()
+            .map(|address| owner(address).is_some_and(|id| engines.contains(&id)))
+            .collect()
+    };
     if !engines.is_empty() && !must.contains(&true) {
         // Handed to engines this lookup cannot tell among its targets: ask them all.
         return vec![None; addresses.len()];
     }
     let ask = lock(&shared.held_index).narrow(addresses, fingerprints, &must);
-    owners.into_iter().zip(ask).map(|(owner, ask)| if ask { None } else { owner }).collect()
+    addresses
+        .iter()
+        .zip(ask)
+        .map(|(address, ask)| if ask { None } else { owner(address) })
+        .collect()
 }
 
 /// Announces an engine's hold book to the readers connected to its side channel.
