@@ -509,6 +509,24 @@ fn connect_all(reader: &Engine, owners: &[TestEngine]) -> Vec<(String, u16)> {
     targets
 }
 
+/// Waits until a lookup of `fps` by `reader` asks `asked` of `targets` (the announcements
+/// that spare the others are in).
+fn wait_until_asked(reader: &Engine, targets: &[(String, u16)], fps: &[u64], asked: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reader.start_lookup(targets.to_vec(), fps.to_vec(), None, None, TIMEOUT).asked() != asked
+    {
+        assert!(Instant::now() < deadline, "the announcements never came");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// After `delay`, `owner` holds the turn `id` it was computing (`fps`) and settles it.
+fn hold_turn_after(owner: &Engine, id: &str, fps: Vec<u64>, delay: Duration) {
+    std::thread::sleep(delay);
+    owner.hold(id, HoldKind::Turn, fps.len(), fps, vec![], Instant::now() + TIMEOUT).unwrap();
+    owner.settle_turns(&[id.to_string()]);
+}
+
 #[test]
 fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     let buf = || vec![3u8; BLOCK * BLOCKS];
@@ -585,22 +603,14 @@ fn a_lookup_continuing_a_turn_the_owner_still_computes_waits_for_its_hold() {
     let targets = connect_all(&reader, &owners);
     // Once a's announcement is in, a lookup that names no handoff asks a alone; one that
     // continues a handoff asks every owner (the one computing the turn announced none of it).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while reader.start_lookup(targets.clone(), vec![11, 12, 13], None, None, TIMEOUT).asked() != 1 {
-        assert!(Instant::now() < deadline, "a's announcement never came");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until_asked(&reader, &targets, &[11, 12, 13], 1);
     std::thread::scope(|scope| {
         let asked_at = Instant::now();
         let fan_out =
             reader.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, Some(120), TIMEOUT);
         assert_eq!(fan_out.asked(), 2);
         scope.spawn(|| {
-            std::thread::sleep(Duration::from_millis(300));
-            let turn = vec![11, 12, 13, 14];
-            let lease_ends = Instant::now() + TIMEOUT;
-            owners[1].hold("turn-1", HoldKind::Turn, 4, turn, vec![], lease_ends).unwrap();
-            owners[1].settle_turns(&["turn-1".to_string()]);
+            hold_turn_after(&owners[1], "turn-1", vec![11, 12, 13, 14], Duration::from_millis(300))
         });
         let found: Vec<Option<u32>> = all_answers(&fan_out)
             .iter()
@@ -843,11 +853,7 @@ fn a_lookup_continuing_a_handoff_asks_the_engine_granted_the_prompt_not_every_en
     decoders[0].expect_turn("turn-1", 13).unwrap();
     decoders[1].hold("other", HoldKind::Turn, 1, vec![11], vec![], lease_ends()).unwrap();
     let targets = connect_all(&p, &decoders);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while p.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, None, TIMEOUT).asked() != 1 {
-        assert!(Instant::now() < deadline, "d2's announcement never came");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until_asked(&p, &targets, &[11, 12, 13, 14], 1);
     // The next turn's prompt continues the first: d1 (computing the turn, announced none of
     // it) and d2 (announced its first block) are asked, d3 is not.
     std::thread::scope(|scope| {
@@ -855,10 +861,12 @@ fn a_lookup_continuing_a_handoff_asks_the_engine_granted_the_prompt_not_every_en
             p.start_lookup(targets.clone(), vec![11, 12, 13, 14], None, Some(13), TIMEOUT);
         assert_eq!(fan_out.asked(), 2);
         scope.spawn(|| {
-            std::thread::sleep(Duration::from_millis(200));
-            let turn = vec![11, 12, 13, 14];
-            decoders[0].hold("turn-1", HoldKind::Turn, 4, turn, vec![], lease_ends()).unwrap();
-            decoders[0].settle_turns(&["turn-1".to_string()]);
+            hold_turn_after(
+                &decoders[0],
+                "turn-1",
+                vec![11, 12, 13, 14],
+                Duration::from_millis(200),
+            )
         });
         let found: Vec<(String, Option<u32>)> = all_answers(&fan_out)
             .into_iter()
