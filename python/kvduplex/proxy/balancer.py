@@ -11,13 +11,16 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-import httpx
-
 from .config import UpstreamAddress
+from .errors import PoolExhausted, ResponseTooLarge, UpstreamTransportError, describe
 from .metrics import ProxyMetrics
 from .routing import rendezvous_score
+from .upstream_http import UpstreamClient
 
 logger = logging.getLogger(__name__)
+
+# vLLM's /health answers with an empty body; anything longer than this is not a health answer.
+_MAX_HEALTH_BYTES = 64 << 10
 
 
 @dataclasses.dataclass
@@ -158,29 +161,30 @@ class UpstreamPool:
 
 
 async def probe(
-    pool: UpstreamPool, upstream: Upstream, client: httpx.AsyncClient, timeout_s: float
+    pool: UpstreamPool, upstream: Upstream, client: UpstreamClient, timeout_s: float
 ) -> bool:
     """GET /health on one upstream; updates its state. vLLM answers 200 while its engine runs."""
     try:
-        response = await client.get(f"{upstream.base_url}/health", timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        pool.mark_failed(upstream, f"health probe: {type(exc).__name__}: {exc}")
+        response = await client.open("GET", f"{upstream.base_url}/health", timeout_s=timeout_s)
+        await response.read_limited(_MAX_HEALTH_BYTES)
+    except (UpstreamTransportError, PoolExhausted, ResponseTooLarge) as exc:
+        pool.mark_failed(upstream, f"health probe: {describe(exc)}")
         return False
-    if response.status_code != 200:
-        pool.mark_failed(upstream, f"health probe: HTTP {response.status_code}")
+    if response.status != 200:
+        pool.mark_failed(upstream, f"health probe: HTTP {response.status}")
         return False
     pool.mark_ok(upstream)
     return True
 
 
-async def probe_all(pools: list[UpstreamPool], client: httpx.AsyncClient, timeout_s: float) -> None:
+async def probe_all(pools: list[UpstreamPool], client: UpstreamClient, timeout_s: float) -> None:
     await asyncio.gather(
         *(probe(pool, u, client, timeout_s) for pool in pools for u in pool.due_for_probe())
     )
 
 
 async def run_health_checks(
-    pools: list[UpstreamPool], client: httpx.AsyncClient, interval_s: float, timeout_s: float
+    pools: list[UpstreamPool], client: UpstreamClient, interval_s: float, timeout_s: float
 ) -> None:
     """Probe forever, every `interval_s`; cancelled at proxy shutdown."""
     while True:

@@ -103,7 +103,6 @@ class ProxyConfig:
     # How long a request waits for a free upstream connection before it gets 503.
     pool_timeout_s: float = 30.0
     max_upstream_connections: int = 512
-    max_keepalive_connections: int = 64
     # An idle upstream connection is closed after this, before the upstream's own keep-alive
     # timeout (vLLM's uvicorn: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE) can close it just as a request
     # is sent on it: that request would fail ("Server disconnected without sending a
@@ -164,8 +163,6 @@ class ProxyConfig:
                 f"local_continuation_when must be one of {', '.join(LOCAL_CONTINUATION_WHEN)}, "
                 f"got {self.local_continuation_when!r}"
             )
-        if self.max_keepalive_connections < 0:
-            raise ConfigError("max_keepalive_connections must be >= 0")
         if not self.keepalive_expiry_s > 0:
             raise ConfigError("keepalive_expiry_s must be > 0")
         if self.health_interval_s < 0:

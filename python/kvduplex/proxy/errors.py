@@ -54,5 +54,15 @@ class ResponseTooLarge(Exception):
     pass
 
 
+class UpstreamTransportError(Exception):
+    """An upstream could not be reached, or broke its answer off or fell silent
+    (`upstream_http`); its message says how."""
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def bad_request(message: str) -> ProxyError:
     return ProxyError(400, message, error_type="invalid_request_error", kind="bad_request")

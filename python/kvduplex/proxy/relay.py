@@ -11,11 +11,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from fastapi.responses import StreamingResponse
 
 from .balancer import Upstream
+from .errors import UpstreamTransportError
 from .store import ConversationKey
+from .upstream_http import UpstreamResponse
 
 if TYPE_CHECKING:
     from .app import DuplexProxy
@@ -30,11 +31,6 @@ _MAX_SCANNED_LINE_BYTES = 4 << 20
 
 def openai_error(status: int, message: str, error_type: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
-
-
-def describe(exc: Exception) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def sse_event(event: dict[str, Any]) -> bytes:
@@ -126,7 +122,7 @@ class StreamRelay:
     def __init__(
         self,
         proxy: DuplexProxy,
-        response: httpx.Response,
+        response: UpstreamResponse,
         upstream: Upstream,
         outstanding: contextlib.ExitStack,
         key: ConversationKey | None,
@@ -153,7 +149,7 @@ class StreamRelay:
         return self._upstream
 
     @property
-    def response(self) -> httpx.Response:
+    def response(self) -> UpstreamResponse:
         return self._response
 
     def _first_chunk_came(self) -> None:
@@ -176,7 +172,7 @@ class StreamRelay:
         recorded = False
         try:
             first = True
-            async for chunk in self._response.aiter_bytes():
+            async for chunk in self._response.iter_bytes():
                 if first:
                     first = False
                     self._first_chunk_came()
@@ -197,14 +193,14 @@ class StreamRelay:
                 await self._record(scanner)
             if tail:
                 yield tail
-        except httpx.TransportError as exc:
-            proxy.decode.mark_failed(upstream, describe(exc))
+        except UpstreamTransportError as exc:
+            proxy.decode.mark_failed(upstream, str(exc))
             proxy.metrics.errors.labels("stream_aborted").inc()
             scanner.discard_partial()
             yield sse_error(
                 openai_error(
                     502,
-                    f"decode server {upstream.address} failed mid-stream: {describe(exc)}",
+                    f"decode server {upstream.address} failed mid-stream: {exc}",
                     "upstream_error",
                 )
             )
