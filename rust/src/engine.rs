@@ -386,9 +386,15 @@ impl Engine {
         lease_ends: Instant,
     ) -> Result<(), EngineError> {
         let mut holds = lock(&self.shared.holds);
-        let now = Instant::now();
-        let ttl = lease_ends.saturating_duration_since(now);
-        Ok(holds.hold(request_id, kind, num_blocks, fingerprints, offer, ttl, now)?)
+        Ok(holds.hold(
+            request_id,
+            kind,
+            num_blocks,
+            fingerprints,
+            offer,
+            lease_ends,
+            Instant::now(),
+        )?)
     }
 
     /// Expects `request_id`'s turn, being computed, to be held when it finishes (`end`: its

@@ -228,7 +228,8 @@ impl HoldBook {
     }
 
     /// Starts holding `request_id`'s `num_blocks` blocks, whose tokens have `fingerprints`,
-    /// for `ttl`. A [`HoldKind::Turn`] is also offered to lookups.
+    /// until `lease_ends` (one already past ends at the next [`HoldBook::expire`]). A
+    /// [`HoldKind::Turn`] is also offered to lookups.
     #[allow(clippy::too_many_arguments)]
     pub fn hold(
         &mut self,
@@ -237,7 +238,7 @@ impl HoldBook {
         num_blocks: usize,
         fingerprints: Vec<BlockFingerprint>,
         offer: Vec<u8>,
-        ttl: Duration,
+        lease_ends: Instant,
         now: Instant,
     ) -> Result<(), HoldError> {
         if self.held.contains_key(request_id) {
@@ -258,7 +259,6 @@ impl HoldBook {
         } else if let Some(&end) = fingerprints.last() {
             self.handed.held(end);
         }
-        let lease_ends = later(now, ttl);
         self.held.insert(
             request_id.to_owned(),
             Held {

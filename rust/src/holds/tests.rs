@@ -9,14 +9,17 @@ fn book_with(turns: &[(&str, &[u64])], now: Instant) -> HoldBook {
     let mut book = HoldBook::new();
     for (id, fps) in turns {
         let offer = format!("offer-{id}").into_bytes();
-        assert_eq!(book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, TTL, now), Ok(()));
+        assert_eq!(
+            book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, now + TTL, now),
+            Ok(())
+        );
     }
     book
 }
 
 fn prompt_hold(book: &mut HoldBook, id: &str, fps: &[u64], now: Instant) {
     assert_eq!(
-        book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], TTL, now),
+        book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], now + TTL, now),
         Ok(())
     );
 }
@@ -177,7 +180,7 @@ fn eviction_frees_least_recently_used_unclaimed_turns_and_unread_prompts_only() 
     let t0 = Instant::now();
     let mut book = book_with(&[("old", &[1]), ("claimed", &[2])], t0);
     let t1 = t0 + Duration::from_secs(1);
-    assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], vec![], TTL, t1), Ok(()));
+    assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], vec![], t1 + TTL, t1), Ok(()));
     book.lookup("P", &[2], CLAIM, t1).unwrap();
     assert_eq!(book.evict(1, Evict::Turns, t1), vec!["old".to_string()]);
     assert_eq!(book.evict(100, Evict::Turns, t1), vec!["new".to_string()]);
@@ -223,21 +226,24 @@ fn holds_are_checked() {
     let t0 = Instant::now();
     let mut book = book_with(&[("a", &[1])], t0);
     assert_eq!(
-        book.hold("a", HoldKind::Turn, 1, vec![], vec![], TTL, t0),
+        book.hold("a", HoldKind::Turn, 1, vec![], vec![], t0 + TTL, t0),
         Err(HoldError::AlreadyHeld("a".into()))
     );
     let too_many = vec![0; MAX_FINGERPRINTS + 1];
     assert!(matches!(
-        book.hold("b", HoldKind::Turn, 1, too_many, vec![], TTL, t0),
+        book.hold("b", HoldKind::Turn, 1, too_many, vec![], t0 + TTL, t0),
         Err(HoldError::TooManyFingerprints(_))
     ));
     let huge = vec![0; MAX_OFFER_BYTES + 1];
     assert!(matches!(
-        book.hold("b", HoldKind::Turn, 1, vec![], huge, TTL, t0),
+        book.hold("b", HoldKind::Turn, 1, vec![], huge, t0 + TTL, t0),
         Err(HoldError::OfferTooLarge(_))
     ));
     // A TTL that overflows Instant is a hold that lasts, not a panic.
-    assert_eq!(book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], Duration::MAX, t0), Ok(()));
+    assert_eq!(
+        book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], later(t0, Duration::MAX), t0),
+        Ok(())
+    );
 }
 
 #[test]
@@ -247,7 +253,7 @@ fn lookups_that_repeat_fingerprints_or_examine_too_much_find_nothing() {
     // Many holds sharing a first block (a long common system prompt).
     for n in 0..(MAX_EXAMINED as u64 + 1) {
         assert_eq!(
-            book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], TTL, t0),
+            book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], t0 + TTL, t0),
             Ok(())
         );
     }
@@ -282,14 +288,14 @@ fn readers_are_told_what_the_lookup_index_gains_and_loses() {
     let mut held = snapshot[0].held.clone();
     held.sort_unstable();
     assert_eq!(held, vec![1, 2], "turns only, not prompts held for a decode node");
-    assert_eq!(book.hold("b", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
+    assert_eq!(book.hold("b", HoldKind::Turn, 3, vec![1, 2, 3], vec![], t0 + TTL, t0), Ok(()));
     let (next, updates) = book.held_since(Some(cursor));
     assert_eq!(updates, vec![HeldUpdate { held: vec![1, 2, 3], ..HeldUpdate::default() }]);
     assert_eq!(book.evict(1, Evict::Turns, t0), vec!["a".to_string()]);
     let (_, updates) = book.held_since(Some(next));
     assert_eq!(updates, vec![HeldUpdate { freed: vec![1, 2], ..HeldUpdate::default() }]);
     // A snapshot counts a fingerprint once per turn that has it.
-    assert_eq!(book.hold("c", HoldKind::Turn, 1, vec![1], vec![], TTL, t0), Ok(()));
+    assert_eq!(book.hold("c", HoldKind::Turn, 1, vec![1], vec![], t0 + TTL, t0), Ok(()));
     let mut held = book.held_since(None).1[0].held.clone();
     held.sort_unstable();
     assert_eq!(held, vec![1, 1, 2, 3]);
@@ -314,7 +320,7 @@ fn a_lookup_continuing_a_turn_being_computed_is_awaited_until_the_turn_is_settle
     assert!(book.awaited(&[1, 2, 3], Some(20)));
     assert!(!book.awaited(&[1, 2, 3], None));
     assert!(!book.awaited(&[1, 2, 3], Some(21)));
-    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], vec![], TTL, t0), Ok(()));
+    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], vec![], t0 + TTL, t0), Ok(()));
     assert!(!book.awaited(&[1, 2, 3], Some(20)), "held: nothing more to wait for");
     assert!(book.awaited(&[1, 2, 3, 4], Some(20)), "expected until settled");
     assert!(book.settle("turn"));
