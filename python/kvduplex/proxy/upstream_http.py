@@ -7,9 +7,10 @@ it is sent until its response is read or released; a request that finds none fre
 answer off (refused or failed connect, reset, disconnect, `read_timeout_s` of silence), is an
 `UpstreamTransportError`; an answer with an error status is a response like any other.
 
-aiohttp rather than httpx: measured on an idle P/D pair on 2 cores, a later chat turn's first
-token came 2.8-6 ms sooner through the proxy with aiohttp (p50; `benches/RESULTS.md`,
-2026-12-06 06:30), as soon as straight from P.
+aiohttp rather than httpx: on an idle P/D pair on 2 cores a later chat turn's first token came
+2.8 and 6.1 ms sooner through the proxy with aiohttp in two runs (p50), as soon as straight
+from P (`benches/RESULTS.md`, 2026-12-06 05:41; under load the difference was within the
+runs' spread).
 """
 
 from __future__ import annotations
