@@ -255,3 +255,30 @@ def test_an_idle_upstream_connection_is_dropped_before_the_upstream_can_close_it
         assert healthy(proxy, "prefill", upstream) == 1
     finally:
         upstream.close()
+
+
+def test_a_request_that_finds_every_upstream_connection_busy_gets_503_and_the_slot_comes_back(
+    cluster,
+):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    p.answer_gate = threading.Event()
+    proxy = cluster.proxy([p], [d], max_upstream_connections=1, pool_timeout_s=0.3)
+    answers: list[int] = []
+    first = threading.Thread(target=lambda: answers.append(post(proxy).status_code))
+    first.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not p.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.requests, "the first request did not reach P"
+        # Its prefill holds the only connection slot: the next request waits 0.3 s for one.
+        busy = post(proxy)
+        assert busy.status_code == 503
+        assert "too many requests in flight" in busy.json()["error"]["message"]
+        assert len(p.requests) == 1 and healthy(proxy, "prefill", p) == 1
+    finally:
+        p.answer_gate.set()
+        first.join(timeout=30)
+    assert answers == [200]
+    # Both of the first request's legs gave their slot back.
+    assert post(proxy).status_code == 200

@@ -104,7 +104,6 @@ class UpstreamClient:
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_expiry_s),
                 timeout=self._timeout,
                 trust_env=False,
-                auto_decompress=False,
             )
         return self._session
 
