@@ -2,7 +2,9 @@
 //! too long for the clock (a peer's value, a user's "no timeout") is as good as none and must
 //! not panic.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+#[cfg(any(feature = "python", test))]
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// How far "never" is: further than any deadline the crate keeps matters.
 const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -19,7 +21,7 @@ pub(crate) fn deadline_after(span: Duration) -> Instant {
 
 /// The monotonic instant of `unix_s`, seconds since the Unix epoch on the wall clock (both
 /// clocks read together): now once it has passed. `unix_s` must be finite; NaN is now.
-#[cfg_attr(not(feature = "python"), allow(dead_code))] // (the Python bindings' conversion)
+#[cfg(any(feature = "python", test))] // (the Python bindings' conversion)
 pub(crate) fn instant_of_unix(unix_s: f64) -> Instant {
     let (now, wall) = (Instant::now(), SystemTime::now());
     let wall = wall.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();

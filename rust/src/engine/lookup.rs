@@ -311,25 +311,29 @@ pub(super) fn unasked(
     };
     let owner =
         |address: &String| ready_peer(shared, address).map(|peer| peer.meta.engine_id.clone());
-    // Only a lookup that names engines looks at every target's owner up front.
-    let must: Vec<bool> = if engines.is_empty() {
-        Vec::new()
-    } else {
-        addresses
-            .iter()
-            .map(|address| owner(address).is_some_and(|id| engines.contains(&id)))
-            .collect()
-    };
-    if !engines.is_empty() && !must.contains(&true) {
+    // Only a lookup that names engines looks at every target's owner up front (once).
+    let owners: Option<Vec<Option<String>>> =
+        (!engines.is_empty()).then(|| addresses.iter().map(owner).collect());
+    let must: Vec<bool> = owners
+        .iter()
+        .flatten()
+        .map(|id| id.as_ref().is_some_and(|id| engines.contains(id)))
+        .collect();
+    if owners.is_some() && !must.contains(&true) {
         // Handed to engines this lookup cannot tell among its targets: ask them all.
         return vec![None; addresses.len()];
     }
     let ask = lock(&shared.held_index).narrow(addresses, fingerprints, &must);
-    addresses
-        .iter()
-        .zip(ask)
-        .map(|(address, ask)| if ask { None } else { owner(address) })
-        .collect()
+    match owners {
+        Some(owners) => {
+            owners.into_iter().zip(ask).map(|(id, ask)| if ask { None } else { id }).collect()
+        }
+        None => addresses
+            .iter()
+            .zip(ask)
+            .map(|(address, ask)| if ask { None } else { owner(address) })
+            .collect(),
+    }
 }
 
 /// Announces an engine's hold book to the readers connected to its side channel.

@@ -11,7 +11,7 @@
 //! either (the prompt's hold ended with that read): its lookups ask that first engine, and
 //! every engine once it is gone.
 //!
-//! Pure state, bounded: the latest [`MAX_HANDED`] prompts, the latest [`MAX_READERS`] engines
+//! Pure state, bounded: the latest [`MAX_HANDED`] prompts, the latest [`MAX_ENGINES`] engines
 //! of each, engine ids of at most [`MAX_ENGINE_ID_BYTES`].
 
 use std::collections::{HashMap, VecDeque};
@@ -21,7 +21,7 @@ use super::BlockFingerprint;
 /// The most handed-off prompts remembered (older ones are asked for as before: everywhere).
 pub const MAX_HANDED: usize = 4096;
 /// The most engines remembered per prompt.
-const MAX_READERS: usize = 4;
+const MAX_ENGINES: usize = 4;
 /// Longer engine ids (a peer's value) are not remembered: their prompts ask every engine.
 const MAX_ENGINE_ID_BYTES: usize = 256;
 
@@ -45,7 +45,7 @@ impl HandedOff {
     pub(super) fn held(&mut self, end: BlockFingerprint) {
         match self.prompts.get_mut(&end) {
             Some(handed) => *handed = Handed::Ambiguous,
-            None => self.insert(end, Handed::To(Vec::new())),
+            None => self.insert(end),
         }
     }
 
@@ -61,7 +61,7 @@ impl HandedOff {
         let Handed::To(engines) = handed else { return };
         if let Some(at) = engines.iter().position(|known| known == engine_id) {
             engines.remove(at);
-        } else if engines.len() >= MAX_READERS {
+        } else if engines.len() >= MAX_ENGINES {
             engines.remove(0);
         }
         engines.push(engine_id.to_owned());
@@ -76,14 +76,15 @@ impl HandedOff {
         }
     }
 
-    fn insert(&mut self, end: BlockFingerprint, handed: Handed) {
+    /// A prompt held for the first time: no engine granted it yet.
+    fn insert(&mut self, end: BlockFingerprint) {
         if self.order.len() >= MAX_HANDED {
             if let Some(oldest) = self.order.pop_front() {
                 self.prompts.remove(&oldest);
             }
         }
         self.order.push_back(end);
-        self.prompts.insert(end, handed);
+        self.prompts.insert(end, Handed::To(Vec::new()));
     }
 }
 
