@@ -183,17 +183,17 @@ class Lookups:
             threshold = (
                 self._threshold if named is not None else lambda: self._lookup_threshold(request)
             )
-            needed = (
+            min_gain = (
                 self._gain_to_ask(request, num_computed_tokens, end, threshold)
                 if timeout_s > 0
                 else None
             )
-            if needed is None:
+            if min_gain is None:
                 timeout_s = 0.0
             elif named is None and _lookup_hint(request) is None:
                 # (A router's hint says a decode node holds it, announced or not.)
                 prompt = prompt_fingerprints(request, self._block_size)
-                if self._ruled_out(prompt, num_computed_tokens, needed):
+                if self._ruled_out(prompt, num_computed_tokens, min_gain):
                     timeout_s = 0.0
             if timeout_s <= 0:
                 self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
@@ -264,8 +264,8 @@ class Lookups:
         beyond the `num_computed_tokens` we have: none holds that much of the prompt (a held
         turn's partial last block counted by its tokens). The request then prefills in this
         step."""
-        needed = num_computed_tokens + max(1, gain)
-        if self._mirror.may_hold(prompt, needed, time.monotonic()) is not False:
+        held = num_computed_tokens + max(1, gain)
+        if self._mirror.may_hold(prompt, held, time.monotonic()) is not False:
             return False
         self._stats.add("lookups_ruled_out")
         return True

@@ -351,10 +351,13 @@ class DuplexProxy:
             started = time.perf_counter()
             with pool.track(upstream):
                 try:
-                    response = await self.client.open(
-                        "POST", upstream.base_url + route, json=body, headers=headers
+                    status, raw = await self.client.fetch(
+                        "POST",
+                        upstream.base_url + route,
+                        json=body,
+                        headers=headers,
+                        limit=self.config.max_upstream_response_bytes,
                     )
-                    raw = await response.read_limited(self.config.max_upstream_response_bytes)
                 except UpstreamTransportError as exc:
                     pool.mark_failed(upstream, str(exc))
                     continue
@@ -367,8 +370,8 @@ class DuplexProxy:
                     ) from None
             pool.mark_ok(upstream)
             latency.observe(time.perf_counter() - started)
-            if response.status != 200:
-                raise UpstreamErrorResponse(response.status, raw, upstream)
+            if status != 200:
+                raise UpstreamErrorResponse(status, raw, upstream)
             return upstream, raw
         raise NoUpstream(pool.role)
 
@@ -556,16 +559,21 @@ class DuplexProxy:
             while (upstream := pool.pick(frozenset(tried))) is not None:
                 tried.add(upstream.address)
                 try:
-                    response = await self.client.open(
-                        "GET", upstream.base_url + "/v1/models", headers=headers
+                    status, raw = await self.client.fetch(
+                        "GET",
+                        upstream.base_url + "/v1/models",
+                        headers=headers,
+                        limit=self.config.max_upstream_response_bytes,
                     )
-                    raw = await response.read_limited(self.config.max_upstream_response_bytes)
-                except (UpstreamTransportError, ResponseTooLarge) as exc:
+                except UpstreamTransportError as exc:
                     pool.mark_failed(upstream, str(exc))
                     continue
+                except ResponseTooLarge as exc:
+                    pool.mark_failed(upstream, describe(exc))
+                    continue
                 pool.mark_ok(upstream)
-                if response.status != 200:
-                    raise UpstreamErrorResponse(response.status, raw, upstream)
+                if status != 200:
+                    raise UpstreamErrorResponse(status, raw, upstream)
                 return Response(raw, media_type="application/json")
         raise NoUpstream("upstream")
 

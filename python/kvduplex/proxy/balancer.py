@@ -165,13 +165,17 @@ async def probe(
 ) -> bool:
     """GET /health on one upstream; updates its state. vLLM answers 200 while its engine runs."""
     try:
-        response = await client.open("GET", f"{upstream.base_url}/health", timeout_s=timeout_s)
-        await response.read_limited(_MAX_HEALTH_BYTES)
-    except (UpstreamTransportError, PoolExhausted, ResponseTooLarge) as exc:
+        status, _ = await client.fetch(
+            "GET", f"{upstream.base_url}/health", timeout_s=timeout_s, limit=_MAX_HEALTH_BYTES
+        )
+    except UpstreamTransportError as exc:
+        pool.mark_failed(upstream, f"health probe: {exc}")
+        return False
+    except (PoolExhausted, ResponseTooLarge) as exc:
         pool.mark_failed(upstream, f"health probe: {describe(exc)}")
         return False
-    if response.status != 200:
-        pool.mark_failed(upstream, f"health probe: HTTP {response.status}")
+    if status != 200:
+        pool.mark_failed(upstream, f"health probe: HTTP {status}")
         return False
     pool.mark_ok(upstream)
     return True

@@ -57,7 +57,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raw = b"".join(chunks)
         body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
         if _ESCAPED_SURROGATE.search(raw):
-            # What the upstream requests are sent as (httpx): a lone surrogate cannot be.
+            # A lone surrogate is no text an upstream can encode or tokenize: refused here.
             json.dumps(body, ensure_ascii=False).encode()
     except (ValueError, UnicodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None

@@ -133,13 +133,20 @@ class UpstreamClient:
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self._timeout,
             )
-        except _TRANSPORT_ERRORS as exc:
+        except BaseException as exc:
             self._slots.release()
-            raise UpstreamTransportError(describe(exc)) from exc
-        except BaseException:
-            self._slots.release()
+            if isinstance(exc, _TRANSPORT_ERRORS):
+                raise UpstreamTransportError(describe(exc)) from exc
             raise
         return UpstreamResponse(response, self._slots.release)
+
+    async def fetch(
+        self, method: str, url: str, *, limit: int, **request: Any
+    ) -> tuple[int, bytes]:
+        """`open`, then the whole body (at most `limit` bytes, else `ResponseTooLarge`): the
+        answer's status and body."""
+        response = await self.open(method, url, **request)
+        return response.status, await response.read_limited(limit)
 
     async def aclose(self) -> None:
         if self._session is not None:
