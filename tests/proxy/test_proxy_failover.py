@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import FakeClock
+from conftest import STREAM_GATE_TIMEOUT_S, FakeClock
 from kvduplex.protocol import prefill_request_params
 from kvduplex.proxy.balancer import UpstreamPool
 from kvduplex.proxy.config import parse_upstream
@@ -282,3 +282,27 @@ def test_a_request_that_finds_every_upstream_connection_busy_gets_503_and_the_sl
     assert answers == [200]
     # Both of the first request's legs gave their slot back.
     assert post(proxy).status_code == 200
+
+
+def test_a_health_probe_waits_for_a_connection_slot_no_longer_than_its_timeout(cluster):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    p.answer_gate = threading.Event()
+    proxy = cluster.proxy(
+        [p], [d], max_upstream_connections=1, pool_timeout_s=30.0, health_timeout_s=0.3
+    )
+    first = threading.Thread(target=lambda: post(proxy))
+    first.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not p.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.requests, "the first request did not reach P"
+        started = time.monotonic()
+        proxy.check_health()  # every probe finds the only slot taken
+        # The probes gave up after their 0.3 s; waiting for the slot as a request would (30 s),
+        # they would have returned only when P let the prefill go (after 5 s).
+        assert time.monotonic() - started < STREAM_GATE_TIMEOUT_S / 2
+        assert first.is_alive()
+    finally:
+        p.answer_gate.set()
+        first.join(timeout=30)

@@ -117,10 +117,14 @@ class UpstreamClient:
         timeout_s: float | None = None,
     ) -> UpstreamResponse:
         """Sends the request and returns once the response's head arrived; `timeout_s` bounds
-        the whole exchange (health probes). Raises `PoolExhausted` or `UpstreamTransportError`."""
+        the wait for a slot and the whole exchange (health probes). Raises `PoolExhausted` or
+        `UpstreamTransportError`."""
         if self._slots.locked():
+            slot_wait_s = self._pool_timeout_s
+            if timeout_s is not None:
+                slot_wait_s = min(slot_wait_s, timeout_s)
             try:
-                await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
+                await asyncio.wait_for(self._slots.acquire(), slot_wait_s)
             except asyncio.TimeoutError:
                 raise PoolExhausted() from None
         else:
