@@ -7,6 +7,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -257,12 +258,11 @@ def test_an_idle_upstream_connection_is_dropped_before_the_upstream_can_close_it
         upstream.close()
 
 
-def test_a_request_that_finds_every_upstream_connection_busy_gets_503_and_the_slot_comes_back(
-    cluster,
-):
-    p, d = cluster.engine("p"), cluster.engine("d")
+@contextlib.contextmanager
+def a_prefill_holding_the_only_slot(proxy, p) -> Iterator[list[int]]:
+    """A request in flight whose prefill P holds (its answer gate) on the proxy's only
+    connection slot; yields the list its status joins once P lets it go (at the block's end)."""
     p.answer_gate = threading.Event()
-    proxy = cluster.proxy([p], [d], max_upstream_connections=1, pool_timeout_s=0.3)
     answers: list[int] = []
     first = threading.Thread(target=lambda: answers.append(post(proxy).status_code))
     first.start()
@@ -271,14 +271,24 @@ def test_a_request_that_finds_every_upstream_connection_busy_gets_503_and_the_sl
         while not p.requests and time.monotonic() < deadline:
             time.sleep(0.01)
         assert p.requests, "the first request did not reach P"
-        # Its prefill holds the only connection slot: the next request waits 0.3 s for one.
+        yield answers
+        assert first.is_alive(), "P let the prefill go before the block's end"
+    finally:
+        p.answer_gate.set()
+        first.join(timeout=30)
+
+
+def test_a_request_that_finds_every_upstream_connection_busy_gets_503_and_the_slot_comes_back(
+    cluster,
+):
+    p, d = cluster.engine("p"), cluster.engine("d")
+    proxy = cluster.proxy([p], [d], max_upstream_connections=1, pool_timeout_s=0.3)
+    with a_prefill_holding_the_only_slot(proxy, p) as answers:
+        # The next request waits 0.3 s for a slot.
         busy = post(proxy)
         assert busy.status_code == 503
         assert "too many requests in flight" in busy.json()["error"]["message"]
         assert len(p.requests) == 1 and healthy(proxy, "prefill", p) == 1
-    finally:
-        p.answer_gate.set()
-        first.join(timeout=30)
     assert answers == [200]
     # Both of the first request's legs gave their slot back.
     assert post(proxy).status_code == 200
@@ -286,23 +296,12 @@ def test_a_request_that_finds_every_upstream_connection_busy_gets_503_and_the_sl
 
 def test_a_health_probe_waits_for_a_connection_slot_no_longer_than_its_timeout(cluster):
     p, d = cluster.engine("p"), cluster.engine("d")
-    p.answer_gate = threading.Event()
     proxy = cluster.proxy(
         [p], [d], max_upstream_connections=1, pool_timeout_s=30.0, health_timeout_s=0.3
     )
-    first = threading.Thread(target=lambda: post(proxy))
-    first.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not p.requests and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert p.requests, "the first request did not reach P"
+    with a_prefill_holding_the_only_slot(proxy, p):
         started = time.monotonic()
         proxy.check_health()  # every probe finds the only slot taken
         # The probes gave up after their 0.3 s; waiting for the slot as a request would (30 s),
         # they would have returned only when P let the prefill go (after 5 s).
         assert time.monotonic() - started < STREAM_GATE_TIMEOUT_S / 2
-        assert first.is_alive()
-    finally:
-        p.answer_gate.set()
-        first.join(timeout=30)
