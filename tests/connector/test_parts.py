@@ -94,6 +94,22 @@ def test_the_copy_of_what_decode_nodes_announced_bounds_what_they_may_hold():
     assert mirror.may_hold(nxt, 1, now=100.2) is None
 
 
+def test_the_copy_asks_to_be_renewed_shortly_before_it_goes_stale_once_it_is_trusted():
+    mirror = HeldMirror()
+    assert mirror.refresh_at() is None  # nothing arrived: lookups ask anyway
+    mirror.on_report(md.AnnouncedChanges(True, (), (), False), now=100.0)
+    assert mirror.refresh_at() is None  # a decode node has not announced all it holds
+    mirror.on_report(md.AnnouncedChanges(False, (), (), True), now=100.5)
+    renew = 100.5 + held_mirror.FRESH_S - held_mirror.REFRESH_LEAD_S
+    assert mirror.refresh_at() == pytest.approx(renew)
+    assert 100.5 < renew < 100.5 + held_mirror.FRESH_S
+    # A step's report with nothing in it (nothing changed) renews it too.
+    mirror.on_report(None, now=101.0)
+    assert mirror.refresh_at() == pytest.approx(renew + 0.5)
+    mirror.on_report(md.AnnouncedChanges(True, (), (), True, complete=False), now=101.2)
+    assert mirror.refresh_at() is None
+
+
 def test_a_prompt_continuing_a_handoff_names_that_prompts_end_until_its_turn_is_announced():
     """Its every token, the partial last block's included: a prompt that only shares full
     blocks with the handoff (a common system prompt) names nothing."""

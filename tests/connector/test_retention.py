@@ -89,11 +89,11 @@ def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last():
     assert r.wake_at() is None
     r.stepped(10.0)
     r.hold("a", 1, False, expires_at=10.4)
-    assert r.wake_at() == 10.4 and not r.step_due(10.3) and r.step_due(10.4)
+    assert r.wake_at() == 10.4
     r.stepped(10.5)  # the expiry was checked in this step; "a" is claimed and stays
     assert r.wake_at() == 10.5 + IDLE_CHECK_S
     r.freed("a")
-    assert r.wake_at() is None and not r.step_due(100.0)
+    assert r.wake_at() is None
 
 
 def test_the_hold_book_has_ended_a_lease_when_the_scheduler_wakes_for_its_end():
@@ -108,12 +108,17 @@ def test_the_hold_book_has_ended_a_lease_when_the_scheduler_wakes_for_its_end():
             engine.hold("nan", 1, math.nan, fingerprints=fingerprints, turn=True)
         assert engine.expire_holds() == ["past"]
         for attempt in range(5):
-            lease_expiry = time.time() + 0.3
+            held_at, held_at_monotonic = time.time(), time.monotonic()
+            lease_expiry = held_at + 0.3
             engine.hold(f"soon-{attempt}", 1, lease_expiry, fingerprints=fingerprints, turn=False)
             early = engine.expire_holds()
             assert early == [] or time.time() >= lease_expiry  # (a starved host's late look)
-            while time.time() < lease_expiry:  # the scheduler's step_due(now), to the microsecond
+            while time.time() < lease_expiry:  # the scheduler's wake-up at wake_at(), to the microsecond
                 time.sleep(max(0.0, lease_expiry - time.time() - 0.01))
+            # A wall clock being slewed (NTP: 0.5% measured on a VM just started) runs ahead of
+            # the monotonic one that the book converted the end to: it ends when that reaches it.
+            slewed = (time.time() - held_at) - (time.monotonic() - held_at_monotonic)
+            time.sleep(max(0.0, slewed))
             assert engine.expire_holds() == [f"soon-{attempt}"], "the lease outlived its wake-up"
         assert engine.hold_occupancy()[1] == 1  # "far" stays
 

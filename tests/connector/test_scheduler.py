@@ -23,6 +23,7 @@ from duplex_harness import (
 )
 from kvduplex import protocol
 from kvduplex.connector import held_mirror, retention
+from kvduplex.connector import lookup as lookup_module
 from kvduplex.connector.metadata import AnnouncedChanges, DuplexWorkerMetadata, LookupMatch
 from kvduplex.connector.scheduler import _held_output_tokens
 from kvduplex.connector.stats import DuplexConnectorStats
@@ -739,6 +740,34 @@ def test_what_decode_nodes_announced_rules_out_lookups_that_could_not_gain_enoug
     # in no report, so the lookup asks.
     time.sleep(0.6)
     assert _looked_up(p, "stale", prompt_tokens(100, start=6000))
+
+
+def test_an_idle_prefill_node_steps_to_keep_its_copy_of_the_announcements_fresh(
+    engines, monkeypatch
+):
+    """An idle engine takes no step and gets no report: its copy would be stale by the time a
+    conversation's next turn comes, and the turn would be asked. While it looks prompts up, it
+    asks vLLM for a step (push work) shortly before the copy goes stale; that step's report
+    renews it, and a prompt arriving after a pause is still ruled out in its first step. Not
+    for longer than `IDLE_REFRESH_S` after its last lookup."""
+    monkeypatch.setattr(held_mirror, "FRESH_S", 0.3)
+    p = engines("P", LOOKUP)
+    p.step(worker_meta=_announced(whole=True))
+    assert not p.connector.has_pending_push_work()  # no lookup yet: nothing uses the copy
+    assert not _looked_up(p, "first", prompt_tokens(100, start=3000))
+    assert not p.connector.has_pending_push_work()
+    time.sleep(0.3 - held_mirror.REFRESH_LEAD_S + 0.02)
+    assert p.connector.has_pending_push_work()
+    p.step()  # the idle step: TP rank 0 reports the set unchanged
+    assert not p.connector.has_pending_push_work()
+    time.sleep(0.2)  # 0.5 s since the last report before the idle step: stale without it
+    assert not _looked_up(p, "after-a-pause", prompt_tokens(100, start=4000))
+    assert p.stats.data["lookups_ruled_out"] == 2
+    # Long after the last lookup the engine stays idle, and a prompt is asked again.
+    monkeypatch.setattr(lookup_module, "IDLE_REFRESH_S", 0.1)
+    time.sleep(0.35)
+    assert not p.connector.has_pending_push_work()
+    assert _looked_up(p, "much-later", prompt_tokens(100, start=5000))
 
 
 def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines):

@@ -111,3 +111,37 @@ def test_a_burst_evicts_the_held_turn_before_any_preemption_and_its_lookup_misse
     assert after.get("external_kv_transfer", 0) == before.get("external_kv_transfer", 0)
     assert sum(counter(p, name) for name in misses) - missed == 1
     assert describe_mismatch(complete(reference_server.base_url, turn2, 8), second) is None
+
+
+@pytest.mark.e2e
+def test_an_idle_prefill_node_keeps_its_copy_of_the_announcements_fresh(
+    pair,
+    tokenizer,  # noqa: F811
+):
+    """P rules out a lookup by its copy of what D announced only while the copy is recent;
+    an idle engine takes no step, so P steps to renew it (`held_mirror.py`). A prompt no D
+    holds, sent after a pause several times longer than the copy is trusted without a
+    report, prefills without asking D."""
+    p = pair.prefill.base_url
+    relay_streamed(pair, token_prompt(tokenizer, 2 * BLOCK + 100, seed=60), 8)  # P knows D
+    missed, ruled_out = "vllm:kvduplex_lookups_missed_total", "vllm:kvduplex_lookups_ruled_out_total"
+
+    def looked_up(seed: int) -> bool:
+        """Sends a prompt nobody holds to P; whether P asked D (False: ruled out)."""
+        before = counter(p, missed), counter(p, ruled_out)
+        complete(p, token_prompt(tokenizer, BLOCK + 50, seed=seed), max_tokens=1)
+        deadline = time.monotonic() + 10.0
+        while (now := (counter(p, missed), counter(p, ruled_out))) == before:
+            assert time.monotonic() < deadline, "P counted neither a miss nor a ruled-out lookup"
+            time.sleep(0.1)
+        assert sum(now) - sum(before) == 1
+        return now[0] > before[0]
+
+    # P's workers connect to D and get the whole set of its announcements within steps.
+    seed, deadline = 70, time.monotonic() + 60.0
+    while looked_up(seed):
+        assert time.monotonic() < deadline, "P never ruled a lookup out (no copy, or stale)"
+        seed += 1
+        time.sleep(0.3)
+    time.sleep(1.5)
+    assert not looked_up(seed + 1), "after a pause, P asked D for a prompt its copy rules out"

@@ -21,6 +21,13 @@ has no guard: if its next turn arrives here before the decode node's announcemen
 this scheduler, and no earlier turn of the conversation is still announced, it is recomputed
 (never read wrongly).
 
+An idle engine takes no step, so its copy would be stale whenever a conversation's next turn
+arrives after its user's think time, and every such turn would be asked. While it looks
+things up, an idle engine therefore steps a little before its copy goes stale
+(`refresh_at`, the connector's push work, `retention.IdleWaker`): in such a step TP rank 0
+reports even an unchanged set, which renews the copy. It stops `IDLE_REFRESH_S` after its
+last lookup (`lookup.py`).
+
 Otherwise the copy says how many of the prompt's leading tokens any decode node may hold: by
 the chained fingerprints, a held turn that matches the prompt's block k announced block k, and
 a held turn's partial last block is announced by the fingerprint of the tokens it holds, which
@@ -39,6 +46,8 @@ from kvduplex.connector.token_fingerprint import PromptFingerprints
 # How recent the last step's report must be for the copy to be trusted: a decode node's turn
 # announced since is in no report yet. About a few steps of a busy engine.
 FRESH_S = 0.25
+# How long before the copy goes stale an idle engine steps to renew it (`refresh_at`).
+REFRESH_LEAD_S = 0.05
 # The most handoffs whose turn is not announced yet that are guarded; past it, the oldest guard
 # goes (a guard whose turn is never announced, e.g. by a decode node keeping no turns, stays
 # until then: it only costs the conversation's lookups their step, as before).
@@ -73,6 +82,14 @@ class HeldMirror:
             for fingerprint in changes.added:
                 self._handoffs.pop(fingerprint, None)
         self._fresh_until = now + self._fresh_s if self._complete else 0.0
+
+    def refresh_at(self) -> float | None:
+        """When (`time.monotonic()`) a step's report should renew the copy before it goes
+        stale; None while it is not trusted anyway (incomplete, or some decode node has not
+        announced all it holds: a lookup then asks)."""
+        if not (self._complete and self._synced):
+            return None
+        return self._fresh_until - REFRESH_LEAD_S
 
     def handed_off(self, prompt: PromptFingerprints) -> None:
         """A prompt went to a decode node, which may hold the turn it computes after it before

@@ -22,6 +22,7 @@ that step has reported without the answer, a worker lost it and the request pref
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,11 @@ logger = init_logger(f"vllm.{__name__}")
 
 # `Lookups.look_up`'s "not yet": the lookup runs (get_num_new_matched_tokens returns None).
 ASK_AGAIN = object()
+
+# How long after its last lookup by content (or hand-off) an idle engine keeps stepping to
+# renew its copy of the decode nodes' announcements (`held_mirror.py`): about a user's pause
+# between turns. Each such step costs about a millisecond here, five a second.
+IDLE_REFRESH_S = 60.0
 
 # A router's lookup hint is a "host:port"; anything longer is not one.
 _MAX_HINT_LEN = 300
@@ -135,6 +141,8 @@ class Lookups:
         self._steps_reported = 0
         # What the decode nodes announced they hold, for lookups that could not gain enough.
         self._mirror = HeldMirror()
+        # `time.monotonic()` of the last lookup by content or hand-off (`refresh_at`).
+        self._looked_up_at = -math.inf
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
@@ -158,7 +166,19 @@ class Lookups:
             return None
         prompt = prompt_fingerprints(request, self._block_size)
         self._mirror.handed_off(prompt)
+        self._looked_up_at = time.monotonic()
         return prompt
+
+    def refresh_at(self, now: float) -> float | None:
+        """When (`time.monotonic()`) an idle engine should step so that the report renews its
+        copy of the announcements (`held_mirror.py`); None when nothing would use it: no
+        lookups by content, no engine to ask, or none for `IDLE_REFRESH_S`. Called by the
+        idle waker's thread too: it only reads."""
+        if not (self._config.looks_up and self._peers_known):
+            return None
+        if now > self._looked_up_at + IDLE_REFRESH_S:
+            return None
+        return self._mirror.refresh_at()
 
     def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
         """What the request's grant or lookup found, None when there is nothing to pull, or
@@ -172,6 +192,8 @@ class Lookups:
                 end = min(named.num_tokens, request.num_prompt_tokens)
             else:
                 timeout_s = self._config.lookup_timeout_s if self._config.looks_up else 0.0
+                if self._config.looks_up:
+                    self._looked_up_at = time.monotonic()
                 # A lookup matches whole blocks from the prompt's first (a held turn's partial
                 # last block is checked on the answer, after its full ones matched): a prompt
                 # without one, or no engine to ask, and nothing could be found. A prompt whose

@@ -29,20 +29,18 @@ Accounting (`Retention`, pure: time comes in as an argument):
 
 Idle engines: vLLM's EngineCore steps only while its scheduler has requests (or a connector
 has "push work"); an idle one blocks on its input queue, so a hold that ends while it is idle
-would keep its blocks until the next request. `step_due` is the connector's push work: true
-when a hold's lease has passed since the last step, or once a second while any hold lasts
-(a reader's release or the end of a claim frees a hold too); `IdleWaker` puts vLLM's own
-no-op WAKEUP request on the engine's input queue at those moments, so the engine takes one
-step, in which TP rank 0 ends the holds and the scheduler frees their blocks.
+would keep its blocks until the next request. `wake_at` is when the engine should step: when
+a hold's lease has passed since the last step, or once a second while any hold lasts
+(a reader's release or the end of a claim frees a hold too); the idle waker
+(`idle_waker.py`) wakes the engine at those moments, so it takes one step, in which TP rank
+0 ends the holds and the scheduler frees their blocks.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,9 +97,8 @@ class Retention:
         self._shipped: deque[_Shipped] = deque()
         self._backoff_until = -math.inf
         self._last_step = -math.inf
-        # The waker thread reads the wake time while the engine thread changes holds.
+        # The idle waker's thread reads the wake time while the engine thread changes holds.
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
 
     # ---------------------------------------------------------------- holds
 
@@ -117,7 +114,6 @@ class Retention:
                 self.turn_blocks += num_blocks
             self._held[request_id] = _Held(num_blocks, turn, expires_at)
             self.held_blocks += num_blocks
-            self._changed.notify_all()
 
     def shipped(self, request_ids: list[str], now: float) -> None:
         """These holds went to the workers with the step built at `now`."""
@@ -216,11 +212,6 @@ class Retention:
         with self._lock:
             self._last_step = now
 
-    def step_due(self, now: float) -> bool:
-        """Whether an idle engine should take a step now to free holds."""
-        wake_at = self.wake_at()
-        return wake_at is not None and wake_at <= now
-
     def wake_at(self) -> float | None:
         """When the engine should next step to free holds (None: no holds)."""
         with self._lock:
@@ -231,15 +222,6 @@ class Retention:
             return None
         expiries = (h.expires_at for h in self._held.values() if h.expires_at > self._last_step)
         return min(self._last_step + IDLE_CHECK_S, min(expiries, default=math.inf))
-
-    def wait_for_change(self, timeout: float | None) -> None:
-        with self._changed:
-            self._changed.wait(timeout)
-
-    def notify(self) -> None:
-        """Wake whoever waits for a change (the idle waker, to stop)."""
-        with self._changed:
-            self._changed.notify_all()
 
 
 def blocks_needed(
@@ -342,59 +324,3 @@ class LiveRequests:
             self._seats,
         )
 
-
-class IdleWaker:
-    """Wakes vLLM's idle EngineCore when `Retention.wake_at` comes (see the module
-    docstring), with the WAKEUP request vLLM itself uses to wake an idle engine for
-    shutdown. Needs the engine's input queue, found on the stack of the EngineCoreProc that
-    builds the scheduler; without one (an engine stepped by its caller, e.g. `LLM`) holds
-    that end while idle are freed at the next step, as before."""
-
-    def __init__(self, retention: Retention, clock: Callable[[], float]) -> None:
-        self._retention = retention
-        self._clock = clock
-        self._put = _engine_wakeup()
-        self._stop = False
-        if self._put is None:
-            logger.info(
-                "DuplexConnector found no EngineCoreProc input queue to wake: holds that end "
-                "while this engine is idle are freed at its next step"
-            )
-            return
-        threading.Thread(target=self._run, name="kvduplex-idle-waker", daemon=True).start()
-
-    def close(self) -> None:
-        self._stop = True
-        self._retention.notify()
-
-    def _run(self) -> None:
-        while not self._stop:
-            wake_at = self._retention.wake_at()
-            if wake_at is None:
-                self._retention.wait_for_change(None)
-                continue
-            delay = wake_at - self._clock()
-            if delay > 0:
-                self._retention.wait_for_change(delay)
-                continue
-            self._put()
-            # The engine steps (and moves the wake time on) within milliseconds; never spin.
-            self._retention.wait_for_change(0.05)
-
-
-def _engine_wakeup() -> Callable[[], None] | None:
-    """vLLM's way to wake its idle EngineCoreProc: a WAKEUP request on its input queue. The
-    connector is built inside `EngineCoreProc.__init__`, whose `self` is on the stack."""
-    try:
-        from vllm.v1.engine import EngineCoreRequestType
-        from vllm.v1.engine.core import EngineCoreProc
-    except ImportError:
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, EngineCoreProc) and hasattr(owner, "input_queue"):
-            queue = owner.input_queue
-            return lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
-        frame = frame.f_back
-    return None

@@ -56,6 +56,7 @@ from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.expected_turns import ExpectedTurns
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
+from kvduplex.connector.idle_waker import IdleWaker
 from kvduplex.connector.lookup import ASK_AGAIN, Lookups
 from kvduplex.connector.params import (
     ParamsContext,
@@ -67,7 +68,7 @@ from kvduplex.connector.params import (
     takes_over,
     unsupported_reason,
 )
-from kvduplex.connector.retention import IdleWaker, LiveRequests, Retention
+from kvduplex.connector.retention import LiveRequests, Retention
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
 from kvduplex.connector.token_fingerprint import (
@@ -127,7 +128,6 @@ class DuplexScheduler:
         self._retention = Retention(
             int(config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks)
         )
-        self._waker = IdleWaker(self._retention, time.time)
         self._live = LiveRequests(vllm_config)
         max_model_len = vllm_config.model_config.max_model_len
         self._params_context = ParamsContext(
@@ -177,6 +177,7 @@ class DuplexScheduler:
         )
         self._step_started: float | None = None
         self._step_tokens = 0
+        self._waker = IdleWaker(self._next_idle_step_in)
 
     # ---------------------------------------------------------------- reader
 
@@ -539,6 +540,7 @@ class DuplexScheduler:
         # A turn past the cap orders room: the workers free the least recently used unclaimed
         # turns (every read of a held turn is claimed, so none is freed under a read).
         self._retention.hold(request.request_id, len(blocks), decode_turn, lease_expiry)
+        self._waker.poke()
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.
@@ -606,8 +608,23 @@ class DuplexScheduler:
         return self._retention.frees_pending(now)
 
     def has_pending_push_work(self) -> bool:
-        """Keeps an idle engine stepping while a hold is due to end (`retention.py`)."""
-        return self._retention.step_due(time.time())
+        """Keeps an idle engine stepping while a hold is due to end (`retention.py`) or the
+        copy of the announcements to be renewed (`held_mirror.py`)."""
+        delay = self._next_idle_step_in()
+        return delay is not None and delay <= 0
+
+    def _next_idle_step_in(self) -> float | None:
+        """Seconds until an idle engine should step (<= 0: now; None: no step is due).
+        Called by the idle waker's thread too."""
+        delays = []
+        wake_at = self._retention.wake_at()
+        if wake_at is not None:
+            delays.append(wake_at - time.time())
+        now = time.monotonic()
+        refresh_at = self._lookups.refresh_at(now)
+        if refresh_at is not None:
+            delays.append(refresh_at - now)
+        return min(delays, default=None)
 
     def shutdown(self) -> None:
         self._waker.close()
@@ -679,7 +696,10 @@ class DuplexScheduler:
         if not isinstance(worker_meta, md.DuplexWorkerMetadata):
             worker_meta = None
         self._lookups.on_report(worker_meta)
+        refreshing = self._lookups.refresh_at(time.monotonic()) is not None
         self._lookups.announced(worker_meta.announced if worker_meta is not None else None)
+        if not refreshing and self._lookups.refresh_at(time.monotonic()) is not None:
+            self._waker.poke()  # the copy is trusted now: renewed while idle from here on
         if worker_meta is not None:
             freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
             self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())

@@ -432,7 +432,7 @@ class DuplexWorker:
             # Nothing else to do or to notice: the step waits for its lookups' answers.
             self._lookups.wait_for_answers(self._engine)
         lookups, lookup_targets = self._lookups.take(self._engine)
-        announced = self._lookups.announced(self._engine)
+        announced = self._lookups.announced(self._engine, self._idle_step)
         if (
             not lookups
             and not self._freed_holds

@@ -129,10 +129,15 @@ class WorkerLookups:
         self._reported_targets = self._num_targets
         return results, targets
 
-    def announced(self, engine: _core.Engine | None) -> md.AnnouncedChanges | None:
+    def announced(
+        self, engine: _core.Engine | None, idle_step: bool
+    ) -> md.AnnouncedChanges | None:
         """What the decode nodes' announcements changed since the last step's report (None:
         nothing), for the scheduler's copy (`held_mirror.py`). TP rank 0 alone; each step,
-        so the scheduler knows how recent its copy is. The whole set goes at most every
+        so the scheduler knows how recent its copy is. In a step that computes nothing, an
+        unchanged set too: vLLM passes the scheduler no report of such a step that has nothing
+        in it, and the step may be the one an idle engine takes to renew the copy. The whole
+        set goes at most every
         `_WHOLE_INTERVAL_S` and up to `_MAX_WHOLE` fingerprints (owners resetting what they
         announce again and again, or announcing more, leave the copy incomplete, untrusted)."""
         if engine is None or self._tp_rank != 0 or not self._config.looks_up:
@@ -156,7 +161,8 @@ class WorkerLookups:
             self._incomplete_reported = False
         # With no engine to ask, there is no announcement to trust either.
         synced = synced and bool(targets)
-        if not whole and not added and not removed and synced == self._announced_synced:
+        unchanged = not whole and not added and not removed and synced == self._announced_synced
+        if unchanged and not idle_step:
             return None
         self._announced_synced = synced
         return md.AnnouncedChanges(whole, tuple(added), tuple(removed), synced)
