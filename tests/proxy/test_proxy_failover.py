@@ -305,3 +305,5 @@ def test_a_health_probe_waits_for_a_connection_slot_no_longer_than_its_timeout(c
         # The probes gave up after their 0.3 s; waiting for the slot as a request would (30 s),
         # they would have returned only when P let the prefill go (after 5 s).
         assert time.monotonic() - started < STREAM_GATE_TIMEOUT_S / 2
+        # A busy proxy is not a failed upstream: both stay in rotation.
+        assert healthy(proxy, "prefill", p) == 1 and healthy(proxy, "decode", d) == 1

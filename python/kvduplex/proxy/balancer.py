@@ -162,23 +162,27 @@ class UpstreamPool:
 
 async def probe(
     pool: UpstreamPool, upstream: Upstream, client: UpstreamClient, timeout_s: float
-) -> bool:
-    """GET /health on one upstream; updates its state. vLLM answers 200 while its engine runs."""
+) -> None:
+    """GET /health on one upstream; updates its state. vLLM answers 200 while its engine runs.
+    A probe that finds every one of the proxy's connections in use says nothing of the
+    upstream (the proxy is busy): its state stays, and the next interval probes again."""
     try:
         status, _ = await client.fetch(
             "GET", f"{upstream.base_url}/health", timeout_s=timeout_s, limit=_MAX_HEALTH_BYTES
         )
+    except PoolExhausted:
+        logger.debug("%s upstream %s not probed: no free connection", pool.role, upstream.address)
+        return
     except UpstreamTransportError as exc:
         pool.mark_failed(upstream, f"health probe: {exc}")
-        return False
-    except (PoolExhausted, ResponseTooLarge) as exc:
+        return
+    except ResponseTooLarge as exc:
         pool.mark_failed(upstream, f"health probe: {describe(exc)}")
-        return False
+        return
     if status != 200:
         pool.mark_failed(upstream, f"health probe: HTTP {status}")
-        return False
+        return
     pool.mark_ok(upstream)
-    return True
 
 
 async def probe_all(pools: list[UpstreamPool], client: UpstreamClient, timeout_s: float) -> None:
