@@ -10,6 +10,7 @@ import logging
 import time
 
 import httpx
+import psutil
 import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
@@ -145,3 +146,40 @@ def test_an_idle_prefill_node_keeps_its_copy_of_the_announcements_fresh(
         time.sleep(0.3)
     time.sleep(1.5)
     assert not looked_up(seed + 1), "after a pause, P asked D for a prompt its copy rules out"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a server's processes (API server, engine, workers)."""
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+@pytest.mark.e2e
+def test_an_idle_pair_stepping_for_its_holds_and_its_copy_keeps_no_core_busy(
+    pair,
+    tokenizer,  # noqa: F811
+):
+    """D holds a turn (it steps once a second to end holds); P renews its copy of D's
+    announcements (five steps a second). vLLM's workers poll their step queue without sleeping
+    for a second after each step: each idle server would keep a core busy (measured: 98-100%)
+    were it not sent to wait on the queue's socket after such steps (`idle_steps.py`)."""
+    relay_streamed(pair, token_prompt(tokenizer, 2 * BLOCK + 100, seed=80), 8)
+    d = pair.decode.base_url
+    assert wait_for_counter(d, "vllm:kvduplex_held_blocks", lambda n: n > 0) > 0
+    time.sleep(1.5)  # the last request's steps' own second of polling
+    servers = {"P": pair.prefill.pid, "D": pair.decode.pid}
+    before = {role: _cpu_seconds(pid) for role, pid in servers.items()}
+    started = time.monotonic()
+    time.sleep(4.0)
+    elapsed = time.monotonic() - started
+    busy = {role: (_cpu_seconds(pid) - before[role]) / elapsed for role, pid in servers.items()}
+    logger.info("idle servers' CPU use (cores): %s", busy)
+    assert counter(d, "vllm:kvduplex_held_blocks") > 0, "D gave its turn up: nothing to step for"
+    assert all(cores < 0.3 for cores in busy.values()), busy

@@ -32,7 +32,7 @@ has "push work"); an idle one blocks on its input queue, so a hold that ends whi
 would keep its blocks until the next request. `wake_at` is when the engine should step: when
 a hold's lease has passed since the last step, or once a second while any hold lasts
 (a reader's release or the end of a claim frees a hold too); the idle waker
-(`idle_waker.py`) wakes the engine at those moments, so it takes one step, in which TP rank
+(`idle_steps.py`) wakes the engine at those moments, so it takes one step, in which TP rank
 0 ends the holds and the scheduler frees their blocks.
 """
 

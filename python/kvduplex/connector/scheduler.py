@@ -56,7 +56,7 @@ from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.expected_turns import ExpectedTurns
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
-from kvduplex.connector.idle_waker import IdleWaker
+from kvduplex.connector.idle_steps import IdleWaker
 from kvduplex.connector.lookup import ASK_AGAIN, Lookups
 from kvduplex.connector.params import (
     ParamsContext,

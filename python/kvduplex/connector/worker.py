@@ -35,6 +35,7 @@ from kvduplex.connector import metadata as md
 from kvduplex.connector import retention, tp
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
+from kvduplex.connector.idle_steps import WorkerSpin
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.worker_lookup import WorkerLookups
 
@@ -289,6 +290,7 @@ class DuplexWorker:
         # Grants and lookups, TP rank 0's (`worker_lookup.py`).
         self._lookups = WorkerLookups(config, tp_rank, self._stats)
         self._idle_step = False
+        self._spin = WorkerSpin()
 
     # ------------------------------------------------------------- lifecycle
 
@@ -433,6 +435,8 @@ class DuplexWorker:
             self._lookups.wait_for_answers(self._engine)
         lookups, lookup_targets = self._lookups.take(self._engine)
         announced = self._lookups.announced(self._engine, self._idle_step)
+        if self._idle_step and not (self._inflight or self._waiting_loads or self._lookups.pending):
+            self._spin.rest()  # (`idle_steps.py`)
         if (
             not lookups
             and not self._freed_holds

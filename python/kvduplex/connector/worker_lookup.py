@@ -87,6 +87,11 @@ class WorkerLookups:
             num_blocks=len(spec.fingerprints),
         )
 
+    @property
+    def pending(self) -> bool:
+        """Whether a lookup waits for its answers (reported in a later step)."""
+        return bool(self._pending)
+
     def connect_ahead(self, engine: _core.Engine | None) -> None:
         """Connect ahead of time to every engine a lookup would ask (those that announced
         themselves by reading from us, and `decode_peers`), so a lookup rarely pays for a first

@@ -5,10 +5,19 @@ back, `retention.py`) and its copy of what the decode nodes announced, which onl
 report renews (`held_mirror.py`). It tells vLLM through `has_pending_push_work`; `IdleWaker`
 breaks the idle engine's wait at those moments with the WAKEUP request vLLM itself uses to
 wake an idle engine for shutdown.
+
+Such a step must not keep a core busy: vLLM's worker processes (its multiprocessing executor)
+take each step's input from a shared-memory queue and, after a read, poll it without sleeping
+for a second (vLLM's `busy_loop_s`) before they wait on its notify socket. Measured here: an
+idle decode node holding turns (a step a second) and an idle prefill node renewing its copy
+(five a second) each kept its worker's core 98-100% busy. After a step that computed nothing
+and left nothing in flight, `WorkerSpin.rest` ends that second at once: the worker waits on
+the socket, which vLLM's writer notifies with every message, so the next step wakes it.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -74,5 +83,36 @@ def _engine_wakeup() -> Callable[[], None] | None:
         if isinstance(owner, EngineCoreProc) and hasattr(owner, "input_queue"):
             queue = owner.input_queue
             return lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        frame = frame.f_back
+    return None
+
+
+class WorkerSpin:
+    """A worker process's read of vLLM's step queue, to end its busy polling after an idle
+    step. Built by the connector's worker, which vLLM creates from a message of that queue:
+    the `WorkerProc` reading it is on the stack. Without one (another executor, or a vLLM
+    whose queue has no such poll) `rest` does nothing."""
+
+    def __init__(self) -> None:
+        self._proc = _worker_proc()
+
+    def rest(self) -> None:
+        """The worker waits for the next step without polling (vLLM's own idle state)."""
+        queue = getattr(self._proc, "rpc_broadcast_mq", None)
+        condition = getattr(queue, "_spin_condition", None)
+        if condition is not None and hasattr(condition, "last_read"):
+            condition.last_read = -math.inf
+
+
+def _worker_proc() -> object | None:
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, WorkerProc):
+            return owner
         frame = frame.f_back
     return None
