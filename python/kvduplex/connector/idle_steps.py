@@ -77,12 +77,20 @@ def _engine_wakeup() -> Callable[[], None] | None:
         from vllm.v1.engine.core import EngineCoreProc
     except ImportError:
         return None
-    frame = sys._getframe(1)
+    owner = _on_stack(EngineCoreProc)
+    if owner is None or not hasattr(owner, "input_queue"):
+        return None
+    queue = owner.input_queue
+    return lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def _on_stack(cls: type) -> object | None:
+    """The innermost `self` on the caller's stack that is a `cls`."""
+    frame = sys._getframe(2)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, EngineCoreProc) and hasattr(owner, "input_queue"):
-            queue = owner.input_queue
-            return lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        if isinstance(owner, cls):
+            return owner
         frame = frame.f_back
     return None
 
@@ -109,10 +117,4 @@ def _worker_proc() -> object | None:
         from vllm.v1.executor.multiproc_executor import WorkerProc
     except ImportError:
         return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, WorkerProc):
-            return owner
-        frame = frame.f_back
-    return None
+    return _on_stack(WorkerProc)
