@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 
 import pytest
 
 from kvduplex import _core
 from kvduplex.connector import retention as retention_module
+from kvduplex.connector.idle_steps import IdleWaker
 from kvduplex.connector.retention import (
     IDLE_CHECK_S,
     Retention,
@@ -149,3 +151,24 @@ def test_the_bound_that_spares_the_walk_is_never_below_what_the_walk_finds():
             requests.append((rng.random() < 0.5, rng.randrange(0, tokens + 1), tokens))
         running, waiting = blocks_needed(requests, block_size, horizon, budget, rng.randrange(1, 64))
         assert running + waiting <= most_blocks_needed(n, block_size, horizon, budget)
+
+
+def test_the_idle_waker_wakes_the_engine_when_nudged_out_of_waiting_for_nothing():
+    """No step due: the waker waits without a timeout. A step that became due is put on the
+    engine's queue once the waker is nudged (a lookup opened the copy's renewal window)."""
+    due: list[float | None] = [None]
+    put = threading.Event()
+    waker = IdleWaker(lambda: due[0])  # (no EngineCoreProc here: no thread of its own)
+    waker._put = put.set
+    thread = threading.Thread(target=waker._run, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        assert not put.is_set()
+        due[0] = 0.0
+        assert not put.wait(0.3), "woke without being told"
+        waker.nudge()
+        assert put.wait(5.0), "a nudged waker did not wake the engine"
+    finally:
+        waker.close()
+        thread.join(timeout=5)

@@ -767,7 +767,11 @@ def test_an_idle_prefill_node_steps_to_keep_its_copy_of_the_announcements_fresh(
     monkeypatch.setattr(lookup_module, "IDLE_REFRESH_S", 0.1)
     time.sleep(0.35)
     assert not p.connector.has_pending_push_work()
+    nudges: list[int] = []
+    monkeypatch.setattr(p.duplex._waker, "nudge", lambda: nudges.append(1))
     assert _looked_up(p, "much-later", prompt_tokens(100, start=5000))
+    # That lookup opened the window again: the idle waker, which may wait for nothing, is told.
+    assert nudges
 
 
 def test_lookup_miss_or_silence_prefills_and_a_late_claim_is_released(engines):

@@ -13,6 +13,8 @@ idle decode node holding turns (a step a second) and an idle prefill node renewi
 (five a second) each kept its worker's core 98-100% busy. After a step that computed nothing
 and left nothing in flight, `WorkerSpin.rest` ends that second at once: the worker waits on
 the socket, which vLLM's writer notifies with every message, so the next step wakes it.
+Only vLLM's multiprocessing executor has such workers (a CPU server always; on a GPU, TP > 1
+by default); with `VLLM_USE_SPINLOOP_EXT` a read still polls up to 0.1 s.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class IdleWaker:
         self._next_step_in = next_step_in
         self._changed = threading.Condition()
         self._stop = False
+        self._waits_for_nothing = False
         self._put = _engine_wakeup()
         if self._put is None:
             logger.info(
@@ -55,6 +58,13 @@ class IdleWaker:
         with self._changed:
             self._changed.notify_all()
 
+    def nudge(self) -> None:
+        """A step may be due where none was: wakes the waker only if it waits for nothing
+        (cheap enough to call every step)."""
+        with self._changed:  # (taken while the waker asks, released once it waits)
+            if self._waits_for_nothing:
+                self._changed.notify_all()
+
     def close(self) -> None:
         self._stop = True
         self.poke()
@@ -66,7 +76,9 @@ class IdleWaker:
                 if delay is not None and delay <= 0:
                     self._put()
                     delay = _AFTER_WAKEUP_S  # never spin
+                self._waits_for_nothing = delay is None
                 self._changed.wait(delay)
+                self._waits_for_nothing = False
 
 
 def _engine_wakeup() -> Callable[[], None] | None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from kvduplex import protocol
+from kvduplex.connector import held_mirror
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.held_mirror import HeldMirror
@@ -141,8 +142,13 @@ class Lookups:
         self._steps_reported = 0
         # What the decode nodes announced they hold, for lookups that could not gain enough.
         self._mirror = HeldMirror()
-        # `time.monotonic()` of the last lookup by content or hand-off (`refresh_at`).
+        # `time.monotonic()` of the last lookup by content or hand-off (`refresh_at`), and of
+        # the last step built and the last report taken: a step built since the last report
+        # renews the copy when its own report comes (with asynchronous scheduling vLLM builds
+        # the next step before it takes the last one's report).
         self._looked_up_at = -math.inf
+        self._built_at = -math.inf
+        self._reported_at = -math.inf
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
@@ -178,7 +184,10 @@ class Lookups:
             return None
         if now > self._looked_up_at + IDLE_REFRESH_S:
             return None
-        return self._mirror.refresh_at()
+        due = self._mirror.refresh_at()
+        if due is not None and self._built_at > self._reported_at:
+            due = max(due, self._built_at + held_mirror.FRESH_S)  # its report is on its way
+        return due
 
     def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
         """What the request's grant or lookup found, None when there is nothing to pull, or
@@ -252,6 +261,7 @@ class Lookups:
     def take_specs(self) -> list[md.LookupSpec]:
         """The lookups and grants to send with the step being built."""
         self._steps_built += 1
+        self._built_at = time.monotonic()
         specs, self._specs = self._specs, []
         return specs
 
@@ -267,7 +277,8 @@ class Lookups:
     def announced(self, changes: md.AnnouncedChanges | None) -> None:
         """What the decode nodes' announcements changed, from a step's report (None: nothing;
         called for every step's report)."""
-        self._mirror.on_report(changes, time.monotonic())
+        self._reported_at = time.monotonic()
+        self._mirror.on_report(changes, self._reported_at)
 
     def finished(self, request_id: str) -> None:
         """The request is gone: a claim it was granted and did not take goes back."""

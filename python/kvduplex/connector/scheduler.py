@@ -613,6 +613,14 @@ class DuplexScheduler:
         delay = self._next_idle_step_in()
         return delay is not None and delay <= 0
 
+    def _poke_if_renewing(self) -> None:
+        """The idle waker waits without a timeout while no step is due: tell it while the copy
+        of the announcements is renewed (it may have just become trusted, a lookup may have
+        opened the renewal window again, a D may have become known); per step built and per
+        report."""
+        if self._lookups.refresh_at(time.monotonic()) is not None:
+            self._waker.nudge()
+
     def _next_idle_step_in(self) -> float | None:
         """Seconds until an idle engine should step (<= 0: now; None: no step is due).
         Called by the idle waker's thread too."""
@@ -678,6 +686,7 @@ class DuplexScheduler:
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._retention.stepped(now)
+        self._poke_if_renewing()
         if meta.holds:
             self._retention.shipped([hold.request_id for hold in meta.holds], now)
         if meta.loads or meta.lookups:
@@ -696,10 +705,8 @@ class DuplexScheduler:
         if not isinstance(worker_meta, md.DuplexWorkerMetadata):
             worker_meta = None
         self._lookups.on_report(worker_meta)
-        refreshing = self._lookups.refresh_at(time.monotonic()) is not None
         self._lookups.announced(worker_meta.announced if worker_meta is not None else None)
-        if not refreshing and self._lookups.refresh_at(time.monotonic()) is not None:
-            self._waker.poke()  # the copy is trusted now: renewed while idle from here on
+        self._poke_if_renewing()
         if worker_meta is not None:
             freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
             self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())

@@ -140,8 +140,9 @@ class WorkerLookups:
         """What the decode nodes' announcements changed since the last step's report (None:
         nothing), for the scheduler's copy (`held_mirror.py`). TP rank 0 alone; each step,
         so the scheduler knows how recent its copy is. In a step that computes nothing, an
-        unchanged set too: vLLM passes the scheduler no report of such a step that has nothing
-        in it, and the step may be the one an idle engine takes to renew the copy. The whole
+        unchanged set too: vLLM's single-process executor passes the scheduler no report of
+        such a step with nothing in it (its multiprocessing one aggregates one every step),
+        and the step may be the one an idle engine takes to renew the copy. The whole
         set goes at most every
         `_WHOLE_INTERVAL_S` and up to `_MAX_WHOLE` fingerprints (owners resetting what they
         announce again and again, or announcing more, leave the copy incomplete, untrusted)."""
