@@ -69,6 +69,26 @@ def test_prompt_fingerprints_hash_each_block_once_and_equal_the_documented_chain
     assert list(prompt.tails(2, 15)) == []  # the prompt has 14 tokens after its full blocks
 
 
+def test_a_turn_extends_its_prompts_fingerprints_hashing_only_the_blocks_past_them(monkeypatch):
+    """A decode node holds a turn (prompt and answer) whose prompt it hashed for the pull."""
+    from kvduplex.connector import token_fingerprint
+
+    prompt_tokens = [1000 + i for i in range(37)]  # 2 full blocks and a 5-token tail
+    turn = prompt_tokens + [7, 8, 9] * 10
+    prompt = PromptFingerprints(prompt_tokens, 16, "salt")
+    hashed = []
+    real = token_fingerprint._digest
+    monkeypatch.setattr(
+        token_fingerprint, "_digest", lambda parent, block: hashed.append(len(block)) or real(parent, block)
+    )
+    extended = prompt.extended(turn)
+    # Blocks 3 and 4 (the prompt's tail is inside block 3); blocks 1 and 2 were the prompt's.
+    assert hashed == [16 * 8, 16 * 8]
+    assert extended.of_prefix(len(turn)) == _documented_chain(turn, 16, "salt")
+    with pytest.raises(ValueError, match="continue"):
+        prompt.extended([1] + turn[1:])
+
+
 def test_the_copy_of_what_decode_nodes_announced_bounds_what_they_may_hold():
     """Full blocks by the chain, a held turn's partial last block by its tokens; a copy that
     is stale, unsynced or guarding a handoff cannot tell."""

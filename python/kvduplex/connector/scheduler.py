@@ -392,7 +392,9 @@ class DuplexScheduler:
         assert isinstance(remote, RemoteBlocks)
         if state.matched_tokens < 0:
             prompt = request.prompt_token_ids or []
-            fingerprints = state.prompt or prompt_fingerprints(request, self._block_size)
+            if state.prompt is None:  # kept: a turn held after it extends them
+                state.prompt = prompt_fingerprints(request, self._block_size)
+            fingerprints = state.prompt
             matched, mismatch_block = matched_prefix_tokens(
                 fingerprints, remote.fingerprints, remote.num_tokens
             )
@@ -444,15 +446,17 @@ class DuplexScheduler:
         output_tokens = _held_output_tokens(request, self._tokenizer)
         if output_tokens is None:
             return False, None
-        handed = None
+        prompt = None  # its fingerprints, where computed already
         if hands_off(params):
             decode_turn = False
             ttl_s = self._config.kv_lease_ttl_s
             # Whether or not we hold the prompt for it, the decode node may hold its turn.
-            handed = self._lookups.handed_off(request)
+            prompt = self._lookups.handed_off(request)
         elif takes_over(params) and self._config.bidirectional_kv_xfer:
             decode_turn = True
             ttl_s = self._config.decode_kv_hold_ttl_s
+            # The prompt's fingerprints, computed when its pull was matched.
+            prompt = state.prompt if state is not None else None
         else:
             return False, None
 
@@ -524,8 +528,12 @@ class DuplexScheduler:
             )
             return False, None
 
-        if handed is not None and num_tokens <= len(handed.token_ids):
-            fingerprints = handed.of_prefix(num_tokens)  # hashed once, for the handoff
+        if prompt is not None and num_tokens <= len(prompt.token_ids):
+            fingerprints = prompt.of_prefix(num_tokens)  # hashed once, for the handoff
+        elif prompt is not None:  # a turn: its prompt's blocks were hashed for the pull
+            fingerprints = prompt.extended(request.all_token_ids[:num_tokens]).of_prefix(
+                num_tokens
+            )
         else:
             fingerprints = block_fingerprints(
                 request.all_token_ids[:num_tokens], self._block_size, salt_of(request)

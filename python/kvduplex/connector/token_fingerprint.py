@@ -44,16 +44,37 @@ class PromptFingerprints:
     """One prompt's block fingerprints, each block hashed once: the full blocks' up front, a
     partial last block's for whichever prefix length asks (it chains from the full blocks)."""
 
-    def __init__(self, token_ids: Sequence[int], block_size: int, salt: str = "") -> None:
+    def __init__(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        salt: str = "",
+        *,
+        _prefix: PromptFingerprints | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.token_ids = list(token_ids)
         self.block_size = block_size
-        self._data = array("q", token_ids).tobytes()
-        self._digests = [_root(block_size, salt)]
+        self._data = array("q", self.token_ids).tobytes()
         stride = block_size * 8
-        for start in range(0, len(token_ids) // block_size * stride, stride):
+        if _prefix is None:
+            self._digests = [_root(block_size, salt)]
+        else:  # its full blocks are ours: hashed once
+            self._digests = list(_prefix._digests)
+        for start in range(
+            (len(self._digests) - 1) * stride, len(self.token_ids) // block_size * stride, stride
+        ):
             self._digests.append(_digest(self._digests[-1], self._data[start : start + stride]))
+
+    def extended(self, token_ids: Sequence[int]) -> PromptFingerprints:
+        """The fingerprints of `token_ids`, which continue this prompt's tokens (a turn's
+        prompt and answer): only the blocks past this prompt's full blocks are hashed."""
+        token_ids = list(token_ids)
+        full = (len(self._digests) - 1) * self.block_size
+        if token_ids[:full] != self.token_ids[:full]:
+            raise ValueError("the tokens do not continue the prompt's full blocks")
+        return PromptFingerprints(token_ids, self.block_size, _prefix=self)
 
     @cached_property
     def full_blocks(self) -> tuple[str, ...]:
