@@ -206,6 +206,16 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         "see the whole answer)",
     )
     parser.add_argument(
+        "--prefill-affinity-slack",
+        type=int,
+        default=default["prefill_affinity_slack"],
+        metavar="N",
+        help="send a conversation's turns to the prefill server rendezvous hashing picks for "
+        "it (its prefix cache holds the history) while that server has at most N requests in "
+        "flight more than the least busy one; else the least busy (0: the least busy, ties "
+        "going to the conversation's; default %(default)s)",
+    )
+    parser.add_argument(
         "--local-continuation-max-chars",
         type=int,
         default=default["local_continuation_max_chars"],
@@ -257,6 +267,7 @@ def run_proxy(args: argparse.Namespace) -> int:
             health_interval_s=args.health_interval,
             routing_headers=args.routing_headers,
             first_token_from_prefill=not args.first_token_from_decode,
+            prefill_affinity_slack=args.prefill_affinity_slack,
             local_continuation_max_chars=args.local_continuation_max_chars,
             local_continuation_when=args.local_continuation_when,
         )

@@ -79,7 +79,8 @@ def test_dead_prefill_is_taken_out_and_retried_after_backoff(cluster, clock):
     clock.advance(10)
     proxy.check_health()
     assert healthy(proxy, "prefill", p0) == 1
-    used = {post(proxy).headers["x-kvduplex-prefill"] for _ in range(4)}
+    # Back in rotation: it prefills its own conversations again.
+    used = {post(proxy, prompt=f"conversation {c}").headers["x-kvduplex-prefill"] for c in range(8)}
     assert used == {f"127.0.0.1:{p0.port}", f"127.0.0.1:{p1.port}"}
 
 

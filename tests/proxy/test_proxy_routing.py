@@ -5,13 +5,16 @@ streams pass through chunk by chunk."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import threading
 from typing import Any
 
+import pytest
+
 from conftest import FakeClock
 from kvduplex.proxy.balancer import UpstreamPool
-from kvduplex.proxy.config import parse_upstream
+from kvduplex.proxy.config import ConfigError, ProxyConfig, parse_upstream
 from kvduplex.proxy.metrics import ProxyMetrics
 from kvduplex.proxy.routing import COMPLETION_PREFIX_CHARS, conversation_key
 from test_proxy_flow import post, sse_events
@@ -130,7 +133,56 @@ def test_removing_a_decode_moves_only_its_conversations():
     assert [pool.pick(key=k).address for k in keys(200)] == before
 
 
+def test_the_conversations_prefill_is_passed_over_only_when_busier_than_the_slack():
+    pool = pool_of(8001, 8002, 8003)
+    key = keys(1)[0]
+    ranked = pool.pick(key=key)
+    others = [u for u in pool.upstreams if u is not ranked]
+    with contextlib.ExitStack() as busy:
+        for _ in range(2):
+            busy.enter_context(pool.track(ranked))
+        # Two more in flight than the least busy: within a slack of 2, not of 1 or 0.
+        assert pool.pick(key=key, slack=2) is ranked
+        assert pool.pick(key=key, slack=1) in others
+        for other in others:
+            busy.enter_context(pool.track(other))
+        # Now one more than the least busy.
+        assert pool.pick(key=key, slack=1) is ranked
+        assert pool.pick(key=key, slack=0) in others
+        # The least busy among the others, whichever key.
+        busy.enter_context(pool.track(others[0]))
+        assert pool.pick(key=key, slack=0) is others[1]
+    with pytest.raises(ConfigError, match="prefill_affinity_slack"):
+        targets = tuple(u.target for u in pool.upstreams)
+        ProxyConfig(prefill=targets, decode=targets, prefill_affinity_slack=-1)
+    # Idle: ties go to the conversation's, and without slack it is pure rendezvous hashing.
+    assert pool.pick(key=key, slack=0) is ranked
+    with pool.track(ranked), pool.track(ranked), pool.track(ranked):
+        assert pool.pick(key=key) is ranked
+
+
 # ---- through the proxy ------------------------------------------------------------------------
+
+
+def test_turns_stay_on_one_prefill_across_turns_and_replicas(cluster):
+    p0, p1 = cluster.engine("p0"), cluster.engine("p1")
+    d = cluster.engine("d")
+    replica_a = cluster.proxy([p0, p1], [d])
+    replica_b = cluster.proxy([p1, p0], [d])
+
+    def prefill_of(replica, body):
+        response = post(replica, "/v1/chat/completions", **body)
+        assert response.status_code == 200, response.text
+        return response.headers["x-kvduplex-prefill"]
+
+    first = {c: prefill_of(replica_a, chat_body(c, 1)) for c in range(30)}
+    assert set(first.values()) == {p0.address, p1.address}
+    for turn in (2, 3):
+        for c in range(30):
+            replica = replica_a if (c + turn) % 2 else replica_b
+            assert prefill_of(replica, chat_body(c, turn, stream=c % 2 == 0)) == first[c]
+    assert replica_a.metric("kvduplex_proxy_prefill_routes_total", rule="hash") == 60
+    assert replica_a.metric("kvduplex_proxy_prefill_routes_total", rule="least_busy") == 0
 
 
 def test_turns_stay_on_one_decode_across_turns_replicas_and_streaming(cluster):

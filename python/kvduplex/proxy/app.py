@@ -55,14 +55,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class _DecodeChoice:
-    """How a request's D is chosen: `pinned` (the D a remembered conversation entry names, or
-    that holds the history of a local continuation) if it answers, else rendezvous hashing on
-    `route_key` over the live decode servers; with `only_pinned`, `pinned` or none."""
+class _Choice:
+    """How a request's D (or P) is chosen: `pinned` (the D a remembered conversation entry
+    names, or that holds the history of a local continuation) if it answers, else rendezvous
+    hashing on `route_key` over the live servers (with `slack`: while the one it picks has at
+    most `slack` requests in flight more than the least busy; `UpstreamPool.pick`); with
+    `only_pinned`, `pinned` or none."""
 
     pinned: Upstream | None
     route_key: bytes
     only_pinned: bool = False
+    slack: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,7 @@ class _DecodeLeg:
 
     route: str
     headers: dict[str, str]
-    choice: _DecodeChoice
+    choice: _Choice
     key: ConversationKey | None
     routing: dict[str, str]
     turn: Turn | None = None
@@ -154,7 +157,7 @@ class DuplexProxy:
             local = _DecodeLeg(
                 route,
                 forward_headers,
-                _DecodeChoice(None, route_key),
+                _Choice(None, route_key),
                 key,
                 {"prefill": "none", "conversation": served},
                 turn,
@@ -182,7 +185,7 @@ class DuplexProxy:
         if first_reason is None:
             to_prefill.update(first_token.prefill_fields(body))
         prefill_upstream, answer, decode_params = await self._prefill(
-            route, to_prefill, forward_headers
+            route, to_prefill, forward_headers, route_key
         )
         first = None
         if first_reason is None:
@@ -201,7 +204,7 @@ class DuplexProxy:
         leg = _DecodeLeg(
             route,
             forward_headers,
-            _DecodeChoice(pinned, route_key),
+            _Choice(pinned, route_key),
             key,
             {"prefill": prefill_upstream.address, "conversation": lookup},
             turn,
@@ -312,7 +315,7 @@ class DuplexProxy:
             self.metrics.conversation_evictions.inc(result.evicted)
 
     def _candidates(
-        self, pool: UpstreamPool, choice: _DecodeChoice | None = None
+        self, pool: UpstreamPool, choice: _Choice | None = None
     ) -> Iterator[Upstream]:
         """The upstreams to try in turn, each once: the remembered one first, then the pool's
         picks (by the routing key when there is one); ends when none is left."""
@@ -325,7 +328,9 @@ class DuplexProxy:
             elif choice is not None and choice.only_pinned:
                 return
             else:
-                upstream = pool.pick(frozenset(tried), key)
+                upstream = pool.pick(
+                    frozenset(tried), key, choice.slack if choice is not None else None
+                )
             if upstream is None:
                 return
             tried.add(upstream.address)
@@ -338,7 +343,7 @@ class DuplexProxy:
         body: dict[str, Any],
         headers: dict[str, str],
         latency: Histogram,
-        choice: _DecodeChoice | None = None,
+        choice: _Choice | None = None,
     ) -> tuple[Upstream, bytes]:
         """POST to the first upstream that answers, failing over on transport errors; returns
         that upstream and its size-limited 200 body. `latency` observes the time to answer.
@@ -376,12 +381,19 @@ class DuplexProxy:
         raise NoUpstream(pool.role)
 
     async def _prefill(
-        self, route: str, body: dict[str, Any], headers: dict[str, str]
+        self, route: str, body: dict[str, Any], headers: dict[str, str], route_key: bytes
     ) -> tuple[Upstream, dict[str, Any], dict[str, Any] | None]:
-        """P's answer: (P, its parsed response, its `kv_transfer_params` if it offered any)."""
+        """P's answer: (P, its parsed response, its `kv_transfer_params` if it offered any).
+        P is the conversation's (by `route_key`) unless it is busier than the least busy by
+        more than `prefill_affinity_slack`."""
+        choice = _Choice(None, route_key, slack=self.config.prefill_affinity_slack)
         upstream, raw = await self._post_buffered(
-            self.prefill, route, body, headers, self.metrics.prefill_seconds
+            self.prefill, route, body, headers, self.metrics.prefill_seconds, choice
         )
+        conversations = self.prefill.pick(key=route_key)
+        self.metrics.prefill_routes.labels(
+            "hash" if upstream is conversations else "least_busy"
+        ).inc()
         try:
             answer = json.loads(raw)
         except ValueError:

@@ -1,6 +1,7 @@
-"""Upstream selection (least outstanding requests, or rendezvous hashing on a routing key) and
-health: an upstream that fails a request or a health probe is taken out of rotation and tried
-again after an exponential backoff."""
+"""Upstream selection (least outstanding requests, rendezvous hashing on a routing key, or the
+key's choice while it is not much busier than the least busy) and health: an upstream that
+fails a request or a health probe is taken out of rotation and tried again after an
+exponential backoff."""
 
 from __future__ import annotations
 
@@ -90,17 +91,24 @@ class UpstreamPool:
         return min((u.outstanding for u in self._eligible()), default=None)
 
     def pick(
-        self, exclude: frozenset[str] = frozenset(), key: bytes | None = None
+        self,
+        exclude: frozenset[str] = frozenset(),
+        key: bytes | None = None,
+        slack: int | None = None,
     ) -> Upstream | None:
         """An available upstream not in `exclude`; healthy ones before those on trial. Without
         `key`: the one with the fewest requests in flight, ties going round-robin. With `key`:
         the one rendezvous hashing ranks highest for it, the same on every proxy that lists the
-        same upstreams (in any order)."""
+        same upstreams (in any order); with `slack` too, that one only while it has at most
+        `slack` requests in flight more than the least busy, else the least busy."""
         pool = self._eligible(exclude)
         if not pool:
             return None
         if key is not None:
-            return max(pool, key=lambda u: (rendezvous_score(key, u.address), u.address))
+            ranked = max(pool, key=lambda u: (rendezvous_score(key, u.address), u.address))
+            least = min(u.outstanding for u in pool)
+            if slack is None or ranked.outstanding <= least + slack:
+                return ranked
         start = self._rotation % len(pool)
         self._rotation += 1
         return min(pool[start:] + pool[:start], key=lambda u: u.outstanding)

@@ -17,6 +17,9 @@ DEFAULT_MAX_STORE_BYTES = 256 << 20
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 DEFAULT_MAX_UPSTREAM_RESPONSE_BYTES = 64 << 20
 DEFAULT_MAX_CONVERSATION_ID_LENGTH = 256
+# A conversation's turns go to the P rendezvous hashing picks for it (its prefix cache holds
+# the history) while that P has at most this many requests in flight more than the least busy.
+DEFAULT_PREFILL_AFFINITY_SLACK = 2
 # When a local continuation goes to its D (`continuation.why_not_local`).
 LOCAL_ALWAYS = "always"
 LOCAL_WHEN_PREFILL_BUSY = "prefill_busy"
@@ -117,6 +120,11 @@ class ProxyConfig:
     # A streamed answer's first token is the one P sampled, sent as soon as P answered; D
     # continues after it (`first_token`). Off: D computes the first token again and streams it.
     first_token_from_prefill: bool = True
+    # Which P prefills a request: the one rendezvous hashing on the conversation's routing key
+    # picks (its prefix cache holds the history, and it knows which turn it handed to a D)
+    # while that P has at most this many requests in flight more than the least busy P; else
+    # the least busy. 0: the least busy, ties going to the conversation's P.
+    prefill_affinity_slack: int = DEFAULT_PREFILL_AFFINITY_SLACK
     # A chat turn that adds at most this many characters of messages to a history a D served
     # (and holds) is computed on that D alone (`continuation`); longer ones, and every turn when
     # 0, are prefilled on P, which pulls the history back from D.
@@ -156,6 +164,10 @@ class ProxyConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if self.prefill_affinity_slack < 0:
+            raise ConfigError(
+                f"prefill_affinity_slack must be >= 0, got {self.prefill_affinity_slack!r}"
+            )
         if self.local_continuation_max_chars < 0:
             raise ConfigError("local_continuation_max_chars must be >= 0 (0 turns it off)")
         if self.local_continuation_when not in LOCAL_CONTINUATION_WHEN:

@@ -54,6 +54,14 @@ class ProxyMetrics:
             ["rule"],
             registry=self.registry,
         )
+        self.prefill_routes = Counter(
+            "kvduplex_proxy_prefill_routes",
+            "Requests prefilled, by what chose their P: hash (rendezvous hashing on the "
+            "conversation's routing key: its prefix cache holds the history) or least_busy (that "
+            "P had more requests in flight than prefill_affinity_slack allows, or was down).",
+            ["rule"],
+            registry=self.registry,
+        )
         self.local_continuations = Counter(
             "kvduplex_proxy_local_continuations",
             "Chat turns continuing a history a D served, by result: local (sent to that D alone; "
