@@ -114,8 +114,9 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Routes /v1/completions and /v1/chat/completions through a prefill server (P) and a "
             "decode server (D). Each conversation stays on one D, chosen by a stable hash of "
-            "the caller, the model and the conversation's first messages; P finds the history's "
-            "KV on that D by itself, streaming or not. A conversation id (X-Conversation-Id "
+            "the caller, the model and the conversation's first messages, and on one P while "
+            "that P is not much busier than the others; P finds the history's KV on that D by "
+            "itself, streaming or not. A conversation id (X-Conversation-Id "
             "header or 'conversation_id' body field) additionally remembers D's params."
         ),
     )
@@ -207,13 +208,14 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--prefill-affinity-slack",
-        type=int,
+        type=_slack,
         default=default["prefill_affinity_slack"],
-        metavar="N",
+        metavar="N|off",
         help="send a conversation's turns to the prefill server rendezvous hashing picks for "
         "it (its prefix cache holds the history) while that server has at most N requests in "
         "flight more than the least busy one; else the least busy (0: the least busy, ties "
-        "going to the conversation's; default %(default)s)",
+        "going to the conversation's; off: the least busy, ties round-robin; default "
+        "%(default)s)",
     )
     parser.add_argument(
         "--local-continuation-max-chars",
@@ -239,6 +241,15 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         help="(default %(default)s)",
     )
     parser.set_defaults(run=run_proxy, parser=parser)
+
+
+def _slack(text: str) -> int | None:
+    if text == "off":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or off, got {text!r}") from None
 
 
 def run_proxy(args: argparse.Namespace) -> int:

@@ -152,9 +152,10 @@ def test_the_conversations_prefill_is_passed_over_only_when_busier_than_the_slac
         # The least busy among the others, whichever key.
         busy.enter_context(pool.track(others[0]))
         assert pool.pick(key=key, slack=0) is others[1]
-    with pytest.raises(ConfigError, match="prefill_affinity_slack"):
-        targets = tuple(u.target for u in pool.upstreams)
-        ProxyConfig(prefill=targets, decode=targets, prefill_affinity_slack=-1)
+    targets = tuple(u.target for u in pool.upstreams)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ConfigError, match="prefill_affinity_slack"):
+            ProxyConfig(prefill=targets, decode=targets, prefill_affinity_slack=bad)
     # Idle: ties go to the conversation's, and without slack it is pure rendezvous hashing.
     assert pool.pick(key=key, slack=0) is ranked
     with pool.track(ranked), pool.track(ranked), pool.track(ranked):
@@ -183,6 +184,13 @@ def test_turns_stay_on_one_prefill_across_turns_and_replicas(cluster):
             assert prefill_of(replica, chat_body(c, turn, stream=c % 2 == 0)) == first[c]
     assert replica_a.metric("kvduplex_proxy_prefill_routes_total", rule="hash") == 60
     assert replica_a.metric("kvduplex_proxy_prefill_routes_total", rule="least_busy") == 0
+    # Off: the least busy, ties round-robin, whatever the conversation.
+    unbound = cluster.proxy([p0, p1], [d], prefill_affinity_slack=None)
+    assert {prefill_of(unbound, chat_body(0, turn)) for turn in (1, 2, 3, 4)} == {
+        p0.address,
+        p1.address,
+    }
+    assert unbound.metric("kvduplex_proxy_prefill_routes_total", rule="least_busy") == 4
 
 
 def test_turns_stay_on_one_decode_across_turns_replicas_and_streaming(cluster):

@@ -385,15 +385,14 @@ class DuplexProxy:
     ) -> tuple[Upstream, dict[str, Any], dict[str, Any] | None]:
         """P's answer: (P, its parsed response, its `kv_transfer_params` if it offered any).
         P is the conversation's (by `route_key`) unless it is busier than the least busy by
-        more than `prefill_affinity_slack`."""
-        choice = _Choice(None, route_key, slack=self.config.prefill_affinity_slack)
+        more than `prefill_affinity_slack` (None: the least busy)."""
+        slack = self.config.prefill_affinity_slack
+        choice = None if slack is None else _Choice(None, route_key, slack=slack)
         upstream, raw = await self._post_buffered(
             self.prefill, route, body, headers, self.metrics.prefill_seconds, choice
         )
-        conversations = self.prefill.pick(key=route_key)
-        self.metrics.prefill_routes.labels(
-            "hash" if upstream is conversations else "least_busy"
-        ).inc()
+        hashed = choice is not None and upstream is self.prefill.pick(key=route_key)
+        self.metrics.prefill_routes.labels("hash" if hashed else "least_busy").inc()
         try:
             answer = json.loads(raw)
         except ValueError:

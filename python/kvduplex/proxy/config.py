@@ -123,8 +123,9 @@ class ProxyConfig:
     # Which P prefills a request: the one rendezvous hashing on the conversation's routing key
     # picks (its prefix cache holds the history, and it knows which turn it handed to a D)
     # while that P has at most this many requests in flight more than the least busy P; else
-    # the least busy. 0: the least busy, ties going to the conversation's P.
-    prefill_affinity_slack: int = DEFAULT_PREFILL_AFFINITY_SLACK
+    # the least busy. 0: the least busy, ties going to the conversation's P; None: the least
+    # busy, ties round-robin (no affinity).
+    prefill_affinity_slack: int | None = DEFAULT_PREFILL_AFFINITY_SLACK
     # A chat turn that adds at most this many characters of messages to a history a D served
     # (and holds) is computed on that D alone (`continuation`); longer ones, and every turn when
     # 0, are prefilled on P, which pulls the history back from D.
@@ -164,9 +165,12 @@ class ProxyConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
-        if self.prefill_affinity_slack < 0:
+        if self.prefill_affinity_slack is not None and not (
+            isinstance(self.prefill_affinity_slack, int) and self.prefill_affinity_slack >= 0
+        ):
             raise ConfigError(
-                f"prefill_affinity_slack must be >= 0, got {self.prefill_affinity_slack!r}"
+                "prefill_affinity_slack must be an integer >= 0 or None (off), got "
+                f"{self.prefill_affinity_slack!r}"
             )
         if self.local_continuation_max_chars < 0:
             raise ConfigError("local_continuation_max_chars must be >= 0 (0 turns it off)")
