@@ -758,7 +758,9 @@ def test_an_idle_prefill_node_steps_to_keep_its_copy_of_the_announcements_fresh(
     assert not p.connector.has_pending_push_work()
     time.sleep(0.3 - held_mirror.REFRESH_LEAD_S + 0.02)
     assert p.connector.has_pending_push_work()
-    p.step()  # the idle step: TP rank 0 reports the set unchanged
+    # The idle step: TP rank 0 reports every step, here that nothing changed
+    # (`test_tp_rank_0_reports_...`: vLLM drops a step's report with nothing in it).
+    p.step(worker_meta=DuplexWorkerMetadata())
     assert not p.connector.has_pending_push_work()
     time.sleep(0.2)  # 0.5 s since the last report before the idle step: stale without it
     assert not _looked_up(p, "after-a-pause", prompt_tokens(100, start=4000))

@@ -24,8 +24,8 @@ this scheduler, and no earlier turn of the conversation is still announced, it i
 An idle engine takes no step, so its copy would be stale whenever a conversation's next turn
 arrives after its user's think time, and every such turn would be asked. While it looks
 things up, an idle engine therefore steps a little before its copy goes stale
-(`refresh_at`, the connector's push work, `idle_steps.IdleWaker`): in such a step TP rank 0
-reports even an unchanged set, which renews the copy. It stops `IDLE_REFRESH_S` after its
+(`refresh_at`, the connector's push work, `idle_steps.IdleWaker`): TP rank 0 reports every
+step, even with nothing changed, and that report renews the copy. It stops `IDLE_REFRESH_S` after its
 last lookup (`lookup.py`).
 
 Otherwise the copy says how many of the prompt's leading tokens any decode node may hold: by

@@ -16,7 +16,9 @@ One deadline per lookup, computed once, here, when it is asked: `time.monotonic(
 that deadline with whatever has answered, and gives the transfer core the time left; answers
 after it are handed back. The scheduler waits for that report and needs no clock of its own:
 the workers report every lookup past its deadline in the first step built after it, so once
-that step has reported without the answer, a worker lost it and the request prefills.
+that step has reported without the answer, a worker lost it and the request prefills. (vLLM
+hands the scheduler no report of a step that computed nothing and whose workers returned
+nothing: TP rank 0 returns one every step, so every step built is reported.)
 """
 
 from __future__ import annotations
@@ -137,17 +139,18 @@ class Lookups:
         # Never unset: a peer that went away is found missing by the workers (no answer).
         self._peers_known = bool(config.decode_peers)
         # Steps built (`take_specs`) and steps whose workers' report arrived (`on_report`):
-        # vLLM hands the reports back in the order it built the steps.
+        # vLLM hands the reports back in the order it built the steps (module doc).
         self._steps_built = 0
         self._steps_reported = 0
         # What the decode nodes announced they hold, for lookups that could not gain enough.
         self._mirror = HeldMirror()
         # `time.monotonic()` of the last lookup by content or hand-off (`refresh_at`), and of
-        # the last step built: a step built and not yet reported renews the copy when its
-        # report comes (with asynchronous scheduling vLLM builds the next step before it takes
-        # the last one's report).
+        # the last step built and the last report taken: a step built since the last report
+        # renews the copy when its own report comes (with asynchronous scheduling vLLM builds
+        # the next step before it takes the last one's report).
         self._looked_up_at = -math.inf
         self._built_at = -math.inf
+        self._reported_at = -math.inf
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
@@ -184,7 +187,7 @@ class Lookups:
         if now > self._looked_up_at + IDLE_REFRESH_S:
             return None
         due = self._mirror.refresh_at()
-        if due is not None and self._steps_built > self._steps_reported:
+        if due is not None and self._built_at > self._reported_at:
             due = max(due, self._built_at + held_mirror.FRESH_S)  # its report is on its way
         return due
 
@@ -276,7 +279,8 @@ class Lookups:
     def announced(self, changes: md.AnnouncedChanges | None) -> None:
         """What the decode nodes' announcements changed, from a step's report (None: nothing;
         called for every step's report)."""
-        self._mirror.on_report(changes, time.monotonic())
+        self._reported_at = time.monotonic()
+        self._mirror.on_report(changes, self._reported_at)
 
     def finished(self, request_id: str) -> None:
         """The request is gone: a claim it was granted and did not take goes back."""

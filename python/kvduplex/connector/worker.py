@@ -434,11 +434,12 @@ class DuplexWorker:
             # Nothing else to do or to notice: the step waits for its lookups' answers.
             self._lookups.wait_for_answers(self._engine)
         lookups, lookup_targets = self._lookups.take(self._engine)
-        announced = self._lookups.announced(self._engine, self._idle_step)
+        announced = self._lookups.announced(self._engine)
         if self._idle_step and not (self._inflight or self._waiting_loads or self._lookups.pending):
             self._spin.rest()  # (`idle_steps.py`)
         if (
-            not lookups
+            self._tp_rank != 0
+            and not lookups
             and not self._freed_holds
             and not self._loads_done
             and not self._evictions_done
@@ -446,6 +447,11 @@ class DuplexWorker:
             and announced is None
         ):
             return None
+        # TP rank 0 reports every step, even with nothing in it: vLLM hands the scheduler no
+        # report of a step that computed nothing and whose workers returned nothing (its
+        # single-process executor), and the scheduler counts reports per step (its lookups'
+        # last report, `lookup.py`) and renews its copy of the announcements with each
+        # (`held_mirror.py`; an idle engine steps to renew it).
         meta = md.DuplexWorkerMetadata(
             lookups=lookups,
             freed_holds=self._freed_holds,

@@ -134,15 +134,10 @@ class WorkerLookups:
         self._reported_targets = self._num_targets
         return results, targets
 
-    def announced(
-        self, engine: _core.Engine | None, idle_step: bool
-    ) -> md.AnnouncedChanges | None:
+    def announced(self, engine: _core.Engine | None) -> md.AnnouncedChanges | None:
         """What the decode nodes' announcements changed since the last step's report (None:
-        nothing), for the scheduler's copy (`held_mirror.py`). TP rank 0 alone; each step,
-        so the scheduler knows how recent its copy is. In a step that computes nothing, an
-        unchanged set too: vLLM's single-process executor passes the scheduler no report of
-        such a step with nothing in it (its multiprocessing one aggregates one every step),
-        and the step may be the one an idle engine takes to renew the copy. The whole
+        nothing), for the scheduler's copy (`held_mirror.py`). TP rank 0 alone; each step
+        (its report, sent every step, tells the scheduler how recent its copy is). The whole
         set goes at most every
         `_WHOLE_INTERVAL_S` and up to `_MAX_WHOLE` fingerprints (owners resetting what they
         announce again and again, or announcing more, leave the copy incomplete, untrusted)."""
@@ -168,7 +163,7 @@ class WorkerLookups:
         # With no engine to ask, there is no announcement to trust either.
         synced = synced and bool(targets)
         unchanged = not whole and not added and not removed and synced == self._announced_synced
-        if unchanged and not idle_step:
+        if unchanged:
             return None
         self._announced_synced = synced
         return md.AnnouncedChanges(whole, tuple(added), tuple(removed), synced)
