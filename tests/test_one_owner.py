@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import uvicorn
 
 import kvduplex.proxy.app
@@ -48,6 +49,21 @@ def test_proxy_command_defaults_are_proxy_config_defaults(monkeypatch):
         decode=parse_upstream_list("127.0.0.1:2", "decode"),
     )
     assert built == [expected]
+
+
+def test_proxy_command_takes_its_prefill_affinity_slack_or_off(monkeypatch, capsys):
+    built: list[ProxyConfig] = []
+    monkeypatch.setattr(kvduplex.proxy.app, "create_app", built.append)
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    upstreams = ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]
+    for value, expected in (("5", 5), ("off", None)):
+        assert cli.main(["proxy", *upstreams, "--prefill-affinity-slack", value]) == 0
+        assert built.pop().prefill_affinity_slack == expected
+    for bad in ("-1", "some"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["proxy", *upstreams, "--prefill-affinity-slack", bad])
+        assert exited.value.code == 2
+        assert "prefill" in capsys.readouterr().err and not built
 
 
 def test_demo_command_default_threshold_is_the_connectors():
