@@ -346,19 +346,25 @@ class ProxyHandle:
         value = self.proxy.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
-    def decode_by_hash(self, body: dict[str, Any], caller: str = "anonymous") -> str:
-        """The D that rendezvous hashing picks for `body` among all of the proxy's D."""
+    def decode_by_hash(
+        self, body: dict[str, Any], caller: str = "anonymous", role: str = "decode"
+    ) -> str:
+        """The D (or P) that rendezvous hashing picks for `body` among all of the proxy's."""
         key = conversation_key(caller, body)
+        pool = self.proxy.decode if role == "decode" else self.proxy.prefill
         return max(
-            (u.address for u in self.proxy.decode.upstreams),
+            (u.address for u in pool.upstreams),
             key=lambda address: rendezvous_score(key, address),
         )
 
-    def prompt_routed_to(self, engine: FakeEngine, label: str = "prompt") -> str:
+    def prompt_routed_to(
+        self, engine: FakeEngine, label: str = "prompt", role: str = "decode"
+    ) -> str:
         """A completions prompt (model "tiny", no caller) that the hash routes to `engine`."""
         for i in itertools.count():
             prompt = f"{label} {i}"
-            if self.decode_by_hash({"model": "tiny", "prompt": prompt}) == engine.address:
+            body = {"model": "tiny", "prompt": prompt}
+            if self.decode_by_hash(body, role=role) == engine.address:
                 return prompt
         raise AssertionError("unreachable")
 
