@@ -145,12 +145,11 @@ class Lookups:
         # What the decode nodes announced they hold, for lookups that could not gain enough.
         self._mirror = HeldMirror()
         # `time.monotonic()` of the last lookup by content or hand-off (`refresh_at`), and of
-        # the last step built and the last report taken: a step built since the last report
-        # renews the copy when its own report comes (with asynchronous scheduling vLLM builds
-        # the next step before it takes the last one's report).
+        # the last step built: a step built and not yet reported (the counts above; TP rank 0
+        # reports every step) renews the copy when its report comes (with asynchronous
+        # scheduling vLLM builds the next step before it takes the last one's report).
         self._looked_up_at = -math.inf
         self._built_at = -math.inf
-        self._reported_at = -math.inf
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lookups
@@ -187,7 +186,7 @@ class Lookups:
         if now > self._looked_up_at + IDLE_REFRESH_S:
             return None
         due = self._mirror.refresh_at()
-        if due is not None and self._built_at > self._reported_at:
+        if due is not None and self._steps_built > self._steps_reported:
             due = max(due, self._built_at + held_mirror.FRESH_S)  # its report is on its way
         return due
 
@@ -279,8 +278,7 @@ class Lookups:
     def announced(self, changes: md.AnnouncedChanges | None) -> None:
         """What the decode nodes' announcements changed, from a step's report (None: nothing;
         called for every step's report)."""
-        self._reported_at = time.monotonic()
-        self._mirror.on_report(changes, self._reported_at)
+        self._mirror.on_report(changes, time.monotonic())
 
     def finished(self, request_id: str) -> None:
         """The request is gone: a claim it was granted and did not take goes back."""

@@ -712,8 +712,9 @@ class DuplexScheduler:
         worker_meta = connector_output.kv_connector_worker_meta
         if not isinstance(worker_meta, md.DuplexWorkerMetadata):
             worker_meta = None
-        self._lookups.on_report(worker_meta)
+        # The copy first: the idle waker's thread reads the report count with it (`refresh_at`).
         self._lookups.announced(worker_meta.announced if worker_meta is not None else None)
+        self._lookups.on_report(worker_meta)
         self._poke_if_renewing()
         if worker_meta is not None:
             freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
