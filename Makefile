@@ -80,7 +80,7 @@ bench: build
 	$(PY) benches/compare_transfer.py --json $(VENV)/compare_transfer.json
 	$(PY) benches/multiturn.py --quick --json $(VENV)/multiturn.json
 
-# Turn-2 TTFT against the ideal as the history grows, on a realistic-shape model (~15 minutes).
+# Turn-2 TTFT against the ideal as the history grows, on a realistic-shape model (~20 minutes).
 sweep: build
 	$(PIP) install -q matplotlib
 	PYTHONPATH=python $(PY) benches/history_sweep.py --out $(VENV)/history-sweep

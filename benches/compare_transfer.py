@@ -14,8 +14,8 @@ byte between timed batches would evict the blocks from the cache and slow the ne
 
 - kvduplex: kvduplex._core.Engine, one segment whose block is the pattern's block; the reader
   calls read_blocks + wait per batch (timed: both). Over shm it reads the owner directly (same-host
-  reads: one process_vm_readv per up to 1,024 blocks; a batch up to 1 MiB inside read_blocks, a
-  larger one on the engine's copy thread).
+  reads: one process_vm_readv per up to 1,024 blocks; every batch copied by that peer's copy
+  thread, rust/src/engine/copier.rs).
 - kvduplex-ucx: the same with same_host_reads=False, so every block is one UCX cma read: the
   path between hosts, and what kvduplex did on one host before same-host reads.
 - nixl: nixl_cu12 with the UCX backend, progress thread off, per-block descriptors prepared once

@@ -54,8 +54,9 @@ LOOKUP_HINT = "kvduplex_lookup_hint"
 # events a decode node publishes for the turns it holds for readers (vLLM's own block hashes) ---
 HELD_TURN_MEDIUM = "kvduplex_held"
 
-# --- DuplexConnector's Prometheus metrics: `vllm:kvduplex_<name>_total` counters and
-# `vllm:kvduplex_{transfer,lookup}_seconds` histograms (`kvduplex.connector.stats`) ---
+# --- DuplexConnector's Prometheus metrics: `vllm:kvduplex_<name>_total` counters, the
+# `vllm:kvduplex_{transfer,lookup,lookup_wait}_seconds` histograms and the `held_blocks` and
+# `claims` gauges (`kvduplex.connector.stats`) ---
 METRIC_PREFIX = "vllm:kvduplex_"
 
 
