@@ -45,7 +45,7 @@ every DuplexConnector counter that moved is in the JSON), D->P lookup hits and p
 `vllm:kvduplex_lookups_hit` and prompt tokens from `external_kv_transfer`), P->D pulled tokens,
 how long requests waited in P's scheduler for their lookup answers (p50/p99, bucket upper
 bounds of `vllm:kvduplex_lookup_wait_seconds`), connector faults (failed transfers, fallbacks,
-refused grants, failed lookups), client errors,
+refused grants, failed lookups), the CPU seconds each server's processes used, client errors,
 and answers that differ from the ideal's. Answers are compared per turn when the prompt's token
 ids equal the ideal's (tokens equal and logprobs within `LOGPROB_ATOL`, as the other benches
 do); after a conversation's first difference its later turns have other prompts and are
@@ -104,7 +104,7 @@ from kvduplex.demo.servers import (
 )
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.proxy.config import LOCAL_CONTINUATION_WHEN, ProxyConfig
-from kvduplex_testing.servers import async_sse_events, start_many
+from kvduplex_testing.servers import async_sse_events, server_cpu_seconds, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     build_tiny_chat_model,
@@ -566,6 +566,7 @@ def run_system(
             for point in plans:
                 time.sleep(PAUSE_BETWEEN_POINTS_S)  # let the servers' spin-waits end
                 before = read_all(servers)
+                cpu_before = {role: server_cpu_seconds(s.pid) for role, s in servers.items()}
                 local_before = _local_continuations(proxy)
                 records = client.submit(run_point, urls, point).result()
                 completed = [r.conversation % len(urls) for r in records if r.error is None]
@@ -579,6 +580,11 @@ def run_system(
                 deltas = read_all_after(servers, before, finished)
                 summary = {**summarize_point(records, point, args.workload.turns),
                            **server_counts(deltas)}
+                # CPU seconds each server's processes used over the point (its pauses included).
+                summary["server_cpu_s"] = {
+                    role: round(server_cpu_seconds(s.pid) - cpu_before[role], 2)
+                    for role, s in servers.items()
+                }
                 if proxy:
                     summary["local_continuations"] = local
                 if expected is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from kvduplex.demo import sample_sums
 from kvduplex.demo.servers import (
@@ -109,6 +110,23 @@ class ServerPair:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stack.close()
+
+
+def server_cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a server's processes (API server, engine, workers) so far;
+    0 for processes gone."""
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def prompt_tokens_by_source(base_url: str) -> dict[str, float]:

@@ -10,7 +10,6 @@ import logging
 import time
 
 import httpx
-import psutil
 import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS
@@ -18,7 +17,7 @@ from kvduplex import protocol
 from kvduplex.demo import duplex_kv_transfer_config
 from kvduplex.demo.servers import complete, completion_body, describe_mismatch
 from kvduplex.protocol import prefill_request_params
-from kvduplex_testing.servers import ServerPair, prompt_tokens_by_source
+from kvduplex_testing.servers import ServerPair, prompt_tokens_by_source, server_cpu_seconds
 from test_connector_e2e import (  # noqa: F401
     BLOCK,
     counter,
@@ -148,19 +147,6 @@ def test_an_idle_prefill_node_keeps_its_copy_of_the_announcements_fresh(
     assert not looked_up(seed + 1), "after a pause, P asked D for a prompt its copy rules out"
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a server's processes (API server, engine, workers)."""
-    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
 @pytest.mark.e2e
 def test_an_idle_pair_stepping_for_its_holds_and_its_copy_keeps_no_core_busy(
     pair,
@@ -175,11 +161,13 @@ def test_an_idle_pair_stepping_for_its_holds_and_its_copy_keeps_no_core_busy(
     assert wait_for_counter(d, "vllm:kvduplex_held_blocks", lambda n: n > 0) > 0
     time.sleep(1.5)  # the last request's steps' own second of polling
     servers = {"P": pair.prefill.pid, "D": pair.decode.pid}
-    before = {role: _cpu_seconds(pid) for role, pid in servers.items()}
+    before = {role: server_cpu_seconds(pid) for role, pid in servers.items()}
     started = time.monotonic()
     time.sleep(4.0)
     elapsed = time.monotonic() - started
-    busy = {role: (_cpu_seconds(pid) - before[role]) / elapsed for role, pid in servers.items()}
+    busy = {
+        role: (server_cpu_seconds(pid) - before[role]) / elapsed for role, pid in servers.items()
+    }
     logger.info("idle servers' CPU use (cores): %s", busy)
     assert counter(d, "vllm:kvduplex_held_blocks") > 0, "D gave its turn up: nothing to step for"
     assert all(cores < 0.3 for cores in busy.values()), busy
