@@ -5,26 +5,30 @@ built and measured.
 It replays load.py's conversations (the same seeds: start times, think times, turn lengths)
 through block-granular prefix caches and counts the prompt tokens the prefill side computes,
 the figure load.py reports as `prefill_computed_tokens`:
-- `ideal`: one pool of the pair's blocks (load.py's ideal server), least recently freed reused
-  first, as vLLM's prefix cache.
+- `ideal`: one pool of the pair's blocks (load.py's ideal server). As in vLLM's prefix cache,
+  a request's blocks are freed last block first, the least recently freed is reused first,
+  and only a prompt's leading cached blocks are hits; one block of each pool is vLLM's null
+  block. A turn's KV is that of its prompt and answer but the last sampled token.
 - `kvduplex`: as built. P's pool (a node's blocks) caches every prompt's full blocks. D takes
   each turn's blocks, less its own prefix-cache hit, for the decode; then holds the finished turn
   (its partial last block included) while held turns fit `decode_kv_hold_max_fraction` of its
-  blocks, giving up the least recently held first to that cap and to a turn whose blocks would
-  not fit (a hold lasts until then: its lease outlives a point). A later turn's history comes
-  from P's cache, else from D's held turn where that gains at least the recompute threshold.
+  blocks, giving up the least recently used first (a pull uses it) to that cap and to a turn
+  whose blocks would not fit (a hold lasts until then: its lease outlives a point). A later
+  turn's history comes from P's cache, else from D's held turn where that gains at least the
+  recompute threshold.
 - `p-cache-2x`: the same with P's pool doubled (RESULTS 2026-12-06 11:53 measured it).
-- `exclusive`: P reuses first the cached blocks of a prompt whose turn D holds (D has them
-  too), so its cache keeps other histories longer.
+- `exclusive`: once D holds a turn, P reuses first the cached blocks of its prompt (D has them
+  too), so its cache keeps other histories longer; they stay first after D gives the turn up.
 - `supersede`: D gives up a chat's held turn once it holds the chat's next one (whose blocks
   hold the same tokens and more).
 - `d-cache`: P may also pull what D's prefix cache still has of a history D no longer holds
   (free blocks keep their content until reused; today only held turns are offered).
 - `p-overflow`: `d-cache`, and every cached block P reuses is first copied into D's free
   blocks (D's spare memory as a second tier of P's cache).
-A prefill is instantaneous and a decode takes `--decode-s`; a turn whose blocks D cannot find
-even with every hold given up waits for a running one to end (vLLM queues it). Batching and
-compute time are not modelled: compare the counts, not times, with load.py's.
+A prefill is instantaneous and a decode takes `--decode-s`; turns whose blocks D cannot find
+even with every hold given up wait, first come first served, for running ones to end. Every
+point starts with empty pools (load.py's servers carry what the point before left). Batching
+and compute time are not modelled: compare the counts, not times, with load.py's.
 
     PYTHONPATH=python .venv/bin/python benches/cache_model.py [--seeds 20] [--cap 0.5]
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 
 from load import (
     BLOCK_TOKENS,
@@ -68,16 +72,19 @@ class Pool:
         return n
 
     def take(self, chat: int, blocks: int, partial: bool) -> bool:
-        """References the chat's first `blocks` blocks (cached ones reused, the others new) and
-        a partial block; False, taking nothing, if they do not fit."""
+        """References the chat's first `blocks` blocks (its leading cached ones reused, the
+        others new; a cached copy past the first miss is given up) and a partial block; False,
+        taking nothing, if they do not fit."""
         keys = [(chat, i) for i in range(blocks)]
-        new = sum(1 for key in keys if key not in self.refs and key not in self.free) + partial
-        reused = sum(1 for key in keys if key in self.free)
-        unused = self.size - len(self.refs) - self.anonymous - len(self.free)
-        if new > unused + len(self.free) - reused:
+        hit = self.prefix(chat, blocks)
+        reused = [key for key in keys[:hit] if key in self.free]
+        stale = [key for key in keys[hit:] if key in self.free]
+        new = blocks - hit + partial
+        unused = self.size - len(self.refs) - self.anonymous - len(self.free) + len(stale)
+        if new > unused + len(self.free) - len(reused) - len(stale):
             return False
-        for key in keys:
-            self.free.pop(key, None)
+        for key in reused + stale:
+            del self.free[key]
         for _ in range(max(0, new - unused)):
             self.evicted.append(self.free.popitem(last=False)[0])
         self.refs.update(keys)
@@ -85,7 +92,9 @@ class Pool:
         return True
 
     def release(self, chat: int, blocks: int, partial: bool) -> None:
-        for i in range(blocks):
+        """Drops a reference to the chat's first `blocks` blocks and a partial block; freed
+        ones join the free queue last block first (so it is reused first), as vLLM frees."""
+        for i in reversed(range(blocks)):
             key = (chat, i)
             self.refs[key] -= 1
             if not self.refs[key]:
@@ -123,40 +132,59 @@ def _shape(tokens: int) -> tuple[int, bool]:
 def run(mode: str, plan: PointPlan, cap: float, decode_s: float) -> tuple[int, int]:
     """Prompt tokens the prefill side computes at one load.py point, and those pulled from D."""
     workload = FULL
-    node = kv_plan(workload)["node_blocks"]
-    # (time, order, event, chat, turn): a turn reaches the prefill side, its decode starts (or
-    # waits for blocks), its answer is done.
+    node = kv_plan(workload)["node_blocks"] - 1  # less vLLM's null block
+    cap_blocks = int(cap * (node + 1))  # as the scheduler computes it
+    # (time, order, event, chat, turn): a turn reaches the prefill side, its decode asks D for
+    # blocks, its answer is done.
     events = [(start, 0, "turn", chat, 0) for chat, start in enumerate(plan.starts_s)]
     heapq.heapify(events)
     computed = pulled = 0
-    ideal = Pool(2 * node)
-    p = Pool(2 * node if mode == "p-cache-2x" else node)
+    ideal = Pool(2 * (node + 1) - 1)
+    p = Pool(2 * (node + 1) - 1 if mode == "p-cache-2x" else node)
     d = Pool(node)
-    # (chat, turn) -> tokens D holds of it, least recently held first.
+    # (chat, turn) -> tokens of KV D holds of it, least recently used first.
     held: OrderedDict[tuple[int, int], int] = OrderedDict()
+    waiting: deque[tuple[int, int]] = deque()  # decodes waiting for D's blocks, in order
+
+    def kv_tokens(turn: int) -> int:
+        """A finished turn's KV: its prompt and answer but the last sampled token."""
+        return history_tokens(workload, turn) - 1
 
     def give_up(key: tuple[int, int]) -> None:
         d.release(key[0], *_shape(held.pop(key)))
 
+    def admit(now: float) -> None:
+        while waiting:
+            chat, turn = waiting[0]
+            while not (taken := d.take(chat, *_shape(kv_tokens(turn)))) and held:
+                give_up(next(iter(held)))
+            if not taken:
+                return
+            waiting.popleft()
+            heapq.heappush(events, (now + decode_s, 2, "answer", chat, turn))
+
     while events:
         now, _, event, chat, turn = heapq.heappop(events)
         prompt = history_tokens(workload, turn) - workload.answer_tokens
-        answer = prompt + workload.answer_tokens
+        kv = kv_tokens(turn)
         full = prompt // BLOCK_TOKENS
         if event == "turn" and mode == "ideal":
             computed += prompt - ideal.prefix(chat, full) * BLOCK_TOKENS
-            if not ideal.take(chat, *_shape(answer)):
+            if not ideal.take(chat, *_shape(kv)):
                 raise SystemExit("the ideal's pool is too small for its running turns")
             heapq.heappush(events, (now + decode_s, 2, "answer", chat, turn))
         elif event == "turn":
             have = p.prefix(chat, full) * BLOCK_TOKENS
-            source = max((tokens for (c, _), tokens in held.items() if c == chat), default=0)
+            mine = [(tokens, key) for key, tokens in held.items() if key[0] == chat]
+            source, source_key = max(mine, default=(0, None))
             if mode in ("d-cache", "p-overflow"):
                 source = max(source, d.prefix(chat, full) * BLOCK_TOKENS)
             gain = min(source, prompt) - have
             if gain >= RECOMPUTE_THRESHOLD:
                 pulled += gain
                 have += gain
+                if source_key is not None:
+                    held.move_to_end(source_key)  # its claim uses it
             computed += prompt - have
             # P prefills, D reads the prompt, P's blocks go back to its cache.
             if not p.take(chat, *_shape(prompt)):
@@ -165,31 +193,25 @@ def run(mode: str, plan: PointPlan, cap: float, decode_s: float) -> tuple[int, i
             if mode == "p-overflow":
                 d.offer(p.evicted)
             p.evicted.clear()
-            heapq.heappush(events, (now, 1, "decode", chat, turn))
-        elif event == "decode":
-            while not (taken := d.take(chat, *_shape(answer))) and held:
-                give_up(next(iter(held)))
-            if taken:
-                heapq.heappush(events, (now + decode_s, 2, "answer", chat, turn))
-            else:
-                heapq.heappush(events, (now + decode_s / 10, 1, "decode", chat, turn))
+            waiting.append((chat, turn))
+            admit(now)
+        elif mode == "ideal":
+            ideal.release(chat, *_shape(kv))
         else:
-            if mode == "ideal":
-                ideal.release(chat, *_shape(answer))
-            else:
+            if _blocks(kv) <= cap_blocks:
                 if mode == "supersede" and (chat, turn - 1) in held:
                     give_up((chat, turn - 1))
-                if _blocks(answer) <= cap * node:
-                    while held and sum(map(_blocks, held.values())) + _blocks(answer) > cap * node:
-                        give_up(next(iter(held)))
-                    held[(chat, turn)] = answer
-                    if mode == "exclusive":
-                        p.demote(chat, answer // BLOCK_TOKENS)
-                else:
-                    d.release(chat, *_shape(answer))
-            if turn + 1 < workload.turns:
-                think = plan.thinks_s[chat][turn]
-                heapq.heappush(events, (now + think, 0, "turn", chat, turn + 1))
+                while held and sum(map(_blocks, held.values())) + _blocks(kv) > cap_blocks:
+                    give_up(next(iter(held)))
+                held[(chat, turn)] = kv
+                if mode == "exclusive":
+                    p.demote(chat, kv // BLOCK_TOKENS)
+            else:
+                d.release(chat, *_shape(kv))
+            admit(now)
+        if event == "answer" and turn + 1 < workload.turns:
+            think = plan.thinks_s[chat][turn]
+            heapq.heappush(events, (now + think, 0, "turn", chat, turn + 1))
     return computed, pulled
 
 

@@ -567,6 +567,7 @@ def run_system(
                 time.sleep(PAUSE_BETWEEN_POINTS_S)  # let the servers' spin-waits end
                 before = read_all(servers)
                 cpu_before = {role: server_cpu_seconds(s.pid) for role, s in servers.items()}
+                cpu_since = time.monotonic()
                 local_before = _local_continuations(proxy)
                 records = client.submit(run_point, urls, point).result()
                 completed = [r.conversation % len(urls) for r in records if r.error is None]
@@ -580,11 +581,13 @@ def run_system(
                 deltas = read_all_after(servers, before, finished)
                 summary = {**summarize_point(records, point, args.workload.turns),
                            **server_counts(deltas)}
-                # CPU seconds each server's processes used over the point (its pauses included).
+                # CPU seconds each server's processes used from the point's start until its
+                # metrics were read (`server_cpu_window_s`).
                 summary["server_cpu_s"] = {
                     role: round(server_cpu_seconds(s.pid) - cpu_before[role], 2)
                     for role, s in servers.items()
                 }
+                summary["server_cpu_window_s"] = round(time.monotonic() - cpu_since, 2)
                 if proxy:
                     summary["local_continuations"] = local
                 if expected is not None:

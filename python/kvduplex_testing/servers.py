@@ -113,19 +113,18 @@ class ServerPair:
 
 
 def server_cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a server's processes (API server, engine, workers) so far;
-    0 for processes gone."""
-    try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
+    """User and system CPU time of a server's processes so far (API server, engine, workers, and
+    the exited children they reaped). Raises `psutil.NoSuchProcess` when the server is gone; a
+    child that ends between two readings takes its time out with it, unless its parent reaped it.
+    """
+    root = psutil.Process(pid)
     total = 0.0
-    for process in processes:
+    for process in [root, *root.children(recursive=True)]:
         try:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        total += times.user + times.system
+        total += times.user + times.system + times.children_user + times.children_system
     return total
 
 
