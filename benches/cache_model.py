@@ -61,8 +61,6 @@ class Pool:
         self.refs: Counter[tuple[int, int]] = Counter()
         self.anonymous = 0  # referenced blocks no later prompt can hit (partial last blocks)
         self.free: OrderedDict[tuple[int, int], None] = OrderedDict()
-        # Cached blocks reused for other content, in order (`p-overflow` moves them to D).
-        self.evicted: list[tuple[int, int]] = []
 
     def prefix(self, chat: int, full_blocks: int) -> int:
         """Blocks of the chat's history, from its first, that this pool has."""
@@ -71,9 +69,10 @@ class Pool:
             n += 1
         return n
 
-    def take(self, chat: int, blocks: int, partial: bool) -> bool:
+    def take(self, chat: int, blocks: int, partial: bool) -> list[tuple[int, int]] | None:
         """References the chat's first `blocks` blocks (its leading cached ones reused, the
-        others new; a cached copy past the first miss is given up) and a partial block; False,
+        others new; a cached copy past the first miss is given up) and a partial block. Returns
+        the cached blocks it reused for them, in order (`p-overflow` moves them to D); None,
         taking nothing, if they do not fit."""
         keys = [(chat, i) for i in range(blocks)]
         hit = self.prefix(chat, blocks)
@@ -82,14 +81,13 @@ class Pool:
         new = blocks - hit + partial
         unused = self.size - len(self.refs) - self.anonymous - len(self.free) + len(stale)
         if new > unused + len(self.free) - len(reused) - len(stale):
-            return False
+            return None
         for key in reused + stale:
             del self.free[key]
-        for _ in range(max(0, new - unused)):
-            self.evicted.append(self.free.popitem(last=False)[0])
+        evicted = [self.free.popitem(last=False)[0] for _ in range(max(0, new - unused))]
         self.refs.update(keys)
         self.anonymous += partial
-        return True
+        return evicted
 
     def release(self, chat: int, blocks: int, partial: bool) -> None:
         """Drops a reference to the chat's first `blocks` blocks and a partial block; freed
@@ -156,9 +154,9 @@ def run(mode: str, plan: PointPlan, cap: float, decode_s: float) -> tuple[int, i
     def admit(now: float) -> None:
         while waiting:
             chat, turn = waiting[0]
-            while not (taken := d.take(chat, *_shape(kv_tokens(turn)))) and held:
+            while (taken := d.take(chat, *_shape(kv_tokens(turn)))) is None and held:
                 give_up(next(iter(held)))
-            if not taken:
+            if taken is None:
                 return
             waiting.popleft()
             heapq.heappush(events, (now + decode_s, 2, "answer", chat, turn))
@@ -170,7 +168,7 @@ def run(mode: str, plan: PointPlan, cap: float, decode_s: float) -> tuple[int, i
         full = prompt // BLOCK_TOKENS
         if event == "turn" and mode == "ideal":
             computed += prompt - ideal.prefix(chat, full) * BLOCK_TOKENS
-            if not ideal.take(chat, *_shape(kv)):
+            if ideal.take(chat, *_shape(kv)) is None:
                 raise SystemExit("the ideal's pool is too small for its running turns")
             heapq.heappush(events, (now + decode_s, 2, "answer", chat, turn))
         elif event == "turn":
@@ -187,12 +185,12 @@ def run(mode: str, plan: PointPlan, cap: float, decode_s: float) -> tuple[int, i
                     held.move_to_end(source_key)  # its claim uses it
             computed += prompt - have
             # P prefills, D reads the prompt, P's blocks go back to its cache.
-            if not p.take(chat, *_shape(prompt)):
+            evicted = p.take(chat, *_shape(prompt))
+            if evicted is None:
                 raise SystemExit("P's pool is too small for a prompt")
             p.release(chat, *_shape(prompt))
             if mode == "p-overflow":
-                d.offer(p.evicted)
-            p.evicted.clear()
+                d.offer(evicted)
             waiting.append((chat, turn))
             admit(now)
         elif mode == "ideal":

@@ -113,11 +113,11 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         help=PROXY_HELP,
         description=(
             "Routes /v1/completions, /v1/chat/completions and /v1/responses through a prefill "
-            "server (P) and a decode server (D). Each conversation stays on one D, chosen by a stable hash of "
-            "the caller, the model and the conversation's first messages, and on one P while "
-            "that P is not much busier than the others; P finds the history's KV on that D by "
-            "itself, streaming or not. A conversation id (X-Conversation-Id "
-            "header or 'conversation_id' body field) additionally remembers D's params."
+            "server (P) and a decode server (D). Each conversation stays on one D, chosen by a "
+            "stable hash of the caller, the model and the conversation's first messages, and on "
+            "one P while that P is not much busier than the others; P finds the history's KV on "
+            "that D by itself, streaming or not. A conversation id (X-Conversation-Id header or "
+            "'conversation_id' body field) additionally remembers D's params."
         ),
     )
     parser.add_argument(

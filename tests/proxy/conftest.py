@@ -346,7 +346,7 @@ class ProxyHandle:
         value = self.proxy.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
-    def decode_by_hash(
+    def upstream_by_hash(
         self, body: dict[str, Any], caller: str = "anonymous", role: str = "decode"
     ) -> str:
         """The D (or P) that rendezvous hashing picks for `body` among all of the proxy's."""
@@ -364,7 +364,7 @@ class ProxyHandle:
         for i in itertools.count():
             prompt = f"{label} {i}"
             body = {"model": "tiny", "prompt": prompt}
-            if self.decode_by_hash(body, role=role) == engine.address:
+            if self.upstream_by_hash(body, role=role) == engine.address:
                 return prompt
         raise AssertionError("unreachable")
 

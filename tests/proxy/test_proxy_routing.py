@@ -207,7 +207,7 @@ def test_turns_stay_on_one_decode_across_turns_replicas_and_streaming(cluster):
             body = chat_body(c, turn, stream=bool(c % 3 == 0))
             assert send(replica, body) == first_decode[c], (c, turn)
     for c in range(40):
-        assert replica_a.decode_by_hash(chat_body(c, 1)) == first_decode[c]
+        assert replica_a.upstream_by_hash(chat_body(c, 1)) == first_decode[c]
     # No conversation id: nothing was looked up or remembered.
     for replica in (replica_a, replica_b):
         assert replica.metric("kvduplex_proxy_conversation_lookups_total", result="miss") == 0
@@ -295,7 +295,7 @@ def test_conversation_id_prefers_the_remembered_decode_then_falls_back_to_the_ha
     p = cluster.engine("p")
     d0, d1 = cluster.engine("d0"), cluster.engine("d1")
     proxy = cluster.proxy([p], [d0, d1], clock=clock, backoff_initial_s=10)
-    hashed = d0 if proxy.decode_by_hash(chat_body(5, 1)) == d0.address else d1
+    hashed = d0 if proxy.upstream_by_hash(chat_body(5, 1)) == d0.address else d1
     other = d1 if hashed is d0 else d0
 
     # The hashed D dies unnoticed: the first turn fails over and is remembered on the other D.
@@ -330,7 +330,7 @@ def test_callers_route_by_their_own_key(cluster):
         assert len(chosen) == 1
     # Same conversation text from two callers: two keys (so not one D for everybody's
     # identical openings), each stable.
-    assert proxy.decode_by_hash(body, "a") == proxy.decode_by_hash(chat_body(3, 4), "a")
+    assert proxy.upstream_by_hash(body, "a") == proxy.upstream_by_hash(chat_body(3, 4), "a")
     assert conversation_key("a", body) != conversation_key("b", body)
 
 
