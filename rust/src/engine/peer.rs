@@ -136,6 +136,10 @@ impl Peer {
                     None => self.open_endpoint(shared)?,
                 };
                 let endpoint = transport.endpoint.insert(endpoint);
+                if let Some(status) = endpoint.failure() {
+                    // Closes the connection; the next `connect` makes another.
+                    return Err(PostError::MaybePartial(format!("the endpoint failed: {status}")));
+                }
                 endpoint
                     .post_reads(reads, batch)
                     .map_err(|e| PostError::MaybePartial(e.to_string()))
@@ -188,8 +192,15 @@ impl Peer {
                 shared.config.peer_error_handling,
             )
             .map_err(|e| {
+                // Only transports that report a peer's failure can carry such an endpoint.
+                let hint = if shared.config.peer_error_handling {
+                    " (with peer_error_handling, UCX_TLS must allow a transport that handles \
+                     peer errors, e.g. tcp, rc or cuda_ipc; UCX's shared memory does not)"
+                } else {
+                    ""
+                };
                 PostError::NothingPosted(format!(
-                    "cannot open an endpoint to peer {}: {e}",
+                    "cannot open an endpoint to peer {}: {e}{hint}",
                     self.meta.engine_id
                 ))
             })
