@@ -90,6 +90,10 @@ impl Tracked for Arc<Inflight> {
         lock(&self.abort_reason).get_or_insert_with(|| reason.to_owned());
         self.batch.fail(reason.to_owned());
     }
+
+    fn failed(&self) -> bool {
+        self.batch.has_failed()
+    }
 }
 
 /// How callers name connection `connection` to `address`, which declared `engine_id`.
