@@ -96,7 +96,7 @@ class DuplexConfig:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:
         """Parse `kv_connector_extra_config`; raises ValueError naming the bad key."""
-        extra = dict(extra or {})
+        extra = _from_nixl_names(dict(extra or {}))
         unknown = sorted(set(extra) - _KNOWN_KEYS)
         if unknown:
             raise ValueError(
@@ -274,6 +274,53 @@ _KNOWN_KEYS = frozenset(
         "same_host_reads",
     }
 )
+
+
+# NixlConnector's options (vLLM 0.32/0.33) with a DuplexConnector equivalent: taken under its
+# name, and logged with ours.
+_NIXL_ALIASES = {
+    "kv_lease_duration": "kv_lease_ttl_s",
+    "decoder_kv_blocks_ttl": "decode_kv_hold_ttl_s",
+}
+# Those without one, refused with what DuplexConnector does instead.
+_NIXL_ONLY = {
+    "backends": "it always reads through UCX, or with process_vm_readv on the same host "
+    "(same_host_reads)",
+    "num_threads": "each peer's same-host reads run on a thread of their own; UCX reads are "
+    "posted from the worker's own thread",
+    "engine_ttl": "a peer is dropped when it misses 3 heartbeats (peer_heartbeat_s)",
+    "enforce_handshake_compat": "it always refuses a peer whose KV cache or model differs",
+}
+
+
+def _from_nixl_names(extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` with NixlConnector's option names (a config carried over from it) renamed to
+    ours, each logged; raises ValueError for a NixlConnector option with no equivalent, or one
+    given under both names with different values."""
+    for key, why in _NIXL_ONLY.items():
+        if key in extra:
+            raise ValueError(
+                f"DuplexConnector: {key!r} is a NixlConnector option with no DuplexConnector "
+                f"equivalent ({why}); remove it"
+            )
+    for nixl_key, ours in _NIXL_ALIASES.items():
+        if nixl_key not in extra:
+            continue
+        value = extra.pop(nixl_key)
+        if ours in extra and extra[ours] != value:
+            raise ValueError(
+                f"DuplexConnector: {nixl_key}={value!r} (NixlConnector's name) and "
+                f"{ours}={extra[ours]!r} disagree; keep {ours}"
+            )
+        extra[ours] = value
+        logger.warning(
+            "DuplexConnector: kv_connector_extra_config key %r is NixlConnector's name; "
+            "taken as %r=%r (rename it)",
+            nixl_key,
+            ours,
+            value,
+        )
+    return extra
 
 
 def _addresses(extra: dict[str, Any], key: str) -> tuple[str, ...]:
