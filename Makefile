@@ -32,7 +32,7 @@ test-rust: $(DEPS_STAMP)
 	cargo test --release
 
 test-python: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Everything that starts no vLLM server: the Rust unit and integration tests, and the pytest
 # suites but the e2e ones (vLLM's real Scheduler and workers, real engines over UCX, the proxy
