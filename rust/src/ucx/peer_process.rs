@@ -143,26 +143,12 @@ const DIAG_MSG_INODE_AT: usize = 68;
 const DIAG_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The inode of the TCP socket in this network namespace whose local end is `local` and whose
-/// remote end is `remote`, by an exact `sock_diag` lookup.
+/// remote end is `remote`, by an exact `sock_diag` lookup (the kernel looks an IPv6 request
+/// whose addresses are both v4-mapped up as IPv4, whichever family the socket has).
 fn socket_inode(local: SocketAddr, remote: SocketAddr) -> Result<u32, String> {
-    let first = diag_lookup(local, remote);
-    // An IPv6 socket's v4-mapped connection may have an IPv4 socket at its other end.
-    match (first, canonical(local), canonical(remote)) {
-        (Err(e), Some(local), Some(remote)) if e.contains("No such file") => {
-            diag_lookup(local, remote)
-        }
-        (result, _, _) => result,
-    }
-}
-
-/// `addr` as IPv4 if it is a v4-mapped IPv6 address.
-fn canonical(addr: SocketAddr) -> Option<SocketAddr> {
-    match addr.ip() {
-        IpAddr::V6(v6) => {
-            v6.to_ipv4_mapped().map(|v4| SocketAddr::new(IpAddr::V4(v4), addr.port()))
-        }
-        IpAddr::V4(_) => None,
-    }
+    diag_lookup(local, remote)?.ok_or_else(|| {
+        "no socket at the other end of this connection in this network namespace".to_owned()
+    })
 }
 
 /// The socket id of `inet_diag_sockid` for `local` and `remote`, without interface or cookie.
@@ -179,7 +165,8 @@ fn diag_id(local: SocketAddr, remote: SocketAddr) -> [u8; DIAG_ID_LEN - 12] {
     id
 }
 
-fn diag_lookup(local: SocketAddr, remote: SocketAddr) -> Result<u32, String> {
+/// The inode of the socket `local`..`remote`, `None` if there is none.
+fn diag_lookup(local: SocketAddr, remote: SocketAddr) -> Result<Option<u32>, String> {
     if local.is_ipv4() != remote.is_ipv4() {
         return Err("the connection's ends are of different address families".to_owned());
     }
@@ -258,9 +245,10 @@ fn netlink_exchange(request: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 /// The inode of the socket in `reply`, the kernel's answer to a lookup of `id`: an
-/// `inet_diag_msg` for exactly that socket, or an error (`ENOENT`: no such socket here).
-/// Every field is read within the reply's length.
-fn parse_diag_reply(reply: &[u8], id: &[u8]) -> Result<u32, String> {
+/// `inet_diag_msg` for that socket (its ports checked; its addresses may be given in the other
+/// family's form), or an error (`ENOENT`: no such socket here, `None`). Every field is read
+/// within the reply's length.
+fn parse_diag_reply(reply: &[u8], id: &[u8]) -> Result<Option<u32>, String> {
     let u32_at = |at: usize| -> Option<u32> {
         Some(u32::from_ne_bytes(reply.get(at..at + 4)?.try_into().ok()?))
     };
@@ -272,20 +260,20 @@ fn parse_diag_reply(reply: &[u8], id: &[u8]) -> Result<u32, String> {
         return Err(short());
     }
     if kind == libc::NLMSG_ERROR as u16 {
-        let errno = u32_at(NLMSG_HEADER_LEN).ok_or_else(short)? as i32;
-        return Err(format!(
-            "no socket at the other end of this connection in this network namespace (sock_diag: {})",
-            io::Error::from_raw_os_error(-errno)
-        ));
+        let errno = (u32_at(NLMSG_HEADER_LEN).ok_or_else(short)? as i32).wrapping_neg();
+        if errno == libc::ENOENT {
+            return Ok(None);
+        }
+        return Err(format!("sock_diag: {}", io::Error::from_raw_os_error(errno)));
     }
     if kind != SOCK_DIAG_BY_FAMILY || len < NLMSG_HEADER_LEN + DIAG_MSG_LEN {
         return Err(format!("sock_diag: an unexpected reply (type {kind}, {len} bytes)"));
     }
     let message = &reply[NLMSG_HEADER_LEN..len];
-    if &message[4..4 + id.len()] != id {
+    if message[4..8] != id[..4] {
         return Err("sock_diag: the reply is about another socket".to_owned());
     }
-    u32_at(NLMSG_HEADER_LEN + DIAG_MSG_INODE_AT).ok_or_else(short)
+    u32_at(NLMSG_HEADER_LEN + DIAG_MSG_INODE_AT).ok_or_else(short).map(Some)
 }
 
 #[cfg(test)]
@@ -329,6 +317,24 @@ mod tests {
     }
 
     #[test]
+    fn an_ipv6_connection_is_proven_too() {
+        // Where this host has IPv6 loopback: its own, and a v4-mapped one to an IPv4 listener.
+        let Ok(listener) = TcpListener::bind("[::1]:0") else { return };
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let pid = std::process::id();
+        let proven = PeerProcess::prove(&client, pid, accepted.as_raw_fd() as u32);
+        assert!(proven.is_ok(), "{}", proven.err().unwrap());
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mapped = format!("[::ffff:127.0.0.1]:{}", listener.local_addr().unwrap().port());
+        let Ok(client) = TcpStream::connect(mapped) else { return };
+        assert!(client.local_addr().unwrap().is_ipv6());
+        let (accepted, _) = listener.accept().unwrap();
+        let proven = PeerProcess::prove(&client, pid, accepted.as_raw_fd() as u32);
+        assert!(proven.is_ok(), "v4-mapped: {}", proven.err().unwrap());
+    }
+
+    #[test]
     fn an_ended_connection_proves_nothing() {
         let (client, accepted) = connection();
         let fd = accepted.as_raw_fd() as u32;
@@ -352,10 +358,22 @@ mod tests {
         reply.extend(id);
         reply.resize(NLMSG_HEADER_LEN + DIAG_MSG_INODE_AT, 0);
         reply.extend(1234u32.to_ne_bytes());
-        assert_eq!(parse_diag_reply(&reply, &id), Ok(1234));
+        assert_eq!(parse_diag_reply(&reply, &id), Ok(Some(1234)));
         for cut in 0..reply.len() {
             assert!(parse_diag_reply(&reply[..cut], &id).is_err(), "cut at {cut}");
         }
-        assert!(parse_diag_reply(&reply, &[8u8; DIAG_ID_LEN - 12]).is_err());
+        let mut other_ports = id;
+        other_ports[1] ^= 1;
+        assert!(parse_diag_reply(&reply, &other_ports).is_err());
+        let error = |errno: i32| {
+            let mut reply = ((NLMSG_HEADER_LEN + 20) as u32).to_ne_bytes().to_vec();
+            reply.extend((libc::NLMSG_ERROR as u16).to_ne_bytes());
+            reply.extend([0u8; 10]);
+            reply.extend((-errno).to_ne_bytes());
+            reply.resize(NLMSG_HEADER_LEN + 20, 0);
+            reply
+        };
+        assert_eq!(parse_diag_reply(&error(libc::ENOENT), &id), Ok(None), "no such socket");
+        assert!(parse_diag_reply(&error(libc::EPERM), &id).is_err());
     }
 }
