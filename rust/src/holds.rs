@@ -13,8 +13,9 @@
 //!
 //! A hold ends when its lease passes, when the owner evicts it (unclaimed only: decode nodes'
 //! turns to keep under their cap, and any hold when the engine runs short of free blocks),
-//! when the engine's weights change (every hold, claimed ones too: [`Evict::Stale`]), or, for a prefill node's prompt held for one decode node ([`HoldKind::ForDecode`]),
-//! once a reader releases its claim: a later reader then finds it gone and recomputes. It is
+//! when the engine's weights change (every hold, claimed ones too: [`Evict::Stale`]), or, for
+//! a prefill node's prompt held for one decode node ([`HoldKind::ForDecode`]), once a reader
+//! releases its claim: a later reader then finds it gone and recomputes. It is
 //! freed when it has ended and no claim remains. Every hold is freed
 //! exactly once: [`HoldBook::expire`], [`HoldBook::release`] and [`HoldBook::evict`] each
 //! return the request ids they freed and forget them.

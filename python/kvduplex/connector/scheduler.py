@@ -623,9 +623,9 @@ class DuplexScheduler:
         `update_weights` or a `collective_rpc` that loads weights, its callers must): KV held
         for readers was computed with the old weights, and the next step (at once, if idle)
         ends every hold taken before (`DuplexWorker._end_holds`). vLLM has no weight version a
-        connector could see: this reset is its only sign of new weights. (With nothing held,
-        nothing to end: no step is asked for, which vLLM's sleep, after its reset, could not
-        take.)"""
+        connector could see: this reset is its only sign of new weights. With nothing held
+        there is nothing to end, and no step is asked for (vLLM's sleep resets its caches just
+        before it puts the workers to sleep)."""
         if self._held:
             self._end_holds = True
             self._waker.poke()
