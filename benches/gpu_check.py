@@ -11,6 +11,12 @@ Exit status: 0 when every byte matched (or there is no CUDA GPU: it says so and 
 
 Both processes use one GPU unless `--owner-device` differs (two GPUs on one host: cuda_ipc
 over NVLink/PCIe). UCX comes from the `libucx-cu12` wheel as everywhere in kvduplex.
+
+Then the KV cache layout cases (`_gpu_layouts.py`): vLLM-shaped CUDA caches in each of vLLM
+0.32's layouts, through the connector's layout code: token-major and head-major pages of the
+same shape refused at the handshake, heterogeneous-TP slices of head-major pages read and
+compared value for value, pages that are not one byte range refused at start. They need
+`kvduplex.connector` and `kvduplex_testing` importable (PYTHONPATH=python), not vLLM.
 """
 
 from __future__ import annotations
@@ -155,10 +161,18 @@ def main() -> int:
             f"{'ok' if row['bytes_match'] else 'WRONG':>6} {row['kvduplex_GBps']:>14.1f} "
             f"{row['device_copy_GBps']:>14.1f}"
         )
+    import _gpu_layouts
+
+    report["layouts"] = _gpu_layouts.check(device)
+    print(f"\n{'layout case':<32} {'must':>8} {'outcome':>10}")
+    for row in report["layouts"]:
+        flag = "" if row["ok"] else "  WRONG"
+        print(f"{row['case']:<32} {row['must']:>8} {row['outcome']:>10}{flag}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=2)
-    return 0 if all(row["bytes_match"] for row in report["results"]) else 1
+    matched = all(row["bytes_match"] for row in report["results"])
+    return 0 if matched and all(row["ok"] for row in report["layouts"]) else 1
 
 
 if __name__ == "__main__":

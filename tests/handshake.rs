@@ -48,9 +48,9 @@ fn metadata() -> EngineMetadata {
         ]),
         same_host: Some(SameHostIdentity {
             boot_id: "0d5c8f4e-1b2a-4c3d-9e8f-7a6b5c4d3e2f".to_owned(),
+            pid_namespace: 4_026_531_836,
             pid: 4242,
-            probe_addr: 0x5555_0000_1000,
-            proof: [9; 32],
+            socket_fd: 17,
         }),
     }
 }

@@ -223,6 +223,11 @@ class Engine:
         `unread_prompts_s`: those no reader has claimed for that many seconds), least recently
         used first, until `num_blocks` blocks were freed or none is left; returns the holds
         freed. Raises ValueError for an `unread_prompts_s` that is negative or not finite."""
+    def end_holds(self) -> list[str]:
+        """The engine's weights changed (vLLM reset its caches): every hold ends, claimed ones
+        too, and none is granted or found by a lookup again. Returns the holds freed now (the
+        unclaimed ones); a claimed one is freed, and returned by `release_hold` or
+        `expire_holds`, when its last claim ends."""
     def hold_occupancy(self) -> tuple[int, int, int]:
         """(claims alive now, blocks held, lookups told to ask again so far, as this engine
         computed the turn they continue: see `expect_turn`) on this engine's hold book."""

@@ -42,7 +42,7 @@ use crate::held_index::{AnnouncedChanges, HeldIndex};
 use crate::holds::feed::FeedWatch;
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, ucx_tls_allows_cma, MemRegion, Probe, UcxError, Worker};
+use crate::ucx::{boot_id, pid_namespace, ucx_tls_allows_cma, MemRegion, UcxError, Worker};
 pub use crate::ucx::{MemoryOwner, RegionMemory};
 use copier::CopyThreads;
 use lookup::{lookup_handler, retry_loop, unasked, BookFeed, LookupQuestion, MustAsk};
@@ -124,11 +124,10 @@ pub enum PeerStatus {
 struct Shared {
     config: EngineConfig,
     generation: u64,
-    /// Proves this process to same-host readers (its key, through our side channel); its
-    /// address is in our metadata.
-    probe: Probe,
     /// This host's boot id (`None` where it cannot be read: no same-host reads either way).
     boot_id: Option<String>,
+    /// This process's pid namespace (`None` where it cannot be read: likewise).
+    pid_namespace: Option<u64>,
     /// Whether we read same-host peers directly: the config allows it and `UCX_TLS` does not
     /// rule out UCX's cma, which these reads replace.
     same_host_reads: bool,
@@ -176,8 +175,8 @@ impl Engine {
         }
         let worker = Worker::new(&config.engine_id, config.ucx_lib_dir.as_deref())?;
         let generation = new_generation()?;
-        let probe = Probe::new(worker.address()).map_err(EngineError::InvalidArgument)?;
         let boot_id = boot_id();
+        let pid_namespace = pid_namespace();
         let same_host_reads = config.same_host_reads
             && boot_id.is_some()
             && ucx_tls_allows_cma(std::env::var("UCX_TLS").ok().as_deref());
@@ -186,7 +185,7 @@ impl Engine {
             generation,
             &worker,
             boot_id.as_deref(),
-            &probe,
+            pid_namespace,
             &LocalMemory { regions: Vec::new(), layout: None },
         );
         let server = SideChannelServer::start(
@@ -196,7 +195,6 @@ impl Engine {
                 secret: config.secret.clone(),
                 heartbeat: config.heartbeat,
                 allow_unauthenticated: config.allow_unauthenticated,
-                same_host_key: Some(probe.key()),
             },
             meta,
         )?;
@@ -212,8 +210,8 @@ impl Engine {
         let shared = Arc::new(Shared {
             config,
             generation,
-            probe,
             boot_id,
+            pid_namespace,
             same_host_reads,
             copy_threads: CopyThreads::default(),
             worker,
@@ -307,7 +305,7 @@ impl Engine {
             shared.generation,
             &shared.worker,
             shared.boot_id.as_deref(),
-            &shared.probe,
+            shared.pid_namespace,
             local,
         );
         lock(&self.shared.server).as_ref().ok_or(EngineError::Closed)?.set_metadata(meta);
@@ -315,23 +313,22 @@ impl Engine {
     }
 }
 
-/// What this engine publishes to readers; the side channel adds each connection's same-host
-/// proof. The identity is published even where the boot id is unknown (empty: no reader reads
-/// us directly then), so that engines of one process can still prove themselves to each other
-/// (see `check_not_this_process`).
+/// What this engine publishes to readers; the side channel names each connection's socket in
+/// the same-host identity. The identity is published even where the boot id or the pid
+/// namespace is unknown (empty, zero: no reader takes us for a process of its host then).
 fn metadata(
     config: &EngineConfig,
     generation: u64,
     worker: &Worker,
     boot_id: Option<&str>,
-    probe: &Probe,
+    pid_namespace: Option<u64>,
     local: &LocalMemory,
 ) -> EngineMetadata {
     let identity = SameHostIdentity {
         boot_id: boot_id.unwrap_or_default().to_owned(),
+        pid_namespace: pid_namespace.unwrap_or_default(),
         pid: std::process::id(),
-        probe_addr: probe.addr(),
-        proof: [0; 32],
+        socket_fd: 0,
     };
     EngineMetadata {
         engine_id: config.engine_id.clone(),

@@ -12,8 +12,10 @@
 //! only). Releases end claims, never a hold.
 //!
 //! A hold ends when its lease passes, when the owner evicts it (unclaimed only: decode nodes'
-//! turns to keep under their cap, and any hold when the engine runs short of free blocks), or, for a prefill node's prompt held for one decode node ([`HoldKind::ForDecode`]),
-//! once a reader releases its claim: a later reader then finds it gone and recomputes. It is
+//! turns to keep under their cap, and any hold when the engine runs short of free blocks),
+//! when the engine's weights change (every hold, claimed ones too: [`Evict::Stale`]), or, for
+//! a prefill node's prompt held for one decode node ([`HoldKind::ForDecode`]), once a reader
+//! releases its claim: a later reader then finds it gone and recomputes. It is
 //! freed when it has ended and no claim remains. Every hold is freed
 //! exactly once: [`HoldBook::expire`], [`HoldBook::release`] and [`HoldBook::evict`] each
 //! return the request ids they freed and forget them.
@@ -154,19 +156,25 @@ pub enum Evict {
     TurnsAndUnread(Duration),
     /// Any hold, prompts held for decode nodes too: the engine runs short of free blocks.
     AnyHold,
+    /// Every hold, claimed ones too, whatever `num_blocks` asks: the held KV was computed
+    /// with weights the engine no longer has (vLLM reset its caches). A claimed hold ends
+    /// (nothing grants or finds it again) and is freed once its claims end.
+    Stale,
 }
 
 impl Evict {
-    fn may_free(self, held: &Held, now: Instant) -> bool {
-        held.claims.is_empty()
-            && match self {
-                Self::AnyHold => true,
-                Self::Turns => held.kind == HoldKind::Turn,
-                Self::TurnsAndUnread(unread) => {
-                    held.kind == HoldKind::Turn
-                        || now.saturating_duration_since(held.last_used) >= unread
-                }
+    /// Whether an eviction of this kind ends `held` (freed now if unclaimed).
+    fn ends(self, held: &Held, now: Instant) -> bool {
+        match self {
+            Self::Stale => true,
+            Self::AnyHold => held.claims.is_empty(),
+            Self::Turns => held.claims.is_empty() && held.kind == HoldKind::Turn,
+            Self::TurnsAndUnread(unread) => {
+                held.claims.is_empty()
+                    && (held.kind == HoldKind::Turn
+                        || now.saturating_duration_since(held.last_used) >= unread)
             }
+        }
     }
 }
 
@@ -498,12 +506,14 @@ impl HoldBook {
 
     /// Frees unclaimed holds of `which` kind, least recently used first, until at least
     /// `num_blocks` blocks were freed or none is left; returns what it freed. Claimed holds
-    /// are never freed here: a reader may be reading them.
+    /// are never freed here: a reader may be reading them ([`Evict::Stale`] ends them, and
+    /// every other hold, for good).
     pub fn evict(&mut self, num_blocks: usize, which: Evict, now: Instant) -> Vec<String> {
+        let num_blocks = if which == Evict::Stale { usize::MAX } else { num_blocks };
         let mut candidates: Vec<(Instant, String, usize)> = self
             .held
             .iter()
-            .filter(|(_, h)| which.may_free(h, now))
+            .filter(|(_, h)| which.ends(h, now))
             .map(|(id, h)| (h.last_used, id.clone(), h.num_blocks))
             .collect();
         candidates.sort();

@@ -511,6 +511,13 @@ impl Engine {
         self.with(py, |e| Ok(e.evict_holds(num_blocks, which)))
     }
 
+    /// The engine's weights changed: every hold ends, none is granted or found again.
+    /// Returns the holds this freed (unclaimed ones); claimed ones are freed, and returned by
+    /// `release_hold` / `expire_holds`, once their claims end.
+    fn end_holds(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.with(py, |e| Ok(e.evict_holds(usize::MAX, Evict::Stale)))
+    }
+
     /// (claims alive now, blocks held, lookups told to ask again so far) on this engine's
     /// hold book.
     fn hold_occupancy(&self, py: Python<'_>) -> PyResult<(usize, usize, u64)> {

@@ -41,7 +41,6 @@ pub fn start(secret: Option<&[u8]>) -> SideChannelServer {
         secret: secret.map(<[u8]>::to_vec),
         heartbeat: HEARTBEAT,
         allow_unauthenticated: false,
-        same_host_key: None,
     };
     SideChannelServer::start(config, metadata("owner")).unwrap()
 }

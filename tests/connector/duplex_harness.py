@@ -54,6 +54,7 @@ from kvduplex.connector.metadata import (
 )
 from kvduplex.connector.scheduler import DuplexScheduler
 from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex_testing.kv_caches import vllm_kv_caches
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -425,24 +426,22 @@ def running(engine: Engine) -> list[str]:
 
 
 def make_kv_caches(
-    num_blocks: int, seed: int | None = None, kv_heads: int = NUM_KV_HEADS
+    num_blocks: int, seed: int | None = None, kv_heads: int = NUM_KV_HEADS, layout: str = "LBHNC"
 ) -> dict[str, torch.Tensor]:
-    """KV caches shaped and laid out like vLLM's on the CPU: per layer a
-    [blocks, kv_heads, block_size, 2 * head_size] float32 view of one shared storage, layer
-    after layer (`kv_heads`: a TP rank's share). Filled from `seed`, or zeros when it is None."""
-    page = kv_heads * BLOCK_SIZE * 2 * HEAD_SIZE
-    numel = NUM_LAYERS * num_blocks * page
-    if seed is None:
-        storage = torch.zeros(numel)
-    else:
-        storage = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    layer = num_blocks * page
-    return {
-        f"model.layers.{i}.self_attn.attn": storage[i * layer : (i + 1) * layer].view(
-            num_blocks, kv_heads, BLOCK_SIZE, 2 * HEAD_SIZE
-        )
-        for i in range(NUM_LAYERS)
-    }
+    """KV caches as vLLM allocates them: per layer a [blocks, kv_heads, block_size,
+    2 * head_size] float32 view of one shared buffer in `layout`'s strides (vLLM's
+    `KVCacheLayout` name; its CPU backend's LBHNC, layer after layer, head-major, by default;
+    `kv_heads`: a TP rank's share). Filled from `seed` (the same values in any layout), or
+    zeros when it is None."""
+    return vllm_kv_caches(
+        layout,
+        num_layers=NUM_LAYERS,
+        num_blocks=num_blocks,
+        kv_heads=kv_heads,
+        block_size=BLOCK_SIZE,
+        head_size=HEAD_SIZE,
+        seed=seed,
+    )
 
 
 def make_worker(

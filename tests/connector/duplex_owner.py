@@ -1,9 +1,10 @@
 """An owner-side DuplexWorker in its own process, for the two-process worker tests.
 
-Builds KV caches filled from a seed, registers them, prints its side-channel address as one
-JSON line, then serves: each stdin line {"hold": request_id, "ttl_s": seconds, "fingerprints",
-"turn", optionally "num_blocks", "offer"} hands the worker a HoldSpec, as the scheduler would;
-the worker is stepped every few milliseconds and
+Builds KV caches filled from a seed (in vLLM's KV cache layout "layout", LBHNC by default),
+registers them, prints its side-channel address as one JSON line, then serves: each stdin line
+{"hold": request_id, "ttl_s": seconds, "fingerprints", "turn", optionally "num_blocks", "offer"}
+hands the worker a HoldSpec, as the scheduler would, and {"end_holds": true} the order vLLM's
+cache reset leads to (`end_holds`); the worker is stepped every few milliseconds and
 every non-empty result is printed as {"freed_holds": [...], "stats": {...}}. Exits when
 stdin closes. Run: python duplex_owner.py '{"model_dir": ..., "engine_id": ..., ...}'
 """
@@ -19,7 +20,9 @@ from kvduplex.connector.metadata import DuplexConnectorMetadata, HoldSpec
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    kv_caches = make_kv_caches(spec["num_blocks"], seed=spec["seed"])
+    kv_caches = make_kv_caches(
+        spec["num_blocks"], seed=spec["seed"], layout=spec.get("layout", "LBHNC")
+    )
     worker = make_worker(spec["model_dir"], spec["engine_id"], kv_caches, spec.get("extra_config"))
     address = worker.get_handshake_metadata()
     print(json.dumps({"host": address.host, "port": address.port}), flush=True)
@@ -30,6 +33,9 @@ def main() -> None:
             if not line:
                 break
             command = json.loads(line)
+            if command.get("end_holds"):
+                worker.start_load_kv(DuplexConnectorMetadata(end_holds=True))
+                continue
             hold = HoldSpec(
                 request_id=command["hold"],
                 lease_expiry=time.time() + command["ttl_s"],

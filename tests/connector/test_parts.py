@@ -230,6 +230,26 @@ def test_config_defaults_and_validation(monkeypatch):
             DuplexConfig.from_extra_config(bad)
 
 
+def test_nixl_connector_option_names_are_taken_or_refused_with_ours(caplog):
+    """A config carried over from NixlConnector starts: its names for our options are taken
+    (and logged with ours); its options with no equivalent are refused naming what we do."""
+    with caplog.at_level(logging.WARNING, logger="kvduplex.connector.config"):
+        config = DuplexConfig.from_extra_config(
+            {"kv_lease_duration": 45, "decoder_kv_blocks_ttl": "480", "bidirectional_kv_xfer": True}
+        )
+    assert config.kv_lease_ttl_s == 45 and config.decode_kv_hold_ttl_s == 480
+    assert "'kv_lease_ttl_s'" in caplog.text and "'decode_kv_hold_ttl_s'" in caplog.text
+    same = DuplexConfig.from_extra_config({"kv_lease_duration": 45, "kv_lease_ttl_s": 45})
+    assert same.kv_lease_ttl_s == 45
+    with pytest.raises(ValueError, match="disagree; keep kv_lease_ttl_s"):
+        DuplexConfig.from_extra_config({"kv_lease_duration": 45, "kv_lease_ttl_s": 30})
+    with pytest.raises(ValueError, match="must exceed read_deadline_margin_s"):
+        DuplexConfig.from_extra_config({"kv_lease_duration": 0.5})
+    for key in ("backends", "num_threads", "engine_ttl", "enforce_handshake_compat"):
+        with pytest.raises(ValueError, match=f"'{key}' is a NixlConnector option"):
+            DuplexConfig.from_extra_config({key: 1})
+
+
 def test_lookup_options():
     config = DuplexConfig.from_extra_config(
         {"lookup_timeout_ms": 40, "decode_peers": "10.0.0.2:5600, [::1]:5601"}

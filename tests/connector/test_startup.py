@@ -8,17 +8,16 @@ from pathlib import Path
 
 import pytest
 from vllm.config import KVTransferConfig, ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from duplex_harness import make_kv_cache_config, make_kv_caches, make_vllm_config
 from kvduplex.connector import DuplexConnector
+from kvduplex.connector.compatibility import compatibility_fingerprint
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
-from kvduplex.connector.worker import (
-    compatibility_fingerprint,
-    describe_kv_caches,
-    side_channel_port,
-)
+from kvduplex.connector.kv_layout import describe_kv_caches
+from kvduplex.connector.worker import side_channel_port
 
 
 def test_vllm_fails_a_failed_load_by_default_and_the_connector_refuses_that():
@@ -43,6 +42,25 @@ def test_either_role_refuses_to_start_under_the_fail_policy(tiny_config_dir: Pat
     # Names the setting, what it would do, and the fix.
     assert "kv_load_failure_policy is 'fail'" in message
     assert "error" in message and '"kv_load_failure_policy": "recompute"' in message
+
+
+@pytest.mark.parametrize(
+    "extra,piecewise",
+    [
+        ({"bidirectional_kv_xfer": True, "layerwise_load": True}, True),
+        ({"bidirectional_kv_xfer": True}, False),
+        # No pull is layer by layer without bidirectional transfers.
+        ({"layerwise_load": True}, False),
+    ],
+)
+def test_layerwise_pulls_need_piecewise_cuda_graphs(tiny_config_dir: Path, extra, piecewise):
+    """A full CUDA graph's replay skips the layer hooks that layer-by-layer pulls wait in;
+    vLLM asks the connector class, as here, and captures piecewise graphs when it says so."""
+    transfer_config = make_vllm_config(tiny_config_dir, "P", extra).kv_transfer_config
+    connector_cls = KVConnectorFactory.get_connector_class(transfer_config)
+    assert connector_cls is DuplexConnector
+    extra_config = transfer_config.kv_connector_extra_config
+    assert connector_cls.requires_piecewise_for_cudagraph(extra_config) is piecewise
 
 
 def _parallel(dp_size: int, dp_rank_local: int, tp_size: int) -> ParallelConfig:

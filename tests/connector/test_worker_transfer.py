@@ -25,6 +25,7 @@ import torch
 
 from duplex_harness import NUM_KV_HEADS, NUM_LAYERS, look_up, make_kv_caches, make_worker
 from kvduplex.connector import retention, worker_lookup
+from kvduplex.connector.kv_layout import describe_kv_caches
 from kvduplex.connector.metadata import (
     AnnouncedChanges,
     DuplexConnectorMetadata,
@@ -35,7 +36,7 @@ from kvduplex.connector.metadata import (
     PeerAddress,
     ReleaseSpec,
 )
-from kvduplex.connector.worker import DuplexWorker, describe_kv_caches
+from kvduplex.connector.worker import DuplexWorker
 
 # Both engines must stay on loopback (UCX's tcp transport otherwise uses every interface).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -51,12 +52,16 @@ PROMPT_FINGERPRINTS = [f"{i:016x}" for i in (0xB1, 0xB2)]
 
 
 class OwnerProcess:
-    def __init__(self, model_dir: Path) -> None:
+    """An owner-side DuplexWorker in its own process (duplex_owner.py), its KV caches in vLLM's
+    KV cache layout `layout`."""
+
+    def __init__(self, model_dir: Path, layout: str = "LBHNC", engine_id: str = OWNER_ID) -> None:
         spec = {
             "model_dir": str(model_dir),
-            "engine_id": OWNER_ID,
+            "engine_id": engine_id,
             "num_blocks": NUM_BLOCKS,
             "seed": OWNER_SEED,
+            "layout": layout,
             "extra_config": {"read_deadline_margin_s": 0.5},
         }
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
@@ -71,7 +76,7 @@ class OwnerProcess:
         if not line:
             raise RuntimeError(f"owner process exited with {self.proc.wait()}")
         address = json.loads(line)
-        self.peer = PeerAddress(engine_id=OWNER_ID, host=address["host"], ports=(address["port"],))
+        self.peer = PeerAddress(engine_id=engine_id, host=address["host"], ports=(address["port"],))
         self.expected = make_kv_caches(NUM_BLOCKS, seed=OWNER_SEED)
         self.freed_holds: list[str] = []
         self.stats: dict[str, int] = {}
@@ -113,6 +118,11 @@ class OwnerProcess:
         while len(self.freed_holds) < until and time.monotonic() < deadline:
             self.poll(0.05)
         self.poll(settle_s)
+
+    def end_holds(self) -> None:
+        """What vLLM's cache reset (the weights changed) leads to on the owner."""
+        self.proc.stdin.write(json.dumps({"end_holds": True}) + "\n")
+        self.proc.stdin.flush()
 
     def reset(self) -> None:
         self.freed_holds.clear()

@@ -24,7 +24,7 @@ Every option, its default and why:
 | `allow_unauthenticated_peers` | `false` | Serve the side channel without a shared secret on a non-loopback address. Any host that reaches it can then read the registered KV cache: only for trusted networks; logged as a warning at start. |
 | `lookup_timeout_ms` | `250` | Bidirectional only: how long a prefill node waits for its decode peers to say whether they hold a prompt's history. A live, connected peer answers in one side-channel round trip (measured here: ~1 ms on loopback, tens of ms when 4 vLLM servers share 2 cores); prefill nodes connect to announced decode nodes ahead of time, so no lookup pays for a handshake. The wait only matters when a peer is hung (a dead one is dropped by its heartbeats within 3 s), and 250 ms stays below the prefill time of a history long enough to be worth pulling. Past it, or when no peer answers, the request prefills normally. The request waits in vLLM's queue meanwhile, never blocking the scheduler. `0` turns lookups off (a grant of the blocks that params name is not a lookup: it always runs, within `handshake_timeout_s`). |
 | `decode_peers` | `[]` | Bidirectional only: side channels (`"host:port"` of TP rank 0) of decode engines to look up held turns on, besides those the prefill node learns by itself (every decode engine that pulls from it announces its side channel). |
-| `layerwise_load` | `false` | Bidirectional only, prefill side: pull a decode node's held turn layer by layer *inside* the forward pass that computes the new tokens: one read per layer posted before the pass, each layer waiting for its own blocks before it starts (vLLM's `save_kv_layer` of the layer before; a layer writes its new tokens' KV into the turn's last block), instead of the request waiting for the whole pull and one more engine step. A failed read is reported as vLLM's load error and those tokens are recomputed. Pulls of a prefill node's blocks, hybrid models and models with a state-space (Mamba) group keep the asynchronous path. Caveat: the pass waits for the reads, so an owner that freezes (without `ucx_peer_error_handling`) stalls the prefill node until the read completes or fails. Measured no faster on a CPU-only machine (`benches/RESULTS.md`). |
+| `layerwise_load` | `false` | Bidirectional only, prefill side: pull a decode node's held turn layer by layer *inside* the forward pass that computes the new tokens: one read per layer posted before the pass, each layer waiting for its own blocks before it starts (vLLM's `save_kv_layer` of the layer before; a layer writes its new tokens' KV into the turn's last block), instead of the request waiting for the whole pull and one more engine step. A failed read is reported as vLLM's load error and those tokens are recomputed. Pulls of a prefill node's blocks, hybrid models and models with a state-space (Mamba) group keep the asynchronous path. Caveat: the pass waits for the reads, so an owner that freezes (without `ucx_peer_error_handling`) stalls the prefill node until the read completes or fails. A full CUDA graph's replay skips those layer hooks: with it on, vLLM captures piecewise graphs (`requires_piecewise_for_cudagraph`). Measured no faster on a CPU-only machine (`benches/RESULTS.md`). |
 | `same_host_reads` | `true` | Read a peer that runs on the same host with `process_vm_readv`, up to 1,024 block runs per system call, instead of through UCX (which makes one call per run). Host memory only, and a read is reported good only if that process was still alive after it. Turned off by itself when `UCX_TLS` rules out UCX's own cma transport (for example `tcp`). Needs the kernel to let one process read a sibling's memory (same user; Yama `ptrace_scope` 0 or no Yama): otherwise the peer is read through UCX, and the log says why. Measured 1.87× raw UCX on 16 scattered 4 KiB blocks (2026-12-05, `benches/RESULTS.md`). Only regions the peer's process vouches for on that connection (see the transfer core's same-host reads); a peer naming the reader's own process is refused. Each peer's batches are copied by a thread of its own, so a peer whose reads never return (memory backed by userfaultfd or FUSE) stalls only its own batches. |
 | `ucx_peer_error_handling` | `true` | UCX peer error handling on transfer endpoints. Either way a failed read is reported only when none of its bytes can still land. On, a read to a frozen or vanished peer is cancelled at its deadline (a force close, which needs no reply from the peer), and a remote failure is an error of the endpoint, not of the process. Off, such a read keeps its request waiting until the peer serves it or dies (a dead peer is detected through the side channel's heartbeats), and the connector's `close` waits for it. Peers on the same host are read without UCX (`same_host_reads`), so it does not slow them; with `same_host_reads` off, UCX 1.22 reads host memory on one host over tcp with it instead of cma (several times slower). Set it the same on every engine: UCX refuses a pair of endpoints whose error handling differs. |
 """
@@ -96,7 +96,7 @@ class DuplexConfig:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DuplexConfig:
         """Parse `kv_connector_extra_config`; raises ValueError naming the bad key."""
-        extra = dict(extra or {})
+        extra = _from_nixl_names(dict(extra or {}))
         unknown = sorted(set(extra) - _KNOWN_KEYS)
         if unknown:
             raise ValueError(
@@ -274,6 +274,53 @@ _KNOWN_KEYS = frozenset(
         "same_host_reads",
     }
 )
+
+
+# NixlConnector's options (vLLM 0.32/0.33) with a DuplexConnector equivalent: taken under its
+# name, and logged with ours.
+_NIXL_ALIASES = {
+    "kv_lease_duration": "kv_lease_ttl_s",
+    "decoder_kv_blocks_ttl": "decode_kv_hold_ttl_s",
+}
+# Those without one, refused with what DuplexConnector does instead.
+_NIXL_ONLY = {
+    "backends": "it always reads through UCX, or with process_vm_readv on the same host "
+    "(same_host_reads)",
+    "num_threads": "each peer's same-host reads run on a thread of their own; UCX reads are "
+    "posted from the worker's own thread",
+    "engine_ttl": "a peer is dropped when it misses 3 heartbeats (peer_heartbeat_s)",
+    "enforce_handshake_compat": "it always refuses a peer whose KV cache or model differs",
+}
+
+
+def _from_nixl_names(extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` with NixlConnector's option names (a config carried over from it) renamed to
+    ours, each logged; raises ValueError for a NixlConnector option with no equivalent, or one
+    given under both names with different values."""
+    for key, why in _NIXL_ONLY.items():
+        if key in extra:
+            raise ValueError(
+                f"DuplexConnector: {key!r} is a NixlConnector option with no DuplexConnector "
+                f"equivalent ({why}); remove it"
+            )
+    for nixl_key, ours in _NIXL_ALIASES.items():
+        if nixl_key not in extra:
+            continue
+        value = extra.pop(nixl_key)
+        if ours in extra and extra[ours] != value:
+            raise ValueError(
+                f"DuplexConnector: {nixl_key}={value!r} (NixlConnector's name) and "
+                f"{ours}={extra[ours]!r} disagree; keep {ours}"
+            )
+        extra[ours] = value
+        logger.warning(
+            "DuplexConnector: kv_connector_extra_config key %r is NixlConnector's name; "
+            "taken as %r=%r (rename it)",
+            nixl_key,
+            ours,
+            value,
+        )
+    return extra
 
 
 def _addresses(extra: dict[str, Any], key: str) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.kv_layout import HEAD_MAJOR_LAYOUT
 from kvduplex.connector.metadata import DuplexConnectorMetadata
 from kvduplex.connector.scheduler import DuplexScheduler
 from kvduplex.connector.stats import DuplexConnectorStats, DuplexPromMetrics
@@ -90,6 +91,27 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config, kv_cache_config, config, engine_id, get_tp_group().rank_in_group
             )
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """vLLM lays the KV cache out head-major (LBHNC) for us where every attention backend
+        of the model takes it (else it warns and keeps its own choice; `VLLM_KV_CACHE_LAYOUT`
+        overrides both), so that engines at different TP sizes can pair (`tp.py`), and every
+        engine of a fleet lays its pages out alike whatever its backend prefers (pages laid out
+        differently never pair: `compatibility.py`). Not for MLA: one latent "head" per
+        token, replicated on every rank, is head-major in any layout."""
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return HEAD_MAJOR_LAYOUT
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """`layerwise_load` pulls wait in the forward pass's layer hooks
+        (`wait_for_layer_load`, `save_kv_layer`), which a full CUDA graph's replay skips: vLLM
+        then captures piecewise graphs, with the hooks between the pieces."""
+        config = DuplexConfig.from_extra_config(extra_config)
+        return config.layerwise_load and config.bidirectional_kv_xfer
+
     # ------------------------------------------------------------- scheduler
 
     def on_new_request(self, request: Request) -> None:
@@ -133,6 +155,10 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         self._scheduler.set_xfer_handshake_metadata(metadata)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM resets its caches (new weights): every hold ends (`DuplexScheduler.reset_cache`)."""
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
 
     def has_pending_block_frees(self) -> bool:
         """Held blocks are being given up: vLLM waits for them instead of preempting."""

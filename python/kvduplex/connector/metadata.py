@@ -174,6 +174,9 @@ class DuplexConnectorMetadata(KVConnectorMetadata):
     evict: EvictOrder | None = None
     idle: bool = False
     """The step computes no tokens: TP rank 0 may wait in it for its lookups' answers."""
+    end_holds: bool = False
+    """vLLM reset its caches (the weights changed): TP rank 0 ends every hold, those in
+    `holds` too."""
 
 
 @dataclass

@@ -177,6 +177,8 @@ class DuplexScheduler:
         )
         self._step_started: float | None = None
         self._step_tokens = 0
+        # vLLM reset its caches: the next step ends every hold (`reset_cache`).
+        self._end_holds = False
         self._waker = IdleWaker(self._next_idle_step_in)
 
     # ---------------------------------------------------------------- reader
@@ -615,9 +617,24 @@ class DuplexScheduler:
             self._retention.pressure(free, max(running, free + 1), 0, now)
         return self._retention.frees_pending(now)
 
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches where the weights change in place (its pause and sleep for
+        weight updates, `reset_prefix_cache(reset_connector=True)`; after `reload_weights`,
+        `update_weights` or a `collective_rpc` that loads weights, its callers must): KV held
+        for readers was computed with the old weights, and the next step (at once, if idle)
+        ends every hold taken before (`DuplexWorker._end_holds`). vLLM has no weight version a
+        connector could see: this reset is its only sign of new weights. With nothing held
+        there is nothing to end, and no step is asked for (vLLM's sleep resets its caches just
+        before it puts the workers to sleep)."""
+        if self._held:
+            self._end_holds = True
+            self._waker.poke()
+        return True
+
     def has_pending_push_work(self) -> bool:
-        """Keeps an idle engine stepping while a hold is due to end (`retention.py`) or the
-        copy of the announcements to be renewed (`held_mirror.py`)."""
+        """Keeps an idle engine stepping while a hold is due to end (`retention.py`, or every
+        hold: `reset_cache`) or the copy of the announcements to be renewed
+        (`held_mirror.py`)."""
         delay = self._next_idle_step_in()
         return delay is not None and delay <= 0
 
@@ -632,6 +649,8 @@ class DuplexScheduler:
     def _next_idle_step_in(self) -> float | None:
         """Seconds until an idle engine should step (<= 0: now; None: no step is due).
         Called by the idle waker's thread too."""
+        if self._end_holds:
+            return 0.0
         delays = []
         wake_at = self._retention.wake_at()
         if wake_at is not None:
@@ -692,7 +711,9 @@ class DuplexScheduler:
             lookups=self._lookups.take_specs(),
             evict=self._retention.take_order(now),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
+            end_holds=self._end_holds,
         )
+        self._end_holds = False
         self._retention.stepped(now)
         self._poke_if_renewing()
         if meta.holds:

@@ -5,10 +5,11 @@ vLLM shards the KV heads over TP ranks: rank r of an engine at TP size T holds h
 [r*H/T, (r+1)*H/T) of the model's H KV heads. Two engines at the same TP size pair rank r with
 rank r, whole pages. At different sizes (heterogeneous TP: e.g. P at TP=1, D at TP=2) a reader
 rank fills its heads from every owner rank that holds some of them: where a block page is laid
-out head-major (vLLM's CPU cache: [kv_heads, block_size, 2 * head_size] per layer), each head
-is one contiguous run of `head_bytes`, so the heads two ranks share are one byte range of each
-page, read with a block slice. Not mappable, and refused with the reason: H not divisible by
-both TP sizes (vLLM then replicates heads), pages that are not head-major.
+out head-major by its strides (vLLM's LBHNC and BLHNC layouts, `kv_layout.head_major_bytes`),
+each head is one contiguous run of `head_bytes`, so the heads two ranks share are one byte range
+of each page, read with a block slice. Not mappable, and refused with the reason: H not
+divisible by both TP sizes (vLLM then replicates heads), pages that are not head-major (both
+sides' page layouts are also compared at the handshake: `compatibility.py`).
 
 Pure: no vLLM, no I/O.
 """

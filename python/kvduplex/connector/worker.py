@@ -16,26 +16,28 @@ reads. The scheduler releases the claim once every rank has reported the load do
 Owner side: only TP rank 0 keeps the hold book (holds, grants, claims, expiry, eviction: decided
 once, for every rank's blocks, which share block ids); it reports each ended hold in
 `DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference).
+Every hold ends when vLLM resets its caches (`_end_holds`): held KV is bound to the weights
+only by that.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
 
 from kvduplex import _core, protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector import retention, tp
+from kvduplex.connector.compatibility import compatibility_fingerprint
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.idle_steps import WorkerSpin
+from kvduplex.connector.kv_layout import describe_kv_caches, head_major_bytes
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.worker_lookup import WorkerLookups
 
@@ -45,89 +47,6 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Where the blocks of the registered KV cache live, as the transfer core sees them."""
-
-    regions: tuple[tuple[int, int], ...]
-    segment_bases: tuple[int, ...]
-    block_len: int
-    block_stride: int
-    num_blocks: int
-    layer_segments: tuple[tuple[str, int], ...] = ()
-    """(layer name, index of the segment holding its KV cache)."""
-
-
-def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
-    """Treat each layer's KV block as one opaque page of bytes.
-
-    vLLM views every layer as [blocks, ...] (kernel blocks may split a cache block into
-    several consecutive pages). A block must be one dense byte range at the same stride in
-    every layer. Pages may be shorter than others (a state-space layer's state, padded by vLLM
-    to the attention page): a block is read at the longest page's length, which must stay
-    inside each layer's tensor storage. Each distinct storage is registered once.
-    """
-    regions: dict[int, int] = {}
-    bases: list[int] = []
-    layer_segments: list[tuple[str, int]] = []
-    block_stride = None
-    lengths: dict[str, int] = {}
-    for name, tensor in kv_caches.items():
-        if tensor.dim() < 2 or tensor.shape[0] % num_blocks:
-            raise ValueError(
-                f"DuplexConnector: KV cache of layer {name} has shape {tuple(tensor.shape)}, "
-                f"not [{num_blocks} blocks, ...]"
-            )
-        pages_per_block = tensor.shape[0] // num_blocks
-        page = tensor[0]
-        page_bytes = page.numel() * tensor.element_size()
-        page_stride = tensor.stride(0) * tensor.element_size()
-        if not _is_dense(page) or (pages_per_block > 1 and page_stride != page_bytes):
-            raise ValueError(
-                f"DuplexConnector: a KV block of layer {name} is not one contiguous byte "
-                f"range (shape {tuple(tensor.shape)}, strides {tensor.stride()})"
-            )
-        layer_len, layer_stride = pages_per_block * page_bytes, pages_per_block * page_stride
-        if block_stride is None:
-            block_stride = layer_stride
-        elif layer_stride != block_stride:
-            raise ValueError(
-                f"DuplexConnector: layer {name} has block stride {layer_stride}, other layers "
-                f"{block_stride}"
-            )
-        lengths[name] = layer_len
-        storage = tensor.untyped_storage()
-        regions[storage.data_ptr()] = storage.nbytes()
-        if tensor.data_ptr() not in bases:
-            bases.append(tensor.data_ptr())
-        layer_segments.append((name, bases.index(tensor.data_ptr())))
-    if block_stride is None:
-        raise ValueError("DuplexConnector: no KV cache tensors to register")
-    block_len = max(lengths.values())
-    for name, tensor in kv_caches.items():
-        storage = tensor.untyped_storage()
-        end = tensor.data_ptr() + (num_blocks - 1) * block_stride + block_len
-        if block_len > block_stride or end > storage.data_ptr() + storage.nbytes():
-            raise ValueError(
-                f"DuplexConnector: layer {name}'s last block, read at the longest layer's "
-                f"{block_len} bytes (its own: {lengths[name]}), would end outside its storage"
-            )
-    return KVLayout(
-        regions=tuple(regions.items()),
-        segment_bases=tuple(bases),
-        block_len=block_len,
-        block_stride=block_stride,
-        num_blocks=num_blocks,
-        layer_segments=tuple(layer_segments),
-    )
-
-
-def _is_dense(page: torch.Tensor) -> bool:
-    """True when the tensor's elements fill one byte range without gaps or overlap."""
-    span = 1 + sum((size - 1) * stride for size, stride in zip(page.shape, page.stride()))
-    return all(stride > 0 for stride in page.stride()) and span == page.numel()
 
 
 def side_channel_port(base: int, parallel: ParallelConfig, tp_rank: int) -> int:
@@ -148,81 +67,6 @@ def side_channel_port(base: int, parallel: ParallelConfig, tp_rank: int) -> int:
             "65535; lower side_channel_port (or set 0 for free ports)"
         )
     return port
-
-
-def head_major_bytes(
-    kv_caches: dict[str, torch.Tensor], layout: KVLayout, local_heads: int, groups: TransferGroups
-) -> int | None:
-    """One KV head's bytes in a block page when every layer's page holds this rank's heads
-    outermost, one contiguous run each (vLLM's CPU cache: [kv_heads, block_size, 2 * head_size]),
-    so that engines at other TP sizes can be read by head (`tp.rank_reads`); else None."""
-    if groups.hybrid or groups.has_state or local_heads <= 0 or layout.block_len % local_heads:
-        return None
-    for tensor in kv_caches.values():
-        page = tensor[0]
-        if (
-            tensor.shape[0] != layout.num_blocks
-            or page.dim() < 2
-            or page.shape[0] != local_heads
-            or page.numel() * tensor.element_size() != layout.block_len
-        ):
-            return None
-    return layout.block_len // local_heads
-
-
-def compatibility_fingerprint(
-    vllm_config: VllmConfig,
-    kv_caches: dict[str, torch.Tensor],
-    layout: KVLayout,
-    groups: TransferGroups,
-    head_bytes: int | None,
-) -> dict[str, str]:
-    """Everything that must be equal on both sides for a block to mean the same KV; each
-    KV-cache group has its own entry (`kv_cache_group<i>`), so a mismatch names the group.
-    With head-major pages (`head_major_bytes`) the shape of one head's run stands for the
-    page's, and the TP size is left out: engines at other TP sizes pair by head."""
-    model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    first = next(iter(kv_caches.values()))
-    hf = model.hf_config
-    fingerprint = {
-        "kvduplex_protocol": str(protocol.PROTOCOL_VERSION),
-        "vllm_version": vllm.__version__,
-        # The weights and the code that computes with them (as vLLM's NixlConnector, by the
-        # model's path or hub name: equal weights under two paths are refused too).
-        "model": model.model,
-        "revision": model.revision or "",
-        "code_revision": model.code_revision or "",
-        "quantization": model.quantization or "",
-        "architectures": ",".join(getattr(hf, "architectures", None) or []),
-        "model_type": str(getattr(hf, "model_type", "")),
-        "vocab_size": str(model.get_vocab_size()),
-        "hidden_size": str(model.get_hidden_size()),
-        "num_kv_heads": str(model.get_total_num_kv_heads()),
-        "head_size": str(model.get_head_size()),
-        "num_layers": str(len(kv_caches)),
-        "layer_names": hashlib.blake2b(
-            "\n".join(kv_caches).encode(), digest_size=8
-        ).hexdigest(),
-        "block_size": str(vllm_config.cache_config.block_size),
-        "cache_dtype": f"{vllm_config.cache_config.cache_dtype}/{first.dtype}",
-        "segments": str(len(layout.segment_bases)),
-        "device_type": first.device.type,
-        "kv_cache_groups": str(len(groups)),
-        **groups.describe(),
-    }
-    # Named after the KV-cache groups' entries, so that a mismatch names a group first.
-    if head_bytes is not None:
-        fingerprint["page_of_one_head"] = "x".join(str(d) for d in first.shape[2:])
-        fingerprint["page_head_bytes"] = str(head_bytes)
-    else:
-        fingerprint["page_shape"] = "x".join(str(d) for d in first.shape[1:])
-        fingerprint["page_bytes"] = str(layout.block_len)
-        fingerprint["page_tp_size"] = str(parallel.tensor_parallel_size)
-    if first.device.type == "cpu":
-        # The CPU attention kernels lay out a block's interior per instruction set.
-        fingerprint["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    return fingerprint
 
 
 @dataclass
@@ -298,8 +142,10 @@ class DuplexWorker:
         layout = describe_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
         model, parallel = self._vllm_config.model_config, self._vllm_config.parallel_config
         self._total_kv_heads = model.get_total_num_kv_heads()
-        self._head_bytes = head_major_bytes(
-            kv_caches, layout, model.get_num_kv_heads(parallel), self._groups
+        # A hybrid model's pages hold other things than heads.
+        mixed = self._groups.hybrid or self._groups.has_state
+        self._head_bytes = (
+            None if mixed else head_major_bytes(kv_caches, layout, model.get_num_kv_heads(parallel))
         )
         fingerprint = compatibility_fingerprint(
             self._vllm_config, kv_caches, layout, self._groups, self._head_bytes
@@ -345,13 +191,14 @@ class DuplexWorker:
         self._num_segments = len(layout.segment_bases)
         logger.info(
             "DuplexConnector worker %s: %d segments x %d blocks of %d bytes, side channel "
-            "%s:%d",
+            "%s:%d, page layout %s",
             engine.engine_id,
             len(layout.segment_bases),
             layout.num_blocks,
             layout.block_len,
             engine.side_channel_host,
             engine.side_channel_port,
+            fingerprint["page_layout"],
         )
 
     def get_handshake_metadata(self) -> md.DuplexHandshakeMetadata | None:
@@ -376,6 +223,8 @@ class DuplexWorker:
             self._expect(turn)
         for hold in meta.holds:
             self._hold(hold)
+        if meta.end_holds:
+            self._end_holds()
         if meta.settled and self._engine is not None and self._tp_rank == 0:
             # After the holds: a reader is never told the turn's prompt gone before its hold.
             self._engine.settle_turns(meta.settled)
@@ -707,6 +556,21 @@ class DuplexWorker:
             return
         if hold.turn:
             self._stats.add("turns_offered")
+
+    def _end_holds(self) -> None:
+        """vLLM reset its caches, as it does for a weight update (`DuplexScheduler.reset_cache`):
+        the held KV was computed with other weights. TP rank 0 ends every hold at once, under
+        the hold book's lock: none is granted again; unclaimed ones are freed now, claimed ones
+        when their reads end."""
+        if self._engine is None or self._tp_rank != 0:
+            return
+        freed = self._engine.end_holds()
+        self._freed_holds.extend(freed)
+        logger.info(
+            "KV caches reset (new weights): every held block set ended, %d freed now, the "
+            "others once their readers are done",
+            len(freed),
+        )
 
     def _expect(self, turn: md.ExpectedTurn) -> None:
         """TP rank 0 answers lookups that extend a turn in flight with "ask again"

@@ -29,7 +29,7 @@ use crate::handshake::PeerTable;
 use crate::handshake::{EngineMetadata, MemoryType, SameHostIdentity};
 use crate::side_channel::PeerLink;
 use crate::ucx::{
-    check_not_this_process, packed, Endpoint, OpenError, Read, SameHostClaim, SameHostPeer,
+    check_not_this_process, packed, Endpoint, OpenError, PeerProcess, Read, SameHostPeer,
 };
 
 /// A ready connection to one peer engine.
@@ -236,66 +236,54 @@ impl Peer {
     }
 }
 
-/// The identity of a peer to read directly, if any: same-host reads on, the peer on this host
-/// (same boot id) and all its memory host memory.
-fn same_host_candidate<'a>(
+/// The identity to check with the kernel, if the peer claims a process of this host (same boot
+/// id) and of our pid namespace (where its pid names the same process).
+fn claim_on_this_host<'a>(
     our_boot_id: Option<&str>,
-    enabled: bool,
+    our_pid_namespace: Option<u64>,
     meta: &'a EngineMetadata,
 ) -> Option<&'a SameHostIdentity> {
     let theirs = meta.same_host.as_ref()?;
-    let on_this_host = our_boot_id == Some(theirs.boot_id.as_str());
-    (enabled && on_this_host && meta.regions.iter().all(|r| r.memory == MemoryType::Host))
-        .then_some(theirs)
+    let here = our_boot_id == Some(theirs.boot_id.as_str())
+        && our_pid_namespace == Some(theirs.pid_namespace);
+    here.then_some(theirs)
 }
 
-/// What the peer claims about its process on this connection, if it names one.
-fn same_host_claim<'a>(
-    meta: &EngineMetadata,
-    transcript: &'a [u8; 32],
-) -> Option<SameHostClaim<'a>> {
-    let theirs = meta.same_host.as_ref()?;
-    Some(SameHostClaim {
-        pid: theirs.pid,
-        probe_addr: theirs.probe_addr,
-        transcript,
-        digest: meta.digest(),
-        proof: theirs.proof,
-    })
+/// Whether a peer proven to be a process of this host is read directly: same-host reads on and
+/// all its memory host memory.
+fn reads_directly(enabled: bool, meta: &EngineMetadata) -> bool {
+    enabled && meta.regions.iter().all(|r| r.memory == MemoryType::Host)
 }
 
-/// Opens a peer that runs on this host for direct reads; `Ok(None)` (UCX reads it) when it is
-/// elsewhere, has memory other than host memory, or its process cannot be read. A peer whose
-/// process does not vouch for what it sent, or that names this process without one of its
-/// engines' proof, is refused.
-fn open_same_host(
+/// The process on the other end of `link`, if the peer names one of this host and the kernel
+/// confirms it (`Ok(None)`: none named, or it cannot be checked); an error when the kernel
+/// shows the claim false and same-host reads would have believed it.
+fn peer_process(
     shared: &Shared,
     meta: &EngineMetadata,
-    claim: Option<&SameHostClaim<'_>>,
-    regions: &Arc<[RegionBounds]>,
-) -> Result<Option<Arc<SameHostPeer>>, String> {
-    let Some(claim) = claim.filter(|_| {
-        same_host_candidate(shared.boot_id.as_deref(), shared.same_host_reads, meta).is_some()
-    }) else {
+    link: &PeerLink,
+) -> Result<Option<PeerProcess>, String> {
+    let Some(claim) = claim_on_this_host(shared.boot_id.as_deref(), shared.pid_namespace, meta)
+    else {
         return Ok(None);
     };
-    match SameHostPeer::open(claim, Arc::clone(regions)) {
-        Ok(peer) => {
-            log::info!(
-                "peer {} is process {} on this host: its blocks are read directly, not through UCX",
-                meta.engine_id,
-                peer.pid()
-            );
-            Ok(Some(Arc::new(peer)))
-        }
+    match PeerProcess::prove(link.socket(), claim.pid, claim.socket_fd) {
+        Ok(process) => Ok(Some(process)),
         Err(OpenError::Unreadable(e)) => {
             log::info!(
-                "peer {} claims to run on this host but is read through UCX: {e}",
-                meta.engine_id
+                "peer {} claims to be process {} on this host, which cannot be checked (it is read through UCX): {e}",
+                meta.engine_id,
+                claim.pid
             );
             Ok(None)
         }
-        Err(OpenError::Forged(e)) => Err(e),
+        // Without same-host reads a false claim only vouches for nothing (a relay between
+        // engines of this host may then be used).
+        Err(OpenError::Forged(e)) if shared.same_host_reads => Err(e),
+        Err(OpenError::Forged(e)) => {
+            log::warn!("peer {} makes a false claim, ignored: {e}", meta.engine_id);
+            Ok(None)
+        }
     }
 }
 
@@ -363,7 +351,7 @@ struct Handshaken {
 /// [`crate::ucx::packed`]), so that a malformed one is refused at the handshake, with the
 /// field named, rather than when the first read opens the endpoint.
 fn check_packed_for_ucx(meta: &EngineMetadata) -> Result<(), String> {
-    packed::check_worker_address(&meta.worker_address, packed::unified_mode())
+    packed::parse_worker_address(&meta.worker_address, packed::unified_mode())
         .map_err(|e| format!("a malformed worker_address: {e}"))?;
     for (index, region) in meta.regions.iter().enumerate() {
         packed::check_rkey(&region.rkey, region.memory)
@@ -405,19 +393,27 @@ fn handshake_with(
     let regions: Arc<[RegionBounds]> =
         meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
     layout.validate_within(&regions)?;
-    let transcript = *link.transcript();
-    let claim = same_host_claim(&meta, &transcript);
+    // Whether UCX could parse what it sent first (nothing here hands its bytes to UCX), then
+    // who the peer is, as the kernel says, and whether its worker address reaches this very
+    // process (unless the peer is this process).
+    check_packed_for_ucx(&meta).map_err(|e| {
+        EngineError::InvalidArgument(format!("peer {} at {key} sent {e}", meta.engine_id))
+    })?;
     let refused = |error: String| EngineError::ConnectFailed {
         address: key.to_owned(),
         error: format!("peer {:?} refused: {error}", meta.engine_id),
     };
-    // Who the peer claims to be first (nothing here hands its bytes to UCX), then whether UCX
-    // could parse what it sent.
-    check_not_this_process(&meta.worker_address, claim.as_ref()).map_err(refused)?;
-    let same_host = open_same_host(shared, &meta, claim.as_ref(), &regions).map_err(refused)?;
-    check_packed_for_ucx(&meta).map_err(|e| {
-        EngineError::InvalidArgument(format!("peer {} at {key} sent {e}", meta.engine_id))
-    })?;
+    let process = peer_process(shared, &meta, &link).map_err(refused)?;
+    let vouched = process.as_ref().is_some_and(PeerProcess::is_this_process);
+    check_not_this_process(&meta.worker_address, vouched).map_err(refused)?;
+    let same_host = process.filter(|_| reads_directly(shared.same_host_reads, &meta)).map(|p| {
+        log::info!(
+            "peer {} is process {} on this host: its blocks are read directly, not through UCX",
+            meta.engine_id,
+            p.pid()
+        );
+        Arc::new(SameHostPeer::new(p, Arc::clone(&regions)))
+    });
     Ok(Handshaken { link, meta, regions, same_host })
 }
 
@@ -442,13 +438,13 @@ mod tests {
     use crate::handshake::{Fingerprint, RegionInfo};
 
     #[test]
-    fn only_a_host_memory_peer_on_this_host_is_read_directly() {
+    fn only_a_claim_of_this_host_and_pid_namespace_is_checked_and_host_memory_read_directly() {
         let region = |memory| RegionInfo { addr: 0x1000, len: 4096, rkey: vec![1; 8], memory };
         let identity = SameHostIdentity {
             boot_id: "boot-a".to_owned(),
+            pid_namespace: 7,
             pid: 42,
-            probe_addr: 0x10,
-            proof: [3; 32],
+            socket_fd: 9,
         };
         let meta = EngineMetadata {
             engine_id: "d".to_owned(),
@@ -459,72 +455,19 @@ mod tests {
             fingerprint: Fingerprint::default(),
             same_host: Some(identity.clone()),
         };
-        assert_eq!(same_host_candidate(Some("boot-a"), true, &meta), Some(&identity));
-        assert_eq!(same_host_candidate(Some("boot-a"), false, &meta), None, "turned off");
-        assert_eq!(same_host_candidate(Some("boot-b"), true, &meta), None, "another host");
-        assert_eq!(same_host_candidate(None, true, &meta), None, "our boot id unknown");
+        assert_eq!(claim_on_this_host(Some("boot-a"), Some(7), &meta), Some(&identity));
+        assert_eq!(claim_on_this_host(Some("boot-b"), Some(7), &meta), None, "another host");
+        assert_eq!(claim_on_this_host(Some("boot-a"), Some(8), &meta), None, "another pid ns");
+        assert_eq!(claim_on_this_host(None, Some(7), &meta), None, "our boot id unknown");
+        assert_eq!(claim_on_this_host(Some("boot-a"), None, &meta), None, "our pid ns unknown");
+        let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
+        assert_eq!(claim_on_this_host(Some("boot-a"), Some(7), &elsewhere), None, "no claim");
+        assert!(reads_directly(true, &meta));
+        assert!(!reads_directly(false, &meta), "turned off");
         let cuda = EngineMetadata {
             regions: vec![region(MemoryType::Host), region(MemoryType::Cuda)],
             ..meta.clone()
         };
-        assert_eq!(
-            same_host_candidate(Some("boot-a"), true, &cuda),
-            None,
-            "device memory goes through UCX"
-        );
-        let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
-        assert_eq!(
-            same_host_candidate(Some("boot-a"), true, &elsewhere),
-            None,
-            "no identity published"
-        );
-        // The digest a process vouches for covers all it sends but the proof itself.
-        let moved = EngineMetadata {
-            regions: vec![RegionInfo { addr: 0x2000, ..region(MemoryType::Host) }],
-            ..meta.clone()
-        };
-        assert_ne!(meta.digest(), moved.digest());
-        assert_ne!(meta.digest(), EngineMetadata { generation: 2, ..meta.clone() }.digest());
-        assert_ne!(
-            meta.digest(),
-            EngineMetadata { worker_address: vec![2; 64], ..meta.clone() }.digest()
-        );
-        assert_ne!(
-            meta.digest(),
-            EngineMetadata {
-                regions: vec![RegionInfo { rkey: vec![2; 8], ..region(MemoryType::Host) }],
-                ..meta.clone()
-            }
-            .digest()
-        );
-        let layout = crate::descriptors::BlockLayout {
-            segment_bases: vec![0x1000],
-            block_stride: 64,
-            block_len: 64,
-            num_blocks: 64,
-        };
-        assert_ne!(
-            meta.digest(),
-            EngineMetadata { layout: Some(layout), ..meta.clone() }.digest(),
-            "the layout is covered"
-        );
-        let other_model =
-            Fingerprint([("model".to_owned(), "other".to_owned())].into_iter().collect());
-        assert_ne!(
-            meta.digest(),
-            EngineMetadata { fingerprint: other_model, ..meta.clone() }.digest(),
-            "the fingerprint is covered"
-        );
-        let moved_probe = SameHostIdentity { probe_addr: 0x20, ..identity.clone() };
-        assert_ne!(
-            meta.digest(),
-            EngineMetadata { same_host: Some(moved_probe), ..meta.clone() }.digest()
-        );
-        let reproven = SameHostIdentity { proof: [4; 32], ..identity.clone() };
-        assert_eq!(
-            meta.digest(),
-            EngineMetadata { same_host: Some(reproven), ..meta.clone() }.digest(),
-            "the proof is not"
-        );
+        assert!(!reads_directly(true, &cuda), "device memory goes through UCX");
     }
 }

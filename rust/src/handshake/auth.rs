@@ -164,19 +164,6 @@ fn keyed(
     Ok(mac)
 }
 
-/// What an engine's process proves to a reader on its host: HMAC-SHA256(its probe key,
-/// transcript || digest of the metadata it sends on this connection). The key never crosses
-/// the wire; the reader reads it out of the process the metadata names, so only that process
-/// (or one that can read its memory) can make the proof, and only for this connection.
-pub fn same_host_proof(probe_key: &[u8; 32], transcript: &Transcript, digest: &[u8; 32]) -> Proof {
-    let mut mac =
-        <Hmac<Sha256> as Mac>::new_from_slice(probe_key).expect("HMAC takes a key of any length");
-    mac.update(b"kvduplex same-host proof v1");
-    mac.update(transcript);
-    mac.update(digest);
-    mac.finalize().into_bytes().into()
-}
-
 fn hmac_with(key: &[u8]) -> Result<Hmac<Sha256>, HandshakeError> {
     <Hmac<Sha256> as Mac>::new_from_slice(key)
         .map_err(|e| HandshakeError::Config(format!("shared secret unusable as an HMAC key: {e}")))

@@ -24,7 +24,10 @@ use wire::{Frame, FrameKind};
 /// 4: proofs cover both hellos and the metadata frame is tagged; the same-host identity carries
 ///    a proof bound to the connection instead of a static probe value.
 /// 5: owners announce what their lookups can find (Held frames, owner to reader).
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: the same-host identity names the owner's pid namespace and its descriptor of the
+///    connection's socket, which the reader checks with the kernel, instead of a probe key's
+///    proof.
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Where a registered region lives; the reader needs it to pick a UCX memory type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,32 +96,21 @@ pub struct EngineMetadata {
 }
 
 /// An engine's process as a reader on the same host reads it without UCX: the host's boot id,
-/// the pid, where the process keeps its 32-byte probe key (never sent), and this connection's
-/// [`auth::same_host_proof`] made with that key.
+/// the pid namespace and pid, and the owner's descriptor of the socket of the connection the
+/// metadata is sent on (filled in per connection by the owner's side channel). The reader
+/// believes none of it until the kernel confirms it ([`crate::ucx::PeerProcess::prove`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SameHostIdentity {
     pub boot_id: String,
+    /// The inode of the owner's `/proc/self/ns/pid`: its pid means its process only to
+    /// readers of the same namespace.
+    pub pid_namespace: u64,
     pub pid: u32,
-    pub probe_addr: u64,
-    /// Made per connection by the owner's side channel; zero in the metadata it publishes.
-    pub proof: auth::Proof,
+    /// Zero in the metadata an engine publishes.
+    pub socket_fd: u32,
 }
 
 impl EngineMetadata {
-    /// What the engine's process vouches for to same-host readers: all of the metadata except
-    /// the proof itself (SHA-256 of its canonical encoding with the proof zeroed): id,
-    /// generation, worker address, regions and their rkeys, layout, compatibility fingerprint
-    /// and the identity's pid and probe address. A peer replaying another process's identity
-    /// can change none of them.
-    pub fn digest(&self) -> [u8; 32] {
-        use sha2::{Digest, Sha256};
-        let mut unproven = self.clone();
-        if let Some(identity) = &mut unproven.same_host {
-            identity.proof = [0; 32];
-        }
-        Sha256::digest(wire::metadata_body(&unproven)).into()
-    }
-
     /// Refuses metadata that UCX would read past: UCX takes a worker address and packed rkeys
     /// without their lengths, so an empty (or absurdly short) one is a malformed peer, not a
     /// call to make.

@@ -257,11 +257,6 @@ pub(super) fn encode_metadata(metadata: &EngineMetadata) -> Vec<u8> {
     with_header(FrameKind::Metadata, len, &body)
 }
 
-/// The metadata's canonical encoding (a metadata frame's body).
-pub(super) fn metadata_body(metadata: &EngineMetadata) -> Vec<u8> {
-    msgpack(metadata)
-}
-
 fn with_header(kind: FrameKind, len: u32, body: &[u8]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(FRAME_HEADER_LEN + body.len());
     bytes.extend_from_slice(&MAGIC);

@@ -222,6 +222,36 @@ fn under_pressure_unclaimed_prompts_and_turns_go_least_recently_used_first_and_o
 }
 
 #[test]
+fn after_a_weight_change_no_hold_taken_before_it_is_granted_and_each_is_freed_once() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1, 2]), ("read", &[3])], t0);
+    prompt_hold(&mut book, "prompt", &[7, 8], t0);
+    prompt_hold(&mut book, "claimed", &[9], t0);
+    let turn_claim = book.lookup("P", &[3], CLAIM, t0).unwrap();
+    let prompt_claim = book.grant("D", "claimed", &[9], CLAIM, t0).unwrap();
+    // The weights change: unclaimed holds are freed at once, whatever `num_blocks` says.
+    let mut freed = book.evict(0, Evict::Stale, t0);
+    freed.sort();
+    assert_eq!(freed, ["prompt", "turn"]);
+    // Nothing taken before is granted or found again, claimed or not.
+    for (id, fps) in
+        [("turn", &[1u64, 2][..]), ("prompt", &[7, 8]), ("claimed", &[9]), ("read", &[3])]
+    {
+        assert_eq!(book.grant("D2", id, fps, CLAIM, t0), Err(Refusal::Ended), "{id}");
+    }
+    assert!(book.lookup("P2", &[3], CLAIM, t0).is_none());
+    assert!(book.lookup("P2", &[1, 2], CLAIM, t0).is_none());
+    // The claimed ones stay allocated under their reads, and are freed once each as those end.
+    assert_eq!(book.held_blocks(), 2);
+    assert_eq!(book.release("D", "claimed", prompt_claim.claim_id, t0), Some("claimed".into()));
+    assert_eq!(book.release("P", "read", turn_claim.claim_id, t0), Some("read".into()));
+    assert!(book.is_empty() && book.evict(0, Evict::Stale, t0).is_empty());
+    // A hold taken after the change is granted as any.
+    book.hold("after", HoldKind::Turn, 1, vec![3], vec![], t0 + TTL, t0).unwrap();
+    assert_eq!(book.lookup("P", &[3], CLAIM, t0).unwrap().owner_request_id, "after");
+}
+
+#[test]
 fn holds_are_checked() {
     let t0 = Instant::now();
     let mut book = book_with(&[("a", &[1])], t0);

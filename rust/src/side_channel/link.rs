@@ -13,8 +13,6 @@ pub struct PeerLink {
     /// For shutting the socket down.
     socket: TcpStream,
     lookups: Arc<PendingLookups>,
-    /// Both hellos' hash, which the owner's same-host proof is bound to.
-    transcript: auth::Transcript,
 }
 
 /// What becomes of a lookup sent on a link: the owner's reply, or why none will come.
@@ -212,12 +210,13 @@ impl PeerLink {
             outbox.close("the link could not start");
             return Err(e.into());
         }
-        Ok((PeerLink { status, outbox, socket: stream, lookups, transcript }, metadata))
+        Ok((PeerLink { status, outbox, socket: stream, lookups }, metadata))
     }
 
-    /// The hash of this connection's hellos ([`wire::transcript`]).
-    pub fn transcript(&self) -> &auth::Transcript {
-        &self.transcript
+    /// The connection's socket, to ask the kernel who holds its other end (reading or writing
+    /// on it bypasses the link's framing: don't).
+    pub(crate) fn socket(&self) -> &TcpStream {
+        &self.socket
     }
 
     pub fn is_alive(&self) -> bool {

@@ -82,9 +82,6 @@ pub struct SideChannelConfig {
     pub heartbeat: Duration,
     /// Listen on a non-loopback address without a shared secret (trusted networks only).
     pub allow_unauthenticated: bool,
-    /// The probe key this process keeps at the metadata's `same_host.probe_addr`: with it,
-    /// each connection's metadata carries [`auth::same_host_proof`] for that connection.
-    pub same_host_key: Option<[u8; 32]>,
 }
 
 impl Default for SideChannelConfig {
@@ -95,7 +92,6 @@ impl Default for SideChannelConfig {
             secret: None,
             heartbeat: Duration::from_secs(1),
             allow_unauthenticated: false,
-            same_host_key: None,
         }
     }
 }
@@ -108,7 +104,6 @@ impl fmt::Debug for SideChannelConfig {
             .field("port", &self.port)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("heartbeat", &self.heartbeat)
-            .field("same_host_key", &self.same_host_key.map(|_| "<redacted>"))
             .finish()
     }
 }

@@ -1,13 +1,14 @@
 //! The owner's side of the side channel: accepting readers, the handshake, notifications and
 //! lookups.
 
+use std::os::fd::AsRawFd;
+
 use super::announce::Announcer;
 use super::*;
 
 /// What the server's threads share.
 pub(super) struct ServerState {
     pub(super) secret: Option<Vec<u8>>,
-    pub(super) same_host_key: Option<[u8; 32]>,
     pub(super) heartbeat: Duration,
     pub(super) metadata: Mutex<Arc<EngineMetadata>>,
     pub(super) notifications: Mutex<NotificationQueue>,
@@ -74,7 +75,6 @@ impl SideChannelServer {
         let local_addr = listener.local_addr().map_err(bind_error)?;
         let state = Arc::new(ServerState {
             secret: config.secret,
-            same_host_key: config.same_host_key,
             heartbeat: config.heartbeat,
             metadata: Mutex::new(Arc::new(metadata)),
             notifications: Mutex::new(NotificationQueue::default()),
@@ -377,7 +377,7 @@ pub(super) fn read_client_hello(
 
 /// The server's part of the handshake after the client's hello: hello, proofs over both
 /// hellos, then the compatibility check and the metadata, the first tagged frame (with a
-/// secret) and with this connection's same-host proof.
+/// secret) and naming this connection's socket in its same-host identity.
 pub(super) fn answer_client(
     state: &ServerState,
     reader: &mut FrameReader,
@@ -408,11 +408,10 @@ pub(super) fn answer_client(
     }
     let mut metadata = EngineMetadata::clone(&lock(&state.metadata));
     metadata.fingerprint.check_compatible(&hello.fingerprint)?;
-    if let Some(key) = &state.same_host_key {
-        let digest = metadata.digest();
-        if let Some(identity) = &mut metadata.same_host {
-            identity.proof = auth::same_host_proof(key, &transcript, &digest);
-        }
+    if let Some(identity) = &mut metadata.same_host {
+        // Which descriptor of this process is this connection's socket: what a reader on this
+        // host checks with the kernel.
+        identity.socket_fd = reader.stream.as_raw_fd() as u32;
     }
     writer.send_bytes(wire::encode_metadata_frame(&metadata)?)?;
     Ok(Client {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::sys::{self, Api, StatusPtr};
-use super::{call_error, packed, MemRegion, UcxError, Worker};
+use super::{call_error, packed, MemRegion, UcxError, Worker, WorkerLock};
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
 
@@ -33,7 +33,7 @@ impl Worker {
         peer_error_handling: bool,
     ) -> Result<Endpoint, UcxError> {
         // UCX parses both without a length: only bytes it reads within their end reach it.
-        packed::check_worker_address(peer_address, packed::unified_mode())
+        packed::parse_worker_address(peer_address, packed::unified_mode())
             .map_err(|status| UcxError::Call { call: "ucp_ep_create", status })?;
         if rkeys.len() != regions.len() {
             return Err(UcxError::Call {
@@ -78,6 +78,19 @@ impl Worker {
             peer_error_handling,
             fault,
         };
+        // A lane over UCX's self transport reaches only the worker it belongs to: whatever
+        // the address said, it resolved to this worker (see `check_not_this_process`).
+        match endpoint.transports(&_g) {
+            Ok(lanes) if !lanes.iter().any(|t| t == "self") => {}
+            outcome => {
+                drop(_g);
+                drop(endpoint);
+                return Err(outcome.err().unwrap_or_else(|| UcxError::Call {
+                    call: "ucp_ep_create",
+                    status: "the peer's worker address resolves to this very worker".to_owned(),
+                }));
+            }
+        }
         for (packed, _) in rkeys {
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key bytes are alive for the call.
@@ -92,6 +105,35 @@ impl Worker {
             endpoint.rkeys.push(rkey);
         }
         Ok(endpoint)
+    }
+}
+
+impl Endpoint {
+    /// The transport of each of the endpoint's lanes, as UCX resolved the peer's address.
+    fn transports(&self, _locked: &WorkerLock<'_>) -> Result<Vec<String>, UcxError> {
+        let empty =
+            sys::ucp_transport_entry_t { transport_name: ptr::null(), device_name: ptr::null() };
+        let mut entries = [empty; sys::UCP_MAX_LANES];
+        // SAFETY: all-zero is valid for every field (null pointers, zero counts).
+        let mut attr: sys::ucp_ep_attr_t = unsafe { std::mem::zeroed() };
+        attr.field_mask = sys::UCP_EP_ATTR_FIELD_TRANSPORTS;
+        attr.transports_entries = entries.as_mut_ptr();
+        attr.transports_num_entries = entries.len() as std::ffi::c_uint;
+        attr.transports_entry_size = std::mem::size_of::<sys::ucp_transport_entry_t>();
+        // SAFETY: ep is live and the worker lock is held; UCX fills at most `num_entries`
+        // entries of `entry_size` bytes, all in `entries`, with strings it owns.
+        let status = unsafe { (self.worker.api.ucp_ep_query)(self.ep, &mut attr) };
+        self.worker.check("ucp_ep_query", status)?;
+        let lanes = (attr.transports_num_entries as usize).min(entries.len());
+        let name = |entry: &sys::ucp_transport_entry_t| match entry.transport_name.is_null() {
+            true => String::new(),
+            // SAFETY: a non-null name UCX set is a NUL-terminated string it keeps while the
+            // endpoint lives.
+            false => unsafe { std::ffi::CStr::from_ptr(entry.transport_name) }
+                .to_string_lossy()
+                .into_owned(),
+        };
+        Ok(entries[..lanes].iter().map(name).collect())
     }
 }
 
@@ -531,11 +573,13 @@ mod tests {
                 RegionMemory::new(dest.as_mut_ptr() as u64, 4096),
             )
         };
-        let from = worker.register(from).unwrap();
+        // Another worker of this process owns the source: an endpoint never reaches its own.
+        let owner = Worker::new("batch-holds-regions-owner", None).expect("UCX loads");
+        let from = owner.register(from).unwrap();
         let into = Arc::new(worker.register(into).unwrap());
         let bounds = RegionBounds { addr: from.addr, len: from.len };
         let endpoint = worker
-            .connect(worker.address(), Arc::from([bounds]), &[(&from.rkey, from.memory)], false)
+            .connect(owner.address(), Arc::from([bounds]), &[(&from.rkey, from.memory)], false)
             .unwrap();
         let batch = BatchState::new(&worker);
         let read = Read {

@@ -1,7 +1,9 @@
 //! Safe wrappers over UCP: one context + worker per engine, registered memory, endpoints with
 //! their unpacked remote keys, and batches of one-sided reads, each read completed on its own.
 //!
-//! Same-host peers are read without UCX, a batch per system call ([`same_host`]).
+//! Same-host peers are read without UCX, a batch per system call ([`same_host`]), once the
+//! kernel shows which process they are ([`peer_process`]); a worker address that reaches this
+//! very process is refused ([`this_process`]).
 //!
 //! All `unsafe` in the crate lives in this module. Every UCP call on a worker (and on its
 //! context) is made while holding [`Worker::lock`]: the worker is created in UCX's
@@ -17,8 +19,10 @@
 
 mod endpoint;
 pub mod packed;
+mod peer_process;
 mod same_host;
 mod sys;
+mod this_process;
 
 use std::ffi::{c_int, c_void, CString};
 use std::path::Path;
@@ -31,11 +35,10 @@ use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
 use endpoint::check_bounds;
 pub use endpoint::{BatchState, Endpoint, Read};
-pub use same_host::{
-    boot_id, check_not_this_process, ucx_tls_allows_cma, OpenError, Probe, SameHostClaim,
-    SameHostCopy, SameHostPeer,
-};
+pub use peer_process::{pid_namespace, OpenError, PeerProcess};
+pub use same_host::{boot_id, ucx_tls_allows_cma, SameHostCopy, SameHostPeer};
 use sys::Api;
+pub use this_process::check_not_this_process;
 
 #[derive(Debug, thiserror::Error)]
 pub enum UcxError {
@@ -72,6 +75,8 @@ pub struct Worker {
     event_fd: Option<c_int>,
     /// Threads inside a [`Foreground`] section, driving progress themselves.
     foreground: AtomicUsize,
+    /// Counts the worker as one of this process's while it lives.
+    _registered: this_process::Registered,
 }
 
 // SAFETY: the raw handles are only used while `lock` is held (or in Drop, which has exclusive
@@ -159,9 +164,10 @@ impl Worker {
             lock: Mutex::new(()),
             retired: Mutex::new(Vec::new()),
             has_retired: AtomicBool::new(false),
-            address,
             event_fd,
             foreground: AtomicUsize::new(0),
+            _registered: this_process::Registered::new(&address),
+            address,
         }))
     }
 

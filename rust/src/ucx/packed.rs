@@ -107,10 +107,43 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Checks a peer's packed worker address as `ucp_ep_create` unpacks it. `unified` is this
-/// worker's `UCX_UNIFIED_MODE`: there the lengths of a peer's transport addresses are taken
-/// from our own interfaces, not from the bytes, so only the header can be checked.
-pub fn check_worker_address(bytes: &[u8], unified: bool) -> Result<(), String> {
+/// One transport interface of a packed worker address, as `ucp_ep_create` unpacks it: UCX
+/// matches it to a transport of its own by `transport` and reaches it at `device` and
+/// `address` (or, for transports connected endpoint to endpoint, at one of `endpoints`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Interface<'a> {
+    /// `ucs_crc16_string` of the transport's name ([`transport_checksum`]).
+    pub transport: u16,
+    pub device: &'a [u8],
+    pub address: &'a [u8],
+    pub endpoints: Vec<&'a [u8]>,
+}
+
+/// A packed worker address, walked as `ucp_ep_create` unpacks it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerAddress<'a> {
+    /// Its interfaces; `None` in unified mode (see [`parse_worker_address`]).
+    pub interfaces: Option<Vec<Interface<'a>>>,
+}
+
+/// How UCX names a transport in a packed address: `ucs_crc16_string` (CRC-16-CCITT, reflected,
+/// initial value and final complement all ones) of its name.
+pub fn transport_checksum(name: &str) -> u16 {
+    let mut crc = u16::MAX;
+    for &byte in name.as_bytes() {
+        crc ^= u16::from(byte);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ if crc & 1 != 0 { 0x8408 } else { 0 };
+        }
+    }
+    !crc
+}
+
+/// Parses a peer's packed worker address as `ucp_ep_create` unpacks it, refusing any that UCX
+/// would read past its end. `unified` is this worker's `UCX_UNIFIED_MODE`: there the lengths
+/// of a peer's transport addresses are taken from our own interfaces, not from the bytes, so
+/// only the header can be checked and no interface is returned.
+pub fn parse_worker_address(bytes: &[u8], unified: bool) -> Result<WorkerAddress<'_>, String> {
     let mut c = Cursor::new(bytes, "worker address");
     let header = c.byte("header")?;
     let v2 = match header & HEADER_VERSION_MASK {
@@ -124,7 +157,7 @@ pub fn check_worker_address(bytes: &[u8], unified: bool) -> Result<(), String> {
     };
     let flags = if v2 { c.byte("header flags")? } else { header >> HEADER_SHIFT };
     if unified {
-        return Ok(());
+        return Ok(WorkerAddress { interfaces: None });
     }
     // ucp_ep_create unpacks with the worker uuid and name flags; v1 always carries the uuid.
     if !v2 || flags & HEADER_FLAG_WORKER_UUID != 0 {
@@ -137,12 +170,13 @@ pub fn check_worker_address(bytes: &[u8], unified: bool) -> Result<(), String> {
         let len = c.byte("worker name length")?;
         c.take(len.into(), "worker name")?;
     }
+    let mut interfaces = Vec::new();
     if c.peek("device list")? == NULL_RESOURCE {
         c.byte("device list")?;
-        return c.finish();
+        c.finish()?;
+        return Ok(WorkerAddress { interfaces: Some(interfaces) });
     }
     let attr_len = if v2 { IFACE_ATTR_V2_LEN } else { IFACE_ATTR_V1_LEN };
-    let mut interfaces = 0usize;
     loop {
         let empty = c.peek("device")? & FLAG_MD_EMPTY_DEV != 0;
         c.extended(MD_MASK, v2, "memory domain index")?;
@@ -154,35 +188,36 @@ pub fn check_worker_address(bytes: &[u8], unified: bool) -> Result<(), String> {
         if device_flags & FLAG_SYS_DEVICE != 0 {
             c.byte("system device")?;
         }
-        c.take(device_len.into(), "device address")?;
+        let device = c.take(device_len.into(), "device address")?;
         let mut last_interface = empty;
         while !last_interface {
-            interfaces += 1;
-            if interfaces > MAX_RESOURCES {
+            if interfaces.len() == MAX_RESOURCES {
                 return Err(format!(
                     "the worker address lists over {MAX_RESOURCES} transport interfaces"
                 ));
             }
-            c.take(2, "transport name checksum")?;
+            let checksum = c.take(2, "transport name checksum")?;
+            let transport = u16::from_le_bytes([checksum[0], checksum[1]]);
             c.take(attr_len, "interface attributes")?;
             let interface_flags = c.peek("interface address length")?;
             last_interface = interface_flags & FLAG_LAST != 0;
             let interface_len = c.extended(IFACE_LEN_MASK, v2, "interface address length")?;
-            c.take(interface_len.into(), "interface address")?;
+            let address = c.take(interface_len.into(), "interface address")?;
+            let mut endpoints = Vec::new();
             let mut last_endpoint = interface_flags & FLAG_HAS_EP_ADDR == 0;
-            let mut endpoints = 0usize;
             while !last_endpoint {
-                endpoints += 1;
-                if endpoints > MAX_LANES {
+                if endpoints.len() == MAX_LANES {
                     return Err(format!("the worker address lists over {MAX_LANES} endpoint addresses for one interface"));
                 }
                 let endpoint_len = c.byte("endpoint address length")?;
-                c.take(endpoint_len.into(), "endpoint address")?;
+                endpoints.push(c.take(endpoint_len.into(), "endpoint address")?);
                 last_endpoint = c.byte("lane index")? & FLAG_LAST != 0;
             }
+            interfaces.push(Interface { transport, device, address, endpoints });
         }
         if device_flags & FLAG_LAST != 0 {
-            return c.finish();
+            c.finish()?;
+            return Ok(WorkerAddress { interfaces: Some(interfaces) });
         }
     }
 }
@@ -245,15 +280,15 @@ mod tests {
     #[test]
     fn a_well_formed_address_passes_and_every_cut_or_extension_of_it_fails() {
         let a = address();
-        assert_eq!(check_worker_address(&a, false), Ok(()));
+        assert_eq!(parse_worker_address(&a, false).map(|_| ()), Ok(()));
         for cut in 0..a.len() {
-            assert!(check_worker_address(&a[..cut], false).is_err(), "cut at {cut}");
+            assert!(parse_worker_address(&a[..cut], false).is_err(), "cut at {cut}");
         }
         let mut longer = a.clone();
         longer.push(0);
-        assert!(check_worker_address(&longer, false).unwrap_err().contains("after its end"));
-        assert!(check_worker_address(&[0xff; 512], false).unwrap_err().contains("version 15"));
-        assert!(check_worker_address(&[0xff; 512], true).unwrap_err().contains("version 15"));
+        assert!(parse_worker_address(&longer, false).unwrap_err().contains("after its end"));
+        assert!(parse_worker_address(&[0xff; 512], false).unwrap_err().contains("version 15"));
+        assert!(parse_worker_address(&[0xff; 512], true).unwrap_err().contains("version 15"));
     }
 
     #[test]

@@ -3,25 +3,18 @@
 //! small blocks the per-call cost (finding the process, the ptrace access check) is most of
 //! the time, so this is what makes such batches faster than UCX itself.
 //!
-//! Host memory only, and only for a peer whose process vouches for what the peer sent on this
-//! very connection: each engine keeps a [`Probe`] key (32 random bytes that never leave the
-//! process) at a fixed address, and its side channel sends, with each connection's metadata,
-//! an HMAC under that key of the connection's hellos and the metadata's digest
-//! ([`crate::handshake::auth::same_host_proof`]). A reader reads the key out of the process the
-//! metadata names and checks the proof before reading anything else from it. A peer can
-//! therefore only point a reader at regions that process itself published, on this
-//! connection. The reader's own process is never opened this way: a process can always read
-//! itself, whatever its memory holds at the named address, so this process counts only
-//! through the probes of its own live engines ([`Probe`]'s registry). The reader keeps a pidfd
-//! to the process and reports a read good only if the process was still alive after it, so a
-//! pid reused by another process after the owner exited can never go unnoticed.
+//! Host memory only, and only a process the kernel shows to be the peer on the other end of
+//! the side channel the peer's metadata came on ([`PeerProcess::prove`]): a peer can therefore
+//! only point a reader at regions of its own process. The reader keeps a pidfd to the process
+//! and reports a read good only if the process was still alive after it, so a pid reused by
+//! another process after the owner exited can never go unnoticed.
 
 use std::ffi::c_void;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::descriptors::RegionBounds;
 
+use super::peer_process::PeerProcess;
 use super::{check_bounds, BatchState, Read};
 
 /// Most ranges one `process_vm_readv` call takes on each side (Linux's `UIO_MAXIOV`).
@@ -31,100 +24,6 @@ const MAX_RANGES_PER_CALL: usize = 1024;
 /// under 2 GiB, past which it silently stops short), and small enough that a batch failed
 /// meanwhile (deadline, dead peer) stops within a few tens of milliseconds.
 const MAX_BYTES_PER_CALL: usize = 64 << 20;
-
-const KEY_LEN: usize = 32;
-
-/// An engine of this process, as the registry of live probes knows it.
-struct LocalEngine {
-    probe_addr: u64,
-    key: [u8; KEY_LEN],
-    worker_address: Vec<u8>,
-}
-
-/// Every live [`Probe`] of this process: how a reader tells an engine of its own process (which
-/// may be read) from a peer naming this process (which may not).
-static LOCAL_ENGINES: Mutex<Vec<LocalEngine>> = Mutex::new(Vec::new());
-
-fn local_engines() -> std::sync::MutexGuard<'static, Vec<LocalEngine>> {
-    LOCAL_ENGINES.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// What an engine keeps at a fixed address for same-host readers: a random key that never
-/// leaves this process (its side channel proves each connection with it). Registered, with the
-/// engine's UCX worker address, as an engine of this process until dropped.
-pub struct Probe {
-    key: Box<[u8; KEY_LEN]>,
-}
-
-impl Probe {
-    pub fn new(worker_address: &[u8]) -> Result<Probe, String> {
-        let mut key = Box::new([0u8; KEY_LEN]);
-        getrandom::fill(&mut key[..])
-            .map_err(|e| format!("no random bytes for the same-host probe: {e}"))?;
-        let probe = Probe { key };
-        local_engines().push(LocalEngine {
-            probe_addr: probe.addr(),
-            key: *probe.key,
-            worker_address: worker_address.to_vec(),
-        });
-        Ok(probe)
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.key.as_ptr() as u64
-    }
-
-    pub fn key(&self) -> [u8; KEY_LEN] {
-        *self.key
-    }
-}
-
-impl Drop for Probe {
-    fn drop(&mut self) {
-        let addr = self.addr();
-        local_engines().retain(|e| e.probe_addr != addr);
-    }
-}
-
-/// What a same-host peer claims on one connection: the process, where its probe key is, and
-/// the proof it sent for `digest` on the connection whose hellos hash to `transcript`.
-pub struct SameHostClaim<'a> {
-    pub pid: u32,
-    pub probe_addr: u64,
-    pub transcript: &'a [u8; 32],
-    pub digest: [u8; 32],
-    pub proof: [u8; 32],
-}
-
-impl SameHostClaim<'_> {
-    /// Whether `key` makes this claim's proof (in constant time).
-    fn proven_by(&self, key: &[u8; KEY_LEN]) -> bool {
-        let expected = crate::handshake::auth::same_host_proof(key, self.transcript, &self.digest);
-        expected.iter().zip(&self.proof).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-    }
-}
-
-/// Refuses metadata that hands us the UCX worker address of an engine of this process (ours,
-/// or a sibling's) unless that engine vouched for it on this connection (`claim`): UCX's cma
-/// and tcp transports read any address of the process a worker address names, so such
-/// metadata would make us copy our own memory. Addresses of other processes pass.
-pub fn check_not_this_process(
-    worker_address: &[u8],
-    claim: Option<&SameHostClaim<'_>>,
-) -> Result<(), String> {
-    let engines = local_engines();
-    let Some(engine) = engines.iter().find(|e| e.worker_address == worker_address) else {
-        return Ok(());
-    };
-    let vouched = claim.is_some_and(|c| {
-        c.pid == std::process::id() && c.probe_addr == engine.probe_addr && c.proven_by(&engine.key)
-    });
-    if vouched {
-        Ok(())
-    } else {
-        Err("it hands us the UCX worker address of an engine of this very process without that engine's proof".to_owned())
-    }
-}
 
 /// This host's identity for this boot (`/proc/sys/kernel/random/boot_id`): two engines can read
 /// each other's memory directly only when theirs are equal. `None` where it cannot be read.
@@ -149,29 +48,9 @@ pub fn ucx_tls_allows_cma(ucx_tls: Option<&str>) -> bool {
     names_cma != excluding
 }
 
-/// Why a same-host peer is not read directly.
-#[derive(Debug, PartialEq, Eq)]
-pub enum OpenError {
-    /// The claim is false: a peer that makes one is lying about who it is.
-    Forged(String),
-    /// The process cannot be opened or read (gone, or the kernel does not let us): UCX may
-    /// still read the peer.
-    Unreadable(String),
-}
-
-impl std::fmt::Display for OpenError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Forged(why) | Self::Unreadable(why) => f.write_str(why),
-        }
-    }
-}
-
 /// A process on this host whose memory is read directly.
 pub struct SameHostPeer {
-    pid: libc::pid_t,
-    /// Readable once the process has exited.
-    pidfd: OwnedFd,
+    process: PeerProcess,
     /// The peer's registered regions (its `Peer`'s, shared), by the index the handshake gave
     /// them.
     remote: Arc<[RegionBounds]>,
@@ -186,58 +65,14 @@ struct Range {
 }
 
 impl SameHostPeer {
-    /// Opens the claim's process and checks the claim's proof with the key it keeps at the
-    /// claim's probe address: the process vouches for the metadata that named it on this
-    /// connection, whose regions are `remote`. This process itself is refused unless the
-    /// probe address is one of its live engines' probes.
-    pub fn open(
-        claim: &SameHostClaim<'_>,
-        remote: Arc<[RegionBounds]>,
-    ) -> Result<SameHostPeer, OpenError> {
-        let pid = libc::pid_t::try_from(claim.pid)
-            .map_err(|_| OpenError::Forged(format!("pid {} is out of range", claim.pid)))?;
-        let ours = claim.pid == std::process::id();
-        if ours && !local_engines().iter().any(|e| e.probe_addr == claim.probe_addr) {
-            return Err(OpenError::Forged(format!("it names this very process ({pid}) but no engine of this process keeps its probe at {:#x}", claim.probe_addr)));
-        }
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(OpenError::Unreadable(format!(
-                "pidfd_open({pid}): {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        // SAFETY: fd is a descriptor pidfd_open just returned, owned by nobody else.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        let peer = SameHostPeer { pid, pidfd, remote };
-        let key = if ours {
-            // Read under the registry's lock, so the engine cannot drop its probe meanwhile.
-            let engines = local_engines();
-            engines.iter().find(|e| e.probe_addr == claim.probe_addr).map(|e| e.key).ok_or_else(
-                || {
-                    OpenError::Unreadable(format!(
-                        "the engine of this process at {:#x} closed",
-                        claim.probe_addr
-                    ))
-                },
-            )?
-        } else {
-            let mut key = [0u8; KEY_LEN];
-            let range =
-                Range { local: key.as_mut_ptr() as u64, remote: claim.probe_addr, len: KEY_LEN };
-            // SAFETY: the only local range is `key`, a buffer of this frame, KEY_LEN bytes long.
-            unsafe { peer.read_ranges(&[range]) }.map_err(OpenError::Unreadable)?;
-            key
-        };
-        if !claim.proven_by(&key) {
-            return Err(OpenError::Forged(format!("process {pid} did not vouch for what the peer sent on this connection (another process, or a replayed identity)")));
-        }
-        Ok(peer)
+    /// Reads `process`, whose registered regions (as its metadata on the connection that
+    /// proved it gave them) are `remote`.
+    pub fn new(process: PeerProcess, remote: Arc<[RegionBounds]>) -> SameHostPeer {
+        SameHostPeer { process, remote }
     }
 
     pub fn pid(&self) -> u32 {
-        self.pid as u32
+        self.process.pid()
     }
 
     /// Checks every read to lie inside its local region and inside the peer region it names,
@@ -325,7 +160,7 @@ impl SameHostPeer {
         // ranges.len() <= UIO_MAXIOV iovecs, and the total is below MAX_RW_COUNT.
         let n = unsafe {
             libc::process_vm_readv(
-                self.pid,
+                self.process.raw_pid(),
                 local.as_ptr(),
                 local.len() as libc::c_ulong,
                 remote.as_ptr(),
@@ -336,34 +171,17 @@ impl SameHostPeer {
         if n < 0 {
             return Err(format!(
                 "process_vm_readv from process {}: {}",
-                self.pid,
+                self.pid(),
                 std::io::Error::last_os_error()
             ));
         }
         if n as usize != expected {
-            return Err(format!("process_vm_readv from process {} read {n} of {expected} bytes (a remote range is not mapped)", self.pid));
+            return Err(format!("process_vm_readv from process {} read {n} of {expected} bytes (a remote range is not mapped)", self.pid()));
         }
-        if self.exited() {
-            return Err(format!("process {} exited during the read", self.pid));
+        if self.process.exited() {
+            return Err(format!("process {} exited during the read", self.pid()));
         }
         Ok(())
-    }
-
-    /// Whether the process has exited (its pid may then name another process).
-    fn exited(&self) -> bool {
-        loop {
-            let mut fds =
-                libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd, zero timeout.
-            let ready = unsafe { libc::poll(&mut fds, 1, 0) };
-            if ready < 0
-                && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
-            {
-                continue;
-            }
-            // Readable: exited. An error on a pidfd we own: treat as exited, never read on.
-            return ready != 0;
-        }
     }
 }
 
@@ -432,107 +250,15 @@ mod tests {
         }
     }
 
-    use crate::handshake::auth::same_host_proof;
-
-    fn claim<'a>(
-        pid: u32,
-        probe_addr: u64,
-        transcript: &'a [u8; 32],
-        digest: [u8; 32],
-        proof: [u8; 32],
-    ) -> SameHostClaim<'a> {
-        SameHostClaim { pid, probe_addr, transcript, digest, proof }
-    }
-
-    #[test]
-    fn the_proof_binds_the_process_the_connection_and_what_it_sent() {
-        let probe = Probe::new(b"worker").unwrap();
-        let (transcript, digest) = ([5u8; 32], [7u8; 32]);
-        let proof = same_host_proof(&probe.key(), &transcript, &digest);
-        let pid = std::process::id();
-        assert!(SameHostPeer::open(
-            &claim(pid, probe.addr(), &transcript, digest, proof),
-            Arc::from([])
-        )
-        .is_ok());
-        // Another connection (a replayed proof), or other metadata (a replayed identity).
-        let err =
-            SameHostPeer::open(&claim(pid, probe.addr(), &[6u8; 32], digest, proof), Arc::from([]))
-                .err()
-                .unwrap()
-                .to_string();
-        assert!(err.contains("did not vouch"), "{err}");
-        let err = SameHostPeer::open(
-            &claim(pid, probe.addr(), &transcript, [8u8; 32], proof),
-            Arc::from([]),
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(err.contains("did not vouch"), "{err}");
-        // This process, but no engine's probe there: bytes a peer chose, at an address it
-        // chose, prove nothing.
-        let planted = [9u8; 32];
-        let forged = same_host_proof(&planted, &transcript, &digest);
-        let err = SameHostPeer::open(
-            &claim(pid, planted.as_ptr() as u64, &transcript, digest, forged),
-            Arc::from([]),
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(err.contains("this very process"), "{err}");
-        let err = SameHostPeer::open(
-            &claim(u32::MAX, probe.addr(), &transcript, digest, proof),
-            Arc::from([]),
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(err.contains("out of range") || err.contains("pidfd_open"), "{err}");
-        drop(probe);
-        let err = SameHostPeer::open(
-            &claim(pid, planted.as_ptr() as u64, &transcript, digest, proof),
-            Arc::from([]),
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(
-            err.contains("this very process"),
-            "a closed engine's probe no longer counts: {err}"
-        );
-    }
-
-    #[test]
-    fn a_worker_address_of_this_process_passes_only_with_its_engines_proof() {
-        let probe = Probe::new(b"this process's worker").unwrap();
-        let (transcript, digest) = ([1u8; 32], [2u8; 32]);
-        let proof = same_host_proof(&probe.key(), &transcript, &digest);
-        let pid = std::process::id();
-        assert!(check_not_this_process(b"another process's worker", None).is_ok());
-        assert!(check_not_this_process(b"this process's worker", None).is_err());
-        assert!(check_not_this_process(
-            b"this process's worker",
-            Some(&claim(pid, probe.addr(), &transcript, digest, [0; 32]))
-        )
-        .is_err());
-        assert!(check_not_this_process(
-            b"this process's worker",
-            Some(&claim(pid, probe.addr(), &transcript, digest, proof))
-        )
-        .is_ok());
-    }
-
+    /// This process, proven as the holder of the other end of a loopback connection.
     fn own_process() -> SameHostPeer {
-        let probe = Probe::new(b"own").unwrap();
-        let (transcript, digest) = ([0u8; 32], [0u8; 32]);
-        let proof = same_host_proof(&probe.key(), &transcript, &digest);
-        SameHostPeer::open(
-            &claim(std::process::id(), probe.addr(), &transcript, digest, proof),
-            Arc::from([]),
-        )
-        .unwrap()
+        use std::os::fd::AsRawFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let fd = accepted.as_raw_fd() as u32;
+        let process = PeerProcess::prove(&client, std::process::id(), fd).unwrap();
+        SameHostPeer::new(process, Arc::from([]))
     }
 
     #[test]
@@ -633,23 +359,15 @@ mod tests {
     #[test]
     fn a_process_that_exits_is_noticed_and_no_longer_read() {
         let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-        let pid = child.id() as libc::pid_t;
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        assert!(fd >= 0);
-        // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
-        let peer = SameHostPeer {
-            pid,
-            pidfd: unsafe { OwnedFd::from_raw_fd(fd as i32) },
-            remote: Arc::from([]),
-        };
-        assert!(!peer.exited());
+        let process = PeerProcess::open(child.id() as libc::pid_t).unwrap();
+        let peer = SameHostPeer::new(process, Arc::from([]));
+        assert!(!peer.process.exited());
         child.kill().unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while !peer.exited() && std::time::Instant::now() < deadline {
+        while !peer.process.exited() && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        assert!(peer.exited(), "an exited (not yet reaped) process is noticed");
+        assert!(peer.process.exited(), "an exited (not yet reaped) process is noticed");
         child.wait().unwrap();
         let mut buf = [0u8; 8];
         let range = Range { local: buf.as_mut_ptr() as u64, remote: 0x1000, len: buf.len() };

@@ -58,6 +58,9 @@ pub const UCP_OP_ATTR_FIELD_USER_DATA: u32 = 1 << 2;
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMH: u32 = 1 << 8;
 pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1;
+pub const UCP_EP_ATTR_FIELD_TRANSPORTS: u64 = bit(3);
+/// `UCP_MAX_LANES`: no endpoint has more lanes.
+pub const UCP_MAX_LANES: usize = 64;
 pub const UCS_MEMORY_TYPE_HOST: u32 = 0;
 pub const UCS_MEMORY_TYPE_CUDA: u32 = 1;
 pub const UCS_MEMORY_TYPE_CUDA_MANAGED: u32 = 2;
@@ -112,6 +115,28 @@ pub struct ucp_mem_attr_t {
     pub address: *mut c_void,
     pub length: usize,
     pub mem_type: u32,
+}
+
+/// `ucp_transport_entry_t`: the transport and device of one lane, strings UCX owns.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ucp_transport_entry_t {
+    pub transport_name: *const c_char,
+    pub device_name: *const c_char,
+}
+
+/// `ucp_ep_attr_t`, complete (UCX writes only the fields named in `field_mask`; the array of
+/// `transports` is ours, `num_entries` long on the way in, and the lane count on the way out).
+#[repr(C)]
+pub struct ucp_ep_attr_t {
+    pub field_mask: u64,
+    pub name: [c_char; 32],
+    pub local_sockaddr: [u64; 16],
+    pub remote_sockaddr: [u64; 16],
+    pub transports_entries: *mut ucp_transport_entry_t,
+    pub transports_num_entries: c_uint,
+    pub transports_entry_size: usize,
+    pub user_data: *mut c_void,
 }
 
 /// `ucp_request_param_t`, complete: UCX reads it field by field according to `op_attr_mask`.
@@ -192,6 +217,7 @@ ucp_api! {
     ucp_worker_signal: fn(ucp_worker_h) -> ucs_status_t;
     ucp_ep_create: fn(ucp_worker_h, *const ucp_ep_params_t, *mut ucp_ep_h) -> ucs_status_t;
     ucp_ep_close_nbx: fn(ucp_ep_h, *const ucp_request_param_t) -> ucs_status_ptr_t;
+    ucp_ep_query: fn(ucp_ep_h, *mut ucp_ep_attr_t) -> ucs_status_t;
     ucp_mem_map: fn(ucp_context_h, *const ucp_mem_map_params_t, *mut ucp_mem_h) -> ucs_status_t;
     ucp_mem_unmap: fn(ucp_context_h, ucp_mem_h) -> ucs_status_t;
     ucp_mem_query: fn(ucp_mem_h, *mut ucp_mem_attr_t) -> ucs_status_t;
