@@ -3,40 +3,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread;
 
 use common::{connect_to, fingerprint, start, TIMEOUT};
-use kvduplex::handshake::wire::{decode_frame, encode_frame, Frame, FRAME_HEADER_LEN};
+use kvduplex::handshake::wire::Frame;
 use kvduplex::handshake::HandshakeError;
 
 const SECRET: &[u8] = b"shared secret";
-
-/// Copies `from` to `to`, passing the first `frames` whole frames through `rewrite`, then the
-/// rest of the stream as it comes.
-fn pump(mut from: TcpStream, mut to: TcpStream, frames: usize, rewrite: impl Fn(Frame) -> Frame) {
-    for _ in 0..frames {
-        let mut header = [0u8; FRAME_HEADER_LEN];
-        if from.read_exact(&mut header).is_err() {
-            return;
-        }
-        let len = u32::from_be_bytes([header[7], header[8], header[9], header[10]]) as usize;
-        let mut bytes = header.to_vec();
-        bytes.resize(FRAME_HEADER_LEN + len, 0);
-        if from.read_exact(&mut bytes[FRAME_HEADER_LEN..]).is_err() {
-            return;
-        }
-        let out = match decode_frame(&bytes) {
-            Ok(frame) => encode_frame(&rewrite(frame)).unwrap(),
-            Err(_) => bytes,
-        };
-        if to.write_all(&out).is_err() {
-            return;
-        }
-    }
-    let _ = std::io::copy(&mut from, &mut to);
-}
 
 /// A relay in front of `server_port`: returns its port. Rewrites the client's first two frames
 /// (hello, proof) with `client_side` and the server's first three (hello, proof, metadata) with
@@ -52,8 +26,8 @@ fn relay(
         let (client, _) = listener.accept().unwrap();
         let server = TcpStream::connect(("127.0.0.1", server_port)).unwrap();
         let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-        thread::spawn(move || pump(c2, s2, 2, client_side));
-        pump(server, client, 3, server_side);
+        thread::spawn(move || common::pump(c2, s2, 2, client_side));
+        common::pump(server, client, 3, server_side);
     });
     port
 }

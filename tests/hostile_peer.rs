@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::TestEngine;
 use kvduplex::descriptors::BlockLayout;
-use kvduplex::handshake::wire::{decode_frame, encode_frame, Frame, FRAME_HEADER_LEN};
+use kvduplex::handshake::wire::Frame;
 use kvduplex::handshake::{
     decode_metadata, encode_metadata, EngineMetadata, Fingerprint, MemoryType, RegionInfo,
 };
@@ -177,9 +177,9 @@ fn play_a_role() {
                     let client = client.unwrap();
                     let owner = TcpStream::connect(("127.0.0.1", owner_port)).unwrap();
                     let (c2, o2) = (client.try_clone().unwrap(), owner.try_clone().unwrap());
-                    std::thread::spawn(move || pump(c2, o2, 0, |f| f));
+                    std::thread::spawn(move || common::pump(c2, o2, 0, |f| f));
                     std::thread::spawn(move || {
-                        pump(owner, client, 2, move |f| point_at(f, target))
+                        common::pump(owner, client, 2, move |f| point_at(f, target))
                     });
                 }
             });
@@ -203,31 +203,6 @@ fn point_at(frame: Frame, target: u64) -> Frame {
         }
         other => other,
     }
-}
-
-/// Copies `from` to `to`, passing the first `frames` whole frames through `rewrite`, then the
-/// rest of the stream as it comes.
-fn pump(mut from: TcpStream, mut to: TcpStream, frames: usize, rewrite: impl Fn(Frame) -> Frame) {
-    for _ in 0..frames {
-        let mut header = [0u8; FRAME_HEADER_LEN];
-        if from.read_exact(&mut header).is_err() {
-            return;
-        }
-        let len = u32::from_be_bytes([header[7], header[8], header[9], header[10]]) as usize;
-        let mut bytes = header.to_vec();
-        bytes.resize(FRAME_HEADER_LEN + len, 0);
-        if from.read_exact(&mut bytes[FRAME_HEADER_LEN..]).is_err() {
-            return;
-        }
-        let out = match decode_frame(&bytes) {
-            Ok(frame) => encode_frame(&rewrite(frame)).unwrap(),
-            Err(_) => bytes,
-        };
-        if to.write_all(&out).is_err() {
-            return;
-        }
-    }
-    let _ = std::io::copy(&mut from, &mut to);
 }
 
 #[test]

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvduplex::descriptors::BlockLayout;
 use kvduplex::engine::{Engine, EngineConfig, RegionMemory};
+use kvduplex::handshake::wire;
 use kvduplex::handshake::{EngineMetadata, Fingerprint, HandshakeError};
 use kvduplex::side_channel::{PeerLink, SideChannelConfig, SideChannelServer};
 
@@ -143,4 +144,35 @@ impl std::ops::DerefMut for TestEngine {
     fn deref_mut(&mut self) -> &mut Engine {
         &mut self.engine
     }
+}
+
+/// A man in the middle: copies `from` to `to`, passing the first `frames` whole frames through
+/// `rewrite`, then the
+/// rest of the stream as it comes.
+pub fn pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    frames: usize,
+    rewrite: impl Fn(wire::Frame) -> wire::Frame,
+) {
+    for _ in 0..frames {
+        let mut header = [0u8; wire::FRAME_HEADER_LEN];
+        if std::io::Read::read_exact(&mut from, &mut header).is_err() {
+            return;
+        }
+        let len = u32::from_be_bytes([header[7], header[8], header[9], header[10]]) as usize;
+        let mut bytes = header.to_vec();
+        bytes.resize(wire::FRAME_HEADER_LEN + len, 0);
+        if std::io::Read::read_exact(&mut from, &mut bytes[wire::FRAME_HEADER_LEN..]).is_err() {
+            return;
+        }
+        let out = match wire::decode_frame(&bytes) {
+            Ok(frame) => wire::encode_frame(&rewrite(frame)).unwrap(),
+            Err(_) => bytes,
+        };
+        if std::io::Write::write_all(&mut to, &out).is_err() {
+            return;
+        }
+    }
+    let _ = std::io::copy(&mut from, &mut to);
 }
