@@ -16,6 +16,7 @@
 //! notifier threads, close's drain) and `lookup` (lookups of held turns, both sides).
 
 mod connect;
+mod connection;
 mod copier;
 mod lookup;
 mod peer;

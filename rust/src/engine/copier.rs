@@ -38,19 +38,18 @@ fn copy_loop(queue: mpsc::Receiver<SameHostCopy>) {
     }
 }
 
-/// A peer's copy queue: started by its first batch, closed when the peer goes.
+/// A peer's copy queue: started by its first batch; dropped (which ends its thread once the
+/// batches queued have run) when the peer's connection closes.
 #[derive(Default)]
 pub(super) enum CopyQueue {
     #[default]
     NotStarted,
     Open(mpsc::Sender<SameHostCopy>),
-    Closed,
 }
 
 impl CopyQueue {
     /// Queues `copy` for this peer's thread, starting it (and recording it in `threads`) on
-    /// first use; `Err` (the copy dropped, so its batch fails) once the queue is closed or
-    /// no thread can be started.
+    /// first use; `Err` (the copy dropped, so its batch fails) when no thread can be started.
     pub(super) fn submit(
         &mut self,
         copy: SameHostCopy,
@@ -63,21 +62,13 @@ impl CopyQueue {
                 .name("kvduplex-copy".into())
                 .spawn(move || copy_loop(queue))
                 .map_err(|e| format!("cannot start a copy thread for peer {peer}: {e}"))?;
-            lock(&threads.running).push((peer.to_owned(), thread));
+            threads.started(peer, thread);
             *self = CopyQueue::Open(sender);
         }
-        match self {
-            CopyQueue::Open(sender) => {
-                sender.send(copy).map_err(|_| format!("the copy thread of peer {peer} is gone"))
-            }
-            _ => Err(format!("peer {peer} was disconnected")),
-        }
-    }
-
-    /// No more batches: the thread ends once those queued have run (a failed batch stops at
-    /// its next call).
-    pub(super) fn close(&mut self) {
-        *self = CopyQueue::Closed;
+        let CopyQueue::Open(sender) = self else {
+            return Err(format!("the copy queue of peer {peer} did not open"));
+        };
+        sender.send(copy).map_err(|_| format!("the copy thread of peer {peer} is gone"))
     }
 }
 
@@ -88,6 +79,19 @@ pub(super) struct CopyThreads {
 }
 
 impl CopyThreads {
+    /// Records a peer's new copy thread, and joins those that ended (their peers' queues
+    /// closed): the record holds the threads running, not one per connection ever made.
+    fn started(&self, peer: &str, thread: JoinHandle<()>) {
+        let mut running = lock(&self.running);
+        let (ended, left): (Vec<_>, Vec<_>) = running.drain(..).partition(|(_, t)| t.is_finished());
+        *running = left;
+        running.push((peer.to_owned(), thread));
+        drop(running);
+        for (_, thread) in ended {
+            let _ = thread.join();
+        }
+    }
+
     /// Joins the copy threads that end by `deadline` (their queues must be closed already);
     /// true if all did. One still blocked then is left running, and logged: its batch stays
     /// unfinished, so the engine's memory stays registered rather than be freed under it.

@@ -3,19 +3,20 @@
 //!
 //! Peers are keyed by the side channel they were connected through ("host:port"), never by the
 //! engine id they declare: a second server declaring a connected engine's id is a connection of
-//! its own and displaces nothing. The engine's [`PeerTable`] is the one owner of liveness: it
-//! numbers each ready connection, and a connection is live exactly while the table's entry for
-//! its address is ready with its number. Callers name a connection by its handle,
-//! `engine-id@host:port#number` ([`Engine::peer_status`], [`Engine::connect`]), so a read goes
-//! to the connection that was checked, or fails when that one died or was replaced meanwhile;
-//! a bare engine id names the one live connection declaring it, and is refused while several
-//! do.
+//! its own and displaces nothing. Each connection owns whether it is open ([`Connection`]: its
+//! transport and the batches posted on it, under one lock); the engine's [`PeerTable`] numbers
+//! the connections and routes each address to its latest one, which callers use while it is
+//! open. Callers name a connection by its handle, `engine-id@host:port#number`
+//! ([`Engine::peer_status`], [`Engine::connect`]), so a read goes to the connection that was
+//! checked, or fails when that one died or was replaced meanwhile; a bare engine id names the
+//! one open connection declaring it, and is refused while several do.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::connect::is_retryable_engine_error;
+use super::connection::{Connection, PostError, Tracked, Transport};
 use super::copier::CopyQueue;
 use super::lookup::IndexFeed;
 #[allow(unused_imports)] // rustdoc links
@@ -23,20 +24,21 @@ use super::Engine;
 use super::{lock, EngineError, Inflight, Shared};
 use crate::clock::deadline_after;
 use crate::descriptors::{RegionBounds, RegionIndex};
+#[allow(unused_imports)] // rustdoc links
+use crate::handshake::PeerTable;
 use crate::handshake::{
     ConnectDecision, EngineMetadata, HandshakeError, MemoryType, PeerState, SameHostIdentity,
 };
 use crate::side_channel::PeerLink;
 use crate::ucx::{
-    check_not_this_process, packed, BatchState, Endpoint, OpenError, Read, SameHostClaim,
-    SameHostPeer,
+    check_not_this_process, packed, Endpoint, OpenError, Read, SameHostClaim, SameHostPeer,
 };
 
 /// A ready connection to one peer engine.
 pub(super) struct Peer {
     /// The side channel ("host:port") it was connected through: its key in the peer table.
     pub(super) address: String,
-    /// Its number in the peer table, which says whether it is still the live connection.
+    /// Its number in the peer table.
     pub(super) connection: u64,
     pub(super) meta: EngineMetadata,
     /// The peer's registered regions, every remote range is checked against (by the
@@ -44,18 +46,52 @@ pub(super) struct Peer {
     regions: Arc<[RegionBounds]>,
     /// `regions`, indexed for those checks.
     pub(super) region_index: RegionIndex,
-    /// Opened by the first read (an engine connected only to look up, or connected back to,
-    /// holds no UCX endpoint); taken (and aborted) when the peer dies or a batch to it passes
-    /// its deadline.
-    endpoint: Mutex<Option<Endpoint>>,
-    /// The endpoint was opened once; it is never reopened (a new `connect` makes a new peer).
-    endpoint_opened: AtomicBool,
     pub(super) link: PeerLink,
     /// Set when the peer runs on this host and proved which process it is: its host memory is
     /// then read directly, not through the endpoint.
     pub(super) same_host: Option<Arc<SameHostPeer>>,
-    /// Its same-host batches, for its own copy thread; closed by `abort_peer`.
-    copies: Mutex<CopyQueue>,
+    /// Whether the connection is open, its transport and the batches posted on it; closed (for
+    /// good: a new `connect` makes a new peer) when the peer dies, a batch to it passes its
+    /// deadline through UCX, or the engine closes.
+    conn: Connection<PeerTransport, Arc<Inflight>>,
+}
+
+/// How batches reach one peer: its UCX endpoint, opened by the first read (an engine
+/// connected only to look up, or connected back to, holds none), and its same-host copy queue.
+#[derive(Default)]
+struct PeerTransport {
+    endpoint: Option<Endpoint>,
+    copies: CopyQueue,
+}
+
+impl Transport for PeerTransport {
+    /// Closes the copy queue (a failed batch stops at its copy's next call) and aborts the
+    /// endpoint ([`Endpoint::abort`]).
+    fn cancel(self) {
+        drop(self.copies);
+        if let Some(endpoint) = self.endpoint {
+            endpoint.abort();
+        }
+    }
+}
+
+impl Tracked for Arc<Inflight> {
+    fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    fn settled(&self) -> bool {
+        self.batch.outcome().is_some()
+    }
+
+    fn fails_alone(&self) -> bool {
+        self.same_host
+    }
+
+    fn fail(&self, reason: &str) {
+        lock(&self.abort_reason).get_or_insert_with(|| reason.to_owned());
+        self.batch.fail(reason.to_owned());
+    }
 }
 
 /// How callers name connection `connection` to `address`, which declared `engine_id`.
@@ -68,74 +104,93 @@ impl Peer {
         handle(&self.meta.engine_id, &self.address, self.connection)
     }
 
-    /// Whether the peer table still has this connection as the live one to its address.
-    pub(super) fn is_live(&self, shared: &Shared) -> bool {
-        lock(&shared.table).is_current(&self.address, self.connection)
+    /// Whether the connection is still open (its own say; the peer table only routes).
+    pub(super) fn is_live(&self) -> bool {
+        self.conn.is_open()
     }
 
-    /// Starts `reads`, whose batch the engine tracks already: with `direct` (the peer on this
-    /// host, every local range host memory) on the peer's copy thread, else posted on the
-    /// peer's endpoint, opened on first use. A peer that died after the caller found it live,
-    /// and before the batch was tracked (unseen by `abort_peer`), is seen here: `abort_peer`
-    /// ends the connection in the table and takes the endpoint first.
-    pub(super) fn start_reads(
+    /// Starts `reads` of `inflight`'s batch and tracks it on this connection, or fails it when
+    /// the connection closed: with `direct` (the peer on this host, every local range host
+    /// memory) on the peer's copy thread, else posted on the peer's endpoint, opened on first
+    /// use. A post that may have left reads in flight closes the connection, which cancels
+    /// them; the batch then fails when the last of them has completed, so no byte lands in
+    /// blocks the caller then reuses.
+    pub(super) fn post(
         &self,
         shared: &Shared,
+        inflight: &Arc<Inflight>,
         reads: &[Read<'_>],
-        batch: &Arc<BatchState>,
         direct: Option<&Arc<SameHostPeer>>,
-    ) -> Result<(), PostError> {
-        if let Some(direct) = direct {
-            if !self.is_live(shared) {
-                return Err(PostError::NothingPosted(format!(
-                    "peer {} was disconnected",
-                    self.meta.engine_id
-                )));
+    ) {
+        let batch = &inflight.batch;
+        let closed = self.conn.post(Arc::clone(inflight), |transport| match direct {
+            Some(direct) => {
+                let copy = direct.prepare(reads, batch).map_err(PostError::NothingPosted)?;
+                // A copy the queue refuses is dropped, which fails its batch.
+                transport
+                    .copies
+                    .submit(copy, &shared.copy_threads, &self.meta.engine_id)
+                    .map_err(PostError::NothingPosted)
             }
-            let copy = direct.prepare(reads, batch).map_err(PostError::NothingPosted)?;
-            // A copy the queue refuses is dropped, which fails its batch.
-            return lock(&self.copies)
-                .submit(copy, &shared.copy_threads, &self.meta.engine_id)
-                .map_err(PostError::NothingPosted);
+            None => {
+                let endpoint = match transport.endpoint.take() {
+                    Some(endpoint) => endpoint,
+                    None => self.open_endpoint(shared)?,
+                };
+                let endpoint = transport.endpoint.insert(endpoint);
+                endpoint
+                    .post_reads(reads, batch)
+                    .map_err(|e| PostError::MaybePartial(e.to_string()))
+            }
+        });
+        if closed {
+            unroute(shared, self);
         }
-        let mut endpoint = lock(&self.endpoint);
-        if endpoint.is_none()
-            && self.is_live(shared)
-            && !self.endpoint_opened.swap(true, Ordering::AcqRel)
-        {
-            let rkeys: Vec<(&[u8], MemoryType)> =
-                self.meta.regions.iter().map(|r| (r.rkey.as_slice(), r.memory)).collect();
-            let opened = shared.worker.connect(
+    }
+
+    fn open_endpoint(&self, shared: &Shared) -> Result<Endpoint, PostError> {
+        let rkeys: Vec<(&[u8], MemoryType)> =
+            self.meta.regions.iter().map(|r| (r.rkey.as_slice(), r.memory)).collect();
+        shared
+            .worker
+            .connect(
                 &self.meta.worker_address,
                 Arc::clone(&self.regions),
                 &rkeys,
                 shared.config.peer_error_handling,
-            );
-            let opened = opened.map_err(|e| {
+            )
+            .map_err(|e| {
                 PostError::NothingPosted(format!(
                     "cannot open an endpoint to peer {}: {e}",
                     self.meta.engine_id
                 ))
-            })?;
-            *endpoint = Some(opened);
-        }
-        match endpoint.as_ref() {
-            Some(endpoint) => endpoint
-                .post_reads(reads, batch)
-                .map_err(|e| PostError::MaybePartial(e.to_string())),
-            None => Err(PostError::NothingPosted(format!(
-                "peer {} was disconnected",
+            })
+    }
+
+    /// Fails this connection's batches that passed their deadline by `now`: a same-host one
+    /// alone, a UCX one by closing the connection (the next `connect` re-handshakes).
+    pub(super) fn expire(&self, shared: &Shared, now: Instant) {
+        let reason = |_: &Arc<Inflight>| {
+            format!(
+                "deadline passed before the last byte arrived from peer {}",
                 self.meta.engine_id
-            ))),
+            )
+        };
+        let (failed_alone, closed) = self.conn.expire(now, reason);
+        if failed_alone > 0 {
+            log::warn!(
+                "{failed_alone} same-host batches from peer {} passed their deadline",
+                self.meta.engine_id
+            );
+        }
+        if closed {
+            log::warn!(
+                "a batch from peer {} passed its deadline; closing the connection to it",
+                self.handle()
+            );
+            unroute(shared, self);
         }
     }
-}
-
-/// Why a batch could not be posted, and whether some of its reads may be in flight anyway.
-pub(super) enum PostError {
-    NothingPosted(String),
-    /// A post failed after earlier reads of the batch were posted: they may still write.
-    MaybePartial(String),
 }
 
 /// The live connection `peer` names: a handle ([`Peer::handle`]), or a bare engine id that
@@ -150,13 +205,15 @@ pub(super) fn resolve(shared: &Shared, peer: &str) -> Result<Arc<Peer>, EngineEr
     if let Some(connection) = numbered {
         return peers
             .get(&connection)
-            .filter(|p| p.handle() == peer && table.is_current(&p.address, connection))
+            .filter(|p| {
+                p.handle() == peer && table.is_current(&p.address, connection) && p.is_live()
+            })
             .cloned()
             .ok_or_else(|| EngineError::PeerNotConnected(peer.to_owned()));
     }
-    let mut claiming = peers
-        .values()
-        .filter(|p| p.meta.engine_id == peer && table.is_current(&p.address, p.connection));
+    let mut claiming = peers.values().filter(|p| {
+        p.meta.engine_id == peer && table.is_current(&p.address, p.connection) && p.is_live()
+    });
     match (claiming.next(), claiming.next()) {
         (Some(only), None) => Ok(Arc::clone(only)),
         (None, _) => Err(EngineError::PeerNotConnected(peer.to_owned())),
@@ -167,13 +224,13 @@ pub(super) fn resolve(shared: &Shared, peer: &str) -> Result<Arc<Peer>, EngineEr
     }
 }
 
-/// The peer table's decision for `key`; a ready entry whose connection is gone from the
-/// engine counts as dead and is connected afresh.
+/// The peer table's decision for `key`; a ready entry whose connection closed counts as dead
+/// and is connected afresh.
 pub(super) fn begin_connect(shared: &Shared, key: &str, now: Instant) -> ConnectDecision {
     let mut table = lock(&shared.table);
     let decision = table.begin_connect(key, now);
     if let ConnectDecision::Ready { connection, .. } = &decision {
-        if !lock(&shared.peers).contains_key(connection) {
+        if !lock(&shared.peers).get(connection).is_some_and(|p| p.is_live()) {
             table.mark_dead(key, *connection);
             return table.begin_connect(key, now);
         }
@@ -326,10 +383,8 @@ pub(super) fn attempt_connect(
             meta: parts.meta,
             region_index: RegionIndex::new(&parts.regions),
             regions: parts.regions,
-            endpoint: Mutex::new(None),
-            endpoint_opened: AtomicBool::new(false),
             link: parts.link,
-            copies: Mutex::new(CopyQueue::NotStarted),
+            conn: Connection::new(PeerTransport::default()),
         });
         lock(&shared.peers).insert(connected.connection, Arc::clone(&peer));
         peer
@@ -429,41 +484,27 @@ fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
     abort_peer(&shared, &peer, &format!("peer {} is gone: {reason}", peer.meta.engine_id));
 }
 
-/// Ends the connection in the peer table (a newer connection to its address is left alone),
-/// force-closes its endpoint (UCX completes every outstanding read on it as cancelled, after
-/// which none of them writes) and then fails its batches. A batch settles only when its last
-/// read has completed, so one whose reads UCX has not released (a close that timed out) stays
-/// pending rather than be reported while bytes may land.
-pub(super) fn abort_peer(shared: &Shared, peer: &Arc<Peer>, reason: &str) {
-    let was_live = lock(&shared.table).mark_dead(&peer.address, peer.connection);
-    let was_known = lock(&shared.peers).remove(&peer.connection).is_some();
-    if !was_live && !was_known && lock(&peer.endpoint).is_none() {
-        return;
-    }
-    let victims: Vec<Arc<Inflight>> =
-        lock(&shared.inflight).iter().filter(|i| Arc::ptr_eq(&i.peer, peer)).cloned().collect();
-    for inflight in &victims {
-        lock(&inflight.abort_reason).get_or_insert_with(|| reason.to_string());
-    }
-    lock(&peer.copies).close();
-    let endpoint = lock(&peer.endpoint).take();
-    if let Some(endpoint) = endpoint {
-        endpoint.abort();
-    }
-    for inflight in &victims {
-        inflight.batch.fail(reason.to_string());
-        let unfinished = inflight.batch.unfinished_reads();
-        if unfinished > 0 && !inflight.same_host {
-            log::error!("{unfinished} reads from peer {} are still outstanding after closing its endpoint; their batch stays pending until they complete", peer.meta.engine_id);
-        }
-    }
+/// Closes the connection (failing its batches and cancelling their reads: see
+/// [`Endpoint::abort`]; a batch settles only when its last read has completed, so one whose
+/// reads UCX has not released stays pending rather than be reported while bytes may land) and
+/// ends it in the peer table (a newer connection to its address is left alone).
+pub(super) fn abort_peer(shared: &Shared, peer: &Peer, reason: &str) {
+    peer.conn.close(reason);
+    unroute(shared, peer);
+}
+
+/// Takes a closed connection out of the peer table's routes.
+fn unroute(shared: &Shared, peer: &Peer) {
+    let mut table = lock(&shared.table);
+    table.mark_dead(&peer.address, peer.connection);
+    lock(&shared.peers).remove(&peer.connection);
 }
 
 /// The live connection to `key`, if the peer table has one ready.
 pub(super) fn ready_peer(shared: &Shared, key: &str) -> Option<Arc<Peer>> {
     let table = lock(&shared.table);
     let PeerState::Ready { connection, .. } = table.state(key) else { return None };
-    lock(&shared.peers).get(connection).cloned()
+    lock(&shared.peers).get(connection).filter(|p| p.is_live()).cloned()
 }
 
 pub(super) fn connect_for_lookup(

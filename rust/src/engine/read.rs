@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::peer::{abort_peer, resolve, Peer, PostError};
+use super::connection::verdict;
+use super::peer::{resolve, Peer};
 use super::{lock, Engine, EngineError, Shared};
 use crate::clock::deadline_after;
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockSlice};
@@ -25,6 +26,15 @@ pub(super) struct Inflight {
     /// Read directly (same-host reads): nothing to cancel in UCX, a failed batch stops at
     /// its copy's next call.
     pub(super) same_host: bool,
+}
+
+impl Inflight {
+    /// The batch's result once it settled: a failure if that was after its deadline
+    /// ([`verdict`]).
+    pub(super) fn result(&self) -> Option<Result<(), String>> {
+        let (outcome, settled_at) = self.batch.settled()?;
+        Some(verdict(outcome, settled_at, self.deadline))
+    }
 }
 
 /// A notification to send to the owner a batch was read from.
@@ -115,15 +125,7 @@ impl Engine {
             same_host: same_host.is_some(),
         });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
-        match peer.start_reads(&self.shared, &reads, &batch, same_host) {
-            Ok(()) => {}
-            Err(PostError::NothingPosted(e)) => batch.fail(e),
-            // Force-closing the endpoint cancels the posted reads; the batch fails when the
-            // last of them has completed, so no byte lands in blocks the caller then reuses.
-            Err(PostError::MaybePartial(e)) => {
-                abort_peer(&self.shared, &peer, &format!("posting a read failed: {e}"))
-            }
-        }
+        peer.post(&self.shared, &inflight, &reads, same_host);
         drop(local);
         let transfer = Transfer {
             shared: Arc::clone(&self.shared),
@@ -144,9 +146,6 @@ impl Engine {
     /// this call; a send that fails later is logged there.
     pub fn notify(&self, peer_id: &str, payload: &[u8]) -> Result<(), EngineError> {
         let peer = resolve(&self.shared, peer_id)?;
-        if !peer.link.is_alive() {
-            return Err(EngineError::PeerNotConnected(peer_id.to_string()));
-        }
         queue_notification(&self.shared, Outgoing { peer, payload: payload.to_vec() })
     }
 }
@@ -159,27 +158,13 @@ fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Opti
     regions.iter().position(fits)
 }
 
-/// Fails a batch that passed its deadline. A UCX batch's reads may still be in flight, so the
-/// peer's endpoint is aborted first (failing every batch to that peer); the next `connect`
-/// re-handshakes. A same-host batch is failed alone: its copy stops at its next call.
-fn expire(shared: &Shared, inflight: &Inflight) {
-    if inflight.batch.outcome().is_some()
-        || inflight.batch.has_failed()
-        || Instant::now() < inflight.deadline
-    {
-        return;
-    }
-    let reason = format!(
-        "deadline passed before the last byte arrived from peer {}",
-        inflight.peer.meta.engine_id
-    );
-    if inflight.same_host {
-        log::warn!("{reason}");
-        lock(&inflight.abort_reason).get_or_insert_with(|| reason.clone());
-        inflight.batch.fail(reason);
-    } else if inflight.peer.is_live(shared) {
-        log::warn!("{reason}; aborting the connection to it");
-        abort_peer(shared, &inflight.peer, &reason);
+/// Fails a batch that passed its deadline by `now`, whatever its peer's state: through the
+/// connection it was posted on ([`Peer::expire`]: alone for a same-host batch, by closing the
+/// connection for a UCX one). A batch that connection no longer tracks was failed when it
+/// closed, and settles when its last read comes back.
+fn expire(shared: &Shared, inflight: &Inflight, now: Instant) {
+    if inflight.batch.outcome().is_none() && now >= inflight.deadline {
+        inflight.peer.expire(shared, now);
     }
 }
 
@@ -187,8 +172,9 @@ fn expire(shared: &Shared, inflight: &Inflight) {
 /// still pending.
 pub(super) fn settle_all(shared: &Shared) -> bool {
     let pending: Vec<Arc<Inflight>> = lock(&shared.inflight).clone();
+    let now = Instant::now();
     for inflight in &pending {
-        expire(shared, inflight);
+        expire(shared, inflight, now);
         if inflight.batch.outcome().is_some() {
             finish_inflight(shared, inflight);
         }
@@ -199,7 +185,7 @@ pub(super) fn settle_all(shared: &Shared) -> bool {
 /// Queues the batch's notification (once, only on success) and stops tracking it. Called on
 /// the progress thread and in `Transfer::poll`/`wait`, neither of which may block on a socket.
 fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
-    if let Some(Ok(())) = inflight.batch.outcome() {
+    if let Some(Ok(())) = inflight.result() {
         if let Some(payload) = lock(&inflight.notify).take() {
             if let Err(e) =
                 queue_notification(shared, Outgoing { peer: Arc::clone(&inflight.peer), payload })
@@ -243,11 +229,16 @@ impl Transfer {
     }
 
     fn settle(&self) -> Option<Result<(), EngineError>> {
-        expire(&self.shared, &self.inflight);
-        let outcome = self.inflight.batch.outcome()?;
+        expire(&self.shared, &self.inflight, Instant::now());
+        let outcome = self.inflight.result()?;
         finish_inflight(&self.shared, &self.inflight);
-        Some(outcome.map_err(|ucx_error| {
-            EngineError::Transfer(lock(&self.inflight.abort_reason).clone().unwrap_or(ucx_error))
+        Some(outcome.map_err(|error| {
+            let reason = lock(&self.inflight.abort_reason).clone();
+            EngineError::Transfer(
+                reason.unwrap_or_else(|| {
+                    format!("{error} (peer {})", self.inflight.peer.meta.engine_id)
+                }),
+            )
         }))
     }
 

@@ -374,8 +374,9 @@ pub struct BatchState {
     failure: Mutex<Option<String>>,
     /// The outstanding-batch count of the endpoint the batch was posted on.
     endpoint_batches: OnceLock<Arc<AtomicUsize>>,
-    /// Set once, when the batch settles; read without a lock by every poll.
-    outcome: OnceLock<Result<(), String>>,
+    /// Set once, when the batch settles, with the time it did; read without a lock by every
+    /// poll.
+    outcome: OnceLock<(Result<(), String>, Instant)>,
 }
 
 impl BatchState {
@@ -454,10 +455,16 @@ impl BatchState {
             None => Ok(()),
         };
         // A batch that settled already keeps its outcome.
-        let _ = self.outcome.set(outcome);
+        let _ = self.outcome.set((outcome, Instant::now()));
     }
 
     pub fn outcome(&self) -> Option<Result<(), String>> {
+        self.outcome.get().map(|(outcome, _)| outcome.clone())
+    }
+
+    /// The outcome and when the batch settled (its last read ended, or it failed with none
+    /// outstanding).
+    pub fn settled(&self) -> Option<(Result<(), String>, Instant)> {
         self.outcome.get().cloned()
     }
 }
