@@ -30,10 +30,11 @@ answer must match too and whose TTFT must be normal: at most 2 x `step` + the lo
 `kv_lease_ttl_s - read_deadline_margin_s` (the reader's claim lasts at most the lease, and it
 gives up that margin before the claim ends). The connector's deadlines are set short here
 (`--lease`, `--margin`, `--handshake`, `--heartbeat`, `--lookup-ms`) so that a run takes
-minutes. Every wait is bounded: a request with no answer `--hang-after` seconds past its bound
-is reported as a hang (the next request is tried with the fault still in place, then the fault
-is lifted and the hung request given `--after-restore` seconds more). A fault case restarts P
-and D afterwards.
+minutes; `--ucx-peer-error-handling` sets that option (else the connector's default holds).
+Every wait is bounded: a request with no answer `--hang-after` seconds past its bound is
+reported as a hang (the next request is tried with the fault still in place, then the fault is
+lifted and the hung request given `--after-restore` seconds more). A fault case restarts P and D
+afterwards.
 
     sudo PYTHONPATH=python .venv/bin/python benches/crosshost_faults.py --out benches/results \\
         [--scenarios pull-back pull-prefill] [--faults none stop kill link-down]
@@ -96,6 +97,8 @@ def connector_config(args) -> dict:
         "handshake_timeout_s": args.handshake, "peer_heartbeat_s": args.heartbeat,
         "decode_kv_hold_ttl_s": args.hold, "lookup_timeout_ms": args.lookup_ms,
     })
+    if args.ucx_peer_error_handling is not None:
+        config["kv_connector_extra_config"]["ucx_peer_error_handling"] = args.ucx_peer_error_handling
     return config
 
 
@@ -451,6 +454,8 @@ def main() -> int:
     parser.add_argument("--heartbeat", type=float, default=1.0, help="peer_heartbeat_s")
     parser.add_argument("--hold", type=float, default=60.0, help="decode_kv_hold_ttl_s")
     parser.add_argument("--lookup-ms", type=int, default=1000, help="lookup_timeout_ms")
+    parser.add_argument("--ucx-peer-error-handling", action=argparse.BooleanOptionalAction,
+                        help="set the connector's ucx_peer_error_handling (default: its default)")
     parser.add_argument("--slack", type=float, default=3.0,
                         help="seconds added to every bound (a busy 2-core machine)")
     parser.add_argument("--hang-after", type=float, default=30.0,
