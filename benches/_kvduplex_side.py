@@ -33,7 +33,10 @@ def start_engine(name: str, region: Region, block_bytes: int, host: str,
     from kvduplex._core import Engine
 
     secret = os.environ.get("KVDUPLEX_SECRET")
+    # Without same-host reads the comparison measures UCX's own same-host transport (cma),
+    # which peer error handling (on by default) would trade for tcp.
     engine = Engine(name, fingerprint(block_bytes), host=host, same_host_reads=same_host_reads,
+                    peer_error_handling=same_host_reads,
                     secret=secret.encode() if secret else None)
     engine.register_region(region.addr, region.nbytes)
     engine.set_layout([region.addr], block_bytes, block_bytes, region.nbytes // block_bytes)

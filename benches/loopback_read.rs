@@ -19,11 +19,12 @@ fn engine(id: &str, buf: &mut [u8], block: usize) -> Engine {
         secret: None,
         ucx_lib_dir: None,
         heartbeat: Duration::from_secs(1),
+        // Both engines share this process, which same-host reads would read directly: the
+        // bench measures UCX's own same-host transports (cma), which peer error handling
+        // would trade for tcp.
         peer_error_handling: false,
         lookup_claim: Duration::from_secs(30),
         allow_unauthenticated: false,
-        // Both engines share this process, which same-host reads would read directly: the
-        // bench measures UCX.
         same_host_reads: false,
     })
     .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");

@@ -11,7 +11,8 @@ use kvduplex::handshake::wire::{
 };
 use kvduplex::handshake::{
     decode_metadata, encode_metadata, ConnectDecision, EngineMetadata, Fingerprint, HandshakeError,
-    MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity, PROTOCOL_VERSION,
+    MemoryType, PeerState, PeerTable, RegionInfo, RetryPolicy, SameHostIdentity, FORGET_IDLE_AFTER,
+    PROTOCOL_VERSION,
 };
 use kvduplex::holds::feed::{HeldUpdate, MAX_FINGERPRINTS_PER_UPDATE};
 use proptest::prelude::*;
@@ -551,6 +552,37 @@ fn ready_reports_a_generation_change_and_dead_peers_become_unknown() {
     assert!(!table.is_current("other:1", third.connection));
     assert!(!table.mark_dead("never-seen:1", third.connection));
     assert_eq!(table.state("never-seen:1"), &PeerState::Unknown);
+}
+
+#[test]
+fn idle_addresses_are_forgotten_and_those_in_use_kept() {
+    let mut table = PeerTable::new(policy());
+    let t0 = Instant::now();
+    let m = metadata();
+    // A dead connection's address, a failed one, a ready one and one connecting.
+    for key in ["dead:1", "ready:1", "connecting:1"] {
+        table.begin_connect(key, t0);
+    }
+    let dead = table.on_ready("dead:1", &m).connection;
+    assert!(table.mark_dead("dead:1", dead));
+    table.on_ready("ready:1", &m);
+    table.begin_connect("failed:1", t0);
+    table.on_failed("failed:1", "refused", true, t0);
+    // Sweeps see them idle (the failed one once its backoff passed), then forget them.
+    let later = t0 + Duration::from_secs(1);
+    table.begin_connect("other:1", later);
+    let forgotten = later + FORGET_IDLE_AFTER;
+    table.begin_connect("other:2", forgotten);
+    assert_eq!(table.state("dead:1"), &PeerState::Unknown);
+    assert_eq!(table.state("failed:1"), &PeerState::Unknown);
+    assert!(matches!(table.state("ready:1"), PeerState::Ready { .. }));
+    assert_eq!(table.state("connecting:1"), &PeerState::Connecting { attempt: 1 });
+    // Forgotten: the failed address starts its backoff afresh, and the dead one's next
+    // connection is not taken for a restart (its generation was forgotten too).
+    assert_eq!(table.begin_connect("failed:1", forgotten), ConnectDecision::Connect { attempt: 1 });
+    assert_eq!(table.begin_connect("dead:1", forgotten), ConnectDecision::Connect { attempt: 1 });
+    let again = table.on_ready("dead:1", &EngineMetadata { generation: m.generation + 1, ..m });
+    assert!(!again.restarted);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 """Two real processes reading each other's memory over real UCX (tcp and shared memory)."""
 
 import ctypes
+import gc
 import json
 import mmap
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,8 @@ BLOCK = 16 * 1024
 NUM_BLOCKS = 512
 TRANSPORTS = {"tcp": "tcp,self", "shm": "sm,self"}
 # How the reader reads, by fixture id: UCX over tcp; same-host reads (process_vm_readv, a
-# batch per call), which UCX_TLS=sm allows; UCX's own shared memory with them turned off.
+# batch per call), which UCX_TLS=sm allows; UCX's own shared memory with them turned off (and
+# peer error handling too, which none of UCX's shared-memory transports offers).
 READ_PATHS = {"tcp": ("tcp", True), "same-host": ("shm", True), "ucx-shm": ("shm", False)}
 
 
@@ -80,12 +83,13 @@ class Owner:
 
 
 class Reader:
-    def __init__(self, engine_id: str, ucx_tls: str, **kwargs):
+    def __init__(self, engine_id: str, ucx_tls: str, *, owned: bool = False, **kwargs):
+        """`owned`: the buffer is registered with itself as the memory's owner."""
         os.environ["UCX_TLS"] = ucx_tls  # read once, when the UCX context is created
         self.buf = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
         self.engine = Engine(engine_id, kwargs.pop("fingerprint", {"model": "tiny"}), **kwargs)
         base = self.buf.ctypes.data
-        self.engine.register_region(base, self.buf.nbytes)
+        self.engine.register_region(base, self.buf.nbytes, owner=self.buf if owned else None)
         self.engine.set_layout([base], BLOCK, BLOCK, NUM_BLOCKS)
 
     def block(self, block_id: int) -> np.ndarray:
@@ -105,6 +109,8 @@ def read_path(request):
 
 def start_pair(read_path: str, **kwargs) -> tuple[Owner, Reader]:
     transport, same_host_reads = READ_PATHS[read_path]
+    if not same_host_reads:
+        kwargs.setdefault("peer_error_handling", False)
     owner = Owner("owner", TRANSPORTS[transport], **kwargs)
     reader = Reader("reader", TRANSPORTS[transport], same_host_reads=same_host_reads, **kwargs)
     return owner, reader
@@ -335,7 +341,7 @@ def test_a_same_host_batch_past_its_deadline_fails_alone_and_the_peer_stays_usab
         owner.kill()
 
 
-@pytest.mark.parametrize("peer_error_handling", [True, False], ids=["peer-error-handling", "default"])
+@pytest.mark.parametrize("peer_error_handling", [True, False], ids=["default", "off"])
 def test_deadline_fails_the_batch_and_no_late_byte_lands(peer_error_handling):
     owner = Owner("owner", TRANSPORTS["tcp"], peer_error_handling=peer_error_handling)
     reader = Reader("reader", TRANSPORTS["tcp"], peer_error_handling=peer_error_handling)
@@ -350,7 +356,7 @@ def test_deadline_fails_the_batch_and_no_late_byte_lands(peer_error_handling):
             # Without peer error handling UCX may not cancel a read the stopped owner has not
             # served: the batch stays pending (never reported while a byte of it may land)
             # until the owner serves it or dies. Let it serve.
-            assert not peer_error_handling, "with peer error handling the abort cancels every read"
+            assert peer_error_handling is False, "with peer error handling the abort cancels every read"
             owner.proc.send_signal(18)
         except core.TransferError:
             pass
@@ -452,11 +458,12 @@ def _userfaultfd_available() -> bool:
 def test_a_same_host_read_that_never_returns_stalls_only_its_peer_and_close_gives_up_on_it():
     """An owner whose memory never arrives (userfaultfd; FUSE blocks alike) keeps a same-host
     copy waiting in the kernel for good: another owner's batches still complete meanwhile, and
-    the reader's close returns."""
+    the reader's close returns (its memory registered with its owner, which the engine holds
+    while the copy may still write)."""
     half = NUM_BLOCKS // 2
     stuck = Owner("stuck", TRANSPORTS["shm"], stall_from_block=half)
     healthy = Owner("healthy", TRANSPORTS["shm"], seed=9)
-    reader = Reader("reader", TRANSPORTS["shm"])
+    reader = Reader("reader", TRANSPORTS["shm"], owned=True)
     closer = threading.Thread(target=reader.engine.close)
     try:
         stuck_peer = reader.engine.connect("127.0.0.1", stuck.port)
@@ -481,3 +488,160 @@ def test_a_same_host_read_that_never_returns_stalls_only_its_peer_and_close_give
         healthy.kill()
         if closer.ident is not None:
             closer.join()
+
+
+POISON = 0xA5
+
+
+@pytest.mark.skipif(not _userfaultfd_available(), reason="userfaultfd needs root or vm.unprivileged_userfaultfd=1")
+def test_close_never_returns_while_a_write_can_land_in_memory_it_does_not_keep():
+    """A same-host copy blocked in the kernel writes into memory registered without its owner,
+    which the caller keeps only until close returns: close waits for the copy, however long,
+    so that nothing lands once it returned (it gave up after 2 s, and the copy, released then,
+    wrote into memory the caller had poisoned)."""
+    half = NUM_BLOCKS // 2
+    stuck = Owner("stuck", TRANSPORTS["shm"], stall_from_block=half)
+    reader = Reader("reader", TRANSPORTS["shm"])
+    closer = threading.Thread(target=reader.engine.close)
+    try:
+        peer = reader.engine.connect("127.0.0.1", stuck.port)
+        hung = reader.engine.read_blocks(peer, list(range(128)), list(range(half, half + 128)), timeout_s=60)
+        assert hung.same_host
+        time.sleep(0.5)
+        assert not hung.done()
+        started = time.monotonic()
+        closer.start()
+        closer.join(timeout=5)  # past close's 2 s drain
+        returned_early = not closer.is_alive()
+        if returned_early:
+            reader.buf[:] = POISON
+        stuck.proc.send_signal(signal.SIGUSR1)  # the copy goes on, and reads zeros
+        closer.join(timeout=30)
+        assert not closer.is_alive(), "close still waits once the copy could end"
+        print(f"close returned after {time.monotonic() - started:.1f} s, once the copy ended")
+        if not returned_early:
+            reader.buf[:] = POISON
+        time.sleep(0.5)
+        assert (reader.buf == POISON).all(), "a byte landed after close returned"
+        assert not returned_early, "close returned while the copy could still write"
+    finally:
+        stuck.kill()
+        if closer.ident is not None:
+            closer.join()
+
+
+def test_close_with_reads_to_a_frozen_peer_on_another_host_returns_with_none_outstanding():
+    """A peer read through UCX (over tcp here, as one on another host is) gets peer error
+    handling by default: close with reads outstanding to it, stopped, cancels them (a force
+    close, which needs no reply from the peer) and returns with none of them still able to
+    write. Without error handling (the old default) close returned with the reads out, their
+    batch pending, after a 2 s flush and a 2 s drain: free to land where a transport writes
+    without our progress (RDMA, GPU copies); now it would wait for them."""
+    owner = Owner("owner", TRANSPORTS["tcp"])
+    reader = Reader("reader", TRANSPORTS["tcp"])
+    try:
+        peer = reader.engine.connect("127.0.0.1", owner.port)
+        owner.proc.send_signal(signal.SIGSTOP)
+        ids = list(range(1, NUM_BLOCKS))
+        transfer = reader.engine.read_blocks(peer, ids, ids, timeout_s=60)
+        time.sleep(0.3)
+        assert not transfer.done()
+        started = time.monotonic()
+        reader.engine.close()
+        print(f"close returned after {time.monotonic() - started:.2f} s")
+        reader.buf[:] = POISON
+        with pytest.raises(core.TransferError):
+            transfer.done()  # settled: no read of it is outstanding
+        owner.proc.send_signal(signal.SIGCONT)
+        time.sleep(1.0)
+        assert (reader.buf == POISON).all(), "a byte landed after close returned"
+    finally:
+        owner.proc.send_signal(signal.SIGCONT)
+        owner.kill()
+
+
+@pytest.mark.skipif(not _userfaultfd_available(), reason="userfaultfd needs root or vm.unprivileged_userfaultfd=1")
+def test_a_region_keeps_its_owner_alive_while_a_write_may_land():
+    """Registered with its owner, memory outlives close while a copy that close could not stop
+    may still write into it: the engine holds the owner until the copy ended."""
+    half = NUM_BLOCKS // 2
+    stuck = Owner("stuck", TRANSPORTS["shm"], stall_from_block=half)
+    reader = Reader("reader", TRANSPORTS["shm"], owned=True)
+    try:
+        peer = reader.engine.connect("127.0.0.1", stuck.port)
+        hung = reader.engine.read_blocks(peer, list(range(128)), list(range(half, half + 128)), timeout_s=60)
+        time.sleep(0.5)
+        assert not hung.done()
+        reader.engine.close()  # gives up on the copy after its drain
+        owner = weakref.ref(reader.buf)
+        del reader.buf, hung
+        gc.collect()
+        assert owner() is not None, "the memory's owner was let go while a copy may write into it"
+        stuck.proc.send_signal(signal.SIGUSR1)  # the copy ends
+        deadline = time.monotonic() + 30
+        while owner() is not None and time.monotonic() < deadline:
+            reader.engine.close()  # a call into the core takes the references dropped meanwhile
+            gc.collect()
+            time.sleep(0.05)
+        assert owner() is None, "the owner was never let go once the copy ended"
+    finally:
+        stuck.kill()
+
+
+def _first_line_with(owner: Owner, needle: bytes, timeout_s: float) -> float | None:
+    """When (time.monotonic) the owner printed a line containing `needle`; None if it did not
+    within `timeout_s`."""
+    fd = owner.proc.stdout.fileno()
+    received = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.01)
+        if ready:
+            received += os.read(fd, 65536)
+            if needle in received:
+                return time.monotonic()
+    return None
+
+
+def test_a_stalled_owner_delays_only_its_own_notifications_and_lookups():
+    """Each owner's link queues and writes its own frames: an owner that stops reading (stopped,
+    its socket full) delays neither another owner's notifications nor the thread asking it for
+    a lookup. Before, one notifier thread wrote to every owner in turn, each write bounded by the
+    side channel's 10 s write timeout, and a lookup's write waited behind it for the link."""
+    # Silent for up to 3 x 20 s before the reader calls it gone: stalled, not dead.
+    stalled = Owner("stalled", TRANSPORTS["tcp"], heartbeat_s=20)
+    healthy = Owner("healthy", TRANSPORTS["tcp"], seed=9)
+    reader = Reader("reader", TRANSPORTS["tcp"])
+    try:
+        stalled_peer = reader.engine.connect("127.0.0.1", stalled.port)
+        healthy_peer = reader.engine.connect("127.0.0.1", healthy.port)
+        stalled.proc.send_signal(signal.SIGSTOP)
+        payload = b"x" * (512 << 10)
+        queued = 0
+        for _ in range(80):  # 40 MiB: past the socket's buffers and the link's queue
+            try:
+                reader.engine.notify(stalled_peer, payload)
+                queued += len(payload)
+            except core.HandshakeError:
+                break  # the link's queue is full
+        time.sleep(0.5)  # the writer is blocked in a write to the stalled owner by now
+        started = time.monotonic()
+        lookup = reader.engine.start_lookup([("127.0.0.1", stalled.port)], ["00000000000000aa"], 1.0)
+        lookup_s = time.monotonic() - started
+        started = time.monotonic()
+        reader.engine.notify(healthy_peer, b"not-delayed")
+        arrived = _first_line_with(healthy, b"not-delayed", timeout_s=30)
+        assert arrived is not None, "the healthy owner never got its notification"
+        delay_s = arrived - started
+        print(f"{queued >> 20} MiB queued for the stalled owner; the healthy owner's notification "
+              f"arrived after {delay_s * 1000:.1f} ms; start_lookup of the stalled owner took "
+              f"{lookup_s * 1000:.1f} ms")
+        # Liveness bounds, far below the 10 s write timeout the old notifier waited out.
+        assert delay_s < 5, f"the healthy owner's notification waited {delay_s:.1f} s"
+        assert lookup_s < 5, f"start_lookup waited {lookup_s:.1f} s for the stalled owner"
+        assert lookup.asked == 1
+    finally:
+        stalled.proc.send_signal(signal.SIGCONT)
+        reader.engine.close()
+        stalled.kill()
+        healthy.kill()

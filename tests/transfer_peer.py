@@ -10,6 +10,7 @@ import json
 import mmap
 import os
 import select
+import signal
 import sys
 import time
 
@@ -27,6 +28,7 @@ UFFD_API = 0xAA
 UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
 UFFDIO_REGISTER = 0xC020AA00  # _IOWR(0xAA, 0x00, struct uffdio_register)
 UFFDIO_REGISTER_MODE_MISSING = 1
+UFFDIO_UNREGISTER = 0x8010AA01  # _IOR(0xAA, 0x01, struct uffdio_range)
 
 
 def userfaultfd() -> int:
@@ -38,7 +40,8 @@ def userfaultfd() -> int:
 def stalling_buffer(data: np.ndarray, stall_from: int) -> tuple[mmap.mmap, np.ndarray, int]:
     """`data` in fresh anonymous memory whose bytes from `stall_from` on (page-aligned) are
     never served: they are registered with a userfaultfd nobody reads, so any access to them,
-    `process_vm_readv` from another process included, waits until this process exits."""
+    `process_vm_readv` from another process included, waits until this process exits or gets
+    SIGUSR1 (which unregisters them: the waiting accesses then read zeros)."""
     libc = ctypes.CDLL(None, use_errno=True)
     m = mmap.mmap(-1, data.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf = np.frombuffer(m, dtype=np.uint8)
@@ -51,6 +54,12 @@ def stalling_buffer(data: np.ndarray, stall_from: int) -> tuple[mmap.mmap, np.nd
     for request, arg in ((UFFDIO_API, api), (UFFDIO_REGISTER, register)):
         if uffd < 0 or libc.ioctl(uffd, ctypes.c_ulong(request), ctypes.byref(arg)) != 0:
             raise OSError(ctypes.get_errno(), "userfaultfd setup failed")
+    def release(*_) -> None:
+        """Unregisters the range: the accesses waiting on it go on, and read zeros."""
+        unregister = (ctypes.c_uint64 * 2)(buf.ctypes.data + stall_from, data.nbytes - stall_from)
+        libc.ioctl(uffd, ctypes.c_ulong(UFFDIO_UNREGISTER), ctypes.byref(unregister))
+
+    signal.signal(signal.SIGUSR1, release)
     return m, buf, uffd
 
 
@@ -65,7 +74,7 @@ def main() -> None:
         spec.get("fingerprint", {"model": "tiny"}),
         secret=secret.encode() if secret else None,
         heartbeat_s=spec.get("heartbeat_s", 1.0),
-        peer_error_handling=spec.get("peer_error_handling", False),
+        peer_error_handling=spec.get("peer_error_handling", True),
     )
     base = buf.ctypes.data
     engine.register_region(base, buf.nbytes)

@@ -83,17 +83,21 @@ class Engine:
         secret: bytes | None = None,
         ucx_lib_dir: str | None = None,
         heartbeat_s: float = 1.0,
-        peer_error_handling: bool = False,
+        peer_error_handling: bool = True,
         lookup_claim_s: float = 30.0,
         allow_unauthenticated: bool = False,
         same_host_reads: bool = True,
     ) -> None:
         """Start UCX and the side channel. `port=0` picks a free port. `ucx_lib_dir`
         defaults to $KVDUPLEX_UCX_LIB_DIR, else the `libucx` wheel's lib directory.
-        A peer is declared dead after 3 missed `heartbeat_s`. `peer_error_handling` turns on
-        UCX peer error handling: a batch failed by its deadline then can never receive a late
-        byte, but UCX 1.22 reads over tcp instead of shared memory/cma (much slower). A
-        lookup's match stays claimed for its reader `lookup_claim_s`. Without a `secret` the side
+        A peer is declared dead after 3 missed `heartbeat_s`. `peer_error_handling`: UCX peer
+        error handling on every endpoint, so that a batch fails at its deadline whatever its
+        peer does (its reads are cancelled without the peer's reply); off, a read a frozen peer
+        never serves keeps its batch pending, and `close` waiting, until the peer serves it or
+        dies. Off only to measure UCX's own same-host transports (with it UCX 1.22 reads host
+        memory on one host over tcp instead of cma; same-host reads do not use UCX), and the
+        same on every engine (UCX refuses a pair of endpoints that differ). A lookup's match
+        stays claimed for its reader `lookup_claim_s`. Without a `secret` the side
         channel must listen on a loopback `host` unless `allow_unauthenticated` (trusted
         networks only). With `same_host_reads`, a peer on this host that proves which process
         it is has its host memory read with `process_vm_readv` (a batch per call) instead of
@@ -108,12 +112,19 @@ class Engine:
     def side_channel_host(self) -> str: ...
     @property
     def side_channel_port(self) -> int: ...
-    def register_region(self, addr: int, length: int) -> None:
+    def register_region(self, addr: int, length: int, *, owner: object | None = None) -> None:
         """Register memory (host or CUDA; UCX detects which) so peers can read it and reads
-        write into it. The caller keeps ``[addr, addr+length)`` allocated, and uses it for its
-        blocks only, until ``close()`` returned: peers read it, and reads write into it, at any
-        time until then (a batch's blocks only until it settles). A null or empty range, or a
-        host range not mapped now, is a ValueError or UcxError; nothing else can be checked."""
+        write into it. `owner`: the object whose memory ``[addr, addr+length)`` is (a tensor,
+        an array), which must keep it allocated while it lives: the engine holds it for as long
+        as a read may write into the range, past ``close()`` when a read that close cannot stop
+        is still out (a same-host copy blocked in the kernel, a read to a frozen peer without
+        `peer_error_handling`), so ``close()`` returns after a bounded wait. Without an owner
+        the caller keeps the range allocated until ``close()`` returned, and ``close()`` then
+        waits for every such read, however long it takes. Either way the range is used for its
+        blocks only: peers read it, and reads write into it, at any time until then (a batch's
+        blocks only until it settles; after ``close()``, those of a batch that had not settled
+        while the engine still holds `owner`). A null or empty range, or a host range not mapped
+        now, is a ValueError or UcxError; nothing else can be checked."""
     def set_layout(
         self, segment_bases: Sequence[int], block_len: int, block_stride: int, num_blocks: int
     ) -> None:
@@ -251,7 +262,10 @@ class Engine:
         """Drain (sender, payload) notifications received so far, in order. The sender is
         `engine-id#connection`: pass it to `release_hold` as the reader."""
     def close(self) -> None:
-        """Stop the progress thread and side channel, close endpoints, unregister memory."""
+        """Stop the progress thread and side channel, fail what is in flight (cancelling its
+        reads), close endpoints, unregister memory. Returns once no read can write into memory
+        registered without an owner; a read into memory registered with its owner that is
+        still out after 2 s keeps that owner (and its region) alive until it ends."""
     def __enter__(self) -> Engine: ...
     def __exit__(self, _exc_type: object, _exc: object, _tb: object) -> None:
         """`close()`."""

@@ -12,8 +12,10 @@
 //!
 //! Here: the engine's state, start, memory, holds and close. Beside it: `connect` (connecting
 //! verbs, what is retried), `peer` (handshakes and connections), `read` (posting, tracking and
-//! settling batches: [`Transfer`]), `copier` (same-host copy threads), `threads` (progress and
-//! notifier threads, close's drain) and `lookup` (lookups of held turns, both sides).
+//! settling batches: [`Transfer`]), `connection` (a connection's transport and batches, under
+//! one lock), `routes` (which connection answers for an address, and who waits for one),
+//! `copier` (same-host copy threads), `threads` (the progress thread, close's drain) and
+//! `lookup` (lookups of held turns, both sides).
 
 mod connect;
 mod connection;
@@ -21,9 +23,9 @@ mod copier;
 mod lookup;
 mod peer;
 mod read;
+mod routes;
 mod threads;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock};
@@ -33,24 +35,25 @@ use std::time::{Duration, Instant};
 use crate::clock::deadline_after;
 use crate::descriptors::{BlockLayout, PlanError, RegionBounds};
 use crate::handshake::{
-    new_generation, EngineMetadata, Fingerprint, HandshakeError, PeerTable, RegionInfo,
-    RetryPolicy, SameHostIdentity,
+    new_generation, EngineMetadata, Fingerprint, HandshakeError, RegionInfo, RetryPolicy,
+    SameHostIdentity,
 };
 use crate::held_index::{AnnouncedChanges, HeldIndex};
 use crate::holds::feed::FeedWatch;
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
-pub use crate::ucx::RegionMemory;
 use crate::ucx::{boot_id, ucx_tls_allows_cma, MemRegion, Probe, UcxError, Worker};
+pub use crate::ucx::{MemoryOwner, RegionMemory};
 use copier::CopyThreads;
 use lookup::{lookup_handler, retry_loop, unasked, BookFeed, LookupQuestion, MustAsk};
 pub use lookup::{
     LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
 };
-use peer::{abort_peer, connect_for_lookup, ready_peer, Peer};
+use peer::{abort_peer, Peer};
+use read::Inflight;
 pub use read::Transfer;
-use read::{Inflight, Outgoing};
-use threads::{drain_reads, progress_loop, send_notifications, CLOSE_DRAIN};
+use routes::{connect_then, ready_peer, Routes};
+use threads::{drain_reads, progress_loop, CLOSE_DRAIN};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -88,7 +91,9 @@ pub struct EngineConfig {
     pub secret: Option<Vec<u8>>,
     pub ucx_lib_dir: Option<PathBuf>,
     pub heartbeat: Duration,
-    /// UCX peer error handling on endpoints; see [`Worker::connect`] for the trade-off.
+    /// UCX peer error handling on endpoints (on by default where the engine is built from
+    /// Python or the connector); see [`Worker::connect`] and `peer.rs` (`Peer::open_endpoint`)
+    /// for why every endpoint uses it and what turning it off gives up.
     pub peer_error_handling: bool,
     /// How long a lookup's match stays claimed for its reader (unless released earlier).
     pub lookup_claim: Duration,
@@ -132,12 +137,9 @@ struct Shared {
     worker: Arc<Worker>,
     server: Mutex<Option<SideChannelServer>>,
     local: RwLock<LocalMemory>,
-    /// Ready connections by the number the table gave them (see [`peer`]); whether one is
-    /// live is the table's to say.
-    peers: Mutex<HashMap<u64, Arc<Peer>>>,
-    /// The one owner of connection state by side-channel address: connect, wait, back off,
-    /// or use the live connection. Lock order: `table`, then `peers`.
-    table: Mutex<PeerTable>,
+    /// Which connection answers for each side-channel address, the ready ones, and who waits
+    /// for a handshake ([`routes`]); each connection says itself whether it is open.
+    routes: Mutex<Routes>,
     /// Signalled whenever a connection attempt ends.
     table_changed: Condvar,
     inflight: Mutex<Vec<Arc<Inflight>>>,
@@ -149,10 +151,9 @@ struct Shared {
     lookup_answers: Arc<FeedWatch>,
     /// "host:port" of our side channel, announced to the owners we connect to.
     side_channel: String,
-    /// Handshakes started by [`Engine::peer_status`], joined by `close`.
+    /// Handshakes on threads of their own ([`routes::spawn_handshake`]: for
+    /// [`Engine::peer_status`] and lookups), joined by `close`.
     handshakes: Mutex<Vec<JoinHandle<()>>>,
-    /// Read-done notifications for the notifier thread; `None` once the engine closes.
-    outbox: Mutex<Option<mpsc::Sender<Outgoing>>>,
     /// Lookups' asks to make again ([`lookup::retry_loop`]).
     retries: mpsc::Sender<lookup::Retry>,
     stop: AtomicBool,
@@ -161,7 +162,6 @@ struct Shared {
 pub struct Engine {
     shared: Arc<Shared>,
     progress_thread: Option<JoinHandle<()>>,
-    notifier_thread: Option<JoinHandle<()>>,
     retry_thread: Option<JoinHandle<()>>,
 }
 
@@ -206,7 +206,6 @@ impl Engine {
             config.engine_id
         );
         let holds = Arc::new(Mutex::new(HoldBook::new()));
-        let (outbox, queue) = mpsc::channel();
         let (retries, retry_queue) = mpsc::channel();
         server.set_lookup_handler(lookup_handler(Arc::downgrade(&holds), config.lookup_claim));
         server.set_held_source(Arc::new(BookFeed::new(&holds)));
@@ -220,8 +219,7 @@ impl Engine {
             worker,
             server: Mutex::new(Some(server)),
             local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
-            peers: Mutex::new(HashMap::new()),
-            table: Mutex::new(PeerTable::new(RetryPolicy::default())),
+            routes: Mutex::new(Routes::new(RetryPolicy::default())),
             table_changed: Condvar::new(),
             inflight: Mutex::new(Vec::new()),
             holds,
@@ -229,7 +227,6 @@ impl Engine {
             lookup_answers: Arc::default(),
             side_channel,
             handshakes: Mutex::new(Vec::new()),
-            outbox: Mutex::new(Some(outbox)),
             retries,
             stop: AtomicBool::new(false),
         });
@@ -244,12 +241,6 @@ impl Engine {
             .map_err(|e| {
                 EngineError::InvalidArgument(format!("cannot start the lookup retry thread: {e}"))
             })?;
-        let notifier_thread = std::thread::Builder::new()
-            .name("kvduplex-notify".into())
-            .spawn(move || send_notifications(&queue))
-            .map_err(|e| {
-                EngineError::InvalidArgument(format!("cannot start the notifier thread: {e}"))
-            })?;
         let weak = Arc::downgrade(&shared);
         let progress_thread = std::thread::Builder::new()
             .name("kvduplex-progress".into())
@@ -260,7 +251,6 @@ impl Engine {
         Ok(Engine {
             shared,
             progress_thread: Some(progress_thread),
-            notifier_thread: Some(notifier_thread),
             retry_thread: Some(retry_thread),
         })
     }
@@ -471,7 +461,9 @@ impl Engine {
     /// asked: their answer (no match) is there at once (see [`crate::held_index`]); with
     /// `continues`, the engines this one granted that prompt to are asked whatever they
     /// announced ([`HoldBook::handed_to`]), and every owner when it knows none or none of
-    /// them is a connected target.
+    /// them is a connected target. An owner not connected yet is asked once a handshake with
+    /// it made the connection, one handshake per owner at a time, on a thread of its own,
+    /// whatever the number of lookups waiting for it ([`routes::connect_then`]).
     pub fn start_lookup(
         &self,
         targets: Vec<(String, u16)>,
@@ -518,22 +510,12 @@ impl Engine {
                 fan_out.ask(index, &peer, NOT_YET_FIRST_RETRY);
                 continue;
             }
-            let (shared, asking) = (Arc::downgrade(&self.shared), fan_out.clone());
-            let connect_and_ask = move || {
-                let connected = match shared.upgrade() {
-                    Some(shared) => connect_for_lookup(&shared, &host, port, connect_deadline),
-                    None => Err("engine closed".to_owned()),
-                };
-                match connected {
-                    Ok(peer) => asking.ask(index, &peer, NOT_YET_FIRST_RETRY),
-                    Err(e) => asking.answer(index, Err(e)),
-                }
+            let asking = fan_out.clone();
+            let ask = move |connected: Result<Arc<Peer>, String>| match connected {
+                Ok(peer) => asking.ask(index, &peer, NOT_YET_FIRST_RETRY),
+                Err(e) => asking.answer(index, Err(e)),
             };
-            if let Err(e) =
-                std::thread::Builder::new().name("kvduplex-lookup".into()).spawn(connect_and_ask)
-            {
-                fan_out.answer(index, Err(format!("cannot start a lookup thread: {e}")));
-            }
+            connect_then(&self.shared, host, port, connect_deadline, Box::new(ask));
         }
         fan_out
     }
@@ -554,40 +536,39 @@ impl Engine {
         if let Some(t) = self.retry_thread.take() {
             let _ = t.join();
         }
-        // Delivers what is queued (each write bounded by the side channel's write timeout)
-        // while the links are still open, then ends.
-        drop(lock(&self.shared.outbox).take());
-        if let Some(t) = self.notifier_thread.take() {
-            let _ = t.join();
+        let peers: Vec<Arc<Peer>> = lock(&self.shared.routes).clear();
+        // Delivers what the links have queued (a stalled owner's only until CLOSE_DRAIN).
+        let flush_deadline = Instant::now() + CLOSE_DRAIN;
+        for peer in &peers {
+            peer.link.flush(flush_deadline);
         }
-        let peers: Vec<Arc<Peer>> = lock(&self.shared.peers).drain().map(|(_, p)| p).collect();
+        self.shared.table_changed.notify_all();
         for peer in &peers {
             abort_peer(&self.shared, peer, "engine closed");
         }
         // Their batches were just failed and their copy queues closed, so each copy stops at
-        // its next call; one blocked in the kernel is given up on after CLOSE_DRAIN (its batch
-        // stays unfinished, and keeps the regions it writes into registered).
+        // its next call; one blocked in the kernel is given up on after CLOSE_DRAIN if the
+        // regions it writes into hold their memory's owner (its batch stays unfinished and keeps
+        // them), else waited for (drain_reads).
         let drain_deadline = Instant::now() + CLOSE_DRAIN;
         self.shared.copy_threads.join_until(drain_deadline);
         drain_reads(&self.shared, drain_deadline);
         lock(&self.shared.inflight).clear();
         drop(peers);
-        lock(&self.shared.table).clear();
-        self.shared.table_changed.notify_all();
         // Each ends within its own timeout; none may outlive the engine's memory.
         let handshakes: Vec<JoinHandle<()>> = lock(&self.shared.handshakes).drain(..).collect();
         for handshake in handshakes {
             let _ = handshake.join();
         }
         // A handshake that finished meanwhile may have added a peer.
-        for peer in lock(&self.shared.peers).drain().map(|(_, p)| p).collect::<Vec<_>>() {
+        for peer in lock(&self.shared.routes).clear() {
             abort_peer(&self.shared, &peer, "engine closed");
         }
         if let Some(mut server) = lock(&self.shared.server).take() {
             server.shutdown();
         }
-        // A batch with reads outstanding holds the regions they write into: those stay
-        // registered until it ends (drain_reads logged it).
+        // A batch with reads outstanding (into memory whose owner its regions hold) holds the
+        // regions they write into: those stay registered until it ends (drain_reads logged it).
         drop(std::mem::take(
             &mut self.shared.local.write().unwrap_or_else(|p| p.into_inner()).regions,
         ));

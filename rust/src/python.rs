@@ -252,7 +252,7 @@ impl Drop for Engine {
 impl Engine {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the Python keyword arguments one to one
-    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=false, lookup_claim_s=30.0, allow_unauthenticated=false, same_host_reads=true))]
+    #[pyo3(signature = (engine_id, fingerprint, *, host="127.0.0.1".to_string(), port=0, secret=None, ucx_lib_dir=None, heartbeat_s=1.0, peer_error_handling=true, lookup_claim_s=30.0, allow_unauthenticated=false, same_host_reads=true))]
     fn new(
         py: Python<'_>,
         engine_id: String,
@@ -318,14 +318,27 @@ impl Engine {
     }
 
     /// The one place a raw address enters the crate (see [`crate::engine::RegionMemory`]).
-    fn register_region(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
+    #[pyo3(signature = (addr, length, *, owner=None))]
+    fn register_region(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        length: u64,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
         // SAFETY: the FFI edge, where the promise is made for Python, which hands us only the
         // address of memory it owns: `Engine.register_region`'s documented contract (see
-        // `_core.pyi`) is that the caller keeps the range allocated, for its blocks only, until
-        // the engine is closed. The connector registers vLLM's KV-cache tensors, which the
-        // worker keeps for its whole life, and closes the engine on shutdown. What can be
-        // checked is: a null or empty range is refused, and a host range must be mapped now.
-        let memory = unsafe { engine::RegionMemory::new(addr, length) };
+        // `_core.pyi`) is that `owner` (the tensor or buffer the range belongs to) keeps the
+        // range allocated while it lives, or, without one, that the caller keeps it allocated,
+        // for its blocks only, until the engine is closed. The connector registers vLLM's
+        // KV-cache tensors with themselves as owners. What can be checked is: a null or empty
+        // range is refused, and a host range must be mapped now.
+        let memory = unsafe {
+            match owner {
+                Some(owner) => engine::RegionMemory::kept_alive_by(addr, length, Box::new(owner)),
+                None => engine::RegionMemory::new(addr, length),
+            }
+        };
         self.with(py, |e| e.register_region(memory))
     }
 

@@ -95,7 +95,7 @@ pub fn test_engine(
         secret: None,
         ucx_lib_dir: None,
         heartbeat: Duration::from_millis(200),
-        peer_error_handling: false,
+        peer_error_handling: true,
         lookup_claim: Duration::from_secs(30),
         allow_unauthenticated: false,
         same_host_reads,

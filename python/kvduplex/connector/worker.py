@@ -318,9 +318,12 @@ class DuplexWorker:
             allow_unauthenticated=self._config.allow_unauthenticated_peers,
             same_host_reads=self._config.same_host_reads,
         )
+        # The tensors own the regions' memory: the engine holds them while a read may still
+        # write into it, past close (`_core.pyi`).
+        owners = tuple(kv_caches.values())
         try:
             for addr, length in layout.regions:
-                engine.register_region(addr, length)
+                engine.register_region(addr, length, owner=owners)
             engine.set_layout(
                 list(layout.segment_bases), layout.block_len, layout.block_stride,
                 layout.num_blocks,

@@ -3,12 +3,11 @@
 //! retrying. The handshakes and the connections themselves are [`super::peer`]'s.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::peer::{attempt_connect, begin_connect, connect_blocking, resolve};
+use super::routes::{begin_connect, connect_blocking, resolve, spawn_handshake};
 use super::{lock, Engine, EngineError, PeerStatus};
-use crate::handshake::{ConnectDecision, HandshakeError};
+use crate::handshake::{ConnectDecision, HandshakeError, PeerState};
 
 impl Engine {
     /// Handshakes with the engine whose side channel is `host:port` (unless a live connection
@@ -49,25 +48,11 @@ impl Engine {
             ConnectDecision::InProgress => PeerStatus::Connecting,
             ConnectDecision::RetryAt { error, .. } => PeerStatus::Failed(error),
             ConnectDecision::Connect { .. } => {
-                let shared = Arc::clone(&self.shared);
-                let (host, thread_key) = (host.to_owned(), key.clone());
-                let spawned =
-                    std::thread::Builder::new().name("kvduplex-connect".into()).spawn(move || {
-                        drop(attempt_connect(&shared, &thread_key, &host, port, timeout))
-                    });
-                match spawned {
-                    Ok(handle) => {
-                        let mut handles = lock(&self.shared.handshakes);
-                        handles.retain(|h| !h.is_finished());
-                        handles.push(handle);
-                        PeerStatus::Connecting
-                    }
-                    Err(e) => {
-                        let error = format!("cannot start a handshake thread: {e}");
-                        lock(&self.shared.table).on_failed(&key, &error, true, Instant::now());
-                        self.shared.table_changed.notify_all();
-                        PeerStatus::Failed(error)
-                    }
+                spawn_handshake(&self.shared, key.clone(), host.to_owned(), port, timeout);
+                // Failed already only when no thread could be started for it.
+                match lock(&self.shared.routes).table.state(&key) {
+                    PeerState::Failed { error, .. } => PeerStatus::Failed(error.clone()),
+                    _ => PeerStatus::Connecting,
                 }
             }
         }

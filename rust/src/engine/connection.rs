@@ -354,8 +354,9 @@ mod tests {
         const ITERATIONS: usize = 100_000;
         const POSTERS: usize = 2;
         type Conn = Connection<Reads, Arc<Batch>>;
+        type Current = Arc<Mutex<Option<(Arc<Conn>, Reads)>>>;
         let barrier = Arc::new(Barrier::new(POSTERS + 2));
-        let current: Arc<Mutex<Option<(Arc<Conn>, Reads)>>> = Arc::default();
+        let current: Current = Arc::default();
         let batches: Arc<Mutex<Vec<Arc<Batch>>>> = Arc::default();
         let mut threads = Vec::new();
         for poster in 0..POSTERS {

@@ -10,7 +10,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::peer::{ready_peer, Peer};
+use super::peer::Peer;
+use super::routes::ready_peer;
 use super::{lock, Shared};
 use crate::held_index::{HeldIndex, OwnerSlot, OwnerState};
 use crate::holds::feed::{FeedWatch, HeldUpdate};

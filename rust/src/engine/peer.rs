@@ -19,16 +19,14 @@ use super::connect::is_retryable_engine_error;
 use super::connection::{Connection, PostError, Tracked, Transport};
 use super::copier::CopyQueue;
 use super::lookup::IndexFeed;
+use super::routes::{settle_waiting, unroute};
 #[allow(unused_imports)] // rustdoc links
 use super::Engine;
 use super::{lock, EngineError, Inflight, Shared};
-use crate::clock::deadline_after;
 use crate::descriptors::{RegionBounds, RegionIndex};
 #[allow(unused_imports)] // rustdoc links
 use crate::handshake::PeerTable;
-use crate::handshake::{
-    ConnectDecision, EngineMetadata, HandshakeError, MemoryType, PeerState, SameHostIdentity,
-};
+use crate::handshake::{EngineMetadata, MemoryType, SameHostIdentity};
 use crate::side_channel::PeerLink;
 use crate::ucx::{
     check_not_this_process, packed, Endpoint, OpenError, Read, SameHostClaim, SameHostPeer,
@@ -95,7 +93,7 @@ impl Tracked for Arc<Inflight> {
 }
 
 /// How callers name connection `connection` to `address`, which declared `engine_id`.
-fn handle(engine_id: &str, address: &str, connection: u64) -> String {
+pub(super) fn handle(engine_id: &str, address: &str, connection: u64) -> String {
     format!("{engine_id}@{address}#{connection}")
 }
 
@@ -148,6 +146,36 @@ impl Peer {
         }
     }
 
+    /// Opens the UCX endpoint to the peer, with peer error handling unless the engine's
+    /// configuration turned it off (the same on every endpoint).
+    ///
+    /// Why every endpoint: with it a batch fails at its deadline whatever the peer does. UCX
+    /// lets only such an endpoint be force-closed (`ucp.h`, `UCP_EP_CLOSE_FLAG_FORCE`:
+    /// undefined behaviour without `UCP_ERR_HANDLING_MODE_PEER`), and a force close cancels
+    /// every read on it without the peer's reply: `ucp_ep_close_nbx` discards the endpoint's
+    /// transport lanes with a cancelling flush (`UCT_FLUSH_FLAG_CANCEL`: a tcp socket is
+    /// closed, an InfiniBand queue pair moved to its error state, so the NIC writes nothing
+    /// more), and completes the reads as `UCS_ERR_CANCELED` only once those lanes are flushed
+    /// (`ucp_ep_discard_lanes` purges the requests in its completion callback). So when a
+    /// read's completion comes back no byte of it can land any more, and its batch, which
+    /// settles on its last read's completion, is reported failed exactly then, within this
+    /// process's own progress. A remote failure is then an error of the endpoint, not of the
+    /// process (on InfiniBand's rc transports an unhandled one has been fatal to the reader).
+    /// Without it an endpoint can only be closed with a flush, which a frozen peer may never
+    /// answer: a read it has not served stays out, and its batch pending (failed, never
+    /// reported read) until the peer serves it or dies.
+    ///
+    /// Why not per peer, off for one on this host: its fast path is not UCX. A peer the
+    /// handshake proved to run on this host (its process vouched for what it sent, read out of
+    /// that very process: [`SameHostPeer`]; never an address or a boot id, which containers
+    /// share) has its host memory read directly, never through an endpoint; UCX reads a peer on
+    /// this host only where that proof failed (another pid namespace: UCX's own cma fails
+    /// there too, and what it falls back to needs the peer to serve) or for device memory,
+    /// whose cuda_ipc transport handles peer errors. And the mode must be the one the peer
+    /// picks for its endpoint to us: UCX pairs the two endpoints of two workers and refuses
+    /// "asymmetric endpoint configuration" (`ucp_ep_config_err_mode_check_mismatch`), which a
+    /// rule each side evaluates on its own view of the other (memory types, what each could
+    /// prove) does not guarantee.
     fn open_endpoint(&self, shared: &Shared) -> Result<Endpoint, PostError> {
         let rkeys: Vec<(&[u8], MemoryType)> =
             self.meta.regions.iter().map(|r| (r.rkey.as_slice(), r.memory)).collect();
@@ -190,110 +218,6 @@ impl Peer {
             );
             unroute(shared, self);
         }
-    }
-}
-
-/// The live connection `peer` names: a handle ([`Peer::handle`]), or a bare engine id that
-/// exactly one live connection declared.
-pub(super) fn resolve(shared: &Shared, peer: &str) -> Result<Arc<Peer>, EngineError> {
-    let table = lock(&shared.table);
-    let peers = lock(&shared.peers);
-    let numbered = peer
-        .rsplit_once('#')
-        .and_then(|(_, n)| n.parse::<u64>().ok())
-        .filter(|_| peer.contains('@'));
-    if let Some(connection) = numbered {
-        return peers
-            .get(&connection)
-            .filter(|p| {
-                p.handle() == peer && table.is_current(&p.address, connection) && p.is_live()
-            })
-            .cloned()
-            .ok_or_else(|| EngineError::PeerNotConnected(peer.to_owned()));
-    }
-    let mut claiming = peers.values().filter(|p| {
-        p.meta.engine_id == peer && table.is_current(&p.address, p.connection) && p.is_live()
-    });
-    match (claiming.next(), claiming.next()) {
-        (Some(only), None) => Ok(Arc::clone(only)),
-        (None, _) => Err(EngineError::PeerNotConnected(peer.to_owned())),
-        (Some(a), Some(b)) => Err(EngineError::AmbiguousPeer {
-            engine_id: peer.to_owned(),
-            addresses: format!("{} and {}", a.address, b.address),
-        }),
-    }
-}
-
-/// The peer table's decision for `key`; a ready entry whose connection closed counts as dead
-/// and is connected afresh.
-pub(super) fn begin_connect(shared: &Shared, key: &str, now: Instant) -> ConnectDecision {
-    let mut table = lock(&shared.table);
-    let decision = table.begin_connect(key, now);
-    if let ConnectDecision::Ready { connection, .. } = &decision {
-        if !lock(&shared.peers).get(connection).is_some_and(|p| p.is_live()) {
-            table.mark_dead(key, *connection);
-            return table.begin_connect(key, now);
-        }
-    }
-    decision
-}
-
-/// [`Engine::connect`]: the handle of the connection to `host:port`; also run by the lookup
-/// threads ([`Engine::start_lookup`]).
-pub(super) fn connect_blocking(
-    shared: &Arc<Shared>,
-    host: &str,
-    port: u16,
-    timeout: Duration,
-) -> Result<String, EngineError> {
-    let key = format!("{host}:{port}");
-    let deadline = deadline_after(timeout);
-    loop {
-        if shared.stop.load(Ordering::Acquire) {
-            return Err(EngineError::Closed);
-        }
-        let now = Instant::now();
-        // Wait for another caller's attempt to end, or for the backoff to pass.
-        let (wait_until, for_other_attempt) = match begin_connect(shared, &key, now) {
-            ConnectDecision::Ready { engine_id, connection } => {
-                return Ok(handle(&engine_id, &key, connection))
-            }
-            ConnectDecision::Connect { .. } => {
-                let left = deadline.saturating_duration_since(now).max(Duration::from_millis(1));
-                match attempt_connect(shared, &key, host, port, left) {
-                    Ok(peer) => return Ok(peer.handle()),
-                    // The table spaces the next attempt.
-                    Err(e) if is_retryable_engine_error(&e) && Instant::now() < deadline => {
-                        continue
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-            ConnectDecision::InProgress => (deadline, true),
-            ConnectDecision::RetryAt { at, error, retryable } => {
-                if !retryable || at >= deadline {
-                    return Err(EngineError::ConnectFailed { address: key, error });
-                }
-                (at, false)
-            }
-        };
-        let table = lock(&shared.table);
-        // An attempt that ended before this lock was taken was signalled already: look again.
-        if for_other_attempt && !matches!(table.state(&key), PeerState::Connecting { .. }) {
-            continue;
-        }
-        let left = wait_until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            if for_other_attempt {
-                return Err(HandshakeError::Timeout {
-                    waiting_for: "another caller's handshake",
-                    after: timeout,
-                }
-                .into());
-            }
-            continue;
-        }
-        drop(shared.table_changed.wait_timeout(table, left).unwrap_or_else(|p| p.into_inner()));
     }
 }
 
@@ -370,9 +294,10 @@ pub(super) fn attempt_connect(
     timeout: Duration,
 ) -> Result<Arc<Peer>, EngineError> {
     let result = handshake_with(shared, key, host, port, timeout);
-    let mut table = lock(&shared.table);
+    let mut routes = lock(&shared.routes);
+    let mut waiting = Vec::new();
     let result = result.map(|parts| {
-        let connected = table.on_ready(key, &parts.meta);
+        let connected = routes.table.on_ready(key, &parts.meta);
         if connected.restarted {
             log::info!("peer {} at {key} restarted (now generation {:#x}); its old endpoint and keys are gone", parts.meta.engine_id, parts.meta.generation);
         }
@@ -386,26 +311,29 @@ pub(super) fn attempt_connect(
             link: parts.link,
             conn: Connection::new(PeerTransport::default()),
         });
-        lock(&shared.peers).insert(connected.connection, Arc::clone(&peer));
+        waiting = routes.add(&peer);
         peer
     });
     if let Err(e) = &result {
         log::debug!("connecting to {key} failed: {e}");
-        table.on_failed(key, &e.to_string(), is_retryable_engine_error(e), Instant::now());
+        routes.table.on_failed(key, &e.to_string(), is_retryable_engine_error(e), Instant::now());
+        waiting = routes.failed(key);
     }
-    drop(table);
+    drop(routes);
     shared.table_changed.notify_all();
-    let peer = result?;
-    // Runs at once if the link died meanwhile.
-    let (weak_shared, weak_peer) = (Arc::downgrade(shared), Arc::downgrade(&peer));
-    peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
-    log::info!(
-        "connected to peer {} at {key} as {} ({} regions)",
-        peer.meta.engine_id,
-        peer.handle(),
-        peer.meta.regions.len()
-    );
-    Ok(peer)
+    if let Ok(peer) = &result {
+        // Runs at once if the link died meanwhile.
+        let (weak_shared, weak_peer) = (Arc::downgrade(shared), Arc::downgrade(peer));
+        peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
+        log::info!(
+            "connected to peer {} at {key} as {} ({} regions)",
+            peer.meta.engine_id,
+            peer.handle(),
+            peer.meta.regions.len()
+        );
+    }
+    settle_waiting(shared, waiting, result.as_ref().ok());
+    result
 }
 
 /// A handshake's outcome, before the table numbers it.
@@ -491,34 +419,6 @@ fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
 pub(super) fn abort_peer(shared: &Shared, peer: &Peer, reason: &str) {
     peer.conn.close(reason);
     unroute(shared, peer);
-}
-
-/// Takes a closed connection out of the peer table's routes.
-fn unroute(shared: &Shared, peer: &Peer) {
-    let mut table = lock(&shared.table);
-    table.mark_dead(&peer.address, peer.connection);
-    lock(&shared.peers).remove(&peer.connection);
-}
-
-/// The live connection to `key`, if the peer table has one ready.
-pub(super) fn ready_peer(shared: &Shared, key: &str) -> Option<Arc<Peer>> {
-    let table = lock(&shared.table);
-    let PeerState::Ready { connection, .. } = table.state(key) else { return None };
-    lock(&shared.peers).get(connection).filter(|p| p.is_live()).cloned()
-}
-
-pub(super) fn connect_for_lookup(
-    shared: &Arc<Shared>,
-    host: &str,
-    port: u16,
-    deadline: Instant,
-) -> Result<Arc<Peer>, String> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err("no time left to connect".to_owned());
-    }
-    let handle = connect_blocking(shared, host, port, left).map_err(|e| e.to_string())?;
-    resolve(shared, &handle).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

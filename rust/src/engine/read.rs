@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::connection::verdict;
-use super::peer::{resolve, Peer};
+use super::peer::Peer;
+use super::routes::resolve;
 use super::{lock, Engine, EngineError, Shared};
 use crate::clock::deadline_after;
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockSlice};
@@ -35,12 +36,6 @@ impl Inflight {
         let (outcome, settled_at) = self.batch.settled()?;
         Some(verdict(outcome, settled_at, self.deadline))
     }
-}
-
-/// A notification to send to the owner a batch was read from.
-pub(super) struct Outgoing {
-    pub(super) peer: Arc<Peer>,
-    pub(super) payload: Vec<u8>,
 }
 
 impl Engine {
@@ -141,12 +136,13 @@ impl Engine {
         Ok(transfer)
     }
 
-    /// Queues `payload` for a connected peer without reading anything. Sent by the notifier
-    /// thread, in order with the read-done notifications of batches that finished before
-    /// this call; a send that fails later is logged there.
+    /// Queues `payload` for a connected peer without reading anything, on that peer's own
+    /// link ([`crate::side_channel::PeerLink::notify`]): in order with the read-done
+    /// notifications of batches that finished before this call, written by the link's thread,
+    /// so a peer that does not read delays only its own (a write that fails ends its link).
     pub fn notify(&self, peer_id: &str, payload: &[u8]) -> Result<(), EngineError> {
         let peer = resolve(&self.shared, peer_id)?;
-        queue_notification(&self.shared, Outgoing { peer, payload: payload.to_vec() })
+        Ok(peer.link.notify(payload)?)
     }
 }
 
@@ -182,14 +178,13 @@ pub(super) fn settle_all(shared: &Shared) -> bool {
     !lock(&shared.inflight).is_empty()
 }
 
-/// Queues the batch's notification (once, only on success) and stops tracking it. Called on
-/// the progress thread and in `Transfer::poll`/`wait`, neither of which may block on a socket.
+/// Queues the batch's notification (once, only on success) on its peer's link, and stops
+/// tracking it. Called on the progress thread and in `Transfer::poll`/`wait`, neither of which
+/// may block on a socket: the link's own thread writes it.
 fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
     if let Some(Ok(())) = inflight.result() {
         if let Some(payload) = lock(&inflight.notify).take() {
-            if let Err(e) =
-                queue_notification(shared, Outgoing { peer: Arc::clone(&inflight.peer), payload })
-            {
+            if let Err(e) = inflight.peer.link.notify(&payload) {
                 log::warn!(
                     "read done but peer {} was not notified: {e}",
                     inflight.peer.meta.engine_id
@@ -198,14 +193,6 @@ fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
         }
     }
     lock(&shared.inflight).retain(|i| !Arc::ptr_eq(i, inflight));
-}
-
-fn queue_notification(shared: &Shared, outgoing: Outgoing) -> Result<(), EngineError> {
-    let outbox = lock(&shared.outbox);
-    match outbox.as_ref().map(|outbox| outbox.send(outgoing)) {
-        Some(Ok(())) => Ok(()),
-        _ => Err(EngineError::Closed),
-    }
 }
 
 /// One posted batch.

@@ -1,12 +1,11 @@
-//! The engine's own threads: progress (UCX, deadlines, the notifications of batches nobody
-//! waits on) and the notifier, which writes notifications to the owners' links; and how
-//! `close` waits for the reads still outstanding.
+//! The engine's progress thread (UCX, deadlines, the notifications of batches nobody waits
+//! on), and how `close` waits for the reads still outstanding.
 
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::read::{settle_all, Outgoing};
+use super::read::settle_all;
 use super::{lock, Shared};
 
 /// Background progress: drives UCX (an owner must progress for tcp-emulated reads), enforces
@@ -46,34 +45,43 @@ const SPIN_AFTER_ACTIVITY: Duration = Duration::from_millis(2);
 const BUSY_POLL: Duration = Duration::from_millis(1);
 const IDLE_POLL: Duration = Duration::from_millis(100);
 
-/// The notifier thread: writes queued notifications to their peers' side-channel links, in
-/// order, until the engine closes. A peer whose socket does not take the write within the
-/// side channel's write timeout loses its link (and is reconnected by the next `connect`).
-pub(super) fn send_notifications(queue: &mpsc::Receiver<Outgoing>) {
-    for Outgoing { peer, payload } in queue {
-        if let Err(e) = peer.link.notify(&payload) {
-            log::warn!("read done but notifying peer {} failed: {e}", peer.meta.engine_id);
-        }
-    }
-}
-
 /// How long `close` waits for same-host copies and progresses UCX for reads its aborts did not
-/// cancel; past it the batches of those reads keep the memory they target registered, and
-/// close returns without them.
+/// end, when those write only into memory whose owner the engine holds: past it they keep that
+/// owner alive, and close returns without them.
 pub(super) const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 
-/// Progresses until no in-flight batch has a read outstanding, or `deadline` passes (logged).
+/// How often `close` says what it still waits for.
+const DRAIN_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Progresses until no in-flight batch has a read outstanding. Past `deadline` it returns once
+/// every batch still outstanding writes only into memory whose owner it holds (which keeps that
+/// memory allocated until its reads end); a read into memory registered without its owner,
+/// which the caller keeps only until close returns, is waited for however long it takes (a
+/// force-closed endpoint's reads end without the peer; a flushed endpoint's read to a frozen
+/// peer, or a same-host copy blocked in the kernel, ends when the peer serves it or dies).
 pub(super) fn drain_reads(shared: &Shared, deadline: Instant) {
+    let mut next_log = deadline;
     loop {
         shared.worker.progress();
-        let outstanding: usize =
-            lock(&shared.inflight).iter().map(|i| i.batch.unfinished_reads()).sum();
+        let (mut outstanding, mut unowned) = (0usize, 0usize);
+        for inflight in lock(&shared.inflight).iter() {
+            let reads = inflight.batch.unfinished_reads();
+            outstanding += reads;
+            if reads > 0 && !inflight.batch.writes_only_memory_it_keeps() {
+                unowned += 1;
+            }
+        }
         if outstanding == 0 {
             return;
         }
-        if Instant::now() >= deadline {
-            log::error!("closing with {outstanding} reads (UCX or same-host) not completed after {CLOSE_DRAIN:?}: their memory stays registered until they end");
+        let now = Instant::now();
+        if now >= deadline && unowned == 0 {
+            log::error!("closing with {outstanding} reads (UCX or same-host) not completed after {CLOSE_DRAIN:?}: the memory they write into stays registered, and its owner alive, until they end");
             return;
+        }
+        if now >= next_log {
+            log::error!("closing waits for {unowned} batches whose reads ({outstanding} in all) may still write into memory registered without its owner: until their peers serve or fail them");
+            next_log = now + DRAIN_LOG_EVERY;
         }
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use peers::{ConnectDecision, Connected, PeerState, PeerTable, RetryPolicy};
+pub use peers::{ConnectDecision, Connected, PeerState, PeerTable, RetryPolicy, FORGET_IDLE_AFTER};
 use wire::{Frame, FrameKind};
 
 /// Version of the side-channel protocol. The frame header's magic and version fields keep
@@ -201,6 +201,8 @@ pub enum HandshakeError {
     Refused(String),
     #[error("the peer is gone: {0}")]
     PeerGone(String),
+    #[error("{queued} bytes already wait to be written to the peer: it is not reading them")]
+    Backlog { queued: usize },
     #[error("invalid side-channel configuration: {0}")]
     Config(String),
     #[error("the OS has no randomness for nonces: {0}")]

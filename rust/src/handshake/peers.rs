@@ -83,7 +83,16 @@ struct Peer {
     state: PeerState,
     /// Survives `mark_dead`, so a reconnect can tell whether the peer restarted meanwhile.
     ready_generation: Option<u64>,
+    /// When a sweep first found it idle (dead, or failed and past its backoff); cleared by
+    /// any transition.
+    idle_since: Option<Instant>,
 }
+
+/// How long an idle entry (a dead connection's address, or a failed one past its backoff) is
+/// kept: a peer that reconnects within it is told apart from a restarted one, and keeps
+/// backing off; after it, its address is forgotten, so the table holds the addresses in use,
+/// not every address ever connected to.
+pub const FORGET_IDLE_AFTER: Duration = Duration::from_secs(300);
 
 /// Connection state per remote engine, keyed by its side-channel `host:port`: the one place
 /// that decides whether to connect, wait, or use a ready link. Time is passed in.
@@ -93,6 +102,8 @@ pub struct PeerTable {
     peers: HashMap<String, Peer>,
     /// The last connection number handed out.
     connections: u64,
+    /// When `begin_connect` next looks for idle entries to forget.
+    next_sweep: Option<Instant>,
 }
 
 /// A connection made ready by [`PeerTable::on_ready`].
@@ -107,7 +118,27 @@ static UNKNOWN: PeerState = PeerState::Unknown;
 
 impl PeerTable {
     pub fn new(policy: RetryPolicy) -> Self {
-        Self { policy, peers: HashMap::new(), connections: 0 }
+        Self { policy, peers: HashMap::new(), connections: 0, next_sweep: None }
+    }
+
+    /// Forgets the entries idle for [`FORGET_IDLE_AFTER`] (looking at most once a second).
+    fn sweep(&mut self, now: Instant) {
+        if self.next_sweep.is_some_and(|at| now < at) {
+            return;
+        }
+        self.next_sweep = now.checked_add(Duration::from_secs(1));
+        self.peers.retain(|_, peer| {
+            let idle = match peer.state {
+                PeerState::Unknown => true,
+                PeerState::Failed { retry_at, .. } => now >= retry_at,
+                PeerState::Connecting { .. } | PeerState::Ready { .. } => false,
+            };
+            if !idle {
+                return true;
+            }
+            let since = *peer.idle_since.get_or_insert(now);
+            now.saturating_duration_since(since) < FORGET_IDLE_AFTER
+        });
     }
 
     pub fn state(&self, key: &str) -> &PeerState {
@@ -115,6 +146,7 @@ impl PeerTable {
     }
 
     pub fn begin_connect(&mut self, key: &str, now: Instant) -> ConnectDecision {
+        self.sweep(now);
         let peer = peer_entry(&mut self.peers, key);
         let attempt = match &peer.state {
             PeerState::Unknown => 1,
@@ -135,6 +167,7 @@ impl PeerTable {
             PeerState::Failed { attempts, .. } => attempts.saturating_add(1),
         };
         peer.state = PeerState::Connecting { attempt };
+        peer.idle_since = None;
         ConnectDecision::Connect { attempt }
     }
 
@@ -152,6 +185,7 @@ impl PeerTable {
         let restarted = peer.ready_generation.is_some_and(|g| g != metadata.generation);
         peer.state = ready;
         peer.ready_generation = Some(metadata.generation);
+        peer.idle_since = None;
         Connected { connection, restarted }
     }
 
@@ -175,6 +209,7 @@ impl PeerTable {
             attempts,
             retry_at: now.checked_add(backoff).unwrap_or(now),
         };
+        peer.idle_since = None;
     }
 
     /// Connection `connection` to `key` died: the next `begin_connect` connects afresh.
@@ -183,6 +218,7 @@ impl PeerTable {
         let current = self.is_current(key, connection);
         if let (true, Some(peer)) = (current, self.peers.get_mut(key)) {
             peer.state = PeerState::Unknown;
+            peer.idle_since = None;
         }
         current
     }
@@ -194,9 +230,11 @@ impl PeerTable {
 }
 
 fn peer_entry<'a>(peers: &'a mut HashMap<String, Peer>, key: &str) -> &'a mut Peer {
-    peers
-        .entry(key.to_owned())
-        .or_insert(Peer { state: PeerState::Unknown, ready_generation: None })
+    peers.entry(key.to_owned()).or_insert(Peer {
+        state: PeerState::Unknown,
+        ready_generation: None,
+        idle_since: None,
+    })
 }
 
 /// When a kept-open link pings, and when silence means the other side is gone.

@@ -1,14 +1,16 @@
 //! The reader's side: a kept-open, authenticated link to one owner, and its lookups.
 
+use super::outbox::Outbox;
 use super::*;
 use crate::holds::feed::HeldUpdate;
 
-/// A reader's kept-open, authenticated connection to an owner's side channel.
+/// A reader's kept-open, authenticated connection to an owner's side channel: a thread reads
+/// it, another writes what `notify`, `send_lookup` and the heartbeat queue ([`Outbox`]).
 pub struct PeerLink {
     status: Arc<Mutex<LinkStatus>>,
-    /// Serializes whole frames from `notify`, `lookup` and the link thread's pings.
-    writer: Arc<Mutex<FrameWriter>>,
-    /// For shutting the socket down without waiting on `writer`.
+    /// Frames for the writer thread, which writes them whole and in order.
+    outbox: Arc<Outbox>,
+    /// For shutting the socket down.
     socket: TcpStream,
     lookups: Arc<PendingLookups>,
     /// Both hellos' hash, which the owner's same-host proof is bound to.
@@ -163,42 +165,54 @@ impl PeerLink {
         metadata.validate()?;
 
         let status = Arc::new(Mutex::new(LinkStatus::Alive { on_death: Vec::new() }));
-        let writer = Arc::new(Mutex::new(writer));
+        let outbox = Arc::new(Outbox::default());
         let liveness = Liveness::new(
             Instant::now(),
             heartbeat,
             Duration::from_millis(server_hello.heartbeat_ms.into()),
         );
-        let (thread_status, thread_writer) = (Arc::clone(&status), Arc::clone(&writer));
         let lookups = Arc::new(PendingLookups::default());
-        let thread_lookups = Arc::clone(&lookups);
-        thread::Builder::new().name("kvduplex-peer-link".to_owned()).spawn(move || {
-            let mut on_held = on_held;
-            let end = run_link(
-                &mut reader,
-                liveness,
-                || lock(&thread_writer).send(&Frame::Ping),
-                |frame| match frame {
-                    Frame::LookupReply(reply) => {
-                        thread_lookups.deliver(reply, Instant::now());
-                        Ok(())
-                    }
-                    Frame::Held(update) => {
-                        if let Some(on_held) = &mut on_held {
-                            on_held(update);
+        let ends = LinkEnds {
+            status: Arc::clone(&status),
+            outbox: Arc::clone(&outbox),
+            lookups: Arc::clone(&lookups),
+            socket: stream.try_clone()?,
+        };
+        let writer_ends = ends.clone()?;
+        thread::Builder::new()
+            .name("kvduplex-peer-write".to_owned())
+            .spawn(move || write_frames(writer, &writer_ends))?;
+        let (thread_outbox, thread_lookups) = (Arc::clone(&outbox), Arc::clone(&lookups));
+        let spawned =
+            thread::Builder::new().name("kvduplex-peer-link".to_owned()).spawn(move || {
+                let mut on_held = on_held;
+                let end = run_link(
+                    &mut reader,
+                    liveness,
+                    || thread_outbox.push(&Frame::Ping),
+                    |frame| match frame {
+                        Frame::LookupReply(reply) => {
+                            thread_lookups.deliver(reply, Instant::now());
+                            Ok(())
                         }
-                        Ok(())
-                    }
-                    other => Err(unexpected("Ping, LookupReply or Held", &other)),
-                },
-            );
-            // The owner's announcements end with the link.
-            drop(on_held);
-            let reason = end.to_string();
-            mark_dead(&thread_status, reason.clone());
-            thread_lookups.fail_all(&reason);
-        })?;
-        Ok((PeerLink { status, writer, socket: stream, lookups, transcript }, metadata))
+                        Frame::Held(update) => {
+                            if let Some(on_held) = &mut on_held {
+                                on_held(update);
+                            }
+                            Ok(())
+                        }
+                        other => Err(unexpected("Ping, LookupReply or Held", &other)),
+                    },
+                );
+                // The owner's announcements end with the link.
+                drop(on_held);
+                ends.end(&end.to_string());
+            });
+        if let Err(e) = spawned {
+            outbox.close("the link could not start");
+            return Err(e.into());
+        }
+        Ok((PeerLink { status, outbox, socket: stream, lookups, transcript }, metadata))
     }
 
     /// The hash of this connection's hellos ([`wire::transcript`]).
@@ -258,24 +272,67 @@ impl PeerLink {
         }
     }
 
-    /// Writes one whole frame; a failed write leaves the stream unusable, so the link dies.
+    /// Queues one whole frame for the writer thread, without waiting for it to be written
+    /// (a write that fails later ends the link); `what` says what it is, for the error.
     pub(super) fn send(&self, frame: &Frame, what: &str) -> Result<(), HandshakeError> {
         if let LinkStatus::Dead { reason } = &*lock(&self.status) {
             return Err(HandshakeError::PeerGone(reason.clone()));
         }
-        let sent = lock(&self.writer).send(frame);
-        sent.map_err(|e| {
-            if matches!(e, HandshakeError::Io(_)) {
-                let reason = format!("{what} failed: {e}");
-                mark_dead(&self.status, reason.clone());
-                self.lookups.fail_all(&reason);
+        self.outbox.push(frame).map_err(|e| match e {
+            HandshakeError::Backlog { .. } => {
+                HandshakeError::PeerGone(format!("{what} was dropped: {e}"))
             }
-            e
+            e => e,
         })
     }
 
-    /// Closes the connection; death callbacks are dropped without running. Also on drop.
+    /// Waits until every frame queued so far was written (true), the link ended, or
+    /// `deadline` passed (false).
+    pub fn flush(&self, deadline: Instant) -> bool {
+        self.outbox.flush(deadline)
+    }
+
+    /// Closes the connection; death callbacks are dropped without running them. Also on drop.
     pub fn close(self) {}
+}
+
+/// What both of a link's threads end it with: whichever stops first (the reader: the peer
+/// gone; the writer: a write failed) marks it dead, fails its lookups, stops the writer and
+/// shuts the socket, which stops the reader.
+struct LinkEnds {
+    status: Arc<Mutex<LinkStatus>>,
+    outbox: Arc<Outbox>,
+    lookups: Arc<PendingLookups>,
+    socket: TcpStream,
+}
+
+impl LinkEnds {
+    fn clone(&self) -> io::Result<LinkEnds> {
+        Ok(LinkEnds {
+            status: Arc::clone(&self.status),
+            outbox: Arc::clone(&self.outbox),
+            lookups: Arc::clone(&self.lookups),
+            socket: self.socket.try_clone()?,
+        })
+    }
+
+    fn end(&self, reason: &str) {
+        mark_dead(&self.status, reason.to_owned());
+        self.lookups.fail_all(reason);
+        self.outbox.close(reason);
+        let _ = self.socket.shutdown(Shutdown::Both);
+    }
+}
+
+/// The writer thread: writes the queued frames in order, each bounded by the socket's write
+/// timeout, until the outbox closes or a write fails.
+fn write_frames(mut writer: FrameWriter, ends: &LinkEnds) {
+    while let Some(frame) = ends.outbox.next() {
+        if let Err(e) = writer.send_bytes(frame) {
+            ends.end(&format!("writing to the peer failed: {e}"));
+            return;
+        }
+    }
 }
 
 impl fmt::Debug for PeerLink {
@@ -293,6 +350,7 @@ impl Drop for PeerLink {
         let closed = LinkStatus::Dead { reason: "closed locally".to_owned() };
         let discarded = std::mem::replace(&mut *lock(&self.status), closed);
         drop(discarded);
+        self.outbox.close("closed locally");
         // Wakes the link thread, which then exits on its own; an error means already closed.
         let _ = self.socket.shutdown(Shutdown::Both);
     }

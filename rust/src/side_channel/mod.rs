@@ -10,6 +10,7 @@
 //! Rooms: `server` (the owner's side: accepting readers, the handshake, notifications and
 //! lookups), `announce` (the owner's side: telling each reader what its lookups can find),
 //! `link` (the reader's side: one kept-open link, its lookups and the owner's announcements),
+//! `outbox` (a link's frames, written by its own thread, so a stalled owner stalls only it),
 //! `framing` (frames over a blocking socket, their authentication, and the liveness loop both
 //! sides run); this module keeps the bounds, the configuration and what both sides share.
 
@@ -36,11 +37,13 @@ use crate::holds::{LookupReply, LookupRequest};
 mod announce;
 mod framing;
 mod link;
+mod outbox;
 mod server;
 
 pub use announce::HeldSource;
 use framing::*;
 pub use link::{HeldSink, LookupOutcome, LookupReplyHandler, PeerLink};
+pub use outbox::MAX_QUEUED_BYTES;
 pub use server::SideChannelServer;
 
 /// How long the server gives a client to complete the handshake.

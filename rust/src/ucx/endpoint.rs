@@ -448,6 +448,12 @@ impl BatchState {
         self.unfinished.load(Ordering::Acquire)
     }
 
+    /// Whether every region it writes into holds the owner of its memory, which its reads
+    /// then cannot outlive ([`super::RegionMemory::kept_alive_by`]).
+    pub fn writes_only_memory_it_keeps(&self) -> bool {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).iter().all(|r| r.holds_its_memory())
+    }
+
     /// Records the outcome once; called when nothing is outstanding.
     fn settle(&self) {
         let outcome = match self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone() {

@@ -286,7 +286,7 @@ impl Worker {
     /// here); a GPU range must be one UCX's CUDA support recognizes. That it stays so is
     /// `memory`'s promise ([`RegionMemory::new`]).
     pub fn register(self: &Arc<Self>, memory: RegionMemory) -> Result<MemRegion, UcxError> {
-        let RegionMemory { addr, len } = memory;
+        let RegionMemory { addr, len, owner } = memory;
         let _g = self.guard();
         // SAFETY: zeroed reserve space and unused fields are valid.
         let mut params: sys::ucp_mem_map_params_t = unsafe { std::mem::zeroed() };
@@ -348,7 +348,7 @@ impl Worker {
         let rkey = unsafe { std::slice::from_raw_parts(rkey_buf as *const u8, rkey_len).to_vec() };
         // SAFETY: rkey_buf came from ucp_rkey_pack.
         unsafe { (self.api.ucp_rkey_buffer_release)(rkey_buf) };
-        Ok(MemRegion { worker: Arc::clone(self), memh, addr, len, memory, rkey })
+        Ok(MemRegion { worker: Arc::clone(self), memh, addr, len, memory, rkey, owner })
     }
 }
 
@@ -434,18 +434,38 @@ impl Drop for WorkerLock<'_> {
 pub struct RegionMemory {
     addr: u64,
     len: u64,
+    /// What keeps the range allocated ([`RegionMemory::kept_alive_by`]), if the engine holds it.
+    owner: Option<MemoryOwner>,
 }
+
+/// The owner of a registered range's memory (a Python tensor, a buffer): held with the region,
+/// and so for as long as any read may still write into the range.
+pub type MemoryOwner = Box<dyn std::any::Any + Send + Sync>;
 
 impl RegionMemory {
     /// # Safety
     /// `[addr, addr+len)` must be memory of this process (host memory, or GPU memory that UCX's
     /// CUDA support recognizes) that stays allocated, and is used for nothing else than the
     /// blocks it holds, for as long as it is registered: until the engine it is registered
-    /// with has closed ([`crate::engine::Engine::close`] returned, or the engine dropped). Peers
-    /// read it, and the engine's reads write into it, whenever it is registered; a reader
-    /// must not touch the blocks of a batch until that batch has settled.
+    /// with has closed ([`crate::engine::Engine::close`] returned, or the engine dropped; close
+    /// returns only once no read can write into such memory any more, however long that
+    /// takes). Peers read it, and the engine's reads write into it, whenever it is registered;
+    /// a reader must not touch the blocks of a batch until that batch has settled.
     pub unsafe fn new(addr: u64, len: u64) -> RegionMemory {
-        RegionMemory { addr, len }
+        RegionMemory { addr, len, owner: None }
+    }
+
+    /// Memory that `owner` keeps allocated: the region holds `owner` for as long as a read may
+    /// still write into it, past the engine's close when a read that close cannot stop (a
+    /// same-host copy blocked in the kernel, a read UCX could not cancel) is still out. Close
+    /// then returns after a bounded wait.
+    ///
+    /// # Safety
+    /// As [`RegionMemory::new`], except that the range must stay allocated for as long as
+    /// `owner` lives, rather than until the engine closed; once it closed, the blocks of the
+    /// batches that had not settled may still be written until the engine drops `owner`.
+    pub unsafe fn kept_alive_by(addr: u64, len: u64, owner: MemoryOwner) -> RegionMemory {
+        RegionMemory { addr, len, owner: Some(owner) }
     }
 
     pub fn addr(&self) -> u64 {
@@ -471,6 +491,8 @@ pub struct MemRegion {
     pub memory: MemoryType,
     /// The packed remote key a peer needs to read this region.
     pub rkey: Vec<u8>,
+    /// Keeps the memory allocated; dropped after the region is unregistered.
+    owner: Option<MemoryOwner>,
 }
 
 // SAFETY: memh is only used under the worker lock (in Drop and when posting reads).
@@ -480,6 +502,11 @@ unsafe impl Sync for MemRegion {}
 impl MemRegion {
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         RegionBounds { addr: self.addr, len: self.len }.contains(addr, len)
+    }
+
+    /// Whether the region holds the owner of its memory ([`RegionMemory::kept_alive_by`]).
+    pub fn holds_its_memory(&self) -> bool {
+        self.owner.is_some()
     }
 }
 

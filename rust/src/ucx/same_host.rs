@@ -374,7 +374,7 @@ pub struct SameHostCopy {
     peer: Arc<SameHostPeer>,
     ranges: Vec<Range>,
     /// Holds the registered regions the ranges write into (checked by `prepare`), so that they
-    /// stay registered, and so allocated ([`super::RegionMemory::new`]'s promise), for as long
+    /// stay registered, and so allocated ([`super::RegionMemory`]'s promise), for as long
     /// as the copy exists.
     batch: Arc<BatchState>,
     ran: bool,
