@@ -626,13 +626,13 @@ def test_a_stalled_owner_delays_only_its_own_notifications_and_lookups():
                 break  # the link's queue is full
         time.sleep(0.5)  # the writer is blocked in a write to the stalled owner by now
         started = time.monotonic()
-        lookup = reader.engine.start_lookup([("127.0.0.1", stalled.port)], ["00000000000000aa"], 1.0)
-        lookup_s = time.monotonic() - started
-        started = time.monotonic()
         reader.engine.notify(healthy_peer, b"not-delayed")
         arrived = _first_line_with(healthy, b"not-delayed", timeout_s=30)
         assert arrived is not None, "the healthy owner never got its notification"
         delay_s = arrived - started
+        started = time.monotonic()
+        lookup = reader.engine.start_lookup([("127.0.0.1", stalled.port)], ["00000000000000aa"], 1.0)
+        lookup_s = time.monotonic() - started
         print(f"{queued >> 20} MiB queued for the stalled owner; the healthy owner's notification "
               f"arrived after {delay_s * 1000:.1f} ms; start_lookup of the stalled owner took "
               f"{lookup_s * 1000:.1f} ms")

@@ -178,9 +178,11 @@ class Engine:
         a connection's handle (`peer_status`, `connect`), or a bare engine id that exactly one
         live connection declared (PeerNotConnectedError while several do)."""
     def notify(self, peer_engine_id: str, payload: bytes) -> None:
-        """Queue a notification without reading (e.g. 'not pulling; free your blocks'). The
-        engine's notifier thread sends it, in order after the read-done notifications of
-        batches already finished; a send that fails then is logged."""
+        """Queue a notification without reading (e.g. 'not pulling; free your blocks') on the
+        peer's own link, whose thread writes it, in order after the read-done notifications of
+        batches already finished: a peer that stops reading delays only its own. Raises
+        HandshakeError when 16 MiB wait for the peer already (a write that fails later ends
+        the link)."""
     def known_peers(self) -> list[tuple[str, str]]:
         """(engine id, "host:port") of connected engines that announced their side channel:
         the engines that read from this one; forgotten when their connection ends."""
@@ -236,7 +238,8 @@ class Engine:
         """Ask every side channel in `targets` at once for the longest held turn starting with
         these blocks or, with `request_id`, for a grant of that hold's leading blocks that
         carry them, without waiting: a connected owner is asked right away, others are
-        connected to first (within `timeout_s`) on the transfer core's own threads. A named
+        connected to first (within `timeout_s`; one handshake per owner at a time, on a thread
+        of the core, however many lookups wait for it). A named
         hold the owner has not taken yet is asked for again until `timeout_s`, and so is an
         owner still computing the turn whose prompt ends with `continues` (the fingerprint of
         a whole prompt handed to a decode node, which this prompt continues). Without

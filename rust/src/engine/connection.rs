@@ -23,6 +23,8 @@ pub(super) trait Tracked {
     fn fails_alone(&self) -> bool;
     /// Fails it for `reason`; it settles once none of its reads is outstanding.
     fn fail(&self, reason: &str);
+    /// It was failed (it may still have reads outstanding).
+    fn failed(&self) -> bool;
 }
 
 /// A connection's means of reading: cancelled once, when the connection closes.
@@ -119,8 +121,11 @@ impl<T: Transport, B: Tracked> Connection<T, B> {
         let (mut failed_alone, mut close_for) = (0, None);
         for batch in state.batches.iter().filter(|b| !b.settled() && now >= b.deadline()) {
             if batch.fails_alone() {
-                batch.fail(&reason(batch));
-                failed_alone += 1;
+                // Once: its copy stops at its next call, and settles it then.
+                if !batch.failed() {
+                    batch.fail(&reason(batch));
+                    failed_alone += 1;
+                }
             } else {
                 close_for.get_or_insert_with(|| reason(batch));
             }
@@ -230,6 +235,9 @@ mod tests {
                 s.settled.get_or_insert((failed, Instant::now()));
             }
         }
+        fn failed(&self) -> bool {
+            lock(&self.state).failed.is_some()
+        }
     }
 
     /// Reads in flight on a transport. Cancelling a `force` one ends them as cancelled, as
@@ -317,8 +325,9 @@ mod tests {
         let t0 = Instant::now();
         let conn = Connection::new(Reads::force());
         let copy = Batch::new(t0 + Duration::from_millis(10), true);
+        let copying = Batch::new(t0 + Duration::from_millis(10), true);
         let ucx = Batch::new(t0 + Duration::from_millis(20), false);
-        for batch in [&copy, &ucx] {
+        for batch in [&copy, &ucx, &copying] {
             conn.post(Arc::clone(batch), |r| {
                 if !batch.alone {
                     r.start(batch);
@@ -326,10 +335,14 @@ mod tests {
                 Ok(())
             });
         }
+        // A copy under way: failed at its deadline, settled only once the copy stops.
+        lock(&copying.state).outstanding = true;
         let why = |_: &Arc<Batch>| "deadline".to_owned();
         assert_eq!(conn.expire(t0 + Duration::from_millis(5), why), (0, false));
-        assert_eq!(conn.expire(t0 + Duration::from_millis(10), why), (1, false));
+        assert_eq!(conn.expire(t0 + Duration::from_millis(10), why), (2, false));
         assert_eq!(copy.verdict(), Some(Err("deadline".to_owned())));
+        assert_eq!(copying.verdict(), None, "settles when its copy stops");
+        assert_eq!(conn.expire(t0 + Duration::from_millis(11), why), (0, false), "failed once");
         assert!(conn.is_open() && ucx.verdict().is_none());
         assert_eq!(conn.expire(t0 + Duration::from_millis(20), why), (0, true));
         assert_eq!(ucx.verdict(), Some(Err("deadline".to_owned())));

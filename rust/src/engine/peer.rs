@@ -90,6 +90,10 @@ impl Tracked for Arc<Inflight> {
         lock(&self.abort_reason).get_or_insert_with(|| reason.to_owned());
         self.batch.fail(reason.to_owned());
     }
+
+    fn failed(&self) -> bool {
+        self.batch.has_failed()
+    }
 }
 
 /// How callers name connection `connection` to `address`, which declared `engine_id`.
@@ -136,6 +140,10 @@ impl Peer {
                     None => self.open_endpoint(shared)?,
                 };
                 let endpoint = transport.endpoint.insert(endpoint);
+                if let Some(status) = endpoint.failure() {
+                    // Closes the connection; the next `connect` makes another.
+                    return Err(PostError::MaybePartial(format!("the endpoint failed: {status}")));
+                }
                 endpoint
                     .post_reads(reads, batch)
                     .map_err(|e| PostError::MaybePartial(e.to_string()))
@@ -188,8 +196,15 @@ impl Peer {
                 shared.config.peer_error_handling,
             )
             .map_err(|e| {
+                // Only transports that report a peer's failure can carry such an endpoint.
+                let hint = if shared.config.peer_error_handling {
+                    " (with peer_error_handling, UCX_TLS must allow a transport that handles \
+                     peer errors, e.g. tcp, rc or cuda_ipc; UCX's shared memory does not)"
+                } else {
+                    ""
+                };
                 PostError::NothingPosted(format!(
-                    "cannot open an endpoint to peer {}: {e}",
+                    "cannot open an endpoint to peer {}: {e}{hint}",
                     self.meta.engine_id
                 ))
             })

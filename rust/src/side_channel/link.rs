@@ -239,9 +239,11 @@ impl PeerLink {
         }
     }
 
-    /// Sends `payload` to the owner, which receives it as a [`Notification`] from our engine id.
+    /// Queues `payload` for the owner, which receives it as a [`Notification`] from our engine
+    /// id: written by the link's own thread, after what was queued before it; `Backlog` when
+    /// the owner left [`super::MAX_QUEUED_BYTES`] unread.
     pub fn notify(&self, payload: &[u8]) -> Result<(), HandshakeError> {
-        self.send(&Frame::Notify(payload.to_vec()), "sending a notification")
+        self.send(&Frame::Notify(payload.to_vec()))
     }
 
     /// Asks the owner for the longest turn it holds whose blocks start with `fingerprints`,
@@ -264,26 +266,21 @@ impl PeerLink {
         self.lookups.add(id, timeout, on_reply);
         // Registered before sending, so a fast reply finds it.
         // A link that dies after this fails every waiting lookup, this one included.
-        if let Err(e) = self.send(
-            &Frame::Lookup(LookupRequest { id, fingerprints, request_id, continues }),
-            "sending a lookup",
-        ) {
+        if let Err(e) =
+            self.send(&Frame::Lookup(LookupRequest { id, fingerprints, request_id, continues }))
+        {
             self.lookups.fail(id, e);
         }
     }
 
     /// Queues one whole frame for the writer thread, without waiting for it to be written
-    /// (a write that fails later ends the link); `what` says what it is, for the error.
-    pub(super) fn send(&self, frame: &Frame, what: &str) -> Result<(), HandshakeError> {
+    /// (a write that fails later ends the link); `Backlog` when the peer left
+    /// [`super::MAX_QUEUED_BYTES`] unread.
+    pub(super) fn send(&self, frame: &Frame) -> Result<(), HandshakeError> {
         if let LinkStatus::Dead { reason } = &*lock(&self.status) {
             return Err(HandshakeError::PeerGone(reason.clone()));
         }
-        self.outbox.push(frame).map_err(|e| match e {
-            HandshakeError::Backlog { .. } => {
-                HandshakeError::PeerGone(format!("{what} was dropped: {e}"))
-            }
-            e => e,
-        })
+        self.outbox.push(frame)
     }
 
     /// Waits until every frame queued so far was written (true), the link ended, or

@@ -48,12 +48,18 @@ impl Worker {
             })?;
         }
         let _g = self.guard();
+        let fault = Box::new(Fault { api: self.api, status: Mutex::new(None) });
         // SAFETY: zeroed reserve space and unused fields are valid.
         let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
         params.field_mask =
             sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
         params.address = peer_address.as_ptr() as *const c_void;
         params.err_mode = if peer_error_handling {
+            // An error of the endpoint is handed to `endpoint_failed` (UCX logs one it cannot
+            // hand to anyone at ERROR), which records it for the next post to find.
+            params.field_mask |= sys::UCP_EP_PARAM_FIELD_ERR_HANDLER;
+            params.err_handler_cb = Some(endpoint_failed);
+            params.err_handler_arg = &*fault as *const Fault as *mut c_void;
             sys::UCP_ERR_HANDLING_MODE_PEER
         } else {
             sys::UCP_ERR_HANDLING_MODE_NONE
@@ -70,6 +76,7 @@ impl Worker {
             remote: regions,
             outstanding: Arc::new(AtomicUsize::new(0)),
             peer_error_handling,
+            fault,
         };
         for (packed, _) in rkeys {
             let mut rkey = ptr::null_mut();
@@ -100,6 +107,30 @@ pub struct Endpoint {
     outstanding: Arc<AtomicUsize>,
     /// Created with `UCP_ERR_HANDLING_MODE_PEER`: only such an endpoint may be force-closed.
     peer_error_handling: bool,
+    /// Where UCX reports the endpoint's failure (its error handler's argument): boxed, so its
+    /// address holds; UCX calls the handler only before the endpoint is closed, which `close`
+    /// does before the box goes.
+    fault: Box<Fault>,
+}
+
+/// An endpoint's failure, as UCX reported it.
+struct Fault {
+    api: &'static Api,
+    status: Mutex<Option<String>>,
+}
+
+/// UCX's error handler of an endpoint with peer error handling: the endpoint failed (the peer
+/// died, its connection broke); its outstanding reads complete with errors on their own.
+/// Runs inside progress, under the worker lock: it only records the failure.
+unsafe extern "C" fn endpoint_failed(
+    arg: *mut c_void,
+    _ep: sys::ucp_ep_h,
+    status: sys::ucs_status_t,
+) {
+    // SAFETY: `arg` is the endpoint's boxed Fault, which outlives every call (see `fault`).
+    let fault = unsafe { &*(arg as *const Fault) };
+    let text = fault.api.status_text(status);
+    fault.status.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(text);
 }
 
 // SAFETY: ep and rkeys are only used under the worker lock.
@@ -120,6 +151,12 @@ pub struct Read<'a> {
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Endpoint {
+    /// Why UCX failed the endpoint, if it did (only an endpoint with peer error handling says):
+    /// no read can be posted on it any more.
+    pub fn failure(&self) -> Option<String> {
+        self.fault.status.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// Posts every read of `batch`; each completes on its own (a read that completes at once,
     /// or a pending one through [`read_done`]), and the batch settles when the last one has.
     /// No flush: a batch never waits behind other batches' reads to the same peer.

@@ -47,6 +47,7 @@ pub const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = bit(0);
 pub const UCS_THREAD_MODE_SERIALIZED: c_int = 1;
 pub const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = bit(0);
 pub const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = bit(1);
+pub const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = bit(2);
 pub const UCP_ERR_HANDLING_MODE_NONE: c_int = 0;
 pub const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = bit(0);
