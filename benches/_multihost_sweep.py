@@ -48,24 +48,10 @@ from kvduplex_testing.tiny_model import (  # noqa: E402
     REALISTIC_MODEL_CONFIG,
     build_realistic_chat_model,
 )
-from multihost import HOSTS, host_env, rate_label  # noqa: E402
+from multihost import HOSTS, host_env, host_server, rate_label  # noqa: E402
 
 logger = logging.getLogger("multihost")
-SERVER_PORT = 8000  # every host has its own port space
 SINGLE_HOST = HERE / "results" / "history_sweep_pinned.json"
-
-
-def launcher(fabric: Fabric, host: str, tmp: Path) -> str:
-    """An executable that runs the Python interpreter on `host` (VllmServer's `python`). On
-    SIGTERM it kills `unshare` (which ignores SIGTERM), whose child, and so the whole pid
-    namespace, goes with it; VllmServer would otherwise wait 30 s before its SIGKILL."""
-    path = tmp / f"python-on-{host}"
-    path.write_text(
-        "#!/bin/sh\n"
-        + " ".join(fabric.exec_prefix(host)) + f" {sys.executable} \"$@\" &\n"
-        + "child=$!\ntrap 'kill -KILL $child' TERM INT\nwait $child\nwait $child\n")
-    path.chmod(0o755)
-    return str(path)
 
 
 def reset_p(server: VllmServer) -> None:
@@ -103,16 +89,15 @@ def main() -> int:
     model_dir = build_realistic_chat_model(args.model_dir)
     p_cpus, d_cpus = node_cpu_sets(2)
 
-    def make(name: str, host: str, cpus, kv_config: dict | None, extra: list[str] = ()) -> VllmServer:
-        argv = server_args() + list(extra)
+    def make(name: str, host: str, cpus, kv_config: dict | None) -> VllmServer:
+        argv = server_args()
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
-        env = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **host_env(fabric, host, secret)}
+        env = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
         if host == "p":
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
-        return VllmServer(model_dir, name=name, host=fabric.address(host), port=SERVER_PORT,
-                          extra_args=argv, env=env, log_dir=tmp, startup_timeout_s=900,
-                          cpus=cpus, python=launcher(fabric, host, tmp))
+        return host_server(fabric, host, secret, model_dir, name=name, log_dir=tmp, argv=argv,
+                           env=env, cpus=cpus)
 
     config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=RECOMPUTE_THRESHOLD)
     rows: list[dict] = []

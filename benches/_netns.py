@@ -8,15 +8,20 @@ at most the rate, as on a full-duplex NIC. Added latency is not available: this 
 tbf, htb and the fifos but no netem, fq or etf (nothing that holds a packet back by time).
 
 Namespaces are named `<prefix>-<host>` and `<prefix>-sw`; `Fabric` removes them on exit, and
-any left by an earlier run with the same prefix on entry.
+any left by an earlier run with the same prefix on entry, with every process still in them.
+Faults for benches/crosshost_faults.py: a host's link set down (`set_link`), its processes
+(`pids`, as the caller's pid namespace numbers them) stopped or killed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 SUBNET = "10.213.0"
 HOST_IFACE = "eth0"
@@ -95,14 +100,20 @@ class Fabric:
             _run("ip", "-n", ns, "link", "set", "dev", HOST_IFACE, "up")
 
     def remove(self) -> None:
-        """Deletes this prefix's namespaces (their veths go with them); never raises."""
+        """Deletes this prefix's namespaces (their veths go with them), SIGKILLing the processes
+        left in them first (deleting a namespace does not end them); never raises."""
         try:
-            names = _existing_namespaces()
+            names = [ns for ns in _existing_namespaces() if ns.startswith(f"{self.prefix}-")]
         except (OSError, RuntimeError):
             return
         for ns in names:
-            if ns.startswith(f"{self.prefix}-"):
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            for pid in _namespace_pids(ns):
+                if pid != os.getpid():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def set_rate(self, name: str, gbit: float | None) -> None:
         """Caps host `name`'s link at `gbit` Gbit/s each way; None lifts the cap."""
@@ -131,11 +142,38 @@ class Fabric:
         stats = json.loads(out)[0]["stats64"]
         return {"rx": stats["rx"]["bytes"], "tx": stats["tx"]["bytes"]}
 
+    def set_link(self, name: str, up: bool) -> None:
+        """Sets host `name`'s link (its `eth0`) up or down, as a cable pulled and put back."""
+        _run("ip", "-n", self.namespace(name), "link", "set", "dev", HOST_IFACE,
+             "up" if up else "down")
+
+    def pids(self, name: str) -> list[int]:
+        """The processes on host `name`, as this process's pid namespace numbers them."""
+        return _namespace_pids(self.namespace(name))
+
+    def launcher(self, name: str, directory: Path) -> str:
+        """An executable that runs this Python interpreter on host `name` (VllmServer's
+        `python`). On SIGTERM it kills `unshare` (which ignores SIGTERM), whose child, and so the
+        whole pid namespace, goes with it; VllmServer would otherwise wait 30 s before its
+        SIGKILL."""
+        path = directory / f"python-on-{name}"
+        path.write_text(
+            "#!/bin/sh\n"
+            + " ".join(self.exec_prefix(name)) + f" {sys.executable} \"$@\" &\n"
+            + "child=$!\ntrap 'kill -KILL $child' TERM INT\nwait $child\nwait $child\n")
+        path.chmod(0o755)
+        return str(path)
+
     def exec_prefix(self, name: str) -> list[str]:
         """Runs a command on host `name`: in its network namespace, as pid 1 of a new pid
         namespace with its own /proc (so its processes see, and publish, pids of their own)."""
         return ["ip", "netns", "exec", self.namespace(name),
                 "unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+
+
+def _namespace_pids(namespace: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return [int(pid) for pid in done.stdout.split() if pid.isdigit()]
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:

@@ -51,9 +51,11 @@ sys.path.insert(0, str(HERE))
 import compare_transfer  # noqa: E402
 from _bench_common import PATTERNS_BY_NAME  # noqa: E402
 from _netns import HOST_IFACE, Fabric  # noqa: E402
+from kvduplex.demo.servers import VllmServer  # noqa: E402
 
 HOSTS = ("p", "d", "client")
 UCX_TLS = "tcp"
+SERVER_PORT = 8000  # every host has its own port space
 
 
 def rate_label(gbit: float | None) -> str:
@@ -63,6 +65,17 @@ def rate_label(gbit: float | None) -> str:
 def host_env(fabric: Fabric, name: str, secret: str, ucx_tls: str = UCX_TLS) -> dict[str, str]:
     return {"UCX_TLS": ucx_tls, "UCX_NET_DEVICES": HOST_IFACE, "KVDUPLEX_SECRET": secret,
             "VLLM_HOST_IP": fabric.address(name)}
+
+
+def host_server(fabric: Fabric, host: str, secret: str, model_dir: Path, *, name: str,
+                log_dir: Path, argv: list[str], env: dict[str, str] | None = None,
+                cpus=None, startup_timeout_s: float = 900) -> VllmServer:
+    """A vLLM server on simulated host `host` (its own network and pid namespaces), reading its
+    peers through UCX over the host's link (`host_env`); `argv` are the server's arguments."""
+    return VllmServer(model_dir, name=name, host=fabric.address(host), port=SERVER_PORT,
+                      extra_args=argv, env={**(env or {}), **host_env(fabric, host, secret)},
+                      log_dir=log_dir, startup_timeout_s=startup_timeout_s, cpus=cpus,
+                      python=fabric.launcher(host, log_dir))
 
 
 def sides(fabric: Fabric, secret: str, ucx_tls: str = UCX_TLS) -> dict:
