@@ -177,6 +177,20 @@ def release(owner: OwnerProcess, match) -> ReleaseSpec:
     return ReleaseSpec(owner.peer, match.owner_request_id, match.claim_id)
 
 
+def assert_holds_its_heads(
+    caches: dict, owner: OwnerProcess, local: list[int], remote: list[int], rank: int
+) -> None:
+    """TP rank `rank` of a TP=2 reader holds, in blocks `local`, its half of the KV heads of the
+    owner's blocks `remote`, value for value, and nothing in any other block."""
+    half = NUM_KV_HEADS // 2
+    for name, tensor in caches.items():
+        for lid, rid in zip(local, remote):
+            theirs = owner.expected[name][rid][rank * half : (rank + 1) * half]
+            assert torch.equal(tensor[lid], theirs), (rank, name, lid, rid)
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(local))
+    assert all(not t[untouched].any() for t in caches.values())
+
+
 def run_until_received(
     worker: DuplexWorker, spec: LoadSpec, failed_requests: set[str] | None = None
 ) -> set[int]:
@@ -242,16 +256,10 @@ def test_reader_ranks_at_tp2_read_their_heads_of_an_owner_at_tp1(owner, tiny_con
             )
             readers.append((worker, caches))
         local, remote = [1, 5, 6], [7, 2, 3]
-        half = NUM_KV_HEADS // 2
         for rank, (worker, caches) in enumerate(readers):
             spec = load(owner, f"p-hetero-{rank}", local, remote)
             assert run_until_received(worker, spec) == set()
-            for name, tensor in caches.items():
-                for lid, rid in zip(local, remote):
-                    theirs = owner.expected[name][rid][rank * half : (rank + 1) * half]
-                    assert torch.equal(tensor[lid], theirs), (rank, name, lid, rid)
-            untouched = sorted(set(range(NUM_BLOCKS)) - set(local))
-            assert all(not t[untouched].any() for t in caches.values())
+            assert_holds_its_heads(caches, owner, local, remote, rank)
     finally:
         for worker, _ in readers:
             worker.shutdown()
