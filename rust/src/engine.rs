@@ -552,10 +552,19 @@ impl Engine {
         drain_reads(&self.shared, drain_deadline);
         lock(&self.shared.inflight).clear();
         drop(peers);
-        // Each ends within its own timeout; none may outlive the engine's memory.
+        // Each ends within its own timeout and writes into no registered memory; one still
+        // under way after CLOSE_DRAIN (a peer that never answers a handshake a lookup or
+        // `peer_status` started) ends alone, and the connection it makes is dropped
+        // (`attempt_connect` sees the engine closed).
         let handshakes: Vec<JoinHandle<()>> = lock(&self.shared.handshakes).drain(..).collect();
+        let join_deadline = Instant::now() + CLOSE_DRAIN;
         for handshake in handshakes {
-            let _ = handshake.join();
+            while !handshake.is_finished() && Instant::now() < join_deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if handshake.is_finished() {
+                let _ = handshake.join();
+            }
         }
         // A handshake that finished meanwhile may have added a peer.
         for peer in lock(&self.shared.routes).clear() {

@@ -298,6 +298,10 @@ pub(super) fn attempt_connect(
 ) -> Result<Arc<Peer>, EngineError> {
     let result = handshake_with(shared, key, host, port, timeout);
     let mut routes = lock(&shared.routes);
+    // Checked under the lock `close` clears the routes with, after it stopped the engine: a
+    // connection made meanwhile is either aborted by `close` or dropped here.
+    let closed = shared.stop.load(Ordering::Acquire);
+    let result = result.and_then(|parts| if closed { Err(EngineError::Closed) } else { Ok(parts) });
     let mut waiting = Vec::new();
     let result = result.map(|parts| {
         let connected = routes.table.on_ready(key, &parts.meta);
