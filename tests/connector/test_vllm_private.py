@@ -32,7 +32,8 @@ def _request(prompt: list[int], max_tokens: int = 8) -> Request:
     )
 
 
-def test_the_prompt_edit_shortens_every_view_of_a_real_request():
+def test_the_prompt_edit_shortens_every_view_of_a_real_request(tiny_config_dir):
+    # tiny_config_dir: vLLM's block hashes are seeded (init_none_hash), as at start-up.
     vllm_private.check_prompt_edit()
     request = _request(prompt_tokens(33))
     assert len(request.block_hashes) == 2

@@ -243,6 +243,83 @@ def test_a_granted_pull_copies_every_layer_byte_exact_and_its_release_frees_the_
     assert grant(worker, owner, "p-ok", PROMPT_FINGERPRINTS) is None
 
 
+@pytest.fixture
+def vllm_worker(tiny_config_dir: Path):
+    """The reader's connector as vLLM builds it in a worker (`ensure_kv_transfer_initialized`,
+    over vLLM's distributed state for one rank), its KV caches registered."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    from duplex_harness import make_kv_cache_config, make_vllm_config
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    vllm_config = make_vllm_config(
+        tiny_config_dir, "bound-reader", {"handshake_timeout_s": 2}, NUM_BLOCKS
+    )
+    with set_current_vllm_config(vllm_config):
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0, backend="gloo",
+        )
+        try:
+            parallel_state.ensure_model_parallel_initialized(1, 1)
+            kv_transfer_state.ensure_kv_transfer_initialized(
+                vllm_config, make_kv_cache_config(NUM_BLOCKS)
+            )
+            kv_caches = make_kv_caches(NUM_BLOCKS)
+            kv_transfer_state.get_kv_transfer_group().register_kv_caches(kv_caches)
+            yield vllm_config, kv_transfer_state.get_kv_transfer_group(), kv_caches
+        finally:
+            kv_transfer_state.ensure_kv_transfer_shutdown()
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+
+
+def test_a_steps_reads_are_posted_as_vllm_binds_its_metadata_before_the_forward_pass(
+    owner, vllm_worker
+):
+    """vLLM's model runner binds a step's metadata, runs the forward pass, and only then starts
+    asynchronous loads; the scheduler leaves `has_sync_kv_loads` alone, and the read is under
+    way during the forward pass all the same (posted as the metadata is bound)."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    vllm_config, connector, kv_caches = vllm_worker
+    worker = connector._worker
+    owner.reset()
+    owner.hold("p-bound", ttl_s=30)
+    match = grant(worker, owner, "p-bound", PROMPT_FINGERPRINTS)
+    assert match is not None
+    local, remote = [5, 9], [3, 4]
+    output = SchedulerOutput.make_empty()
+    output.kv_connector_metadata = DuplexConnectorMetadata(
+        loads=[load(owner, "p-bound", local, remote)]
+    )
+    assert output.has_sync_kv_loads is False
+    with (
+        set_forward_context(None, vllm_config),
+        KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(output) as kv_output,
+    ):
+        # The forward pass.
+        assert "p-bound" in worker._inflight
+    finished = set(kv_output.finished_recving or ())
+    deadline = time.monotonic() + WAIT_S
+    while "p-bound" not in finished and time.monotonic() < deadline:
+        time.sleep(0.002)
+        finished |= worker.get_transfer_results().finished_recving
+    assert "p-bound" in finished
+    for name, tensor in kv_caches.items():
+        for lid, rid in zip(local, remote):
+            assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid, rid)
+    worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
+    owner.collect(until=1)
+    assert owner.freed_holds == ["p-bound"]
+
+
 def test_reader_ranks_at_tp2_read_their_heads_of_an_owner_at_tp1(owner, tiny_config_dir):
     """Heterogeneous TP: each rank of a TP=2 reader holds half the KV heads and reads that half
     of every page of the TP=1 owner (a block slice), byte for byte."""

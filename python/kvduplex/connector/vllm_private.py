@@ -214,8 +214,9 @@ def engine_wakeup() -> Callable[[], None] | None:
     while its scheduler has no requests: the WAKEUP request vLLM itself puts there for
     shutdown. The connector is built inside `EngineCoreProc.__init__`, whose `self` is on the
     stack. No hook of 0.32 or 0.33 wakes an idle engine (`has_pending_push_work` is asked
-    only once it steps). None: no EngineCoreProc builds this connector (an engine its caller
-    steps, e.g. `LLM`), or, with a warning, this vLLM's differs."""
+    before it waits on its input queue, not while it waits). None: no EngineCoreProc builds
+    this connector (an engine its caller steps, e.g. `LLM`), or, with a warning, this vLLM's
+    differs."""
     try:
         from vllm.v1.engine import EngineCoreRequestType
         from vllm.v1.engine.core import EngineCoreProc
