@@ -90,3 +90,25 @@ def test_a_preempted_requests_output_in_flight_is_delivered(engines, kv_role):
     delivered = report(d, second)
     assert delivered["b"].new_token_ids == [TOKEN]
     assert list(d.scheduler.requests["b"].output_token_ids) == [TOKEN, TOKEN]
+
+
+def test_a_prefill_for_another_engine_preempted_with_its_token_in_flight_offers_no_blocks(
+    engines,
+):
+    """What `requires_kv_delivery` guards against: a request preempted with its output in
+    flight, whose blocks the preemption freed, finishing on that output. A prefill for another
+    engine (one token) finishes so; the connector offers none of the freed blocks, and the
+    prefill's reader computes instead."""
+    p = engines("P", num_blocks=5, async_scheduling=True, kv_role="kv_producer")
+    # 4 usable blocks: the two prompts fill them; the decode's first token needs a fifth, so
+    # vLLM preempts the last running request, the prefill, while its token is in flight.
+    p.add("decode", prompt_tokens(32), max_tokens=8)
+    p.add("prefill", prompt_tokens(31, start=300), max_tokens=1, params={"do_remote_decode": True})
+    first = p.scheduler.schedule()
+    second = p.scheduler.schedule()
+    assert second.preempted_req_ids == {"prefill"}
+    assert second.num_scheduled_tokens == {"decode": 1}
+    finished = report(p, first)["prefill"]
+    assert finished.finish_reason is not None and finished.new_token_ids == [TOKEN]
+    assert not (finished.kv_transfer_params or {}).get("remote_block_ids")
+    assert p.duplex._held == {}
