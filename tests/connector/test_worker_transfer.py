@@ -732,8 +732,9 @@ def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owne
     try:
         deadline = time.monotonic() + WAIT_S
         for n in itertools.count():
-            # The first lookups connect (and ask both) before the announcements are in.
-            match = look_up(worker, f"m{n}", TURN_FINGERPRINTS)
+            # The first lookups connect (and ask both) before the announcements are in; a
+            # generous deadline, as the two owners' processes start on a loaded CI machine.
+            match = look_up(worker, f"m{n}", TURN_FINGERPRINTS, timeout_s=10.0)
             assert match is not None and match.matched_blocks == 4
             worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
             worker.get_transfer_results()
