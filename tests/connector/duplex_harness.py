@@ -29,6 +29,7 @@ from vllm.config import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
@@ -93,6 +94,7 @@ def make_vllm_config(
     mamba: bool = False,
     tokenizer: bool = False,
     kv_events: bool = False,
+    kv_role: str = "kv_both",
 ) -> VllmConfig:
     """`tokenizer`: load the tokenizer in `model_dir` (the tiny config alone has none);
     `kv_events`: vLLM makes KV events (published nowhere: `publisher="null"`)."""
@@ -114,7 +116,7 @@ def make_vllm_config(
         kv_transfer_config=KVTransferConfig(
             kv_connector="DuplexConnector",
             kv_connector_module_path="kvduplex.connector",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_load_failure_policy="recompute",
             engine_id=engine_id,
             # Lookups are tested where a test turns them on; elsewhere the params path alone.
@@ -286,12 +288,18 @@ def make_engine(
     mamba: bool = False,
     tokenizer: bool = False,
     kv_events: bool = False,
+    async_scheduling: bool = False,
+    kv_role: str = "kv_both",
 ) -> Engine:
+    """`async_scheduling`: vLLM's AsyncScheduler, which builds a step before the one before
+    has reported (the test then schedules and reports steps itself: `Engine.step` reports
+    each step at once)."""
     vllm_config = make_vllm_config(
-        model_dir, name, extra_config, num_blocks, tp_size, mamba, tokenizer, kv_events
+        model_dir, name, extra_config, num_blocks, tp_size, mamba, tokenizer, kv_events, kv_role
     )
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     kv_cache_config = make_kv_cache_config(num_blocks, sliding_window, mamba)
-    scheduler = Scheduler(
+    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -492,7 +500,7 @@ def look_up(
         owner_request_id,
         continues=continues,
     )
-    worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
+    worker.begin_step(DuplexConnectorMetadata(lookups=[spec]))
     deadline = time.monotonic() + LOOKUP_WAIT_S
     while time.monotonic() < deadline:
         worker.get_transfer_results()

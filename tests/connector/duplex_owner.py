@@ -34,7 +34,7 @@ def main() -> None:
                 break
             command = json.loads(line)
             if command.get("end_holds"):
-                worker.start_load_kv(DuplexConnectorMetadata(end_holds=True))
+                worker.begin_step(DuplexConnectorMetadata(end_holds=True))
                 continue
             hold = HoldSpec(
                 request_id=command["hold"],
@@ -44,7 +44,7 @@ def main() -> None:
                 turn=command["turn"],
                 offer=command.get("offer", "").encode(),
             )
-            worker.start_load_kv(DuplexConnectorMetadata(holds=[hold]))
+            worker.begin_step(DuplexConnectorMetadata(holds=[hold]))
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         freed = meta.freed_holds if meta is not None else []

@@ -90,12 +90,12 @@ def test_a_lookup_continuing_a_turn_in_flight_waits_for_its_hold(tiny_config_dir
     fps = [f"{0xE0 + i:016x}" for i in range(5)]
     end, gone = f"{0xD0:016x}", f"{0xD1:016x}"
     try:
-        owner.start_load_kv(DuplexConnectorMetadata(expected=[ExpectedTurn("turn", end)]))
+        owner.begin_step(DuplexConnectorMetadata(expected=[ExpectedTurn("turn", end)]))
         hold = HoldSpec("turn", time.time() + 60, 4, tuple(fps[:4]), turn=True, offer=b"{}")
 
         def finish_late() -> None:
             time.sleep(0.3)
-            owner.start_load_kv(DuplexConnectorMetadata(holds=[hold], settled=["turn"]))
+            owner.begin_step(DuplexConnectorMetadata(holds=[hold], settled=["turn"]))
 
         finisher = threading.Thread(target=finish_late)
         asked_at = time.monotonic()
@@ -107,9 +107,9 @@ def test_a_lookup_continuing_a_turn_in_flight_waits_for_its_hold(tiny_config_dir
         owner.get_transfer_results()
         assert owner.get_kv_connector_stats().data["lookups_awaited"] >= 1
         # Settled without a hold: the lookup gets its answer (none) then, not at its deadline.
-        owner.start_load_kv(DuplexConnectorMetadata(expected=[ExpectedTurn("gone", gone)]))
+        owner.begin_step(DuplexConnectorMetadata(expected=[ExpectedTurn("gone", gone)]))
         threading.Timer(
-            0.3, owner.start_load_kv, [DuplexConnectorMetadata(settled=["gone"])]
+            0.3, owner.begin_step, [DuplexConnectorMetadata(settled=["gone"])]
         ).start()
         asked_at = time.monotonic()
         assert look_up(reader, "after-abort", [fps[4]], timeout_s=5.0, continues=gone) is None

@@ -259,7 +259,7 @@ def test_a_hybrid_worker_reports_a_failed_pull_by_request(tiny_config_dir):
             blocks_per_group=(1, 1),
             failure="blocks this request needs cannot be pulled (KV-cache group 1: freed by the owner)",
         )
-        worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+        worker.begin_step(DuplexConnectorMetadata(loads=[spec]))
         results = worker.get_transfer_results()
         assert results.finished_recving == {"r1"} and results.failed_recving == {"r1"}
         assert worker.get_block_ids_with_load_errors() == set()

@@ -59,7 +59,7 @@ def test_a_hold_taken_before_the_weights_changed_is_not_granted(owner, tiny_conf
         assert grant(worker, owner, "w-idle", PROMPT_FINGERPRINTS) is None
         assert grant(worker, owner, "w-read", PROMPT_FINGERPRINTS) is None
         # The read ends: freed, once.
-        worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, reading)]))
+        worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, reading)]))
         owner.collect(until=2)
         assert owner.freed_holds == ["w-idle", "w-read"]
         # A hold taken after the change is granted as any.

@@ -196,7 +196,7 @@ def run_until_received(
 ) -> set[int]:
     """Step the reader like vLLM does until the request is reported; returns failed blocks
     (and adds the requests reported as failed, as for a hybrid model, to `failed_requests`)."""
-    worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+    worker.begin_step(DuplexConnectorMetadata(loads=[spec]))
     failed: set[int] = set()
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
@@ -236,11 +236,88 @@ def test_a_granted_pull_copies_every_layer_byte_exact_and_its_release_frees_the_
     assert stats["bytes"] == len(local) * NUM_LAYERS * block_bytes
     # The scheduler releases the claim once every rank is done: the prompt is freed, once,
     # and a second reader of the same params is refused.
-    worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+    worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
     owner.collect(until=1)
     assert owner.freed_holds == ["p-ok"]
     assert owner.stats.get("leases_released") == 1
     assert grant(worker, owner, "p-ok", PROMPT_FINGERPRINTS) is None
+
+
+@pytest.fixture
+def vllm_worker(tiny_config_dir: Path):
+    """The reader's connector as vLLM builds it in a worker (`ensure_kv_transfer_initialized`,
+    over vLLM's distributed state for one rank), its KV caches registered."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    from duplex_harness import make_kv_cache_config, make_vllm_config
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    vllm_config = make_vllm_config(
+        tiny_config_dir, "bound-reader", {"handshake_timeout_s": 2}, NUM_BLOCKS
+    )
+    with set_current_vllm_config(vllm_config):
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0, backend="gloo",
+        )
+        try:
+            parallel_state.ensure_model_parallel_initialized(1, 1)
+            kv_transfer_state.ensure_kv_transfer_initialized(
+                vllm_config, make_kv_cache_config(NUM_BLOCKS)
+            )
+            kv_caches = make_kv_caches(NUM_BLOCKS)
+            kv_transfer_state.get_kv_transfer_group().register_kv_caches(kv_caches)
+            yield vllm_config, kv_transfer_state.get_kv_transfer_group(), kv_caches
+        finally:
+            kv_transfer_state.ensure_kv_transfer_shutdown()
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+
+
+def test_a_steps_reads_are_posted_as_vllm_binds_its_metadata_before_the_forward_pass(
+    owner, vllm_worker
+):
+    """vLLM's model runner binds a step's metadata, runs the forward pass, and only then starts
+    asynchronous loads; the scheduler leaves `has_sync_kv_loads` alone, and the read is under
+    way during the forward pass all the same (posted as the metadata is bound)."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    vllm_config, connector, kv_caches = vllm_worker
+    worker = connector._worker
+    owner.reset()
+    owner.hold("p-bound", ttl_s=30)
+    match = grant(worker, owner, "p-bound", PROMPT_FINGERPRINTS)
+    assert match is not None
+    local, remote = [5, 9], [3, 4]
+    output = SchedulerOutput.make_empty()
+    output.kv_connector_metadata = DuplexConnectorMetadata(
+        loads=[load(owner, "p-bound", local, remote)]
+    )
+    assert output.has_sync_kv_loads is False
+    with (
+        set_forward_context(None, vllm_config),
+        KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(output) as kv_output,
+    ):
+        # The forward pass.
+        assert "p-bound" in worker._inflight
+    finished = set(kv_output.finished_recving or ())
+    deadline = time.monotonic() + WAIT_S
+    while "p-bound" not in finished and time.monotonic() < deadline:
+        time.sleep(0.002)
+        finished |= worker.get_transfer_results().finished_recving
+    assert "p-bound" in finished
+    for name, tensor in kv_caches.items():
+        for lid, rid in zip(local, remote):
+            assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid, rid)
+    worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
+    owner.collect(until=1)
+    assert owner.freed_holds == ["p-bound"]
 
 
 def test_reader_ranks_at_tp2_read_their_heads_of_an_owner_at_tp1(owner, tiny_config_dir):
@@ -312,7 +389,7 @@ def test_a_layerwise_pull_has_each_layer_when_its_wait_returns(owner, reader):
     worker, kv_caches = reader
     local, remote = [6, 7, 8], [13, 14, 15]
     spec = dataclasses.replace(load(owner, "p-layers", local, remote), layerwise=True)
-    worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+    worker.begin_step(DuplexConnectorMetadata(loads=[spec]))
     # As vLLM's forward pass calls it: each layer's blocks have landed when the layer starts
     # (its KV-cache update writes into the pulled turn's last block), so before its wait.
     for name, tensor in kv_caches.items():
@@ -334,7 +411,7 @@ def test_a_failed_layerwise_pull_reports_its_blocks_after_the_pass(owner, reader
     spec = dataclasses.replace(
         load(owner, "p-layers-bad", [8, 9], [4, NUM_BLOCKS + 5]), layerwise=True
     )
-    worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+    worker.begin_step(DuplexConnectorMetadata(loads=[spec]))
     for name in kv_caches:
         worker.wait_for_layer_load(name)  # returns: the read was refused, not left hanging
         worker.layer_done(name)
@@ -390,7 +467,7 @@ def test_a_grant_released_without_a_read_frees_the_prompt(owner, reader):
     owner.reset()
     owner.hold("p-skip", ttl_s=30)
     match = grant(worker, owner, "p-skip", PROMPT_FINGERPRINTS)
-    worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+    worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
     deadline = time.monotonic() + WAIT_S
     while not owner.freed_holds and time.monotonic() < deadline:
         worker.get_transfer_results()
@@ -480,7 +557,7 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
         ]
         # Both reads are posted before either is polled: they run at the same time.
         for (worker, _), spec in zip(readers, specs):
-            worker.start_load_kv(DuplexConnectorMetadata(loads=[spec]))
+            worker.begin_step(DuplexConnectorMetadata(loads=[spec]))
         pending = {0, 1}
         deadline = time.monotonic() + WAIT_S
         while pending and time.monotonic() < deadline:
@@ -496,13 +573,13 @@ def test_two_readers_find_a_held_turn_by_content_and_read_it_at_once(owner, tiny
                     assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid)
         # Released claims do not end a turn: it stays offered...
         for (worker, _), match in zip(readers, matches):
-            worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+            worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
             worker.get_transfer_results()
         owner.poll(0.3)
         assert owner.freed_holds == []
         # ...and is freed exactly once when its lease ends (the last claim is gone).
         lookup = look_up(readers[0][0], "p3", TURN_FINGERPRINTS)
-        readers[0][0].start_load_kv(DuplexConnectorMetadata(releases=[release(owner, lookup)]))
+        readers[0][0].begin_step(DuplexConnectorMetadata(releases=[release(owner, lookup)]))
         readers[0][0].get_transfer_results()
     finally:
         for worker, _ in readers:
@@ -549,7 +626,7 @@ def test_a_step_that_computes_nothing_reports_its_lookup_once_answered(
             spec = LookupSpec(
                 f"idle{number}", tuple(TURN_FINGERPRINTS), time.monotonic() + WAIT_S, None, None
             )
-            worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec], idle=True))
+            worker.begin_step(DuplexConnectorMetadata(lookups=[spec], idle=True))
             worker.get_transfer_results()
             meta = worker.build_connector_worker_meta()
             assert meta is not None, number
@@ -613,7 +690,7 @@ def test_a_full_match_is_reported_without_waiting_for_a_silent_owner(owner, tiny
             match = look_up(worker, "p5", TURN_FINGERPRINTS, timeout_s=20.0)
             assert time.monotonic() - started < 10.0
             assert match is not None and match.matched_blocks == 4
-            worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+            worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
             worker.get_transfer_results()
         finally:
             worker.shutdown()
@@ -632,7 +709,7 @@ def test_a_lookup_past_its_deadline_when_the_worker_gets_it_is_reported_in_that_
         )
         try:
             spec = LookupSpec("late", tuple(TURN_FINGERPRINTS), time.monotonic() - 0.5)
-            worker.start_load_kv(DuplexConnectorMetadata(lookups=[spec]))
+            worker.begin_step(DuplexConnectorMetadata(lookups=[spec]))
             worker.get_transfer_results()
             meta = worker.build_connector_worker_meta()
             assert meta is not None and meta.lookups == {"late": []}
@@ -659,7 +736,7 @@ def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owne
             # loaded 2-core machine both handshakes were seen to outlast the default 2 s.
             match = look_up(worker, f"m{n}", TURN_FINGERPRINTS, timeout_s=15.0)
             assert match is not None and match.matched_blocks == 4
-            worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, match)]))
+            worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
             worker.get_transfer_results()
             if worker.get_kv_connector_stats().data.get("lookups_indexed", 0) > 0:
                 break
@@ -692,7 +769,7 @@ def test_tp_rank_0_reports_what_the_decode_nodes_announce_with_its_steps(owner, 
         deadline = time.monotonic() + WAIT_S
         while not done():
             assert time.monotonic() < deadline, what
-            worker.start_load_kv(DuplexConnectorMetadata())
+            worker.begin_step(DuplexConnectorMetadata())
             worker.get_transfer_results()
             meta = worker.build_connector_worker_meta()
             if meta is not None and meta.announced is not None:
@@ -718,7 +795,7 @@ def test_tp_rank_0_reports_what_the_decode_nodes_announce_with_its_steps(owner, 
         # the scheduler no report of a step that computed nothing and returned nothing; the
         # scheduler renews its copy of the announcements with each report).
         for idle in (False, True):
-            worker.start_load_kv(DuplexConnectorMetadata(idle=idle))
+            worker.begin_step(DuplexConnectorMetadata(idle=idle))
             worker.get_transfer_results()
             meta = worker.build_connector_worker_meta()
             assert meta is not None and meta.announced is None
@@ -741,23 +818,23 @@ def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_o
             HoldSpec("prompt", expiry, 3, ("00000000000000b1",), turn=False, offer=b"{}"),
             HoldSpec("turn", expiry, 2, ("00000000000000c1",), turn=True, offer=b"{}"),
         ]
-        worker.start_load_kv(DuplexConnectorMetadata(holds=holds, evict=EvictOrder(cap_blocks=5)))
+        worker.begin_step(DuplexConnectorMetadata(holds=holds, evict=EvictOrder(cap_blocks=5)))
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         assert meta.freed_holds == ["turn"] and meta.evictions_done == 1
-        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(turn_blocks=1)))
+        worker.begin_step(DuplexConnectorMetadata(evict=EvictOrder(turn_blocks=1)))
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         assert meta.freed_holds == [] and meta.evictions_done == 1
         monkeypatch.setattr(retention, "UNREAD_PROMPT_S", retention.UNREAD_MARGIN_S + 0.05)
         time.sleep(0.1)  # unread for longer than that
-        worker.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(turn_blocks=1)))
+        worker.begin_step(DuplexConnectorMetadata(evict=EvictOrder(turn_blocks=1)))
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         assert meta.freed_holds == ["prompt"] and meta.evictions_done == 1
         fresh = HoldSpec("fresh", expiry, 3, ("00000000000000d1",), turn=False, offer=b"{}")
         order = EvictOrder(any_blocks=1)
-        worker.start_load_kv(DuplexConnectorMetadata(holds=[fresh], evict=order))
+        worker.begin_step(DuplexConnectorMetadata(holds=[fresh], evict=order))
         worker.get_transfer_results()
         meta = worker.build_connector_worker_meta()
         assert meta.freed_holds == ["fresh"] and meta.evictions_done == 1
@@ -767,7 +844,7 @@ def test_tp_rank_0_evicts_unclaimed_holds_by_order_and_acknowledges_each_order_o
         worker.shutdown()
     other = make_worker(tiny_config_dir, "evicting", make_kv_caches(NUM_BLOCKS, kv_heads=1), tp_size=2, tp_rank=1)
     try:
-        other.start_load_kv(DuplexConnectorMetadata(evict=EvictOrder(any_blocks=4)))
+        other.begin_step(DuplexConnectorMetadata(evict=EvictOrder(any_blocks=4)))
         other.get_transfer_results()
         meta = other.build_connector_worker_meta()
         assert meta is None or meta.evictions_done == 0

@@ -104,6 +104,15 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return HEAD_MAJOR_LAYOUT
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: nothing is handed off through vLLM's delayed frees (`request_finished` never
+        returns True; a hold takes block references of its own as the request finishes), so a
+        request preempted with output in flight has nothing pending to protect, and vLLM
+        delivers that output instead of dropping and recomputing it (its default for a
+        `kv_both` connector)."""
+        return False
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """`layerwise_load` pulls wait in the forward pass's layer hooks
@@ -176,10 +185,17 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.get_handshake_metadata()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM hands each step's metadata to the workers here, before the step's forward
+        pass (or the step without one): the step begins (`DuplexWorker.begin_step`)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, DuplexConnectorMetadata)
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, DuplexConnectorMetadata)
-        self._worker.start_load_kv(metadata)
+        """Reads were posted as the step began (`bind_connector_metadata`), before the forward
+        pass, whether vLLM calls this before it (synchronous loads) or after it."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """With `layerwise_load`, a pull of a decode node's turn runs within the forward pass;

@@ -19,12 +19,12 @@ by default); with `VLLM_USE_SPINLOOP_EXT` a read still polls up to 0.1 s.
 
 from __future__ import annotations
 
-import math
-import sys
 import threading
 from collections.abc import Callable
 
 from vllm.logger import init_logger
+
+from kvduplex.connector import vllm_private
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
@@ -35,16 +35,16 @@ _AFTER_WAKEUP_S = 0.05
 
 class IdleWaker:
     """Wakes the idle EngineCore when `next_step_in()` (seconds; <= 0: now, None: no step is
-    due) comes. Needs the engine's input queue, found on the stack of the EngineCoreProc that
-    builds the scheduler; without one (an engine stepped by its caller, e.g. `LLM`) what an
-    idle step would do waits for the next step, as it does in vLLM."""
+    due) comes. Needs the engine's input queue (`vllm_private.engine_wakeup`); without one
+    (an engine stepped by its caller, e.g. `LLM`) what an idle step would do waits for the
+    next step, as it does in vLLM."""
 
     def __init__(self, next_step_in: Callable[[], float | None]) -> None:
         self._next_step_in = next_step_in
         self._changed = threading.Condition()
         self._stop = False
         self._waits_for_nothing = False
-        self._put = _engine_wakeup()
+        self._put = vllm_private.engine_wakeup()
         if self._put is None:
             logger.info(
                 "DuplexConnector found no EngineCoreProc input queue to wake: holds that end "
@@ -81,52 +81,16 @@ class IdleWaker:
                 self._waits_for_nothing = False
 
 
-def _engine_wakeup() -> Callable[[], None] | None:
-    """vLLM's way to wake its idle EngineCoreProc: a WAKEUP request on its input queue. The
-    connector is built inside `EngineCoreProc.__init__`, whose `self` is on the stack."""
-    try:
-        from vllm.v1.engine import EngineCoreRequestType
-        from vllm.v1.engine.core import EngineCoreProc
-    except ImportError:
-        return None
-    owner = _on_stack(EngineCoreProc)
-    if owner is None or not hasattr(owner, "input_queue"):
-        return None
-    queue = owner.input_queue
-    return lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
-
-
-def _on_stack(cls: type) -> object | None:
-    """The innermost `self` on the caller's stack that is a `cls`."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, cls):
-            return owner
-        frame = frame.f_back
-    return None
-
-
 class WorkerSpin:
     """A worker process's read of vLLM's step queue, to end its busy polling after an idle
-    step. Built by the connector's worker, which vLLM creates from a message of that queue:
-    the `WorkerProc` reading it is on the stack. Without one (another executor, or a vLLM
-    whose queue has no such poll) `rest` does nothing."""
+    step (`vllm_private.worker_rest`). Built by the connector's worker, at start-up. Without
+    such a queue (another executor, or a vLLM whose queue has no such poll) `rest` does
+    nothing."""
 
     def __init__(self) -> None:
-        self._proc = _worker_proc()
+        self._rest = vllm_private.worker_rest()
 
     def rest(self) -> None:
         """The worker waits for the next step without polling (vLLM's own idle state)."""
-        queue = getattr(self._proc, "rpc_broadcast_mq", None)
-        condition = getattr(queue, "_spin_condition", None)
-        if condition is not None and hasattr(condition, "last_read"):
-            condition.last_read = -math.inf
-
-
-def _worker_proc() -> object | None:
-    try:
-        from vllm.v1.executor.multiproc_executor import WorkerProc
-    except ImportError:
-        return None
-    return _on_stack(WorkerProc)
+        if self._rest is not None:
+            self._rest()

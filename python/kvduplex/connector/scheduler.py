@@ -52,6 +52,7 @@ from vllm.v1.request import RequestStatus
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
+from kvduplex.connector import vllm_private
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.expected_turns import ExpectedTurns
@@ -148,6 +149,8 @@ class DuplexScheduler:
             if config.auto_recompute_threshold
             else None
         )
+        if self._groups.has_state:
+            vllm_private.check_prompt_edit()
         # Side channels of this engine's workers, index = TP rank; None until workers report.
         self._host: str | None = None
         self._ports: tuple[int, ...] | None = None
@@ -175,8 +178,6 @@ class DuplexScheduler:
             pullable=self._pullable,
             release=lambda release: self._releases.append(release),
         )
-        self._step_started: float | None = None
-        self._step_tokens = 0
         # vLLM reset its caches: the next step ends every hold (`reset_cache`).
         self._end_holds = False
         self._waker = IdleWaker(self._next_idle_step_in)
@@ -217,13 +218,10 @@ class DuplexScheduler:
             or request.skip_reading_prefix_cache
         ):
             return
-        del request.prompt_token_ids[-1]
-        del request._all_token_ids[-1]
-        request.num_prompt_tokens -= 1
-        request.max_tokens = 1
-        if self._block_pool is not None and isinstance(request.block_hashes, list):
-            # A full block's hash that covered the dropped token names no block now.
-            del request.block_hashes[request.num_prompt_tokens // self._block_pool.hash_block_size :]
+        pool = self._block_pool
+        vllm_private.drop_last_prompt_token(
+            request, vllm_private.hash_block_size(pool) if pool is not None else None
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -540,12 +538,13 @@ class DuplexScheduler:
             fingerprints = block_fingerprints(
                 request.all_token_ids[:num_tokens], self._block_size, salt_of(request)
             )
-        blocks = [self._block_pool.blocks[block_id] for block_id in held_ids]
         # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
-        self._block_pool.touch(blocks)
+        blocks = vllm_private.take_block_refs(self._block_pool, held_ids)
         self._held[request.request_id] = blocks
         if decode_turn:
-            self._events.held(request, num_tokens, self._block_pool.hash_block_size)
+            self._events.held(
+                request, num_tokens, vllm_private.hash_block_size(self._block_pool)
+            )
         lease_expiry = time.time() + ttl_s
         # A turn past the cap orders room: the workers free the least recently used unclaimed
         # turns (every read of a held turn is claimed, so none is freed under a read).
@@ -591,17 +590,18 @@ class DuplexScheduler:
         in vLLM's prefix cache, found by the turn's block hash (held like the others). Not
         found: the table keeps the null block, and such a reader computes instead."""
         pool = self._block_pool
-        if pool is None or pool.hash_block_size != self._block_size:
+        if pool is None or vllm_private.hash_block_size(pool) != self._block_size:
             return
         for index, block in self._groups.edge_blocks(num_tokens):
             if tables[index][block] != NULL_BLOCK_ID or block >= len(request.block_hashes):
                 continue
             group_id = self._groups.groups[index].group_id
-            cached = pool.get_cached_block(request.block_hashes[block], [group_id])
-            if cached:
-                tables[index][block] = cached[0].block_id
+            cached = vllm_private.cached_block_id(pool, request.block_hashes[block], group_id)
+            if cached is not None:
+                tables[index][block] = cached
 
     def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
+        vllm_private.check_block_pool(block_pool)
         self._block_pool = block_pool
 
     # ------------------------------------------------------------- retention
@@ -612,7 +612,7 @@ class DuplexScheduler:
         waits for their blocks. False once nothing held can go (claimed: vLLM preempts)."""
         now = time.time()
         if not self._retention.frees_pending(now) and self._block_pool is not None:
-            free = self._block_pool.get_num_free_blocks()
+            free = vllm_private.num_free_blocks(self._block_pool)
             running, _ = self._live.blocks_needed(free)
             self._retention.pressure(free, max(running, free + 1), 0, now)
         return self._retention.frees_pending(now)
@@ -699,7 +699,7 @@ class DuplexScheduler:
         now = time.time()
         if self._block_pool is not None and self._held:
             # Before vLLM would preempt: free held blocks the live requests are about to need.
-            free = self._block_pool.get_num_free_blocks()
+            free = vllm_private.num_free_blocks(self._block_pool)
             self._retention.pressure(free, *self._live.blocks_needed(free), now)
         expected, settled = self._expected.take()
         meta = md.DuplexConnectorMetadata(
@@ -718,15 +718,11 @@ class DuplexScheduler:
         self._poke_if_renewing()
         if meta.holds:
             self._retention.shipped([hold.request_id for hold in meta.holds], now)
-        if meta.loads or meta.lookups:
-            # Post reads and send lookups before this step's forward pass, not after it (vLLM's
-            # default for asynchronous loads): on a busy engine that saves one forward pass of
-            # waiting per pull and per lookup. Posting costs microseconds.
-            scheduler_output.has_sync_kv_loads = True
         self._loads, self._releases, self._holds = [], [], []
         if self._estimator is not None:
-            self._step_started = time.perf_counter()
-            self._step_tokens = scheduler_output.total_num_scheduled_tokens
+            self._estimator.step_built(
+                time.perf_counter(), scheduler_output.total_num_scheduled_tokens
+            )
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -743,11 +739,9 @@ class DuplexScheduler:
             self._on_loads_done(worker_meta.loads_done)
         if self._estimator is None:
             return
-        if self._step_started is not None:
-            self._estimator.observe_step(
-                time.perf_counter() - self._step_started, self._step_tokens
-            )
-            self._step_started = None
+        # One call per step built, in the order built: vLLM's executors attach a connector
+        # output to every step's output, and EngineCore takes them in order.
+        self._estimator.step_done(time.perf_counter())
         worker_stats = connector_output.kv_connector_stats
         if worker_stats is not None:
             for seconds, tokens in zip(
@@ -780,8 +774,7 @@ class DuplexScheduler:
             self._retention.freed(request_id)
             self._events.ended(request_id)
             freed += len(blocks)
-            # Last block first, as vLLM frees a request's blocks: the tail is evicted first.
-            self._block_pool.free_blocks(reversed(blocks))
+            vllm_private.free_block_refs(self._block_pool, blocks)
         if freed:
             self._stats.set_gauge("held_blocks", self._retention.held_blocks)
         return freed

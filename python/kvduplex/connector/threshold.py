@@ -4,7 +4,7 @@ Pulling n tokens costs one extra engine step of latency (the request waits for i
 WAITING_FOR_REMOTE_KVS and is scheduled on a later step) plus the read itself, modelled as
 `a + b*n` (a: per-read latency, b: seconds per token, fitted by least squares over recent
 reads). Recomputing costs n / prefill_speed, with prefill_speed measured from steps that
-scheduled at least `MIN_PREFILL_STEP_TOKENS` tokens (scheduled tokens / step wall time). The
+scheduled at least `MIN_PREFILL_STEP_TOKENS` tokens (scheduled tokens / step time). The
 threshold is the smallest n for which
 
     step_s + a + b*n  <  n / prefill_speed,   i.e.   n > (step_s + a) / (1/prefill_speed - b)
@@ -13,6 +13,13 @@ and, if reading a token is no faster than computing it, no pull is worth it (thr
 max_model_len + 1). Until `MIN_SAMPLES` reads and prefill steps were measured, the configured
 default (64) applies. Measurements decay exponentially (factor `DECAY` per sample), so the
 estimate follows load changes.
+
+A step's time is its own share of the engine's time: from when it was built or the step
+before it reported, whichever is later, to its own report. Steps run one after another, and
+under async scheduling (vLLM's default) step N+1 is built while step N runs, so its time starts
+when N's report comes; without overlap it is build to report. Each report is paired with the
+step it reports (`step_built`, `step_done`: vLLM reports every step it built, in that order),
+never with the step built last, which under async scheduling is the next one.
 
 A lookup by content (a prefill node asking decode nodes whether they hold the prompt's history)
 costs its wait on top, hit or miss: the request waits in the scheduler for the answers, one
@@ -26,6 +33,7 @@ looks up as before once it is idle again (the step's time is measured on every s
 from __future__ import annotations
 
 import math
+from collections import deque
 
 MIN_SAMPLES = 4
 MIN_PREFILL_STEP_TOKENS = 64
@@ -57,6 +65,20 @@ class RecomputeThresholdEstimator:
         # Decayed sums for the least-squares fit of read time against tokens.
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._reads = 0
+        # (when built, tokens scheduled) of each step built and not reported yet.
+        self._steps: deque[tuple[float, int]] = deque()
+        self._last_done = -math.inf
+
+    def step_built(self, now: float, scheduled_tokens: int) -> None:
+        self._steps.append((now, scheduled_tokens))
+
+    def step_done(self, now: float) -> None:
+        """The oldest step built and not reported has reported (`now`)."""
+        if not self._steps:
+            return
+        built, tokens = self._steps.popleft()
+        self.observe_step(now - max(built, self._last_done), tokens)
+        self._last_done = now
 
     def observe_step(self, seconds: float, scheduled_tokens: int) -> None:
         if seconds <= 0 or scheduled_tokens <= 0:

@@ -217,7 +217,11 @@ class DuplexWorker:
 
     # ----------------------------------------------------------------- steps
 
-    def start_load_kv(self, meta: md.DuplexConnectorMetadata) -> None:
+    def begin_step(self, meta: md.DuplexConnectorMetadata) -> None:
+        """The step's work as it begins, before its forward pass (vLLM's
+        `bind_connector_metadata`): holds taken and ended, reads posted, lookups sent. Posting
+        before the forward pass, not after it (vLLM's place for asynchronous loads), saves a
+        busy engine one forward pass of waiting per pull and per lookup; it costs microseconds."""
         self._idle_step = meta.idle
         for turn in meta.expected:
             self._expect(turn)

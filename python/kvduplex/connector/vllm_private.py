@@ -1,0 +1,303 @@
+"""Every access of DuplexConnector to vLLM that is not the KV-connector API, in one place.
+
+vLLM promises connectors nothing beyond `KVConnectorBase_V1`; what is below reads or writes
+its internals, each for a reason no public hook serves (said at each). Each has a guard that
+checks the installed vLLM has the shape it needs: where the connector cannot work without it,
+at start-up, failing with `VllmShapeError` naming the access and vLLM's version; where a
+fallback exists, degrading to it with a warning that names them. tests/connector/
+test_vllm_private.py checks each shape on the installed vLLM (CI runs it on every vLLM the
+package accepts), so a vLLM that changes one fails there first.
+
+The accesses (docs/connector.md, "Private vLLM accesses"):
+- the prompt edit of a prefill for another engine of a state-space model
+  (`drop_last_prompt_token`, guard `check_prompt_edit`);
+- references of our own in vLLM's block pool, which the public `bind_gpu_block_pool` hands
+  over with no contract of its own (`take_block_refs` and the others below, guard
+  `check_block_pool`);
+- the idle engine's wake-up (`engine_wakeup`) and the end of a worker's busy poll after an idle
+  step (`worker_rest`): both find vLLM's process object on the stack (`_on_stack`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+# Under vLLM's logger tree, so vLLM's handler, format and level apply.
+logger = init_logger(f"vllm.{__name__}")
+
+
+class VllmShapeError(RuntimeError):
+    """The installed vLLM lacks the shape of an internal the connector needs."""
+
+
+def _changed(access: str, detail: str) -> str:
+    return (
+        f"DuplexConnector: {access} does not match vLLM {vllm.__version__} ({detail}); "
+        "kvduplex is tested with vLLM 0.32 and 0.33"
+    )
+
+
+# ------------------------------------------------------------------- the prompt edit
+
+
+PROMPT_EDIT = "the prompt edit of a prefill for another engine (Request.prompt_token_ids, ...)"
+
+
+def drop_last_prompt_token(request: Request, hash_block_size: int | None) -> None:
+    """Make `request` a prompt one token shorter that samples one token: a prefill for another
+    engine of a model with a state-space group stops before the prompt's last token, so the
+    reader pulls the state after the others and computes that token itself. No connector hook
+    shortens a prompt (`get_num_new_matched_tokens` only counts tokens computed elsewhere, and
+    vLLM always computes a prompt to its end); vLLM's own NixlConnector edits the request the
+    same way (`_truncate_request_for_prefill`, 0.32 and 0.33). `hash_block_size`: vLLM's
+    block pool's, to drop the hash of a full block that covered the dropped token (None: no
+    pool bound yet, nothing hashed to drop)."""
+    del request.prompt_token_ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    if hash_block_size is not None and isinstance(request.block_hashes, list):
+        del request.block_hashes[request.num_prompt_tokens // hash_block_size :]
+
+
+def check_prompt_edit() -> None:
+    """Start-up guard of `drop_last_prompt_token`: edits a real vLLM `Request` and checks that
+    every view of its tokens is one shorter. Raises `VllmShapeError` otherwise: a prefill that
+    computed the whole prompt would hand its reader a state one token ahead."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    try:
+        probe = Request("kvduplex-probe", [1, 2, 3], SamplingParams(max_tokens=4), None)
+        drop_last_prompt_token(probe, None)
+        shape = (
+            list(probe.prompt_token_ids),
+            list(probe.all_token_ids),
+            probe.num_tokens,
+            probe.num_prompt_tokens,
+            probe.max_tokens,
+        )
+    except (AttributeError, TypeError, IndexError) as exc:
+        raise VllmShapeError(_changed(PROMPT_EDIT, repr(exc))) from exc
+    if shape != ([1, 2], [1, 2], 2, 2, 1):
+        raise VllmShapeError(
+            _changed(
+                PROMPT_EDIT,
+                f"after the edit (prompt, all tokens, num_tokens, num_prompt_tokens, "
+                f"max_tokens) = {shape}",
+            )
+        )
+
+
+# ----------------------------------------------------------------- the block pool
+
+
+BLOCK_POOL = "references in vLLM's block pool (BlockPool.blocks, touch, free_blocks, ...)"
+
+# Method -> the parameters it is called with here (by position).
+_BLOCK_POOL_METHODS = {
+    "touch": ("blocks",),
+    "free_blocks": ("ordered_blocks",),
+    "get_cached_block": ("block_hash", "kv_cache_group_ids"),
+    "get_num_free_blocks": (),
+}
+
+
+def check_block_pool(pool: BlockPool) -> None:
+    """Guard of the block pool's use, when vLLM binds it (`bind_gpu_block_pool`, at start-up):
+    its methods take what they are given here, and it has its blocks by id and the size of a
+    hashed block. Raises `VllmShapeError`: without it no hold can be taken or ended."""
+    missing = []
+    for name, params in _BLOCK_POOL_METHODS.items():
+        method = getattr(pool, name, None)
+        if method is None:
+            missing.append(f"no {name}")
+            continue
+        signature = inspect.signature(method).parameters.values()
+        found = tuple(param.name for param in signature)
+        required = [param for param in signature if param.default is param.empty]
+        if found[: len(params)] != params or len(required) > len(params):
+            missing.append(f"{name}{found} where {name}{params} was expected")
+    if not isinstance(getattr(pool, "blocks", None), list):
+        missing.append("no list of blocks")
+    elif pool.blocks and not hasattr(pool.blocks[0], "ref_cnt"):
+        missing.append("blocks without ref_cnt")
+    if not isinstance(getattr(pool, "hash_block_size", None), int):
+        missing.append("no hash_block_size")
+    if missing:
+        raise VllmShapeError(_changed(BLOCK_POOL, "; ".join(missing)))
+
+
+def take_block_refs(pool: BlockPool, block_ids: Iterable[int]) -> list[KVCacheBlock]:
+    """A reference of our own on each block (never vLLM's null block): the blocks stay
+    allocated after vLLM frees the request, until `free_block_refs`. vLLM's other way to keep
+    a finished request's blocks (`request_finished` returning True) keeps its engine stepping
+    non-stop while they are kept (docs/connector.md, "Holding blocks")."""
+    blocks = [pool.blocks[block_id] for block_id in block_ids]
+    pool.touch(blocks)
+    return blocks
+
+
+def free_block_refs(pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
+    """Drop the references `take_block_refs` took; last block first, as vLLM frees a
+    request's blocks, so the tail is evicted first."""
+    pool.free_blocks(reversed(blocks))
+
+
+def cached_block_id(pool: BlockPool, block_hash: Any, group_id: int) -> int | None:
+    """The block of KV-cache group `group_id` that vLLM's prefix cache keeps for
+    `block_hash`, if any."""
+    cached = pool.get_cached_block(block_hash, [group_id])
+    return cached[0].block_id if cached else None
+
+
+def num_free_blocks(pool: BlockPool) -> int:
+    return pool.get_num_free_blocks()
+
+
+def hash_block_size(pool: BlockPool) -> int:
+    """Tokens per hash of `Request.block_hashes`."""
+    return pool.hash_block_size
+
+
+# ---------------------------------------------------------- vLLM's process objects
+
+
+ENGINE_WAKEUP = "the idle engine's wake-up (EngineCoreProc.input_queue, WAKEUP)"
+WORKER_REST = "the end of a worker's busy poll (WorkerProc.rpc_broadcast_mq._spin_condition)"
+
+
+def _names(function: Any) -> tuple[str, ...]:
+    """The attribute and global names a function's code uses."""
+    function = inspect.unwrap(function) if callable(function) else function
+    return getattr(getattr(function, "__code__", None), "co_names", ())
+
+
+def _class_uses(cls: type, name: str) -> bool:
+    """Whether any method of `cls` names attribute `name` (sets or reads it)."""
+    return any(name in _names(member) for member in vars(cls).values())
+
+
+def engine_wakeup_shape() -> str | None:
+    """What `engine_wakeup` needs and the installed vLLM lacks (None: nothing): a WAKEUP
+    request type its EngineCoreProc handles, and that process's input queue."""
+    try:
+        from vllm.v1.engine import EngineCoreRequestType
+        from vllm.v1.engine.core import EngineCoreProc
+    except ImportError as exc:
+        return repr(exc)
+    if not hasattr(EngineCoreRequestType, "WAKEUP"):
+        return "no EngineCoreRequestType.WAKEUP"
+    if "WAKEUP" not in _names(getattr(EngineCoreProc, "_handle_client_request", None)):
+        return "EngineCoreProc._handle_client_request does not handle WAKEUP"
+    if "input_queue" not in _names(EngineCoreProc.__init__):
+        return "EngineCoreProc.__init__ sets no input_queue"
+    if "input_queue" not in _names(getattr(EngineCoreProc, "_process_input_queue", None)):
+        return "EngineCoreProc._process_input_queue waits on no input_queue"
+    return None
+
+
+def engine_wakeup() -> Callable[[], None] | None:
+    """vLLM's way to wake its idle EngineCoreProc, which otherwise blocks on its input queue
+    while its scheduler has no requests: the WAKEUP request vLLM itself puts there for
+    shutdown. The connector is built inside `EngineCoreProc.__init__`, whose `self` is on the
+    stack. No hook of 0.32 or 0.33 wakes an idle engine (`has_pending_push_work` is asked
+    before it waits on its input queue, not while it waits). None: no EngineCoreProc builds
+    this connector (an engine its caller steps, e.g. `LLM`), or, with a warning, this vLLM's
+    differs."""
+    try:
+        from vllm.v1.engine import EngineCoreRequestType
+        from vllm.v1.engine.core import EngineCoreProc
+    except ImportError:
+        EngineCoreProc = None  # noqa: N806
+    owner = _on_stack(EngineCoreProc) if EngineCoreProc is not None else None
+    if owner is None:
+        return None
+    missing = engine_wakeup_shape()
+    if missing is None and not hasattr(getattr(owner, "input_queue", None), "put_nowait"):
+        missing = "its input_queue is not set before the scheduler is built"
+    if missing is not None:
+        logger.warning(
+            "%s; holds that end while the engine is idle wait for its next step",
+            _changed(ENGINE_WAKEUP, missing),
+        )
+        return None
+    queue = owner.input_queue
+    return lambda: queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def worker_rest_shape() -> str | None:
+    """What `worker_rest` needs and the installed vLLM lacks (None: nothing): a WorkerProc
+    reading its step queue (`rpc_broadcast_mq`), a queue that polls through a `SpinCondition`
+    and a condition that stops polling once its `last_read` is `busy_loop_s` past."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import (
+            MessageQueue,
+            SpinCondition,
+        )
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError as exc:
+        return repr(exc)
+    if not _class_uses(WorkerProc, "rpc_broadcast_mq"):
+        return "WorkerProc has no rpc_broadcast_mq"
+    if not _class_uses(MessageQueue, "_spin_condition"):
+        return "MessageQueue has no _spin_condition"
+    if not {"last_read", "busy_loop_s"} <= set(_names(SpinCondition.wait)):
+        return "SpinCondition.wait does not poll by last_read and busy_loop_s"
+    return None
+
+
+def worker_rest() -> Callable[[], None] | None:
+    """Ends the busy poll of vLLM's step queue in this worker process: after a read, vLLM's
+    multiprocessing workers poll the queue without sleeping for a second (`busy_loop_s`)
+    before they wait on its socket, which kept an idle server's core busy through the idle
+    steps the connector asks for (`idle_steps.py`). Setting the queue's `last_read` into the
+    past makes its next wait that socket wait (vLLM's own idle state), which the next step's
+    notification ends. The connector's worker is built from a message of that queue: the
+    `WorkerProc` reading it is on the stack. None: no such worker (another executor), or, with
+    a warning, this vLLM's differs."""
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:
+        return None
+    proc = _on_stack(WorkerProc)
+    if proc is None:
+        return None
+    missing = worker_rest_shape()
+    if missing is not None:
+        logger.warning(
+            "%s; an idle server's worker polls for a second after each idle step",
+            _changed(WORKER_REST, missing),
+        )
+        return None
+
+    def rest() -> None:
+        # The queue may be replaced or closed (shutdown): look it up at each use.
+        condition = getattr(getattr(proc, "rpc_broadcast_mq", None), "_spin_condition", None)
+        if condition is not None:  # None: a writer's queue, or one without polling
+            condition.last_read = -math.inf
+
+    return rest
+
+
+def _on_stack(cls: type) -> object | None:
+    """The innermost `self` on the caller's stack that is a `cls`."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, cls):
+            return owner
+        frame = frame.f_back
+    return None
