@@ -38,11 +38,13 @@ a hold's lease has passed since the last step, or once a second while any hold l
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
@@ -51,6 +53,7 @@ from kvduplex.connector.metadata import EvictOrder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
@@ -224,54 +227,132 @@ class Retention:
         return min(self._last_step + IDLE_CHECK_S, min(expiries, default=math.inf))
 
 
-def blocks_needed(
-    requests: list[tuple[bool, int, int]],
-    block_size: int,
-    horizon_tokens: int,
-    token_budget: int,
-    seats: int,
-) -> tuple[int, int]:
-    """Blocks an engine's live requests need over its next steps, (running, waiting):
-    `requests` is (running, computed tokens, tokens) of each, in scheduling order. A running
-    request needs the blocks its next `horizon_tokens` tokens start; waiting ones the blocks
-    of their uncomputed tokens, in order, as many as the next step could admit (`token_budget`
-    tokens, `seats` requests). Prefix-cache hits are not subtracted: they are counted as free
-    blocks too."""
-    running_need = waiting_need = 0
-    waiting = []
-    for running, computed, tokens in requests:
-        if running:
-            running_need += -(-(computed + horizon_tokens) // block_size) - -(-computed // block_size)
-            seats -= 1
-        else:
-            waiting.append(tokens - computed)
-    for uncomputed in waiting[: max(0, seats)]:
-        admitted = min(uncomputed, token_budget)
-        if admitted <= 0:
-            break
-        token_budget -= admitted
-        waiting_need += -(-admitted // block_size)
-    return running_need, waiting_need
+def running_blocks_needed(computed: Iterable[int], block_size: int, horizon_tokens: int) -> int:
+    """Blocks the running requests' next `horizon_tokens` tokens start (`computed`: each
+    one's computed tokens)."""
+    return sum(-(-(c + horizon_tokens) // block_size) - -(-c // block_size) for c in computed)
 
 
-def most_blocks_needed(
-    num_requests: int, block_size: int, horizon_tokens: int, token_budget: int
-) -> int:
-    """An upper bound of the sum `blocks_needed` returns for `num_requests` live requests,
-    whatever their state: each running one starts at most ceil(horizon / block_size) + 1
-    blocks; the admitted waiting ones share the token budget, plus one partial block each."""
-    per_running = -(-horizon_tokens // block_size) + 1
-    return num_requests * (per_running + 1) + -(-token_budget // block_size)
+def most_running_blocks(num_requests: int, block_size: int, horizon_tokens: int) -> int:
+    """An upper bound of `running_blocks_needed` for `num_requests` requests, whatever their
+    computed tokens: each starts at most ceil(horizon / block_size) blocks (plus one, spare)."""
+    return num_requests * (-(-horizon_tokens // block_size) + 1)
 
 
-# Waiting requests whose uncomputed tokens count as needed; one waiting for a pull has its
-# blocks already.
+# Waiting requests vLLM's waiting loop may admit; one waiting for a pull has its blocks already.
 _WAITING_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class _AllocationCount:
+    """vLLM's own count of the blocks an allocation takes from the pool: the calls its
+    `KVCacheManager.allocate_slots` makes (the same in vLLM 0.32 and 0.33), so that a prefix
+    hit (blocks in use cost nothing, cached free ones count), sliding windows and state-space
+    groups count as they do there. Private to vLLM: checked when bound, so that a vLLM that
+    changed them fails at start-up, naming them, instead of counting wrong."""
+
+    _COUNT_ARGS = frozenset(
+        (
+            "request_id",
+            "num_tokens",
+            "new_computed_blocks",
+            "num_encoder_tokens",
+            "total_computed_tokens",
+            "num_local_computed_tokens",
+            "num_tokens_main_model",
+            "apply_admission_cap",
+            "prefill_end",
+        )
+    )
+
+    def __init__(self, manager: KVCacheManager, max_model_len: int) -> None:
+        coordinator = getattr(manager, "coordinator", None)
+        count = getattr(coordinator, "get_num_blocks_to_allocate", None)
+        missing = [
+            name
+            for name, present in (
+                (
+                    "KVCacheManager.coordinator.find_longest_cache_hit",
+                    hasattr(coordinator, "find_longest_cache_hit"),
+                ),
+                (
+                    "KVCacheManager.prefix_cache_lookup_enabled",
+                    hasattr(manager, "prefix_cache_lookup_enabled"),
+                ),
+                ("KVCacheManager.empty_kv_cache_blocks", hasattr(manager, "empty_kv_cache_blocks")),
+                (
+                    "KVCacheManager.watermark_blocks",
+                    isinstance(getattr(manager, "watermark_blocks", None), int),
+                ),
+                (
+                    "KVCacheManager.coordinator.get_num_blocks_to_allocate"
+                    f"({', '.join(sorted(self._COUNT_ARGS))})",
+                    count is not None
+                    and self._COUNT_ARGS <= inspect.signature(count).parameters.keys(),
+                ),
+            )
+            if not present
+        ]
+        if missing:
+            raise RuntimeError(
+                "DuplexConnector counts a waiting request's admission as vLLM's KV-cache "
+                f"manager does, and this vLLM lacks {', '.join(missing)}: install a vLLM "
+                "version kvduplex supports"
+            )
+        self._manager = manager
+        self._coordinator = coordinator
+        self._max_model_len = max_model_len
+        self.watermark = manager.watermark_blocks
+        """Free blocks vLLM keeps beside a waiting request's allocation while any runs."""
+        self.empty = manager.empty_kv_cache_blocks.blocks
+        """No hit: no block in any group."""
+
+    def hit(self, request: Request) -> tuple[Any, int]:
+        """The local prefix-cache hit vLLM's waiting loop finds: (blocks per group, tokens)."""
+        if not self._manager.prefix_cache_lookup_enabled(request):
+            return self.empty, 0
+        blocks, tokens, _ = self._coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        return blocks, tokens
+
+    def blocks(
+        self,
+        request: Request,
+        hit: Any,
+        local: int,
+        computed: int,
+        num_tokens: int,
+        main: int,
+        full: bool,
+    ) -> int:
+        """Blocks `allocate_slots` takes for `request` with the `hit` of `local` tokens and
+        `computed` tokens in all: slots up to `num_tokens` (`main` of the model's own), or
+        its check that the whole sequence fits (`full`)."""
+        return self._coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=min(num_tokens, self._max_model_len),
+            new_computed_blocks=hit,
+            num_encoder_tokens=0,
+            total_computed_tokens=computed,
+            num_local_computed_tokens=local,
+            num_tokens_main_model=main,
+            apply_admission_cap=full,
+            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
+        )
+
+    def remaining(self, request: Request) -> int:
+        """Blocks a request with blocks already (a prefill under way, a pull) still needs to
+        finish its sequence: what vLLM keeps free for it when it admits a pull."""
+        full = min(request.num_tokens, self._max_model_len)
+        computed = request.num_computed_tokens
+        return self.blocks(request, self.empty, computed, computed, full, full, full=True)
 
 
 class LiveRequests:
     """An engine's requests from arrival to end (in arrival order), and the blocks they need
-    before an eviction ordered now can free any (`blocks_needed`)."""
+    before an eviction ordered now can free any: the running ones' next tokens
+    (`running_need`), and what vLLM's waiting loop asks of the pool to admit the waiting ones
+    in the next step (`waiting_need`)."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         scheduler_config = vllm_config.scheduler_config
@@ -281,15 +362,49 @@ class LiveRequests:
         self._horizon_tokens = (1 + vllm_config.num_lookahead_tokens) * (
             2 if scheduler_config.async_scheduling else 1
         )
-        self._token_budget = scheduler_config.max_num_batched_tokens
-        self._seats = scheduler_config.max_num_seqs
+        self._lookahead_tokens = vllm_config.num_lookahead_tokens
+        self._max_model_len = vllm_config.model_config.max_model_len
+        # vLLM's waiting loop's limits and rules (`Scheduler.schedule`, 0.32 and 0.33).
+        self._token_budget = (
+            scheduler_config.max_num_scheduled_tokens or scheduler_config.max_num_batched_tokens
+        )
+        self._input_budget = scheduler_config.max_num_batched_tokens
+        self._seats = scheduler_config.max_num_active_seqs or scheduler_config.max_num_seqs
+        self._whole_prompt = scheduler_config.scheduler_reserve_full_isl
+        self._chunked = scheduler_config.enable_chunked_prefill
+        self._long_prefill = scheduler_config.long_prefill_token_threshold
+        self._long_prefill_adaptive = scheduler_config.long_prefill_token_threshold_adaptive
+        self._priority = scheduler_config.policy == "priority"
+        self._count: _AllocationCount | None = None
         self._requests: dict[str, Request] = {}
+        # Requests not seen running since they arrived or were preempted.
+        self._waiting: dict[str, Request] = {}
+        # The connector's last answer for a waiting request: (tokens, asynchronous load).
+        self._matched: dict[str, tuple[int | None, bool]] = {}
+
+    def bind(self, manager: KVCacheManager) -> None:
+        self._count = _AllocationCount(manager, self._max_model_len)
 
     def add(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        self._waiting[request.request_id] = request
 
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+        self._matched.pop(request_id, None)
+
+    def matched(self, request_id: str, tokens: int | None, load_async: bool) -> None:
+        """The connector answered vLLM's waiting loop for this request (`tokens` None: ask
+        again in the next step, vLLM skips it)."""
+        self._matched[request_id] = (tokens, load_async)
+
+    def preempted(self, request_ids: Iterable[str] | None) -> None:
+        """vLLM preempted these running requests: they wait again."""
+        for request_id in request_ids or ():
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._waiting[request_id] = request
 
     def others_running(self, request_id: str) -> bool:
         """Whether a request other than `request_id` is running (or was scheduled already in
@@ -300,27 +415,125 @@ class LiveRequests:
             if other != request_id
         )
 
-    def blocks_needed(self, free_blocks: int) -> tuple[int, int]:
-        """(running, waiting): see `blocks_needed`; (0, 0) without walking the requests when
-        `free_blocks` cover the most they could need (`most_blocks_needed`), so an engine far
-        from shortage pays O(1) per step, not O(live requests)."""
-        if free_blocks >= most_blocks_needed(
-            len(self._requests), self._block_size, self._horizon_tokens, self._token_budget
+    def running_need(self, free_blocks: int) -> int:
+        """Blocks the running requests' next step(s) start (`running_blocks_needed`); 0
+        without walking the requests when `free_blocks` cover the most they could need, so
+        an engine far from shortage with nothing waiting pays O(1) per step."""
+        if free_blocks >= most_running_blocks(
+            len(self._requests), self._block_size, self._horizon_tokens
         ):
-            return 0, 0
-        return blocks_needed(
-            [
-                (
-                    request.status == RequestStatus.RUNNING,
-                    request.num_computed_tokens,
-                    request.num_tokens,
-                )
-                for request in self._requests.values()
-                if request.status == RequestStatus.RUNNING or request.status in _WAITING_STATUSES
-            ],
+            return 0
+        return running_blocks_needed(
+            (
+                r.num_computed_tokens
+                for r in self._requests.values()
+                if r.status == RequestStatus.RUNNING
+            ),
             self._block_size,
             self._horizon_tokens,
-            self._token_budget,
-            self._seats,
         )
 
+    def waiting_need(self, scheduled: dict[str, int], limit: int) -> int:
+        """Free blocks vLLM's waiting loop needs in the next step to admit, in its order,
+        the waiting requests it would admit with blocks enough: each one's allocation (its
+        whole sequence with `scheduler_reserve_full_isl`, vLLM's default; a pull's blocks
+        all at once, beside what vLLM keeps for prefills under way; its first chunk
+        otherwise), plus vLLM's watermark, after those before it; until the token budget or
+        the seats run out, or the need passes `limit`. `scheduled`: this step's tokens per
+        request (before vLLM counts them as computed). O(1) with nothing waiting."""
+        count = self._count
+        queue = self._waiting_in_order()
+        if count is None or not queue:
+            return 0
+        running = [r for r in self._requests.values() if r.status == RequestStatus.RUNNING]
+        seats = self._seats - len(running)
+        # Running requests are scheduled first: a decode takes a token, a prefill its rest.
+        after = {
+            r.request_id: r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in running
+        }
+        budget = self._token_budget - sum(
+            max(1, r.num_tokens - after[r.request_id]) for r in running
+        )
+        long_prefill = self._long_prefill if len(running) + len(queue) > 1 else 0
+        if long_prefill and self._long_prefill_adaptive:
+            long_prefill = max(long_prefill, self._input_budget // (len(running) + len(queue)))
+        reserved: int | None = None  # blocks vLLM keeps for prefills under way (with a pull)
+        need = taken = 0
+        for request in queue:
+            if budget <= 0 or seats <= 0 or need > limit:
+                break
+            tokens, load_async = self._matched.get(request.request_id, (0, False))
+            if request.status not in _WAITING_STATUSES or tokens is None:
+                continue  # vLLM skips it
+            if request.num_computed_tokens:  # a pull done: its blocks are there, no lookup
+                hit, local, tokens, load_async = count.empty, request.num_computed_tokens, 0, False
+            else:
+                hit, local = count.hit(request)
+            computed = local + tokens
+            if load_async:
+                new = 0
+            else:
+                new = request.num_tokens - computed
+                if 0 < long_prefill < new:
+                    new = long_prefill
+                if not self._chunked and new > budget:
+                    break
+                new = min(new, budget)
+            lookahead = 0 if load_async else self._lookahead_tokens
+            step = count.blocks(
+                request, hit, local, computed, computed + new + lookahead, computed + new, False
+            )
+            whole = min(request.num_tokens, self._max_model_len)
+            full = count.blocks(
+                request, hit, local, min(computed, self._max_model_len), whole, whole, True
+            )
+            gate = step
+            if load_async:
+                if reserved is None:
+                    reserved = sum(count.remaining(r) for r in self._under_way(after))
+                gate += reserved
+            if self._whole_prompt:
+                gate = max(gate, full)
+            need = max(need, taken + gate + (count.watermark if running or taken else 0))
+            taken += step
+            if reserved is not None and (load_async or computed + new < request.num_tokens):
+                reserved += max(0, full - step)
+            if not load_async:
+                seats -= 1
+                budget -= new
+                running.append(request)
+        return need
+
+    def _waiting_in_order(self) -> list[Request]:
+        """The waiting requests in vLLM's order: those holding blocks (a pull done) first,
+        then the preempted (the last first) and the new ones (`fcfs`), or by priority."""
+        holding, preempted, new = [], [], []
+        for request_id, request in list(self._waiting.items()):
+            if request.status == RequestStatus.RUNNING:
+                del self._waiting[request_id]
+            elif (
+                request.num_computed_tokens
+                or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ):
+                holding.append(request)
+            elif request.status == RequestStatus.PREEMPTED:
+                preempted.append(request)
+            else:
+                new.append(request)
+        if self._priority:
+
+            def key(request: Request) -> tuple[int, float]:
+                return request.priority, request.arrival_time
+
+            return sorted(holding, key=key) + sorted(preempted + new, key=key)
+        return holding + preempted[::-1] + new
+
+    def _under_way(self, after: dict[str, int]) -> list[Request]:
+        """Requests whose prefill is under way with blocks of their own: vLLM's in-flight
+        prefills (a pull, or a prompt computed in chunks)."""
+        return [
+            r
+            for r in self._requests.values()
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            or (r.status == RequestStatus.RUNNING and after[r.request_id] < r.num_tokens)
+        ]

@@ -29,7 +29,7 @@ with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finishe
 on a stop string, which vLLM finishes as an abort: `_held_output_tokens`), keep their blocks under a hold
 (with the fingerprints of the tokens they carry, for grants) and return params describing them.
 The hold is a reference of our own
-on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
+on the blocks in vLLM's block pool (`bind_kv_cache_manager`): vLLM frees the request at once, and
 the blocks stay allocated until the hold ends. How long holds last, what is evicted under the
 cap on held turns or when the engine runs short of free blocks, and how an idle engine frees
 the holds that end: `retention.py`. (Had vLLM delayed freeing the request instead,
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.tokenizers import TokenizerLike
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -228,6 +228,11 @@ class DuplexScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        matched = self._matched_tokens(request, num_computed_tokens)
+        self._live.matched(request.request_id, *matched)  # what admitting it takes
+        return matched
+
+    def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._pull_state(request)
         if state is None and not _computes_alone(request):
             found = self._lookups.look_up(request, num_computed_tokens)
@@ -601,8 +606,9 @@ class DuplexScheduler:
             if cached:
                 tables[index][block] = cached[0].block_id
 
-    def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
-        self._block_pool = block_pool
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._block_pool = manager.block_pool
+        self._live.bind(manager)
 
     # ------------------------------------------------------------- retention
 
@@ -613,8 +619,7 @@ class DuplexScheduler:
         now = time.time()
         if not self._retention.frees_pending(now) and self._block_pool is not None:
             free = self._block_pool.get_num_free_blocks()
-            running, _ = self._live.blocks_needed(free)
-            self._retention.pressure(free, max(running, free + 1), 0, now)
+            self._retention.pressure(free, max(self._live.running_need(free), free + 1), 0, now)
         return self._retention.frees_pending(now)
 
     def reset_cache(self) -> bool:
@@ -697,10 +702,14 @@ class DuplexScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> md.DuplexConnectorMetadata:
         now = time.time()
+        self._live.preempted(scheduler_output.preempted_req_ids)
         if self._block_pool is not None and self._held:
-            # Before vLLM would preempt: free held blocks the live requests are about to need.
+            # Before vLLM would preempt or a waiting request wait: free held blocks the live
+            # requests are about to need.
             free = self._block_pool.get_num_free_blocks()
-            self._retention.pressure(free, *self._live.blocks_needed(free), now)
+            limit = free + self._retention.held_blocks
+            need = self._live.waiting_need(scheduler_output.num_scheduled_tokens, limit)
+            self._retention.pressure(free, self._live.running_need(free), need, now)
         expected, settled = self._expected.take()
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,
