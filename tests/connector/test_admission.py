@@ -45,7 +45,10 @@ def _d_with_two_held_turns(engines, reserve_full_isl: bool) -> tuple[Engine, Eng
         "D",
         BIDIRECTIONAL,
         num_blocks=32,
-        scheduler={"max_num_batched_tokens": BUDGET, "scheduler_reserve_full_isl": reserve_full_isl},
+        scheduler={
+            "max_num_batched_tokens": BUDGET,
+            "scheduler_reserve_full_isl": reserve_full_isl,
+        },
     )
     for i in range(2):
         turn = prompt_tokens(100, start=1000 * (i + 1))
@@ -113,3 +116,42 @@ def test_a_waiting_pull_that_needs_all_its_blocks_at_once_is_admitted_in_the_nex
     (load,) = step.meta.loads
     assert load.request_id == "w" and len(load.local_block_ids) == -(-300 // BLOCK_SIZE)
     assert len(rank0.orders) == 1
+
+
+def test_a_prefix_in_use_costs_the_waiting_prompt_nothing(engines):
+    """A prompt that starts with a running request's prompt takes those blocks from the prefix
+    cache (they are in use: no new block): its need is the rest of the prompt only, so one
+    held turn is given up for it, not both (counted as the whole prompt, both would go)."""
+    _, d = _d_with_two_held_turns(engines, reserve_full_isl=True)
+    shared = prompt_tokens(96, start=7000)  # 6 blocks
+    d.add("r", shared, max_tokens=50)
+    d.step()
+    d.step()
+    pool = d.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    assert free == 17 - 7  # r: its 6 prompt blocks and the block of its next tokens
+    waiting = d.add("w", shared + prompt_tokens(200, start=8000), max_tokens=2)  # 19 blocks
+    rank0 = Rank0(d)
+    d.step(rank0=rank0)
+    assert rank0.orders == [(len(d.steps) - 1, 19 - 6 - free)]
+    assert "turn0" not in d.duplex._held and "turn1" in d.duplex._held
+    step = d.step(rank0=rank0)
+    assert waiting.status == RequestStatus.RUNNING and "w" in step.output.num_scheduled_tokens
+    assert len(rank0.orders) == 1
+
+
+def test_a_vllm_whose_allocation_count_changed_fails_at_start_up(engines, monkeypatch):
+    """The waiting requests' need is counted by vLLM's own KV-cache manager (private to
+    vLLM): a vLLM that changed what it is made of fails when the connector is bound, naming
+    it, instead of counting wrong."""
+    d = engines("D", BIDIRECTIONAL)
+    manager = d.scheduler.kv_cache_manager
+    monkeypatch.setattr(
+        manager.coordinator, "get_num_blocks_to_allocate", lambda request_id, num_tokens: 0
+    )
+    with pytest.raises(RuntimeError, match="get_num_blocks_to_allocate"):
+        d.connector.bind_kv_cache_manager(manager)
+    monkeypatch.undo()
+    monkeypatch.delattr(type(manager), "prefix_cache_lookup_enabled")
+    with pytest.raises(RuntimeError, match="prefix_cache_lookup_enabled"):
+        d.connector.bind_kv_cache_manager(manager)

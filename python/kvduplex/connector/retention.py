@@ -3,9 +3,10 @@
 Held blocks (a prefill node's prompts for their decode nodes, a decode node's finished turns
 for the next turn) are worth less than the requests the engine runs: they are given up,
 least recently used and unclaimed first, when the engine's free blocks fall below what its
-requests need, before vLLM would preempt one of them. Two tiers: what running requests need
-for their next step(s) may take any unclaimed hold; what the next step could admit of the
-waiting requests may take held turns, and prompts no reader has claimed for `UNREAD_PROMPT_S`.
+requests need, before vLLM would preempt one of them or make one wait. Two tiers: what running
+requests need for their next step(s) may take any unclaimed hold; what vLLM's next step needs
+to admit waiting requests may take held turns, and prompts no reader has claimed for
+`UNREAD_PROMPT_S`.
 A prompt held for a decode node is read within moments of its hand-off (its reader asks for it
 as soon as it gets the request), and giving it up then makes the decode node compute the whole
 prompt, to let a waiting request in a little sooner; but a decode node that computes the prompt
@@ -15,6 +16,18 @@ turn that may never come. The scheduler owns
 the blocks' references (it frees them once TP rank 0 reports a hold ended); TP rank 0's hold
 book owns the claims, so the scheduler orders evictions of *a number of blocks* and the hold
 book picks which holds (unclaimed only: no block is freed under a read).
+
+Admission (`LiveRequests.waiting_need`): a waiting request needs exactly what vLLM's allocation
+for it would take from the pool in the next step (`Scheduler.schedule`'s waiting loop and
+`KVCacheManager.allocate_slots`, the same in vLLM 0.32 and 0.33), counted by vLLM's own
+KV-cache manager (`_AllocationCount`): the whole sequence with `scheduler_reserve_full_isl`
+(vLLM's default), else the first chunk within the token budget; an asynchronous load (a pull)
+all its blocks at once, beside what vLLM keeps for prefills under way; less its prefix-cache
+hit on blocks in use; plus vLLM's watermark while anything runs. In vLLM's order, each after
+those before it, until the token budget or the seats run out; the connector's answer for each
+is the one vLLM got (`matched`). The order made when vLLM first leaves such a request waiting
+ships in that step; TP rank 0 frees the holds during it, and vLLM admits the request in the
+next step (async scheduling: the one after, scheduled before this step's output is in).
 
 Accounting (`Retention`, pure: time comes in as an argument):
 - Every order travels in one step's metadata and is acknowledged once, by TP rank 0, in the
@@ -54,6 +67,7 @@ from kvduplex.connector.metadata import EvictOrder
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
@@ -305,6 +319,7 @@ class _AllocationCount:
         """Free blocks vLLM keeps beside a waiting request's allocation while any runs."""
         self.empty = manager.empty_kv_cache_blocks.blocks
         """No hit: no block in any group."""
+        self.pool_blocks = manager.block_pool.num_gpu_blocks
 
     def hit(self, request: Request) -> tuple[Any, int]:
         """The local prefix-cache hit vLLM's waiting loop finds: (blocks per group, tokens)."""
@@ -394,10 +409,14 @@ class LiveRequests:
         self._waiting.pop(request_id, None)
         self._matched.pop(request_id, None)
 
-    def matched(self, request_id: str, tokens: int | None, load_async: bool) -> None:
-        """The connector answered vLLM's waiting loop for this request (`tokens` None: ask
-        again in the next step, vLLM skips it)."""
-        self._matched[request_id] = (tokens, load_async)
+    def matched(
+        self, request: Request, tokens: int | None, load_async: bool
+    ) -> tuple[int | None, bool]:
+        """The connector's answer to vLLM's waiting loop for `request`, kept (what admitting
+        it takes) and returned: `tokens` the connector loads (None: ask again in the next
+        step, vLLM skips it), asynchronously or not."""
+        self._matched[request.request_id] = (tokens, load_async)
+        return tokens, load_async
 
     def preempted(self, request_ids: Iterable[str] | None) -> None:
         """vLLM preempted these running requests: they wait again."""
@@ -433,6 +452,13 @@ class LiveRequests:
             self._horizon_tokens,
         )
 
+    def blocks_needed(self, free_blocks: int, scheduler_output: SchedulerOutput) -> tuple[int, int]:
+        """(running, waiting) after the step `scheduler_output` schedules: `running_need` and
+        `waiting_need` (counted while it could be met: up to the pool's blocks)."""
+        return self.running_need(free_blocks), self.waiting_need(
+            scheduler_output.num_scheduled_tokens, self._count.pool_blocks if self._count else 0
+        )
+
     def waiting_need(self, scheduled: dict[str, int], limit: int) -> int:
         """Free blocks vLLM's waiting loop needs in the next step to admit, in its order,
         the waiting requests it would admit with blocks enough: each one's allocation (its
@@ -447,16 +473,17 @@ class LiveRequests:
             return 0
         running = [r for r in self._requests.values() if r.status == RequestStatus.RUNNING]
         seats = self._seats - len(running)
-        # Running requests are scheduled first: a decode takes a token, a prefill its rest.
-        after = {
-            r.request_id: r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in running
-        }
-        budget = self._token_budget - sum(
-            max(1, r.num_tokens - after[r.request_id]) for r in running
-        )
         long_prefill = self._long_prefill if len(running) + len(queue) > 1 else 0
         if long_prefill and self._long_prefill_adaptive:
             long_prefill = max(long_prefill, self._input_budget // (len(running) + len(queue)))
+        # Running requests are scheduled first: a decode takes a token, a prefill its next chunk.
+        after = {
+            r.request_id: r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in running
+        }
+        budget = self._token_budget
+        for r in running:
+            rest = max(1, r.num_tokens - after[r.request_id])
+            budget -= min(rest, long_prefill) if long_prefill else rest
         reserved: int | None = None  # blocks vLLM keeps for prefills under way (with a pull)
         need = taken = 0
         for request in queue:

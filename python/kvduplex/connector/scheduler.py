@@ -25,19 +25,18 @@ the workers' transfer cores, and `get_num_new_matched_tokens` returns None ("ask
 meanwhile, so vLLM's scheduler loop never blocks.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
-with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also
-on a stop string, which vLLM finishes as an abort: `_held_output_tokens`), keep their blocks under a hold
-(with the fingerprints of the tokens they carry, for grants) and return params describing them.
-The hold is a reference of our own
-on the blocks in vLLM's block pool (`bind_kv_cache_manager`): vLLM frees the request at once, and
-the blocks stay allocated until the hold ends. How long holds last, what is evicted under the
-cap on held turns or when the engine runs short of free blocks, and how an idle engine frees
-the holds that end: `retention.py`. (Had vLLM delayed freeing the request instead,
-as `request_finished` allows, its engine would step non-stop for as long as any hold lasts,
-i.e. for the whole pause between a conversation's turns: measured 1.3 CPU cores per idle
-server holding one turn.) TP rank 0's transfer core ends a hold (read by the decode node it
-was handed to, expired, or evicted; never while a reader's claim lasts) and reports it in
-`DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference.
+with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also on
+a stop string, which vLLM finishes as an abort: `_held_output_tokens`), keep their blocks under a
+hold (with the fingerprints of the tokens they carry, for grants) and return params describing
+them. The hold is a reference of our own on the blocks in vLLM's block pool
+(`bind_kv_cache_manager`): vLLM frees the request at once, and the blocks stay allocated until the
+hold ends. How long holds last, what is evicted under the cap on held turns or when the engine runs
+short of free blocks, and how an idle engine frees the holds that end: `retention.py`. (Had vLLM
+delayed freeing the request instead, as `request_finished` allows, its engine would step non-stop
+for as long as any hold lasts, i.e. for the whole pause between a conversation's turns: measured
+1.3 CPU cores per idle server holding one turn.) TP rank 0's transfer core ends a hold (read by the
+decode node it was handed to, expired, or evicted; never while a reader's claim lasts) and reports
+it in `DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference.
 """
 
 from __future__ import annotations
@@ -228,26 +227,21 @@ class DuplexScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        matched = self._matched_tokens(request, num_computed_tokens)
-        self._live.matched(request.request_id, *matched)  # what admitting it takes
-        return matched
-
-    def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._pull_state(request)
         if state is None and not _computes_alone(request):
             found = self._lookups.look_up(request, num_computed_tokens)
             if found is ASK_AGAIN:
-                return None, False
+                return self._live.matched(request, None, False)
             if found is not None:
                 state = _PullState(remote=found.remote, prompt=found.prompt)
                 self._pulls[request.request_id] = state
         if state is None or state.consumed or isinstance(state.remote, Rejected):
-            return 0, False
+            return self._live.matched(request, 0, False)
         state.last_num_computed = num_computed_tokens
         gain = self._pullable_tokens(request, state, num_computed_tokens) - num_computed_tokens
         if gain <= 0 or gain < self.recompute_threshold():
-            return 0, False
-        return gain, not self._layerwise(state.remote)
+            return self._live.matched(request, 0, False)
+        return self._live.matched(request, gain, not self._layerwise(state.remote))
 
     def _layerwise(self, remote: RemoteBlocks) -> bool:
         """A decode node's held turn is pulled layer by layer within the forward pass with
@@ -704,12 +698,9 @@ class DuplexScheduler:
         now = time.time()
         self._live.preempted(scheduler_output.preempted_req_ids)
         if self._block_pool is not None and self._held:
-            # Before vLLM would preempt or a waiting request wait: free held blocks the live
-            # requests are about to need.
+            # Before vLLM would preempt or a waiting request wait: free the held blocks needed.
             free = self._block_pool.get_num_free_blocks()
-            limit = free + self._retention.held_blocks
-            need = self._live.waiting_need(scheduler_output.num_scheduled_tokens, limit)
-            self._retention.pressure(free, self._live.running_need(free), need, now)
+            self._retention.pressure(free, *self._live.blocks_needed(free, scheduler_output), now)
         expected, settled = self._expected.take()
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,
