@@ -38,7 +38,9 @@ class Rank0:
         return DuplexWorkerMetadata(lookups=lookups, freed_holds=freed, evictions_done=1)
 
 
-def _d_with_two_held_turns(engines, reserve_full_isl: bool) -> tuple[Engine, Engine]:
+def _d_with_two_held_turns(
+    engines, reserve_full_isl: bool, **scheduler: int
+) -> tuple[Engine, Engine]:
     """D: 32 blocks (31 usable), a 128-token budget; two 7-block turns held (14), 17 free."""
     p = engines("P", BIDIRECTIONAL)
     d = engines(
@@ -48,6 +50,7 @@ def _d_with_two_held_turns(engines, reserve_full_isl: bool) -> tuple[Engine, Eng
         scheduler={
             "max_num_batched_tokens": BUDGET,
             "scheduler_reserve_full_isl": reserve_full_isl,
+            **scheduler,
         },
     )
     for i in range(2):
@@ -116,6 +119,35 @@ def test_a_waiting_pull_that_needs_all_its_blocks_at_once_is_admitted_in_the_nex
     (load,) = step.meta.loads
     assert load.request_id == "w" and len(load.local_block_ids) == -(-300 // BLOCK_SIZE)
     assert len(rank0.orders) == 1
+
+
+def test_a_pull_beside_a_prompt_computed_in_chunks_counts_what_vllm_keeps_for_that_prompt(
+    engines,
+):
+    """vLLM admits a pull only if its blocks fit beside what prefills under way still need
+    (their reservation), after their next chunks: D computes a 200-token prompt (13 blocks)
+    in 64-token chunks while a 100-token pull (7 blocks) waits. When the pull's grant is in,
+    9 blocks are free; the next step's chunk takes 4, the pull 7, and vLLM keeps the prompt's
+    last block: 3 short, 3 ordered, and the pull is admitted in the next step. (Counted as a
+    7-block chunk, nothing was ordered and the pull waited for the prompt's end.)"""
+    p, d = _d_with_two_held_turns(engines, reserve_full_isl=False, long_prefill_token_threshold=64)
+    pool = d.scheduler.kv_cache_manager.block_pool
+    prompt = prompt_tokens(100, start=5000)
+    params = prefill(p, "p-w", prompt)
+    computed = d.add("c", prompt_tokens(200, start=9000), max_tokens=2)
+    waiting = d.add("w", prompt, max_tokens=2, params=params)
+    rank0 = Rank0(d, held=params)
+    d.step(rank0=rank0)  # c's first chunk; w's grant is asked for
+    assert waiting.status == RequestStatus.WAITING and computed.num_computed_tokens == 64
+    free_before = pool.get_num_free_blocks()
+    assert free_before == 13
+    d.step(rank0=rank0)  # c's second chunk (4 blocks: 9 free); w's pull does not fit
+    assert waiting.status == RequestStatus.WAITING
+    assert rank0.orders == [(len(d.steps) - 1, 4 + 7 + 1 - 9)]
+    step = d.step(rank0=rank0)
+    assert waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [load.request_id for load in step.meta.loads] == ["w"]
+    assert "turn1" in d.duplex._held and len(rank0.orders) == 1
 
 
 def test_a_prefix_in_use_costs_the_waiting_prompt_nothing(engines):

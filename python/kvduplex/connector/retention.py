@@ -476,16 +476,24 @@ class LiveRequests:
         long_prefill = self._long_prefill if len(running) + len(queue) > 1 else 0
         if long_prefill and self._long_prefill_adaptive:
             long_prefill = max(long_prefill, self._input_budget // (len(running) + len(queue)))
-        # Running requests are scheduled first: a decode takes a token, a prefill its next chunk.
+        # Running requests are scheduled first: a decode takes a token (its blocks are
+        # `running_need`'s), a prompt computed in chunks its next chunk, and that chunk's blocks.
         after = {
             r.request_id: r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in running
         }
-        budget = self._token_budget
+        budget, chunks = self._token_budget, {}
         for r in running:
-            rest = max(1, r.num_tokens - after[r.request_id])
-            budget -= min(rest, long_prefill) if long_prefill else rest
+            done = after[r.request_id]
+            chunk = max(0, min(r.num_tokens - done, long_prefill or budget, budget))
+            budget -= max(1, chunk)
+            if chunk:
+                end = done + chunk
+                chunks[r.request_id] = count.blocks(
+                    r, count.empty, done, done, end + self._lookahead_tokens, end, False
+                )
+        taken = sum(chunks.values())
         reserved: int | None = None  # blocks vLLM keeps for prefills under way (with a pull)
-        need = taken = 0
+        need = 0
         for request in queue:
             if budget <= 0 or seats <= 0 or need > limit:
                 break
@@ -517,7 +525,10 @@ class LiveRequests:
             gate = step
             if load_async:
                 if reserved is None:
-                    reserved = sum(count.remaining(r) for r in self._under_way(after))
+                    reserved = sum(
+                        count.remaining(r) - chunks.get(r.request_id, 0)
+                        for r in self._under_way(after)
+                    )
                 gate += reserved
             if self._whole_prompt:
                 gate = max(gate, full)
@@ -538,6 +549,7 @@ class LiveRequests:
         for request_id, request in list(self._waiting.items()):
             if request.status == RequestStatus.RUNNING:
                 del self._waiting[request_id]
+                self._matched.pop(request_id, None)
             elif (
                 request.num_computed_tokens
                 or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
