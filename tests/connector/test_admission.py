@@ -3,6 +3,8 @@ soon as a waiting request's admission (its whole prompt, or its pull's blocks) n
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from vllm.v1.request import RequestStatus
 
@@ -19,14 +21,15 @@ class Rank0:
     """Plays D's TP rank 0 within a step: carries out the step's eviction order on the least
     recently held unclaimed turns (its hold book's choice), and answers lookups from `held`."""
 
-    def __init__(self, d: Engine, held: dict | None = None) -> None:
+    def __init__(self, d: Engine, held: dict | None = None, evict: bool = True) -> None:
         self.d = d
         self.held = held
+        self.evict = evict
         self.orders: list[tuple[int, int]] = []  # (step, blocks ordered)
 
     def __call__(self, meta: DuplexConnectorMetadata) -> DuplexWorkerMetadata | None:
         lookups = {q.request_id: answer_lookup(q, self.held) for q in meta.lookups}
-        if meta.evict is None:
+        if meta.evict is None or not self.evict:
             return DuplexWorkerMetadata(lookups=lookups) if lookups else None
         self.orders.append((len(self.d.steps), meta.evict.total))
         freed, blocks = [], 0
@@ -187,3 +190,48 @@ def test_a_vllm_whose_allocation_count_changed_fails_at_start_up(engines, monkey
     monkeypatch.delattr(type(manager), "prefix_cache_lookup_enabled")
     with pytest.raises(RuntimeError, match="prefix_cache_lookup_enabled"):
         d.connector.bind_kv_cache_manager(manager)
+
+
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_the_counted_need_is_exactly_what_vllm_admits_with(engines, reserve_full_isl):
+    """Random prompts beside D's held turns, starting with a held turn's tokens (blocks in
+    use), a prompt of before (cached free blocks) or nothing: vLLM's next step admits the
+    prompt exactly when the free blocks cover the need counted for it, and a pull left waiting
+    was counted short of them (nothing runs, nothing is evicted)."""
+    rng = random.Random(35)
+    p, d = _d_with_two_held_turns(engines, reserve_full_isl)
+    pool = d.scheduler.kv_cache_manager.block_pool
+    live = d.duplex._live
+    turn0 = prompt_tokens(100, start=1000)  # held: its 6 full blocks are in use
+    earlier: list[int] = []
+    admitted = waited = 0
+    for case in range(12):
+        prefix = rng.choice([turn0[: 16 * rng.randrange(1, 7)], earlier[:64], []])
+        prompt = prefix + prompt_tokens(rng.randrange(40, 420), start=20_000 + 1000 * case)
+        if case % 3 == 2:  # a pull of the prompt from P
+            params = prefill(p, f"p-{case}", prompt)
+            request = d.add(f"w{case}", prompt, max_tokens=2, params=params)
+            rank0 = Rank0(d, held=params, evict=False)
+            while (
+                request.status == RequestStatus.WAITING
+                and live._matched.get(request.request_id, (None,))[0] is None
+            ):  # until vLLM had the connector's answer
+                d.step(rank0=rank0)
+            if request.status == RequestStatus.WAITING:
+                need = live.waiting_need({}, 10**6)
+                assert need > pool.get_num_free_blocks(), (case, need)
+                waited += 1
+            p.step(freed_holds=[f"p-{case}"])  # P's hold ends (the test never reads it)
+        else:
+            request = d.add(f"w{case}", prompt, max_tokens=2)
+            need, free = live.waiting_need({}, 10**6), pool.get_num_free_blocks()
+            d.step()
+            fits = request.status == RequestStatus.RUNNING
+            assert fits == (need <= free), (case, need, free)
+            admitted += fits
+            waited += not fits
+        d.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+        d.step()
+        earlier = prompt
+        assert d.duplex._retention.turn_blocks == 14  # nothing was evicted
+    assert admitted and waited  # both sides of the boundary were seen

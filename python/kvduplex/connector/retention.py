@@ -261,8 +261,10 @@ class _AllocationCount:
     """vLLM's own count of the blocks an allocation takes from the pool: the calls its
     `KVCacheManager.allocate_slots` makes (the same in vLLM 0.32 and 0.33), so that a prefix
     hit (blocks in use cost nothing, cached free ones count), sliding windows and state-space
-    groups count as they do there. Private to vLLM: checked when bound, so that a vLLM that
-    changed them fails at start-up, naming them, instead of counting wrong."""
+    groups count as they do there. The KV-cache manager is what vLLM hands connectors
+    (`bind_kv_cache_manager`), but these parts of it are beyond the connector API: checked when
+    bound, so that a vLLM that changed them fails at start-up, naming them, instead of counting
+    wrong."""
 
     _COUNT_ARGS = frozenset(
         (
@@ -296,6 +298,10 @@ class _AllocationCount:
                 (
                     "KVCacheManager.watermark_blocks",
                     isinstance(getattr(manager, "watermark_blocks", None), int),
+                ),
+                (
+                    "KVCacheManager.block_pool.num_gpu_blocks",
+                    isinstance(getattr(manager.block_pool, "num_gpu_blocks", None), int),
                 ),
                 (
                     "KVCacheManager.coordinator.get_num_blocks_to_allocate"
@@ -466,11 +472,13 @@ class LiveRequests:
         all at once, beside what vLLM keeps for prefills under way; its first chunk
         otherwise), plus vLLM's watermark, after those before it; until the token budget or
         the seats run out, or the need passes `limit`. `scheduled`: this step's tokens per
-        request (before vLLM counts them as computed). O(1) with nothing waiting."""
+        request (before vLLM counts them as computed). With nothing waiting, a pass over the
+        requests not seen running (pulls under way); else also over the running ones and, for
+        each request counted, vLLM's prefix lookup and block counts, as its own step makes."""
         count = self._count
         queue = self._waiting_in_order()
-        if count is None or not queue:
-            return 0
+        if count is None or not any(r.status in _WAITING_STATUSES for r in queue):
+            return 0  # nothing waits (pulls under way have their blocks)
         running = [r for r in self._requests.values() if r.status == RequestStatus.RUNNING]
         seats = self._seats - len(running)
         long_prefill = self._long_prefill if len(running) + len(queue) > 1 else 0
@@ -492,7 +500,10 @@ class LiveRequests:
                     r, count.empty, done, done, end + self._lookahead_tokens, end, False
                 )
         taken = sum(chunks.values())
-        reserved: int | None = None  # blocks vLLM keeps for prefills under way (with a pull)
+        # Blocks vLLM keeps for prefills under way when it admits a pull: those under way
+        # already (counted at the first pull), and those this walk admits.
+        under_way: int | None = None
+        admitted_under_way = 0
         need = 0
         for request in queue:
             if budget <= 0 or seats <= 0 or need > limit:
@@ -524,18 +535,18 @@ class LiveRequests:
             )
             gate = step
             if load_async:
-                if reserved is None:
-                    reserved = sum(
+                if under_way is None:
+                    under_way = sum(
                         count.remaining(r) - chunks.get(r.request_id, 0)
                         for r in self._under_way(after)
                     )
-                gate += reserved
+                gate += under_way + admitted_under_way
             if self._whole_prompt:
                 gate = max(gate, full)
             need = max(need, taken + gate + (count.watermark if running or taken else 0))
             taken += step
-            if reserved is not None and (load_async or computed + new < request.num_tokens):
-                reserved += max(0, full - step)
+            if load_async or computed + new < request.num_tokens:
+                admitted_under_way += max(0, full - step)
             if not load_async:
                 seats -= 1
                 budget -= new
