@@ -6,10 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import vllm
 from vllm.v1.request import RequestStatus
 
 from duplex_harness import BLOCK_SIZE, Engine, answer_lookup, decode, prefill, prompt_tokens
 from kvduplex.connector.metadata import DuplexConnectorMetadata, DuplexWorkerMetadata
+from kvduplex.connector.vllm_private import VllmShapeError
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True, "decode_kv_hold_max_fraction": 0.5}
 # A token budget below the waiting prompt: its first chunk fits beside the held turns, the
@@ -177,19 +179,31 @@ def test_a_prefix_in_use_costs_the_waiting_prompt_nothing(engines):
 
 def test_a_vllm_whose_allocation_count_changed_fails_at_start_up(engines, monkeypatch):
     """The waiting requests' need is counted by vLLM's own KV-cache manager (private to
-    vLLM): a vLLM that changed what it is made of fails when the connector is bound, naming
-    it, instead of counting wrong."""
+    vLLM, `vllm_private.AllocationCount`): the installed vLLM passes its guard, and a vLLM
+    that changed what it is made of fails when the connector is bound, naming the access,
+    the part and vLLM's version, instead of counting wrong."""
     d = engines("D", BIDIRECTIONAL)
     manager = d.scheduler.kv_cache_manager
-    monkeypatch.setattr(
-        manager.coordinator, "get_num_blocks_to_allocate", lambda request_id, num_tokens: 0
-    )
-    with pytest.raises(RuntimeError, match="get_num_blocks_to_allocate"):
-        d.connector.bind_kv_cache_manager(manager)
-    monkeypatch.undo()
-    monkeypatch.delattr(type(manager), "prefix_cache_lookup_enabled")
-    with pytest.raises(RuntimeError, match="prefix_cache_lookup_enabled"):
-        d.connector.bind_kv_cache_manager(manager)
+    d.connector.bind_kv_cache_manager(manager)  # the installed vLLM's shape (0.32 and 0.33)
+    changes = [
+        (manager.coordinator, "get_num_blocks_to_allocate", lambda request_id, num_tokens: 0),
+        (manager.coordinator, "find_longest_cache_hit", lambda block_hashes, max_length: None),
+        (manager, "watermark_blocks", None),
+        (manager.block_pool, "num_gpu_blocks", None),
+    ]
+    for target, name, value in changes:
+        monkeypatch.setattr(target, name, value)
+        with pytest.raises(VllmShapeError) as changed:
+            d.connector.bind_kv_cache_manager(manager)
+        message = str(changed.value)
+        assert name in message and "allocation" in message and vllm.__version__ in message
+        monkeypatch.undo()
+    for name in ("prefix_cache_lookup_enabled", "empty_kv_cache_blocks"):
+        owner = type(manager) if name in vars(type(manager)) else manager
+        monkeypatch.delattr(owner, name)
+        with pytest.raises(VllmShapeError, match=name):
+            d.connector.bind_kv_cache_manager(manager)
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("reserve_full_isl", [True, False])

@@ -20,7 +20,7 @@ book picks which holds (unclaimed only: no block is freed under a read).
 Admission (`LiveRequests.waiting_need`): a waiting request needs exactly what vLLM's allocation
 for it would take from the pool in the next step (`Scheduler.schedule`'s waiting loop and
 `KVCacheManager.allocate_slots`, the same in vLLM 0.32 and 0.33), counted by vLLM's own
-KV-cache manager (`_AllocationCount`): the whole sequence with `scheduler_reserve_full_isl`
+KV-cache manager (`vllm_private.AllocationCount`): the whole sequence with `scheduler_reserve_full_isl`
 (vLLM's default), else the first chunk within the token budget; an asynchronous load (a pull)
 all its blocks at once, beside what vLLM keeps for prefills under way; less its prefix-cache
 hit on blocks in use; plus vLLM's watermark while anything runs. In vLLM's order, each after
@@ -51,18 +51,18 @@ a hold's lease has passed since the last step, or once a second while any hold l
 
 from __future__ import annotations
 
-import inspect
 import math
 import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from kvduplex.connector.metadata import EvictOrder
+from kvduplex.connector.vllm_private import AllocationCount
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -257,118 +257,6 @@ def most_running_blocks(num_requests: int, block_size: int, horizon_tokens: int)
 _WAITING_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
-class _AllocationCount:
-    """vLLM's own count of the blocks an allocation takes from the pool: the calls its
-    `KVCacheManager.allocate_slots` makes (the same in vLLM 0.32 and 0.33), so that a prefix
-    hit (blocks in use cost nothing, cached free ones count), sliding windows and state-space
-    groups count as they do there. The KV-cache manager is what vLLM hands connectors
-    (`bind_kv_cache_manager`), but these parts of it are beyond the connector API: checked when
-    bound, so that a vLLM that changed them fails at start-up, naming them, instead of counting
-    wrong."""
-
-    _COUNT_ARGS = frozenset(
-        (
-            "request_id",
-            "num_tokens",
-            "new_computed_blocks",
-            "num_encoder_tokens",
-            "total_computed_tokens",
-            "num_local_computed_tokens",
-            "num_tokens_main_model",
-            "apply_admission_cap",
-            "prefill_end",
-        )
-    )
-
-    def __init__(self, manager: KVCacheManager, max_model_len: int) -> None:
-        coordinator = getattr(manager, "coordinator", None)
-        count = getattr(coordinator, "get_num_blocks_to_allocate", None)
-        missing = [
-            name
-            for name, present in (
-                (
-                    "KVCacheManager.coordinator.find_longest_cache_hit",
-                    hasattr(coordinator, "find_longest_cache_hit"),
-                ),
-                (
-                    "KVCacheManager.prefix_cache_lookup_enabled",
-                    hasattr(manager, "prefix_cache_lookup_enabled"),
-                ),
-                ("KVCacheManager.empty_kv_cache_blocks", hasattr(manager, "empty_kv_cache_blocks")),
-                (
-                    "KVCacheManager.watermark_blocks",
-                    isinstance(getattr(manager, "watermark_blocks", None), int),
-                ),
-                (
-                    "KVCacheManager.block_pool.num_gpu_blocks",
-                    isinstance(getattr(manager.block_pool, "num_gpu_blocks", None), int),
-                ),
-                (
-                    "KVCacheManager.coordinator.get_num_blocks_to_allocate"
-                    f"({', '.join(sorted(self._COUNT_ARGS))})",
-                    count is not None
-                    and self._COUNT_ARGS <= inspect.signature(count).parameters.keys(),
-                ),
-            )
-            if not present
-        ]
-        if missing:
-            raise RuntimeError(
-                "DuplexConnector counts a waiting request's admission as vLLM's KV-cache "
-                f"manager does, and this vLLM lacks {', '.join(missing)}: install a vLLM "
-                "version kvduplex supports"
-            )
-        self._manager = manager
-        self._coordinator = coordinator
-        self._max_model_len = max_model_len
-        self.watermark = manager.watermark_blocks
-        """Free blocks vLLM keeps beside a waiting request's allocation while any runs."""
-        self.empty = manager.empty_kv_cache_blocks.blocks
-        """No hit: no block in any group."""
-        self.pool_blocks = manager.block_pool.num_gpu_blocks
-
-    def hit(self, request: Request) -> tuple[Any, int]:
-        """The local prefix-cache hit vLLM's waiting loop finds: (blocks per group, tokens)."""
-        if not self._manager.prefix_cache_lookup_enabled(request):
-            return self.empty, 0
-        blocks, tokens, _ = self._coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
-        )
-        return blocks, tokens
-
-    def blocks(
-        self,
-        request: Request,
-        hit: Any,
-        local: int,
-        computed: int,
-        num_tokens: int,
-        main: int,
-        full: bool,
-    ) -> int:
-        """Blocks `allocate_slots` takes for `request` with the `hit` of `local` tokens and
-        `computed` tokens in all: slots up to `num_tokens` (`main` of the model's own), or
-        its check that the whole sequence fits (`full`)."""
-        return self._coordinator.get_num_blocks_to_allocate(
-            request_id=request.request_id,
-            num_tokens=min(num_tokens, self._max_model_len),
-            new_computed_blocks=hit,
-            num_encoder_tokens=0,
-            total_computed_tokens=computed,
-            num_local_computed_tokens=local,
-            num_tokens_main_model=main,
-            apply_admission_cap=full,
-            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
-        )
-
-    def remaining(self, request: Request) -> int:
-        """Blocks a request with blocks already (a prefill under way, a pull) still needs to
-        finish its sequence: what vLLM keeps free for it when it admits a pull."""
-        full = min(request.num_tokens, self._max_model_len)
-        computed = request.num_computed_tokens
-        return self.blocks(request, self.empty, computed, computed, full, full, full=True)
-
-
 class LiveRequests:
     """An engine's requests from arrival to end (in arrival order), and the blocks they need
     before an eviction ordered now can free any: the running ones' next tokens
@@ -396,7 +284,7 @@ class LiveRequests:
         self._long_prefill = scheduler_config.long_prefill_token_threshold
         self._long_prefill_adaptive = scheduler_config.long_prefill_token_threshold_adaptive
         self._priority = scheduler_config.policy == "priority"
-        self._count: _AllocationCount | None = None
+        self._count: AllocationCount | None = None
         self._requests: dict[str, Request] = {}
         # Requests not seen running since they arrived or were preempted.
         self._waiting: dict[str, Request] = {}
@@ -404,7 +292,7 @@ class LiveRequests:
         self._matched: dict[str, tuple[int | None, bool]] = {}
 
     def bind(self, manager: KVCacheManager) -> None:
-        self._count = _AllocationCount(manager, self._max_model_len)
+        self._count = AllocationCount(manager, self._max_model_len)
 
     def add(self, request: Request) -> None:
         self._requests[request.request_id] = request
