@@ -249,3 +249,26 @@ def test_the_counted_need_is_exactly_what_vllm_admits_with(engines, reserve_full
         earlier = prompt
         assert d.duplex._retention.turn_blocks == 14  # nothing was evicted
     assert admitted and waited  # both sides of the boundary were seen
+
+
+def test_waiting_prompts_are_counted_in_order_within_the_token_budget_and_the_seats(engines):
+    """Without `scheduler_reserve_full_isl`: a 100-token prompt (7 blocks), then a 200-token
+    one, with a 150-token budget: the first whole and the second's 50-token chunk (4 blocks);
+    the third gets no budget and is not counted. vLLM's next step schedules exactly those.
+    With two seats and one taken, only the first is counted."""
+    _, d = _d_with_two_held_turns(engines, reserve_full_isl=False, max_num_batched_tokens=150)
+    watermark = d.scheduler.kv_cache_manager.watermark_blocks
+    for name, length, start in (("a", 100, 5000), ("b", 200, 6000), ("c", 100, 7000)):
+        d.add(name, prompt_tokens(length, start=start))
+    assert d.duplex._live.waiting_need({}, 10**6) == 7 + 4 + watermark
+    step = d.step()
+    assert step.output.num_scheduled_tokens == {"a": 100, "b": 50}
+
+    _, d = _d_with_two_held_turns(engines, reserve_full_isl=False, max_num_seqs=2)
+    d.add("r", prompt_tokens(20, start=9000), max_tokens=50)
+    d.step()
+    d.add("a", prompt_tokens(100, start=5000))
+    d.add("b", prompt_tokens(100, start=6000))
+    assert d.duplex._live.waiting_need({}, 10**6) == 7 + watermark
+    step = d.step()
+    assert set(step.output.num_scheduled_tokens) == {"r", "a"}
