@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,9 +95,11 @@ def make_vllm_config(
     tokenizer: bool = False,
     kv_events: bool = False,
     kv_role: str = "kv_both",
+    scheduler: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """`tokenizer`: load the tokenizer in `model_dir` (the tiny config alone has none);
-    `kv_events`: vLLM makes KV events (published nowhere: `publisher="null"`)."""
+    `kv_events`: vLLM makes KV events (published nowhere: `publisher="null"`); `scheduler`:
+    SchedulerConfig fields to change (a token budget below the prompts, ...)."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),
@@ -108,10 +110,13 @@ def make_vllm_config(
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_num_seqs=16,
-            max_model_len=MAX_MODEL_LEN,
-            is_encoder_decoder=False,
+            **{
+                "max_num_batched_tokens": MAX_MODEL_LEN,
+                "max_num_seqs": 16,
+                "max_model_len": MAX_MODEL_LEN,
+                "is_encoder_decoder": False,
+                **(scheduler or {}),
+            }
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="DuplexConnector",
@@ -212,11 +217,13 @@ class Engine:
         worker_stats: DuplexConnectorStats | None = None,
         worker_meta: DuplexWorkerMetadata | None = None,
         evictions_done: int = 0,
+        rank0: Callable[[DuplexConnectorMetadata], DuplexWorkerMetadata | None] | None = None,
     ) -> Step:
         """One engine step; the test plays the workers: `freed_holds` are holds that ended
         (as TP rank 0 reports them, with the `evictions_done` eviction orders it carried
         out), `finished_recving` reads that completed (every TP rank reports their loads
-        done, as the workers do)."""
+        done, as the workers do). `rank0`, given this step's metadata, answers as TP rank 0
+        does in this step's output (an eviction it carries out during the step)."""
         done = [*finished_recving, *failed_recving]
         if freed_holds or done or evictions_done:
             tp_size = self.scheduler.vllm_config.parallel_config.tensor_parallel_size
@@ -227,6 +234,8 @@ class Engine:
                 evictions_done=evictions_done,
             )
         output = self.scheduler.schedule()
+        if rank0 is not None:
+            worker_meta = rank0(output.kv_connector_metadata)
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for request_id in req_ids:
@@ -290,12 +299,22 @@ def make_engine(
     kv_events: bool = False,
     async_scheduling: bool = False,
     kv_role: str = "kv_both",
+    scheduler: dict[str, Any] | None = None,
 ) -> Engine:
     """`async_scheduling`: vLLM's AsyncScheduler, which builds a step before the one before
     has reported (the test then schedules and reports steps itself: `Engine.step` reports
     each step at once)."""
     vllm_config = make_vllm_config(
-        model_dir, name, extra_config, num_blocks, tp_size, mamba, tokenizer, kv_events, kv_role
+        model_dir,
+        name,
+        extra_config,
+        num_blocks,
+        tp_size,
+        mamba,
+        tokenizer,
+        kv_events,
+        kv_role,
+        scheduler,
     )
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     kv_cache_config = make_kv_cache_config(num_blocks, sliding_window, mamba)

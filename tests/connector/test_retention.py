@@ -16,8 +16,8 @@ from kvduplex.connector.idle_steps import IdleWaker
 from kvduplex.connector.retention import (
     IDLE_CHECK_S,
     Retention,
-    blocks_needed,
-    most_blocks_needed,
+    most_running_blocks,
+    running_blocks_needed,
 )
 
 
@@ -125,32 +125,23 @@ def test_the_hold_book_has_ended_a_lease_when_the_scheduler_wakes_for_its_end():
         assert engine.hold_occupancy()[1] == 1  # "far" stays
 
 
-def test_blocks_needed_counts_running_growth_and_what_the_next_step_admits():
+def test_running_requests_need_the_blocks_their_next_tokens_start():
     # Block 16. Running at 32 tokens: its next token starts a block; at 33: none.
-    assert blocks_needed([(True, 32, 33), (True, 33, 34)], 16, 1, 1024, 16) == (1, 0)
+    assert running_blocks_needed([32, 33], 16, 1) == 1
     # Two steps ahead (async scheduling): 31 -> 33 crosses a block boundary.
-    assert blocks_needed([(True, 31, 32)], 16, 2, 1024, 16) == (1, 0)
-    # Waiting prompts, in order, within the token budget and the free seats.
-    waiting = [(False, 0, 100), (False, 0, 100), (False, 0, 100)]
-    assert blocks_needed(waiting, 16, 1, 150, 16) == (0, 7 + 4)
-    assert blocks_needed([(True, 5, 6), *waiting], 16, 1, 1024, 2) == (0, 7)
+    assert running_blocks_needed([31], 16, 2) == 1
 
 
 def test_the_bound_that_spares_the_walk_is_never_below_what_the_walk_finds():
-    """An engine with at least `most_blocks_needed` free blocks skips the per-step walk over
-    its requests: in no state may the walk find more."""
+    """An engine with at least `most_running_blocks` free blocks (and nothing waiting) skips
+    the per-step walk over its requests: in no state may the walk find more."""
     rng = random.Random(7)
     for _ in range(2000):
         block_size = rng.choice([1, 16, 128])
         horizon = rng.choice([1, 2, 5, 130])
-        budget = rng.choice([1, 100, 2048, 8192])
-        n = rng.randrange(0, 40)
-        requests = []
-        for _ in range(n):
-            tokens = rng.randrange(1, 5000)
-            requests.append((rng.random() < 0.5, rng.randrange(0, tokens + 1), tokens))
-        running, waiting = blocks_needed(requests, block_size, horizon, budget, rng.randrange(1, 64))
-        assert running + waiting <= most_blocks_needed(n, block_size, horizon, budget)
+        computed = [rng.randrange(0, 5000) for _ in range(rng.randrange(0, 40))]
+        needed = running_blocks_needed(computed, block_size, horizon)
+        assert needed <= most_running_blocks(len(computed), block_size, horizon)
 
 
 def test_the_idle_waker_wakes_the_engine_when_nudged_out_of_waiting_for_nothing():

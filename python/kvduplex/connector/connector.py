@@ -35,8 +35,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -157,8 +156,8 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
-    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        self._scheduler.bind_gpu_block_pool(gpu_block_pool)
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

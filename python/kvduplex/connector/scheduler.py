@@ -25,19 +25,18 @@ the workers' transfer cores, and `get_num_new_matched_tokens` returns None ("ask
 meanwhile, so vLLM's scheduler loop never blocks.
 
 Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
-with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also
-on a stop string, which vLLM finishes as an abort: `_held_output_tokens`), keep their blocks under a hold
-(with the fingerprints of the tokens they carry, for grants) and return params describing them.
-The hold is a reference of our own
-on the blocks in vLLM's block pool (`bind_gpu_block_pool`): vLLM frees the request at once, and
-the blocks stay allocated until the hold ends. How long holds last, what is evicted under the
-cap on held turns or when the engine runs short of free blocks, and how an idle engine frees
-the holds that end: `retention.py`. (Had vLLM delayed freeing the request instead,
-as `request_finished` allows, its engine would step non-stop for as long as any hold lasts,
-i.e. for the whole pause between a conversation's turns: measured 1.3 CPU cores per idle
-server holding one turn.) TP rank 0's transfer core ends a hold (read by the decode node it
-was handed to, expired, or evicted; never while a reader's claim lasts) and reports it in
-`DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference.
+with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also on
+a stop string, which vLLM finishes as an abort: `_held_output_tokens`), keep their blocks under a
+hold (with the fingerprints of the tokens they carry, for grants) and return params describing
+them. The hold is a reference of our own on the blocks in vLLM's block pool
+(`bind_kv_cache_manager`): vLLM frees the request at once, and the blocks stay allocated until the
+hold ends. How long holds last, what is evicted under the cap on held turns or when the engine runs
+short of free blocks, and how an idle engine frees the holds that end: `retention.py`. (Had vLLM
+delayed freeing the request instead, as `request_finished` allows, its engine would step non-stop
+for as long as any hold lasts, i.e. for the whole pause between a conversation's turns: measured
+1.3 CPU cores per idle server holding one turn.) TP rank 0's transfer core ends a hold (read by the
+decode node it was handed to, expired, or evicted; never while a reader's claim lasts) and reports
+it in `DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.tokenizers import TokenizerLike
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -230,17 +229,17 @@ class DuplexScheduler:
         if state is None and not _computes_alone(request):
             found = self._lookups.look_up(request, num_computed_tokens)
             if found is ASK_AGAIN:
-                return None, False
+                return self._live.matched(request, None, False)
             if found is not None:
                 state = _PullState(remote=found.remote, prompt=found.prompt)
                 self._pulls[request.request_id] = state
         if state is None or state.consumed or isinstance(state.remote, Rejected):
-            return 0, False
+            return self._live.matched(request, 0, False)
         state.last_num_computed = num_computed_tokens
         gain = self._pullable_tokens(request, state, num_computed_tokens) - num_computed_tokens
         if gain <= 0 or gain < self.recompute_threshold():
-            return 0, False
-        return gain, not self._layerwise(state.remote)
+            return self._live.matched(request, 0, False)
+        return self._live.matched(request, gain, not self._layerwise(state.remote))
 
     def _layerwise(self, remote: RemoteBlocks) -> bool:
         """A decode node's held turn is pulled layer by layer within the forward pass with
@@ -600,9 +599,10 @@ class DuplexScheduler:
             if cached is not None:
                 tables[index][block] = cached
 
-    def bind_gpu_block_pool(self, block_pool: BlockPool) -> None:
-        vllm_private.check_block_pool(block_pool)
-        self._block_pool = block_pool
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        vllm_private.check_block_pool(manager.block_pool)
+        self._block_pool = manager.block_pool
+        self._live.bind(manager)
 
     # ------------------------------------------------------------- retention
 
@@ -613,8 +613,7 @@ class DuplexScheduler:
         now = time.time()
         if not self._retention.frees_pending(now) and self._block_pool is not None:
             free = vllm_private.num_free_blocks(self._block_pool)
-            running, _ = self._live.blocks_needed(free)
-            self._retention.pressure(free, max(running, free + 1), 0, now)
+            self._retention.pressure(free, max(self._live.running_need(free), free + 1), 0, now)
         return self._retention.frees_pending(now)
 
     def reset_cache(self) -> bool:
@@ -697,10 +696,11 @@ class DuplexScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> md.DuplexConnectorMetadata:
         now = time.time()
+        self._live.preempted(scheduler_output.preempted_req_ids)
         if self._block_pool is not None and self._held:
-            # Before vLLM would preempt: free held blocks the live requests are about to need.
+            # Before vLLM would preempt or a waiting request wait: free the held blocks needed.
             free = vllm_private.num_free_blocks(self._block_pool)
-            self._retention.pressure(free, *self._live.blocks_needed(free), now)
+            self._retention.pressure(free, *self._live.blocks_needed(free, scheduler_output), now)
         expected, settled = self._expected.take()
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,

@@ -11,11 +11,13 @@ package accepts), so a vLLM that changes one fails there first.
 The accesses (docs/connector.md, "Private vLLM accesses"):
 - the prompt edit of a prefill for another engine of a state-space model
   (`drop_last_prompt_token`, guard `check_prompt_edit`);
-- references of our own in vLLM's block pool, which the public `bind_gpu_block_pool` hands
+- references of our own in vLLM's block pool, which the public `bind_kv_cache_manager` hands
   over with no contract of its own (`take_block_refs` and the others below, guard
   `check_block_pool`);
 - the idle engine's wake-up (`engine_wakeup`) and the end of a worker's busy poll after an idle
   step (`worker_rest`): both find vLLM's process object on the stack (`_on_stack`).
+- the count of a waiting request's allocation by vLLM's KV-cache manager, for admission-exact
+  retention (`AllocationCount`, guarded when it is built, at `bind_kv_cache_manager`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
@@ -116,7 +119,7 @@ _BLOCK_POOL_METHODS = {
 
 
 def check_block_pool(pool: BlockPool) -> None:
-    """Guard of the block pool's use, when vLLM binds it (`bind_gpu_block_pool`, at start-up):
+    """Guard of the block pool's use, when vLLM binds it (`bind_kv_cache_manager`, at start-up):
     its methods take what they are given here, and it has its blocks by id and the size of a
     hashed block. Raises `VllmShapeError`: without it no hold can be taken or ended."""
     missing = []
@@ -301,3 +304,129 @@ def _on_stack(cls: type) -> object | None:
             return owner
         frame = frame.f_back
     return None
+
+
+# ------------------------------------------------------- the allocation count
+
+
+ALLOCATION_COUNT = (
+    "the count of a waiting request's allocation by vLLM's KV-cache manager "
+    "(KVCacheManager.coordinator, ...)"
+)
+
+
+def _takes(method: Any, params: Iterable[str]) -> bool:
+    """Whether `method` is there and takes parameters of these names."""
+    return method is not None and set(params) <= inspect.signature(method).parameters.keys()
+
+
+class AllocationCount:
+    """vLLM's own count of the blocks an allocation takes from the pool: the calls its
+    `KVCacheManager.allocate_slots` makes (the same in vLLM 0.32 and 0.33), so that a prefix
+    hit (blocks in use cost nothing, cached free ones count), sliding windows and state-space
+    groups count as they do there (`retention.LiveRequests.waiting_need`). The KV-cache
+    manager is what vLLM hands connectors (`bind_kv_cache_manager`), but the parts read here
+    are beyond the connector API. Guard: built when vLLM binds the manager (start-up), it
+    checks them and raises `VllmShapeError` naming those this vLLM lacks, instead of
+    counting wrong."""
+
+    _COUNT_ARGS = frozenset(
+        (
+            "request_id",
+            "num_tokens",
+            "new_computed_blocks",
+            "num_encoder_tokens",
+            "total_computed_tokens",
+            "num_local_computed_tokens",
+            "num_tokens_main_model",
+            "apply_admission_cap",
+            "prefill_end",
+        )
+    )
+
+    def __init__(self, manager: KVCacheManager, max_model_len: int) -> None:
+        coordinator = getattr(manager, "coordinator", None)
+        count = getattr(coordinator, "get_num_blocks_to_allocate", None)
+        missing = [
+            name
+            for name, present in (
+                (
+                    "KVCacheManager.coordinator.find_longest_cache_hit"
+                    "(block_hashes, max_cache_hit_length)",
+                    _takes(
+                        getattr(coordinator, "find_longest_cache_hit", None),
+                        ("block_hashes", "max_cache_hit_length"),
+                    ),
+                ),
+                (
+                    "KVCacheManager.prefix_cache_lookup_enabled",
+                    hasattr(manager, "prefix_cache_lookup_enabled"),
+                ),
+                ("KVCacheManager.empty_kv_cache_blocks", hasattr(manager, "empty_kv_cache_blocks")),
+                (
+                    "KVCacheManager.watermark_blocks",
+                    isinstance(getattr(manager, "watermark_blocks", None), int),
+                ),
+                (
+                    "KVCacheManager.block_pool.num_gpu_blocks",
+                    isinstance(getattr(manager.block_pool, "num_gpu_blocks", None), int),
+                ),
+                (
+                    "KVCacheManager.coordinator.get_num_blocks_to_allocate"
+                    f"({', '.join(sorted(self._COUNT_ARGS))})",
+                    _takes(count, self._COUNT_ARGS),
+                ),
+            )
+            if not present
+        ]
+        if missing:
+            raise VllmShapeError(_changed(ALLOCATION_COUNT, f"no {', '.join(missing)}"))
+        self._manager = manager
+        self._coordinator = coordinator
+        self._max_model_len = max_model_len
+        self.watermark = manager.watermark_blocks
+        """Free blocks vLLM keeps beside a waiting request's allocation while any runs."""
+        self.empty = manager.empty_kv_cache_blocks.blocks
+        """No hit: no block in any group."""
+        self.pool_blocks = manager.block_pool.num_gpu_blocks
+
+    def hit(self, request: Request) -> tuple[Any, int]:
+        """The local prefix-cache hit vLLM's waiting loop finds: (blocks per group, tokens)."""
+        if not self._manager.prefix_cache_lookup_enabled(request):
+            return self.empty, 0
+        blocks, tokens, _ = self._coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        return blocks, tokens
+
+    def blocks(
+        self,
+        request: Request,
+        hit: Any,
+        local: int,
+        computed: int,
+        num_tokens: int,
+        main: int,
+        full: bool,
+    ) -> int:
+        """Blocks `allocate_slots` takes for `request` with the `hit` of `local` tokens and
+        `computed` tokens in all: slots up to `num_tokens` (`main` of the model's own), or
+        its check that the whole sequence fits (`full`)."""
+        return self._coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=min(num_tokens, self._max_model_len),
+            new_computed_blocks=hit,
+            num_encoder_tokens=0,
+            total_computed_tokens=computed,
+            num_local_computed_tokens=local,
+            num_tokens_main_model=main,
+            apply_admission_cap=full,
+            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
+        )
+
+    def remaining(self, request: Request) -> int:
+        """Blocks a request with blocks already (a prefill under way, a pull) still needs to
+        finish its sequence: what vLLM keeps free for it when it admits a pull."""
+        full = min(request.num_tokens, self._max_model_len)
+        computed = request.num_computed_tokens
+        return self.blocks(request, self.empty, computed, computed, full, full, full=True)
