@@ -240,6 +240,7 @@ class DuplexWorker:
             else:
                 self._waiting_loads.append(spec)
         self._waiting_releases.extend(meta.releases)
+        self._lookups.renew(self._engine, meta.renewals)
         self._advance()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -627,18 +628,28 @@ class DuplexWorker:
         if self._engine is None:
             return
         for sender, payload in self._engine.take_notifications():
-            release = protocol.decode_release(payload)
+            release = protocol.decode_notification(payload)
             if release is None:
-                logger.warning("Ignoring a malformed notification from %s", sender)
+                logger.warning(
+                    "Ignoring a notification from %s: not a release or renewal of kvduplex "
+                    "protocol %d (malformed, or a peer of another version)",
+                    sender,
+                    protocol.PROTOCOL_VERSION,
+                )
                 continue
             if self._tp_rank != 0:
                 continue
             try:
+                if isinstance(release, protocol.Renewal):  # (`renewals.py`)
+                    renewed = release.owner_request_id, release.first_fingerprint
+                    if self._engine.renew_hold(*renewed):
+                        self._stats.add("leases_renewed")
+                    continue
                 freed = self._engine.release_hold(
                     sender, release.owner_request_id, release.claim_id
                 )
             except (ValueError, OverflowError, _core.KvDuplexError) as exc:
-                logger.warning("Ignoring a release from %s: %s", sender, exc)
+                logger.warning("Ignoring a notification from %s: %s", sender, exc)
                 continue
             if freed:
                 self._freed_holds.append(release.owner_request_id)
