@@ -125,12 +125,6 @@ def decode_notification(payload: bytes) -> Release | Renewal | None:
     return Release(request_id, claim)
 
 
-def decode_release(payload: bytes) -> Release | None:
-    """The release a notification carries, or None if it is not one."""
-    notification = decode_notification(payload)
-    return notification if isinstance(notification, Release) else None
-
-
 # --- grants and lookups: the offer an owner hands a reader with a claim ---
 
 

@@ -169,3 +169,18 @@ def test_renewals_are_due_from_the_first_step_then_every_quarter_lease_until_rem
     assert renewals.take(11.0) == [] and renewals.take(11.1) == [spec]
     renewals.remove("r1")
     assert renewals.take(100.0) == []
+
+
+def test_a_renewal_notification_round_trips_and_anything_else_is_refused():
+    payload = protocol.encode_renewal("p1", "00000000000000b1")
+    assert protocol.decode_notification(payload) == protocol.Renewal("p1", "00000000000000b1")
+    release = protocol.encode_release("p1", 3)
+    assert protocol.decode_notification(release) == protocol.Release("p1", 3)
+    other_version = {"v": protocol.PROTOCOL_VERSION - 1, "renew": "p1", "first": "0" * 16}
+    for refused in (
+        json.dumps(other_version).encode(),
+        json.dumps({"v": protocol.PROTOCOL_VERSION, "renew": "p1", "first": 7}).encode(),
+        json.dumps({"v": protocol.PROTOCOL_VERSION, "renew": ["p1"], "first": "0" * 16}).encode(),
+        b"\xff",
+    ):
+        assert protocol.decode_notification(refused) is None, refused
