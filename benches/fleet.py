@@ -72,7 +72,8 @@ def owner(index: int, fleet: int, turns: int, blocks: int) -> None:
     # Take the readers' releases every 10 ms (an engine step would), until stdin closes.
     while not select.select([sys.stdin], [], [], 0.01)[0] or sys.stdin.readline():
         for sender, payload in engine.take_notifications():
-            release = protocol.decode_release(payload)
+            release = protocol.decode_notification(payload)
+            assert isinstance(release, protocol.Release)
             engine.release_hold(sender, release.owner_request_id, release.claim_id)
     engine.close()
 

@@ -40,7 +40,8 @@ def owner(blocks: int, rounds: int) -> None:
     # Take the readers' releases as an engine step would, until stdin closes.
     while not select.select([sys.stdin], [], [], 0.001)[0] or sys.stdin.readline():
         for sender, payload in engine.take_notifications():
-            release = protocol.decode_release(payload)
+            release = protocol.decode_notification(payload)
+            assert isinstance(release, protocol.Release)
             engine.release_hold(sender, release.owner_request_id, release.claim_id)
     engine.close()
 

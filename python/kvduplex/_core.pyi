@@ -214,6 +214,12 @@ class Engine:
     def release_hold(self, reader: str, request_id: str, claim_id: int) -> bool:
         """`reader` is done with its claim (only the claim's own reader can end it; it never
         ends the hold of a turn). True when this freed the hold."""
+    def renew_hold(self, request_id: str, first_fingerprint: str) -> bool:
+        """Renew the lease of a prompt held for a decode node that has not claimed it yet, for
+        a reader whose prompt's first block has `first_fingerprint` (16 hex characters): by
+        the hold's first lease's length from now, never past 10 first leases from when it was
+        taken. False when nothing was renewed (unknown, ended, claimed, other tokens). Raises
+        ValueError for a malformed fingerprint."""
     def expire_holds(self) -> list[str]:
         """End holds and claims whose time is up; returns the holds freed."""
     def evict_holds(

@@ -5,7 +5,8 @@ as the connector. What lives here:
 
 - the `kv_transfer_params` keys: vLLM's own (what every P/D router forwards) and kvduplex's
   extensions, with the protocol version that both sides of a transfer must share;
-- the notifications a reader sends an owner over the transfer core's side channel (`release`);
+- the notifications a reader sends an owner over the transfer core's side channel (`release`,
+  `renew`);
 - grants and lookups: the token fingerprints a reader asks about and the owner's answer
   (carried by the transfer core's Lookup/LookupReply frames, see `rust/src/holds.rs`), whose
   offer is the hold's kv_transfer_params as JSON (`encode_offer`, `decode_offer`);
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 # Version of kvduplex's kv_transfer_params extensions and notification payloads. Both sides of
 # a transfer must speak the same version; the transfer core's handshake checks its own.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # --- kv_transfer_params: vLLM's keys (what existing P/D proxies forward) ---
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -82,20 +83,39 @@ def encode_release(owner_request_id: str, claim_id: int) -> bytes:
     return json.dumps({"v": PROTOCOL_VERSION, "release": owner_request_id, "claim": claim_id}).encode()
 
 
+def encode_renewal(owner_request_id: str, first_fingerprint: str) -> bytes:
+    """'I have the request whose params name your hold `owner_request_id` queued and will ask
+    for its grant': the owner renews the lease of a prompt it holds for a decode node that no
+    reader has claimed yet, if `first_fingerprint` (of the reader's own first block) is its
+    first block's, up to a cap (see `rust/src/holds/renew.rs`)."""
+    return json.dumps(
+        {"v": PROTOCOL_VERSION, "renew": owner_request_id, "first": first_fingerprint}
+    ).encode()
+
+
 @dataclass(frozen=True)
 class Release:
     owner_request_id: str
     claim_id: int
 
 
-def decode_release(payload: bytes) -> Release | None:
-    """The release a notification carries, or None if it is not one."""
+@dataclass(frozen=True)
+class Renewal:
+    owner_request_id: str
+    first_fingerprint: str
+
+
+def decode_notification(payload: bytes) -> Release | Renewal | None:
+    """The release or renewal a notification carries, or None if it is neither."""
     try:
         message = json.loads(payload)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
         return None
+    if isinstance(renewed := message.get("renew"), str):
+        first = message.get("first")
+        return Renewal(renewed, first) if isinstance(first, str) else None
     request_id = message.get("release")
     claim = message.get("claim")
     if not isinstance(request_id, str):

@@ -405,6 +405,13 @@ impl Engine {
         lock(&self.shared.holds).release(reader, request_id, claim_id, Instant::now()).is_some()
     }
 
+    /// Renews the lease of `request_id`'s prompt held for a decode node, for a reader whose
+    /// prompt's first block has the fingerprint `first` (see [`HoldBook::renew`]). Returns
+    /// whether it was renewed.
+    pub fn renew_hold(&self, request_id: &str, first: BlockFingerprint) -> bool {
+        lock(&self.shared.holds).renew(request_id, first, Instant::now()).is_some()
+    }
+
     /// Ends leases and claims whose time is up; returns the holds this freed.
     pub fn expire_holds(&self) -> Vec<String> {
         lock(&self.shared.holds).expire(Instant::now())

@@ -20,6 +20,9 @@
 //! exactly once: [`HoldBook::expire`], [`HoldBook::release`] and [`HoldBook::evict`] each
 //! return the request ids they freed and forget them.
 //!
+//! A prompt held for a decode node that its reader has not asked for yet (queued on a busy
+//! decode node) may be **renewed** by that reader: see `renew.rs` ([`HoldBook::renew`]).
+//!
 //! A decode node also tells its book which turns it is computing ([`HoldBook::expect`]): a
 //! lookup that continues one's prompt is told to ask again until the turn is held or settled
 //! ([`HoldBook::awaited`], see `expected.rs`).
@@ -38,11 +41,13 @@ use crate::side_channel::sender_engine;
 mod expected;
 pub mod feed;
 mod handed;
+mod renew;
 
 use expected::ExpectedTurns;
 pub use expected::MAX_EXPECTED;
 use feed::{ChangeLog, Chunker, FeedWatch, HeldUpdate};
 use handed::HandedOff;
+pub use renew::MAX_RENEWED_LIFE;
 
 /// One block's chained token fingerprint (see `token_fingerprint.py`): equal fingerprints at
 /// block `i` mean equal tokens (and salt) at every position up to the end of block `i`.
@@ -193,6 +198,10 @@ struct Held {
     fingerprints: Vec<BlockFingerprint>,
     offer: Vec<u8>,
     lease_ends: Instant,
+    /// The first lease's length, and when the lease may end at the latest however often it is
+    /// renewed ([`HoldBook::renew`]).
+    lease: Duration,
+    life_ends: Instant,
     /// The hold itself is over (expired, evicted, read); freed once its claims are gone.
     ended: bool,
     claims: HashMap<u64, Claim>,
@@ -267,6 +276,7 @@ impl HoldBook {
         } else if let Some(&end) = fingerprints.last() {
             self.handed.held(end);
         }
+        let lease = lease_ends.saturating_duration_since(now);
         self.held.insert(
             request_id.to_owned(),
             Held {
@@ -275,6 +285,8 @@ impl HoldBook {
                 fingerprints,
                 offer,
                 lease_ends,
+                lease,
+                life_ends: later(now, lease.saturating_mul(MAX_RENEWED_LIFE)),
                 ended: false,
                 claims: HashMap::new(),
                 last_used: now,

@@ -482,6 +482,18 @@ impl Engine {
         self.with(py, |e| Ok(e.release_hold(&reader, &request_id, claim_id)))
     }
 
+    /// Renew the lease of a prompt held for a decode node that a reader has queued, whose
+    /// prompt's first block has the fingerprint `first_fingerprint`; whether it was renewed.
+    fn renew_hold(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        first_fingerprint: String,
+    ) -> PyResult<bool> {
+        let first = parse_fingerprint(&first_fingerprint)?;
+        self.with(py, |e| Ok(e.renew_hold(&request_id, first)))
+    }
+
     fn expire_holds(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         self.with(py, |e| Ok(e.expire_holds()))
     }

@@ -72,8 +72,11 @@ class OwnerProcess:
             env=env,
             text=True,
         )
-        line = self.proc.stdout.readline()
-        if not line:
+        # Its stdout is read from the descriptor, not the buffered file: select() does not see
+        # lines a readline() left in that file's buffer.
+        self._unread = b""
+        line = self._next_line(WAIT_S)
+        if line is None:
             raise RuntimeError(f"owner process exited with {self.proc.wait()}")
         address = json.loads(line)
         self.peer = PeerAddress(engine_id=engine_id, host=address["host"], ports=(address["port"],))
@@ -97,15 +100,28 @@ class OwnerProcess:
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
 
+    def _next_line(self, timeout_s: float) -> bytes | None:
+        """The owner's next line of output, or None when none comes within `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._unread:
+            left = max(0.0, end - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], left)
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            if not chunk:
+                return None
+            self._unread += chunk
+        line, self._unread = self._unread.split(b"\n", 1)
+        return line
+
     def poll(self, timeout_s: float) -> None:
         """Take the reports that arrive within `timeout_s`."""
         end = time.monotonic() + timeout_s
         while True:
-            left = max(0.0, end - time.monotonic())
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if not ready:
+            line = self._next_line(max(0.0, end - time.monotonic()))
+            if line is None:
                 return
-            report = json.loads(self.proc.stdout.readline())
+            report = json.loads(line)
             self.freed_holds.extend(report["freed_holds"])
             for key, value in report["stats"].items():
                 if isinstance(value, int):

@@ -45,11 +45,13 @@ from kvduplex.connector.params import (
     parse_remote_blocks,
     unsupported_reason,
 )
+from kvduplex.connector.renewals import Renewals
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.token_fingerprint import (
     PromptFingerprints,
     matched_prefix_tokens,
     prompt_fingerprints,
+    salt_of,
 )
 
 if TYPE_CHECKING:
@@ -133,6 +135,8 @@ class Lookups:
         # Params seen on a request, until their owner is asked for a grant.
         # Grants to ask for: the hold params named, and the prompt's fingerprints if computed.
         self._named: dict[str, tuple[RemoteBlocks, PromptFingerprints | None]] = {}
+        # Their owners' holds of prompts, renewed meanwhile (`renewals.py`).
+        self._renewals = Renewals()
         self._specs: list[md.LookupSpec] = []
         # Whether an engine could ever answer a lookup: `decode_peers`, a decode node we
         # handed a prompt to (it announces itself when it reads), or one TP rank 0 counted.
@@ -152,14 +156,26 @@ class Lookups:
         self._built_at = -math.inf
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._lookups
+        """Whether the request was looked up or asked a grant for, or its params named an
+        owner (checked once, on arrival: their lease may be renewed since)."""
+        return request_id in self._lookups or request_id in self._named
 
     def name_owner(
-        self, request_id: str, remote: RemoteBlocks, prompt: PromptFingerprints | None
+        self, request: Request, remote: RemoteBlocks, prompt: PromptFingerprints | None
     ) -> None:
         """The request's params name this hold: its owner is asked for a grant (`look_up`),
-        with `prompt`'s fingerprints where they were computed already."""
-        self._named[request_id] = (remote, prompt)
+        with `prompt`'s fingerprints where they were computed already; a prefill node's
+        prompt is renewed until then."""
+        self._named[request.request_id] = (remote, prompt)
+        tokens = request.prompt_token_ids or []
+        first = min(remote.num_tokens, self._block_size, len(tokens))
+        if remote.from_decode_node or first == 0:
+            return
+        if prompt is None:  # (one block's tokens hashed)
+            prompt = PromptFingerprints(tokens[:first], self._block_size, salt_of(request))
+        spec = md.RenewSpec(remote.peer, remote.remote_request_id, prompt.of_prefix(first)[0])
+        lease_left_s = remote.lease_expiry - time.time()
+        self._renewals.add(request.request_id, spec, lease_left_s, time.monotonic())
 
     def peers_known(self) -> None:
         """An engine could now answer a lookup (a decode node we handed a prompt to)."""
@@ -196,6 +212,7 @@ class Lookups:
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
             named, prompt = self._named.pop(request.request_id, (None, None))
+            self._renewals.remove(request.request_id)
             if named is not None:
                 # The grant may need a first handshake with the owner.
                 timeout_s = self._config.handshake_timeout_s
@@ -266,6 +283,10 @@ class Lookups:
         specs, self._specs = self._specs, []
         return specs
 
+    def take_renewals(self) -> list[md.RenewSpec]:
+        """The owners' holds to renew with the step being built (`renewals.py`)."""
+        return self._renewals.take(time.monotonic())
+
     def on_report(self, meta: md.DuplexWorkerMetadata | None) -> None:
         """The workers' report of a step (None: nothing to report)."""
         self._steps_reported += 1
@@ -284,6 +305,7 @@ class Lookups:
         """The request is gone: a claim it was granted and did not take goes back."""
         lookup = self._lookups.pop(request_id, None)
         self._named.pop(request_id, None)
+        self._renewals.remove(request_id)
         if lookup is not None and lookup.chosen is not None:
             self._hand_back(lookup.chosen)
 

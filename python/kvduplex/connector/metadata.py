@@ -67,6 +67,17 @@ class ReleaseSpec:
 
 
 @dataclass(frozen=True)
+class RenewSpec:
+    """Ask the owner (its TP rank 0) to renew the lease of its hold `remote_request_id`, which
+    this engine's queued request will ask a grant of (`renewals.py`); `first_fingerprint`: the
+    request's own first block's."""
+
+    peer: PeerAddress
+    remote_request_id: str
+    first_fingerprint: str
+
+
+@dataclass(frozen=True)
 class HoldSpec:
     """Blocks of a finished local request stay allocated for readers the owner grants them
     to (against `fingerprints`, the tokens the blocks carry), until `lease_expiry` (wall
@@ -166,6 +177,7 @@ class AnnouncedChanges:
 class DuplexConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
+    renewals: list[RenewSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
     expected: list[ExpectedTurn] = field(default_factory=list)
     settled: list[str] = field(default_factory=list)

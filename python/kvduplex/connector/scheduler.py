@@ -373,7 +373,7 @@ class DuplexScheduler:
                 remote = Rejected(unsupported)
             else:
                 # A hint: its owner is asked for a grant first (`Lookups.look_up`).
-                self._lookups.name_owner(request.request_id, remote, prompt)
+                self._lookups.name_owner(request, remote, prompt)
                 return None
         if isinstance(remote, Rejected):
             self._stats.add("fallbacks")
@@ -709,6 +709,7 @@ class DuplexScheduler:
             expected=expected,
             settled=settled,
             lookups=self._lookups.take_specs(),
+            renewals=self._lookups.take_renewals(),
             evict=self._retention.take_order(now),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             end_holds=self._end_holds,

@@ -33,6 +33,7 @@ COUNTERS: dict[str, str] = {
     "malformed params or a token mismatch",
     "lease_expiries": "Held block sets freed because their lease expired",
     "leases_released": "Held block sets freed because the reader released them",
+    "leases_renewed": "Renewals of a prompt's lease by a decode node with its request queued",
     "grants_refused": "Pulls the owner named in params did not grant (other tokens, read by "
     "another engine already, expired, or unreachable); the prompt was computed instead",
     "evictions": "Held finished turns freed early to make room for new ones "

@@ -244,6 +244,7 @@ class DuplexWorker:
             else:
                 self._waiting_loads.append(spec)
         self._waiting_releases.extend(meta.releases)
+        self._lookups.renew(self._engine, meta.renewals)
         self._advance()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -631,21 +632,26 @@ class DuplexWorker:
         if self._engine is None:
             return
         for sender, payload in self._engine.take_notifications():
-            release = protocol.decode_release(payload)
-            if release is None:
-                logger.warning("Ignoring a malformed notification from %s", sender)
+            note = protocol.decode_notification(payload)
+            if note is None:
+                version = protocol.PROTOCOL_VERSION  # (a peer of another version, or malformed)
+                logger.warning("Ignoring a notification from %s: not protocol %d's", sender, version)
                 continue
             if self._tp_rank != 0:
                 continue
             try:
+                if isinstance(note, protocol.Renewal):  # (`renewals.py`)
+                    if self._engine.renew_hold(note.owner_request_id, note.first_fingerprint):
+                        self._stats.add("leases_renewed")
+                    continue
                 freed = self._engine.release_hold(
-                    sender, release.owner_request_id, release.claim_id
+                    sender, note.owner_request_id, note.claim_id
                 )
             except (ValueError, OverflowError, _core.KvDuplexError) as exc:
-                logger.warning("Ignoring a release from %s: %s", sender, exc)
+                logger.warning("Ignoring a notification from %s: %s", sender, exc)
                 continue
             if freed:
-                self._freed_holds.append(release.owner_request_id)
+                self._freed_holds.append(note.owner_request_id)
                 self._stats.add("leases_released")
 
     def _expire_holds(self) -> None:

@@ -10,7 +10,8 @@ block asked (chained fingerprints: none can give more), or at the lookup's deadl
 the scheduler set) with whatever answered. The claims of answers that come after it go back to
 their owners as they arrive. TP rank 0 also connects ahead of time to every engine a lookup
 would ask, so that a lookup rarely pays for a handshake, and tells the scheduler how many there
-are (it looks nothing up while there are none).
+are (it looks nothing up while there are none). Before a grant is asked, it sends the owner the
+renewals of its hold that the scheduler's queued requests need (`renewals.py`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,28 @@ class WorkerLookups:
             sent_at=time.time(),
             num_blocks=len(spec.fingerprints),
         )
+
+    def renew(self, engine: _core.Engine | None, renewals: list[md.RenewSpec]) -> None:
+        """Ask the owners to renew the prompts they hold for the scheduler's queued requests
+        (`renewals.py`). An owner not connected yet is connected to (the grant needs it too)
+        and not asked: the next renewal comes a quarter of the lease later."""
+        if engine is None or self._tp_rank != 0:
+            return
+        for renewal in renewals:
+            peer = renewal.peer
+            state, detail = engine.peer_status(
+                peer.host,
+                peer.ports[0],
+                expected_engine_id=peer.rank_engine_id(0),
+                timeout_s=self._config.handshake_timeout_s,
+            )
+            if state != "ready":
+                continue
+            payload = protocol.encode_renewal(renewal.remote_request_id, renewal.first_fingerprint)
+            try:
+                engine.notify(detail, payload)
+            except _core.KvDuplexError as exc:
+                logger.debug("Renewal of %s not delivered: %s", renewal.remote_request_id, exc)
 
     @property
     def pending(self) -> bool:

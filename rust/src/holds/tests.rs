@@ -381,3 +381,43 @@ fn expected_turns_are_bounded_and_a_held_request_is_not_expected() {
     assert!(book.settle("r0"));
     assert_eq!(book.expect("one more", 7), Ok(()));
 }
+
+#[test]
+fn a_prompt_held_for_a_decode_node_is_renewed_up_to_its_cap_and_nothing_else_is() {
+    let t0 = Instant::now();
+    let lease = Duration::from_secs(2);
+    let mut book = book_with(&[("turn", &[1])], t0);
+    for id in ["p1", "p2", "p3"] {
+        book.hold(id, HoldKind::ForDecode, 2, vec![5, 6], vec![], t0 + lease, t0).unwrap();
+    }
+    // Renewed by the first lease's length from now, again and again: it outlives its lease.
+    let t1 = t0 + Duration::from_millis(1500);
+    assert_eq!(book.renew("p1", 5, t1), Some(t1 + lease));
+    let t2 = t0 + Duration::from_millis(3000);
+    assert_eq!(book.renew("p1", 5, t2), Some(t2 + lease));
+    let mut expired = book.expire(t0 + lease + Duration::from_millis(1));
+    expired.sort();
+    assert_eq!(expired, vec!["p2", "p3"]);
+    // Never past MAX_RENEWED_LIFE first leases from when it was taken.
+    let cap = t0 + lease * MAX_RENEWED_LIFE;
+    let mut now = t2;
+    while now < cap {
+        assert!(book.renew("p1", 5, now).unwrap() <= cap);
+        now += Duration::from_millis(1500);
+    }
+    assert_eq!(book.renew("p1", 5, cap - Duration::from_millis(1)), Some(cap));
+    assert_eq!(book.expire(cap), vec!["p1"]);
+    // Unknown, ended, past its lease, another reader's tokens, a turn, a claimed prompt: no.
+    book.hold("p4", HoldKind::ForDecode, 2, vec![5, 6], vec![], cap + lease, cap).unwrap();
+    assert_eq!(book.renew("p1", 5, cap), None, "ended");
+    assert_eq!(book.renew("p3", 5, t1), None, "ended");
+    assert_eq!(book.renew("nobody", 5, cap), None);
+    assert_eq!(book.renew(&"x".repeat(MAX_REQUEST_ID_BYTES + 1), 5, cap), None);
+    assert_eq!(book.renew("p4", 6, cap), None, "other tokens in the first block");
+    assert_eq!(book.renew("p4", 5, cap + lease), None, "past its lease, not expired yet");
+    assert_eq!(book.renew("turn", 1, t0), None, "turns are not renewed");
+    let claim = book.grant("D#1", "p4", &[5, 6], CLAIM, cap).unwrap();
+    assert_eq!(book.renew("p4", 5, cap), None, "claimed: the claim keeps it");
+    assert_eq!(book.release("D#1", "p4", claim.claim_id, cap), Some("p4".into()));
+    assert_eq!(book.renew("p4", 5, cap), None, "read");
+}
