@@ -44,7 +44,7 @@ def step(d: Engine, worker, transfers: list[int]) -> DuplexConnectorMetadata:
     output = d.scheduler.schedule()
     meta = output.kv_connector_metadata
     assert isinstance(meta, DuplexConnectorMetadata)
-    worker.start_load_kv(meta)
+    worker.begin_step(meta)
     results = worker.get_transfer_results()
     report = worker.build_connector_worker_meta()
     errors = worker.get_block_ids_with_load_errors()
