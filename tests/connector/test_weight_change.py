@@ -5,6 +5,7 @@ taken before is refused and the reader recomputes."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -91,31 +92,72 @@ def test_a_reset_that_fails_for_running_requests_keeps_the_holds_unless_the_conn
 
 @pytest.fixture(scope="module")
 def owner(tiny_config_dir: Path):
-    process = OwnerProcess(tiny_config_dir, engine_id="weights-owner")
+    # Claims last 3 s: a claim its reader never releases ends then.
+    process = OwnerProcess(
+        tiny_config_dir, engine_id="weights-owner", extra_config={"kv_lease_ttl_s": CLAIM_S}
+    )
     yield process
     process.stop()
 
 
-def test_a_hold_taken_before_the_weights_changed_is_not_granted(owner, tiny_config_dir):
-    """The owner's worker told to end its holds, as its scheduler orders after vLLM's reset."""
+CLAIM_S = 3.0
+# A bound so a broken drain fails the test instead of hanging it; not a speed check.
+SLACK_S = 10.0
+
+
+def test_a_hold_taken_before_the_weights_changed_is_not_granted_nor_written_under_a_read(
+    owner, tiny_config_dir
+):
+    """The owner's worker told to end its holds, as its scheduler orders after vLLM's reset:
+    nothing taken before is granted again, and that step does not go on (to write KV into the
+    blocks the scheduler gave back) while a reader still reads one: it waits for the read's
+    release."""
     worker = make_worker(tiny_config_dir, "weights-reader", make_kv_caches(8))
     try:
+        owner.reset()
         owner.hold("w-read", ttl_s=30)
         owner.hold("w-idle", ttl_s=30)
         reading = grant(worker, owner, "w-read", PROMPT_FINGERPRINTS)
         assert reading is not None
         owner.end_holds()
-        # The unclaimed hold is freed at once; the claimed one stays under its read.
-        owner.collect(until=1)
-        assert owner.freed_holds == ["w-idle"]
+        # The step waits under the read: nothing granted meanwhile, nothing reported yet.
         assert grant(worker, owner, "w-idle", PROMPT_FINGERPRINTS) is None
         assert grant(worker, owner, "w-read", PROMPT_FINGERPRINTS) is None
-        # The read ends: freed, once.
+        owner.poll(0.5)
+        assert owner.ended_holds_at == [] and owner.freed_holds == []
+        # The read ends: the step goes on, each hold freed once.
+        released_at = time.monotonic()
         worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, reading)]))
         owner.collect(until=2)
-        assert owner.freed_holds == ["w-idle", "w-read"]
+        assert len(owner.ended_holds_at) == 1 and owner.ended_holds_at[0] >= released_at
+        assert owner.ended_holds_at[0] < released_at + SLACK_S
+        assert sorted(owner.freed_holds) == ["w-idle", "w-read"]
         # A hold taken after the change is granted as any.
         owner.hold("w-new", ttl_s=30)
-        assert grant(worker, owner, "w-new", PROMPT_FINGERPRINTS) is not None
+        newer = grant(worker, owner, "w-new", PROMPT_FINGERPRINTS)
+        assert newer is not None
+        worker.start_load_kv(DuplexConnectorMetadata(releases=[release(owner, newer)]))
+        owner.collect(until=3)
+        assert owner.freed_holds[2:] == ["w-new"]
+    finally:
+        worker.shutdown()
+
+
+def test_a_step_that_ends_holds_waits_for_an_unreleased_read_until_its_claims_deadline(
+    owner, tiny_config_dir
+):
+    """A reader that never releases its claim (it died, say) holds the step up until the
+    claim's deadline, by which its reads fail, and no longer."""
+    worker = make_worker(tiny_config_dir, "weights-silent-reader", make_kv_caches(8))
+    try:
+        owner.reset()
+        owner.hold("w-silent", ttl_s=30)
+        claimed_at = time.monotonic()
+        assert grant(worker, owner, "w-silent", PROMPT_FINGERPRINTS) is not None
+        owner.end_holds()
+        owner.collect(until=1)
+        assert owner.freed_holds == ["w-silent"]
+        (ended_at,) = owner.ended_holds_at
+        assert claimed_at + CLAIM_S - 0.1 <= ended_at < claimed_at + CLAIM_S + SLACK_S
     finally:
         worker.shutdown()

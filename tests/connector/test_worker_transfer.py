@@ -55,14 +55,20 @@ class OwnerProcess:
     """An owner-side DuplexWorker in its own process (duplex_owner.py), its KV caches in vLLM's
     KV cache layout `layout`."""
 
-    def __init__(self, model_dir: Path, layout: str = "LBHNC", engine_id: str = OWNER_ID) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        layout: str = "LBHNC",
+        engine_id: str = OWNER_ID,
+        extra_config: dict | None = None,
+    ) -> None:
         spec = {
             "model_dir": str(model_dir),
             "engine_id": engine_id,
             "num_blocks": NUM_BLOCKS,
             "seed": OWNER_SEED,
             "layout": layout,
-            "extra_config": {"read_deadline_margin_s": 0.5},
+            "extra_config": {"read_deadline_margin_s": 0.5, **(extra_config or {})},
         }
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
         self.proc = subprocess.Popen(
@@ -80,6 +86,8 @@ class OwnerProcess:
         self.expected = make_kv_caches(NUM_BLOCKS, seed=OWNER_SEED)
         self.freed_holds: list[str] = []
         self.stats: dict[str, int] = {}
+        # When the steps that ended every hold were done (`end_holds`), on our clock.
+        self.ended_holds_at: list[float] = []
 
     def hold(
         self,
@@ -106,6 +114,8 @@ class OwnerProcess:
             if not ready:
                 return
             report = json.loads(self.proc.stdout.readline())
+            if report.get("ended_holds"):
+                self.ended_holds_at.append(time.monotonic())
             self.freed_holds.extend(report["freed_holds"])
             for key, value in report["stats"].items():
                 if isinstance(value, int):
@@ -127,6 +137,7 @@ class OwnerProcess:
     def reset(self) -> None:
         self.freed_holds.clear()
         self.stats.clear()
+        self.ended_holds_at.clear()
 
     def stop(self) -> None:
         self.proc.stdin.close()
