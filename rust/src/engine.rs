@@ -423,6 +423,12 @@ impl Engine {
         lock(&self.shared.holds).evict(num_blocks, which, Instant::now())
     }
 
+    /// The latest deadline of the claims alive now on holds that ended (see
+    /// [`HoldBook::ended_claims_until`]); `None` when no reader reads an ended hold.
+    pub fn ended_claims_until(&self) -> Option<Instant> {
+        lock(&self.shared.holds).ended_claims_until(Instant::now())
+    }
+
     /// Claims alive now over all holds, the blocks held, and how many lookups this engine
     /// told to ask again so far, as it computed the turn they continue
     /// ([`HoldBook::awaited`]).

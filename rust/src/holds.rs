@@ -491,6 +491,19 @@ impl HoldBook {
         touched.into_iter().filter_map(|id| self.free_if_done(&id, now)).collect()
     }
 
+    /// The latest deadline of the claims alive at `now` on holds that ended: a reader may read
+    /// their blocks until then (its reads fail by its claim's deadline), so the owner writes
+    /// no block it frees until none is left (`None`), e.g. after [`Evict::Stale`].
+    pub fn ended_claims_until(&self, now: Instant) -> Option<Instant> {
+        self.held
+            .values()
+            .filter(|held| held.ended)
+            .flat_map(|held| held.claims.values())
+            .map(|claim| claim.deadline)
+            .filter(|&deadline| deadline > now)
+            .max()
+    }
+
     /// What a reader whose view of this book stands at `cursor` is to be sent: the changes of
     /// the lookup index past it, or a snapshot of the index (when `cursor` is `None` or the
     /// log no longer reaches back to it); and the cursor after them.

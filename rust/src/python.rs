@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
@@ -528,6 +528,13 @@ impl Engine {
     /// `release_hold` / `expire_holds`, once their claims end.
     fn end_holds(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         self.with(py, |e| Ok(e.evict_holds(usize::MAX, Evict::Stale)))
+    }
+
+    /// Seconds until the last claim alive on an ended hold ends at the latest (released
+    /// earlier, or not); None when no reader reads an ended hold.
+    fn ended_claims_s(&self, py: Python<'_>) -> PyResult<Option<f64>> {
+        let until = self.with(py, |e| Ok(e.ended_claims_until()))?;
+        Ok(until.map(|until| until.saturating_duration_since(Instant::now()).as_secs_f64()))
     }
 
     /// (claims alive now, blocks held, lookups told to ask again so far) on this engine's

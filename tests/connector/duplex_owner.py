@@ -4,8 +4,9 @@ Builds KV caches filled from a seed (in vLLM's KV cache layout "layout", LBHNC b
 registers them, prints its side-channel address as one JSON line, then serves: each stdin line
 {"hold": request_id, "ttl_s": seconds, "fingerprints", "turn", optionally "num_blocks", "offer"}
 hands the worker a HoldSpec, as the scheduler would, and {"end_holds": true} the order vLLM's
-cache reset leads to (`end_holds`); the worker is stepped every few milliseconds and
-every non-empty result is printed as {"freed_holds": [...], "stats": {...}}. Exits when
+cache reset leads to (`end_holds`; once that step's `begin_step` returned, {"ended_holds":
+true, ...} is printed); the worker is stepped every few milliseconds and every non-empty result
+is printed as {"freed_holds": [...], "stats": {...}}. Exits when
 stdin closes. Run: python duplex_owner.py '{"model_dir": ..., "engine_id": ..., ...}'
 """
 
@@ -35,6 +36,7 @@ def main() -> None:
             command = json.loads(line)
             if command.get("end_holds"):
                 worker.begin_step(DuplexConnectorMetadata(end_holds=True))
+                print(json.dumps({"ended_holds": True, "freed_holds": [], "stats": {}}), flush=True)
                 continue
             hold = HoldSpec(
                 request_id=command["hold"],

@@ -5,65 +5,159 @@ taken before is refused and the reader recomputes."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+from vllm.distributed.kv_events import BlockRemoved
 
-from duplex_harness import make_kv_caches, make_worker, prefill, prompt_tokens
-from kvduplex.connector.metadata import DuplexConnectorMetadata, DuplexWorkerMetadata
+from duplex_harness import decode, make_kv_caches, make_worker, prefill, prompt_tokens, running
+from kvduplex.connector.metadata import DuplexConnectorMetadata
+from kvduplex.protocol import HELD_TURN_MEDIUM
 from test_worker_transfer import PROMPT_FINGERPRINTS, OwnerProcess, grant, release
 
+LOOKUP = {"bidirectional_kv_xfer": True, "lookup_timeout_ms": 100, "kv_recompute_threshold": 16}
+RESETS = {
+    "plain": {},
+    "external": {"reset_connector": True},
+    "running": {"reset_running_requests": True, "reset_connector": True},
+}
 
-def test_vllm_s_cache_reset_ends_every_hold_at_the_next_step(engines):
-    """Through vLLM's real scheduler: its reset cannot free blocks that P holds for a decode
-    node, but it tells the connector, whose next step (due at once on an idle engine) orders
-    every hold ended; once the worker reports them freed, vLLM's reset succeeds."""
-    p = engines("P")
-    held = prefill(p, "p1", prompt_tokens(64))["remote_block_ids"]
-    step = p.step()
-    assert [hold.request_id for hold in step.meta.holds] == ["p1"] and not step.meta.end_holds
-    assert all(p.ref_count(block) == 1 for block in held)
-    assert not p.connector.has_pending_push_work()
 
-    assert p.scheduler.reset_prefix_cache(reset_connector=True) is False  # blocks in use
-    assert p.connector.has_pending_push_work()
-    assert p.step().meta.end_holds
-    assert not p.connector.has_pending_push_work()
-    p.step(worker_meta=DuplexWorkerMetadata(), freed_holds=["p1"])
-    assert all(p.ref_count(block) == 0 for block in held)
+def _held_turn(engines):
+    """D holds a finished turn (and publishes vLLM's KV events); returns D, its held blocks
+    and the events published."""
+    p = engines("P", {"bidirectional_kv_xfer": True})
+    d = engines("D", LOOKUP, kv_events=True)
+    published: list = []
+    d.scheduler.kv_event_publisher.publish = lambda batch: published.extend(batch.events)
+    turn1 = prompt_tokens(100)
+    _, params = decode(d, "d1", turn1, prefill(p, "p1", turn1), max_tokens=80)
+    step = d.step()
+    assert [hold.request_id for hold in step.meta.holds] == ["d1"]
+    held = params["remote_block_ids"]
+    assert all(d.ref_count(block) == 1 for block in held)
+    assert not d.connector.has_pending_push_work()
+    return d, held, published
+
+
+@pytest.mark.parametrize("how", RESETS)
+def test_vllm_s_cache_reset_drops_every_hold_and_succeeds(engines, connector_log, how):
+    """Through vLLM's real scheduler, with a turn held: its reset (plain, with the connector's,
+    and with running requests, the reset of its sleep and pause) succeeds; the hold's blocks
+    went back before vLLM's own reset, its KV events are withdrawn, and the next step (due at
+    once on an idle engine) orders TP rank 0 to end every hold, whose report of it is
+    expected."""
+    d, held, published = _held_turn(engines)
+    if how == "running":
+        d.add("r1", prompt_tokens(40, start=500), max_tokens=50)
+        d.step()
+        assert running(d) == ["r1"]
+    assert d.scheduler.reset_prefix_cache(**RESETS[how]) is True
+    assert all(d.ref_count(block) == 0 for block in held)
+    assert d.connector.has_pending_push_work()
+    step = d.step()
+    assert step.meta.end_holds
+    assert not d.connector.has_pending_push_work()
+    removed = [e for e in published if isinstance(e, BlockRemoved) and e.medium == HELD_TURN_MEDIUM]
+    assert len(removed) == 1
+    d.step(freed_holds=["d1"])
+    # Freed once: only a request running again may have taken some of its blocks.
+    computing = set(d.block_ids("r1")) if how == "running" else set()
+    assert all(d.ref_count(block) == (block in computing) for block in held)
+    assert connector_log.messages() == []
+    if how == "running":
+        assert running(d) == ["r1"]  # resumed, computing again
     # Nothing held: nothing to end, no step asked for.
-    assert p.scheduler.reset_prefix_cache(reset_connector=True) is True
-    assert not p.connector.has_pending_push_work()
-    assert not p.step().meta.end_holds
+    assert d.scheduler.reset_prefix_cache(**RESETS[how]) is True
+    assert not d.connector.has_pending_push_work()
+    assert not d.step().meta.end_holds
+
+
+def test_a_reset_that_fails_for_running_requests_keeps_the_holds_unless_the_connector_resets(
+    engines,
+):
+    """A plain reset with a request running fails in vLLM whatever is held: the hold stays.
+    With `reset_connector`, the connector's own reset drops it anyway."""
+    d, held, _ = _held_turn(engines)
+    d.add("r1", prompt_tokens(40, start=500), max_tokens=50)
+    d.step()
+    assert d.scheduler.reset_prefix_cache() is False
+    assert all(d.ref_count(block) == 1 for block in held)
+    assert not d.step().meta.end_holds
+    assert d.scheduler.reset_prefix_cache(reset_connector=True) is False  # vLLM's own
+    assert all(d.ref_count(block) == 0 for block in held)
+    assert d.step().meta.end_holds
 
 
 @pytest.fixture(scope="module")
 def owner(tiny_config_dir: Path):
-    process = OwnerProcess(tiny_config_dir, engine_id="weights-owner")
+    # Claims last 3 s: a claim its reader never releases ends then.
+    process = OwnerProcess(
+        tiny_config_dir, engine_id="weights-owner", extra_config={"kv_lease_ttl_s": CLAIM_S}
+    )
     yield process
     process.stop()
 
 
-def test_a_hold_taken_before_the_weights_changed_is_not_granted(owner, tiny_config_dir):
-    """The owner's worker told to end its holds, as its scheduler orders after vLLM's reset."""
+CLAIM_S = 3.0
+# A bound so a broken drain fails the test instead of hanging it; not a speed check.
+SLACK_S = 10.0
+
+
+def test_a_hold_taken_before_the_weights_changed_is_not_granted_nor_written_under_a_read(
+    owner, tiny_config_dir
+):
+    """The owner's worker told to end its holds, as its scheduler orders after vLLM's reset:
+    nothing taken before is granted again, and that step does not go on (to write KV into the
+    blocks the scheduler gave back) while a reader still reads one: it waits for the read's
+    release."""
     worker = make_worker(tiny_config_dir, "weights-reader", make_kv_caches(8))
     try:
+        owner.reset()
         owner.hold("w-read", ttl_s=30)
         owner.hold("w-idle", ttl_s=30)
         reading = grant(worker, owner, "w-read", PROMPT_FINGERPRINTS)
         assert reading is not None
         owner.end_holds()
-        # The unclaimed hold is freed at once; the claimed one stays under its read.
-        owner.collect(until=1)
-        assert owner.freed_holds == ["w-idle"]
+        # The step waits under the read: nothing granted meanwhile, nothing reported yet.
         assert grant(worker, owner, "w-idle", PROMPT_FINGERPRINTS) is None
         assert grant(worker, owner, "w-read", PROMPT_FINGERPRINTS) is None
-        # The read ends: freed, once.
+        owner.poll(0.5)
+        assert owner.ended_holds_at == [] and owner.freed_holds == []
+        # The read ends: the step goes on, each hold freed once.
+        released_at = time.monotonic()
         worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, reading)]))
         owner.collect(until=2)
-        assert owner.freed_holds == ["w-idle", "w-read"]
+        assert len(owner.ended_holds_at) == 1 and owner.ended_holds_at[0] >= released_at
+        assert owner.ended_holds_at[0] < released_at + SLACK_S
+        assert sorted(owner.freed_holds) == ["w-idle", "w-read"]
         # A hold taken after the change is granted as any.
         owner.hold("w-new", ttl_s=30)
-        assert grant(worker, owner, "w-new", PROMPT_FINGERPRINTS) is not None
+        newer = grant(worker, owner, "w-new", PROMPT_FINGERPRINTS)
+        assert newer is not None
+        worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, newer)]))
+        owner.collect(until=3)
+        assert owner.freed_holds[2:] == ["w-new"]
+    finally:
+        worker.shutdown()
+
+
+def test_a_step_that_ends_holds_waits_for_an_unreleased_read_until_its_claims_deadline(
+    owner, tiny_config_dir
+):
+    """A reader that never releases its claim (it died, say) holds the step up until the
+    claim's deadline, by which its reads fail, and no longer."""
+    worker = make_worker(tiny_config_dir, "weights-silent-reader", make_kv_caches(8))
+    try:
+        owner.reset()
+        owner.hold("w-silent", ttl_s=30)
+        claimed_at = time.monotonic()
+        assert grant(worker, owner, "w-silent", PROMPT_FINGERPRINTS) is not None
+        owner.end_holds()
+        owner.collect(until=1)
+        assert owner.freed_holds == ["w-silent"]
+        (ended_at,) = owner.ended_holds_at
+        assert claimed_at + CLAIM_S - 0.1 <= ended_at < claimed_at + CLAIM_S + SLACK_S
     finally:
         worker.shutdown()

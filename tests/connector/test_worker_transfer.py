@@ -55,14 +55,20 @@ class OwnerProcess:
     """An owner-side DuplexWorker in its own process (duplex_owner.py), its KV caches in vLLM's
     KV cache layout `layout`."""
 
-    def __init__(self, model_dir: Path, layout: str = "LBHNC", engine_id: str = OWNER_ID) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        layout: str = "LBHNC",
+        engine_id: str = OWNER_ID,
+        extra_config: dict | None = None,
+    ) -> None:
         spec = {
             "model_dir": str(model_dir),
             "engine_id": engine_id,
             "num_blocks": NUM_BLOCKS,
             "seed": OWNER_SEED,
             "layout": layout,
-            "extra_config": {"read_deadline_margin_s": 0.5},
+            "extra_config": {"read_deadline_margin_s": 0.5, **(extra_config or {})},
         }
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
         self.proc = subprocess.Popen(
@@ -83,6 +89,8 @@ class OwnerProcess:
         self.expected = make_kv_caches(NUM_BLOCKS, seed=OWNER_SEED)
         self.freed_holds: list[str] = []
         self.stats: dict[str, int] = {}
+        # When the steps that ended every hold were done (`end_holds`), on our clock.
+        self.ended_holds_at: list[float] = []
 
     def hold(
         self,
@@ -122,6 +130,8 @@ class OwnerProcess:
             if line is None:
                 return
             report = json.loads(line)
+            if report.get("ended_holds"):
+                self.ended_holds_at.append(time.monotonic())
             self.freed_holds.extend(report["freed_holds"])
             for key, value in report["stats"].items():
                 if isinstance(value, int):
@@ -143,6 +153,7 @@ class OwnerProcess:
     def reset(self) -> None:
         self.freed_holds.clear()
         self.stats.clear()
+        self.ended_holds_at.clear()
 
     def stop(self) -> None:
         self.proc.stdin.close()

@@ -56,6 +56,7 @@ from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.expected_turns import ExpectedTurns
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
+from kvduplex.connector.held_blocks import HeldBlocks
 from kvduplex.connector.idle_steps import IdleWaker
 from kvduplex.connector.lookup import ASK_AGAIN, Lookups
 from kvduplex.connector.params import (
@@ -85,7 +86,6 @@ if TYPE_CHECKING:
     from vllm.tokenizers import TokenizerLike
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -160,13 +160,13 @@ class DuplexScheduler:
         # Loads given to the workers: the claim to release and the TP ranks not done yet.
         self._reading: dict[str, tuple[md.ReleaseSpec | None, int]] = {}
         self._block_pool: BlockPool | None = None
-        # Our references in vLLM's block pool of each hold, in the request's order.
-        self._held: dict[str, list[KVCacheBlock]] = {}
         self._loads: list[md.LoadSpec] = []
         self._releases: list[md.ReleaseSpec] = []
         self._holds: list[md.HoldSpec] = []
         self._expected = ExpectedTurns(config.bidirectional_kv_xfer, self._block_size)
         self._stats = DuplexConnectorStats()
+        # Our references in vLLM's block pool of each hold (`held_blocks.py`).
+        self._held = HeldBlocks(self._retention, self._events, self._stats)
         # Grants for params and lookups by prompt (`lookup.py`).
         self._lookups = Lookups(
             config,
@@ -177,7 +177,7 @@ class DuplexScheduler:
             pullable=self._pullable,
             release=lambda release: self._releases.append(release),
         )
-        # vLLM reset its caches: the next step ends every hold (`reset_cache`).
+        # vLLM reset its caches: the next step ends every hold (`_holds_dropped`).
         self._end_holds = False
         self._waker = IdleWaker(self._next_idle_step_in)
 
@@ -537,9 +537,7 @@ class DuplexScheduler:
             fingerprints = block_fingerprints(
                 request.all_token_ids[:num_tokens], self._block_size, salt_of(request)
             )
-        # Our own reference: vLLM frees the request now; the blocks stay until the hold ends.
-        blocks = vllm_private.take_block_refs(self._block_pool, held_ids)
-        self._held[request.request_id] = blocks
+        self._held.keep(request.request_id, held_ids)
         if decode_turn:
             self._events.held(
                 request, num_tokens, vllm_private.hash_block_size(self._block_pool)
@@ -602,6 +600,7 @@ class DuplexScheduler:
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         vllm_private.check_block_pool(manager.block_pool)
         self._block_pool = manager.block_pool
+        self._held.bind(manager.block_pool, self._holds_dropped)
         self._live.bind(manager)
 
     # ------------------------------------------------------------- retention
@@ -620,15 +619,20 @@ class DuplexScheduler:
         """vLLM resets its caches where the weights change in place (its pause and sleep for
         weight updates, `reset_prefix_cache(reset_connector=True)`; after `reload_weights`,
         `update_weights` or a `collective_rpc` that loads weights, its callers must): KV held
-        for readers was computed with the old weights, and the next step (at once, if idle)
-        ends every hold taken before (`DuplexWorker._end_holds`). vLLM has no weight version a
-        connector could see: this reset is its only sign of new weights. With nothing held
-        there is nothing to end, and no step is asked for (vLLM's sleep resets its caches just
-        before it puts the workers to sleep)."""
-        if self._held:
-            self._end_holds = True
-            self._waker.poke()
+        for readers was computed with the old weights. vLLM has no weight version a connector
+        could see: this reset is its only sign of new weights. Every hold was dropped already
+        if vLLM's own reset could succeed then (`held_blocks.py`), else now; succeeds."""
+        if self._held.drop_all():
+            self._holds_dropped()
         return True
+
+    def _holds_dropped(self) -> None:
+        """The next step (at once, if idle) orders TP rank 0 to end every hold taken before
+        (`DuplexWorker._end_holds`). With nothing held no step is asked for (vLLM's sleep
+        resets its caches just before it puts the workers to sleep, whose connector ends the
+        holds itself: `DuplexWorker.unregister_kv_caches`)."""
+        self._end_holds = True
+        self._waker.poke()
 
     def has_pending_push_work(self) -> bool:
         """Keeps an idle engine stepping while a hold is due to end (`retention.py`, or every
@@ -735,7 +739,7 @@ class DuplexScheduler:
         self._lookups.on_report(worker_meta)
         self._poke_if_renewing()
         if worker_meta is not None:
-            freed_blocks = self._on_freed_holds(worker_meta.freed_holds)
+            freed_blocks = self._held.end(worker_meta.freed_holds)
             self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())
             self._on_loads_done(worker_meta.loads_done)
         if self._estimator is None:
@@ -763,22 +767,6 @@ class DuplexScheduler:
                 self._reading[request_id] = (release, ranks_left - 1)
             elif release is not None:
                 self._releases.append(release)
-
-    def _on_freed_holds(self, request_ids: list[str]) -> int:
-        """TP rank 0 reports a hold's end once: the blocks go back. Returns how many."""
-        freed = 0
-        for request_id in request_ids:
-            blocks = self._held.pop(request_id, None)
-            if blocks is None:
-                logger.warning("A worker ended a hold on request %s, which is not held", request_id)
-                continue
-            self._retention.freed(request_id)
-            self._events.ended(request_id)
-            freed += len(blocks)
-            vllm_private.free_block_refs(self._block_pool, blocks)
-        if freed:
-            self._stats.set_gauge("held_blocks", self._retention.held_blocks)
-        return freed
 
     def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
         return self._stats.take()

@@ -13,7 +13,8 @@ The accesses (docs/connector.md, "Private vLLM accesses"):
   (`drop_last_prompt_token`, guard `check_prompt_edit`);
 - references of our own in vLLM's block pool, which the public `bind_kv_cache_manager` hands
   over with no contract of its own (`take_block_refs` and the others below, guard
-  `check_block_pool`);
+  `check_block_pool`), and the hook that runs before the pool's prefix-cache reset, so held
+  turns follow vLLM's cache resets (`before_prefix_cache_reset`, guarded as it is set);
 - the idle engine's wake-up (`engine_wakeup`) and the end of a worker's busy poll after an idle
   step (`worker_rest`): both find vLLM's process object on the stack (`_on_stack`).
 - the count of a waiting request's allocation by vLLM's KV-cache manager, for admission-exact
@@ -25,6 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -173,6 +175,55 @@ def num_free_blocks(pool: BlockPool) -> int:
 def hash_block_size(pool: BlockPool) -> int:
     """Tokens per hash of `Request.block_hashes`."""
     return pool.hash_block_size
+
+
+# ------------------------------------------------------- the block pool's reset
+
+
+BLOCK_POOL_RESET = "the hook before vLLM's prefix-cache reset (BlockPool.reset_prefix_cache)"
+
+
+def before_prefix_cache_reset(block_pool: BlockPool, before: Callable[[], None]) -> None:
+    """Run `before` whenever vLLM resets `block_pool`'s prefix cache, before the reset.
+
+    vLLM's `Scheduler.reset_prefix_cache` (its dev endpoint, sleep, pause with `clear_cache`,
+    RL frameworks' weight updates) preempts the running requests if asked, then calls
+    `BlockPool.reset_prefix_cache()`, which fails while any block but the null block is in use
+    (and, with `reset_running_requests`, raises), and only then the connector's `reset_cache`.
+    No public hook runs before the pool's reset, so this pool's method is wrapped (on the
+    instance: vLLM's coordinator calls `pool.reset_prefix_cache()`). Private: the method's
+    name, that it takes no argument and returns a bool."""
+    method = getattr(type(block_pool), "reset_prefix_cache", None)
+    if (
+        not callable(method)
+        or list(inspect.signature(method).parameters) != ["self"]
+        or not isinstance(getattr(block_pool, "num_gpu_blocks", None), int)
+        or not isinstance(getattr(block_pool.blocks[0], "ref_cnt", None), int)
+    ):
+        raise VllmShapeError(
+            _changed(
+                BLOCK_POOL_RESET,
+                "no reset_prefix_cache(self) -> bool, or no blocks counting references "
+                "(ref_cnt): held KV blocks could not follow its cache resets",
+            )
+        )
+    reset = block_pool.reset_prefix_cache
+
+    def reset_prefix_cache() -> bool:
+        before()
+        return reset()
+
+    block_pool.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
+
+
+def reset_frees_all(block_pool: BlockPool, references: Iterable[KVCacheBlock]) -> bool:
+    """Whether vLLM's prefix-cache reset succeeds once `references` (one per reference held)
+    are freed: every block in use but the null block is in use by them alone. Private:
+    `num_gpu_blocks` and a block's `ref_cnt`."""
+    ours = Counter(block.block_id for block in references)
+    blocks = block_pool.blocks
+    in_use = block_pool.num_gpu_blocks - block_pool.get_num_free_blocks() - 1
+    return len(ours) == in_use and all(blocks[i].ref_cnt == n for i, n in ours.items())
 
 
 # ---------------------------------------------------------- vLLM's process objects

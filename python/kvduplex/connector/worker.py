@@ -17,7 +17,7 @@ Owner side: only TP rank 0 keeps the hold book (holds, grants, claims, expiry, e
 once, for every rank's blocks, which share block ids); it reports each ended hold in
 `DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference).
 Every hold ends when vLLM resets its caches (`_end_holds`): held KV is bound to the weights
-only by that.
+only by that, and the scheduler has given the blocks back to vLLM already (`held_blocks.py`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
+
+# How often a step that waits for the readers of ended holds looks for their releases.
+_DRAIN_POLL_S = 0.001
 
 
 def side_channel_port(base: int, parallel: ParallelConfig, tp_rank: int) -> int:
@@ -229,6 +232,9 @@ class DuplexWorker:
             self._hold(hold)
         if meta.end_holds:
             self._end_holds()
+            if self._tp_size > 1:
+                # No rank writes KV in this step before rank 0 has no reader left.
+                _tp_barrier()
         if meta.settled and self._engine is not None and self._tp_rank == 0:
             # After the holds: a reader is never told the turn's prompt gone before its hold.
             self._engine.settle_turns(meta.settled)
@@ -563,19 +569,32 @@ class DuplexWorker:
             self._stats.add("turns_offered")
 
     def _end_holds(self) -> None:
-        """vLLM reset its caches, as it does for a weight update (`DuplexScheduler.reset_cache`):
-        the held KV was computed with other weights. TP rank 0 ends every hold at once, under
-        the hold book's lock: none is granted again; unclaimed ones are freed now, claimed ones
-        when their reads end."""
+        """vLLM reset its caches, as it does for a weight update (`held_blocks.py`): the held
+        KV was computed with other weights, and the scheduler gave the blocks back to vLLM,
+        which may hand them to a request of this very step. TP rank 0 ends every hold at once,
+        under the hold book's lock (none is granted again; unclaimed ones are freed now), then
+        waits until no reader reads one (released, or past its claim's deadline, by which its
+        reads fail) before anything of this step writes KV: a peer never reads a block that a
+        new request's forward pass or pull is writing."""
         if self._engine is None or self._tp_rank != 0:
             return
         freed = self._engine.end_holds()
         self._freed_holds.extend(freed)
         logger.info(
-            "KV caches reset (new weights): every held block set ended, %d freed now, the "
-            "others once their readers are done",
+            "KV caches reset (new weights): every held block set ended, %d freed at once",
             len(freed),
         )
+        left = self._engine.ended_claims_s()
+        if left is None:
+            return
+        logger.info("Waiting up to %.1f s for the readers of ended holds to be done", left)
+        started = time.monotonic()
+        while left is not None:
+            time.sleep(min(left, _DRAIN_POLL_S))
+            self._take_notifications()  # their releases
+            self._expire_holds()  # claims past their deadline
+            left = self._engine.ended_claims_s()
+        logger.info("The readers of ended holds were done after %.3f s", time.monotonic() - started)
 
     def _expect(self, turn: md.ExpectedTurn) -> None:
         """TP rank 0 answers lookups that extend a turn in flight with "ask again"
@@ -661,3 +680,10 @@ class DuplexWorker:
             self._freed_holds.append(request_id)
             self._stats.add("lease_expiries")
             logger.debug("Hold of request %s ended; its blocks are freed", request_id)
+
+
+def _tp_barrier() -> None:
+    """Every TP rank of this engine is here (vLLM's TP group, over its CPU group)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    torch.distributed.barrier(group=get_tp_group().cpu_group)

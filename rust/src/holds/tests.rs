@@ -252,6 +252,26 @@ fn after_a_weight_change_no_hold_taken_before_it_is_granted_and_each_is_freed_on
 }
 
 #[test]
+fn after_a_weight_change_its_readers_are_waited_for_until_each_released_or_its_deadline() {
+    let t0 = Instant::now();
+    let mut book = book_with(&[("turn", &[1, 2]), ("read", &[3]), ("later", &[4])], t0);
+    assert_eq!(book.ended_claims_until(t0), None);
+    book.lookup("P", &[3], Duration::from_secs(2), t0).unwrap();
+    let long = book.lookup("P2", &[4], CLAIM, t0).unwrap();
+    // Claims on holds that did not end keep no one waiting.
+    assert_eq!(book.ended_claims_until(t0), None);
+    book.evict(0, Evict::Stale, t0);
+    assert_eq!(book.ended_claims_until(t0), Some(t0 + CLAIM));
+    assert_eq!(book.release("P2", "later", long.claim_id, t0), Some("later".into()));
+    assert_eq!(book.ended_claims_until(t0), Some(t0 + Duration::from_secs(2)));
+    // Past its deadline a claim keeps no one waiting, expired or not yet.
+    let t1 = t0 + Duration::from_secs(2);
+    assert_eq!(book.ended_claims_until(t1), None);
+    assert_eq!(book.expire(t1), ["read"]);
+    assert!(book.is_empty());
+}
+
+#[test]
 fn holds_are_checked() {
     let t0 = Instant::now();
     let mut book = book_with(&[("a", &[1])], t0);
