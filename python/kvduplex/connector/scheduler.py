@@ -545,7 +545,7 @@ class DuplexScheduler:
         lease_expiry = time.time() + ttl_s
         # A turn past the cap orders room: the workers free the least recently used unclaimed
         # turns (every read of a held turn is claimed, so none is freed under a read).
-        self._retention.hold(request.request_id, len(blocks), decode_turn, lease_expiry)
+        self._retention.hold(request.request_id, len(held_ids), decode_turn, lease_expiry)
         self._waker.poke()
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
