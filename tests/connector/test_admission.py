@@ -35,7 +35,7 @@ class Rank0:
             return DuplexWorkerMetadata(lookups=lookups) if lookups else None
         self.orders.append((len(self.d.steps), meta.evict.total))
         freed, blocks = [], 0
-        for request_id, held_blocks in self.d.duplex._held.items():  # oldest hold first
+        for request_id, held_blocks in self.d.duplex._held._held.items():  # oldest hold first
             if blocks >= meta.evict.total:
                 break
             freed.append(request_id)

@@ -111,4 +111,4 @@ def test_a_prefill_for_another_engine_preempted_with_its_token_in_flight_offers_
     finished = report(p, first)["prefill"]
     assert finished.finish_reason is not None and finished.new_token_ids == [TOKEN]
     assert not (finished.kv_transfer_params or {}).get("remote_block_ids")
-    assert p.duplex._held == {}
+    assert not p.duplex._held

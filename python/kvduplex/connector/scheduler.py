@@ -598,10 +598,10 @@ class DuplexScheduler:
                 tables[index][block] = cached
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._live.bind(manager)
         vllm_private.check_block_pool(manager.block_pool)
         self._block_pool = manager.block_pool
         self._held.bind(manager.block_pool, self._holds_dropped)
-        self._live.bind(manager)
 
     # ------------------------------------------------------------- retention
 
