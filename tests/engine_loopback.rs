@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvduplex::descriptors::{BlockSlice, PlanError, Side};
+use kvduplex::descriptors::{BlockLayout, BlockSlice, PlanError, Side};
 use kvduplex::engine::{Engine, EngineError, LookupFanOut, PeerStatus, RegionMemory};
 use kvduplex::handshake::{Fingerprint, HandshakeError};
 use kvduplex::holds::{Evict, HoldKind, LookupMatch};
@@ -885,4 +885,54 @@ fn a_lookup_continuing_a_handoff_asks_the_engine_granted_the_prompt_not_every_en
     // Handed to an engine that is not among the targets: every target.
     let fan_out = p.start_lookup(targets[1..].to_vec(), vec![11, 12, 13], None, Some(13), TIMEOUT);
     assert_eq!(fan_out.asked(), 2);
+}
+
+/// Reads `remote` into `local` through `peer`: posted and settled, or why not.
+fn read_one(reader: &Engine, peer: &str, local: i64, remote: i64) -> Result<(), String> {
+    let transfer = reader
+        .read_blocks(peer, &[local], &[remote], None, TIMEOUT, None, None)
+        .map_err(|e| e.to_string())?;
+    transfer.wait(Some(TIMEOUT)).map_err(|e| e.to_string())
+}
+
+#[test]
+fn memory_unregistered_for_sleep_is_read_by_no_peer_until_registered_again() {
+    let owner = engine("owner", "f32", (0..BLOCK * BLOCKS).map(|i| (i * 7 % 253) as u8).collect());
+    let reader = engine("reader", "f32", vec![0u8; BLOCK * BLOCKS]);
+    let block = |buf: &[u8], b: usize| buf[b * BLOCK..(b + 1) * BLOCK].to_vec();
+    let peer = connect(&reader, &owner).unwrap();
+    read_one(&reader, &peer, 1, 10).unwrap();
+    assert_eq!(block(reader.buf(), 1), block(owner.buf(), 10));
+
+    assert_eq!(owner.unregister_regions().unwrap(), 1);
+    // The reader's connection ends (a read posted before it saw that still reads the
+    // memory, mapped until the owner's caller unmaps it: holds' claims and leases keep
+    // readers off it, not this): a read through it fails and writes nothing.
+    assert!(common::wait_until(TIMEOUT, || read_one(&reader, &peer, 2, 11).is_err()));
+    let refused = read_one(&reader, &peer, 4, 13).unwrap_err();
+    assert!(refused.contains("no connection to peer engine"), "{refused}");
+    assert!(block(reader.buf(), 4).iter().all(|&b| b == 0));
+    // A new handshake finds nothing to read.
+    let refused = connect(&reader, &owner).unwrap_err().to_string();
+    assert!(refused.contains("has not published a block layout"), "{refused}");
+
+    let base = owner.buf().as_ptr() as u64;
+    // SAFETY: the owner's own buffer, which outlives it (TestEngine).
+    owner.register_region(unsafe { RegionMemory::new(base, owner.buf().len() as u64) }).unwrap();
+    owner
+        .set_layout(BlockLayout {
+            segment_bases: vec![base],
+            block_stride: BLOCK as u64,
+            block_len: BLOCK as u64,
+            num_blocks: BLOCKS as u64,
+        })
+        .unwrap();
+    // Once the reader's backoff after the refusal has passed.
+    let mut peer = Err(EngineError::Closed);
+    assert!(common::wait_until(Duration::from_secs(30), || {
+        peer = connect(&reader, &owner);
+        peer.is_ok()
+    }));
+    read_one(&reader, &peer.unwrap(), 3, 12).unwrap();
+    assert_eq!(block(reader.buf(), 3), block(owner.buf(), 12));
 }

@@ -125,6 +125,13 @@ class Engine:
         blocks only until it settles; after ``close()``, those of a batch that had not settled
         while the engine still holds `owner`). A null or empty range, or a host range not mapped
         now, is a ValueError or UcxError; nothing else can be checked."""
+    def unregister_regions(self) -> int:
+        """Stop offering this engine's memory (vLLM is about to unmap it for sleep): every
+        region is unregistered (one a read of ours still writes into stays so until that read
+        settles), no region nor layout is published and every reader's side-channel connection
+        is closed, so a peer's read fails (a new handshake finds nothing to read) and our own
+        reads fail too. `register_region` and `set_layout` serve again. Returns how many
+        regions were unregistered."""
     def set_layout(
         self, segment_bases: Sequence[int], block_len: int, block_stride: int, num_blocks: int
     ) -> None:
@@ -234,6 +241,9 @@ class Engine:
         too, and none is granted or found by a lookup again. Returns the holds freed now (the
         unclaimed ones); a claimed one is freed, and returned by `release_hold` or
         `expire_holds`, when its last claim ends."""
+    def ended_claims_s(self) -> float | None:
+        """Seconds until the last claim alive on an ended hold ends at the latest (released
+        earlier, or not); None when no reader reads an ended hold."""
     def hold_occupancy(self) -> tuple[int, int, int]:
         """(claims alive now, blocks held, lookups told to ask again so far, as this engine
         computed the turn they continue: see `expect_turn`) on this engine's hold book."""

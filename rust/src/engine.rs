@@ -291,6 +291,28 @@ impl Engine {
         self.publish(&local)
     }
 
+    /// Stops offering this engine's memory, as before vLLM unmaps it (sleep): every region is
+    /// unregistered (a batch of ours still writing into one keeps it registered until the
+    /// batch ends), no region nor layout is published, and every reader's side-channel
+    /// connection is closed, so a peer's read fails once it saw its connection end (a new
+    /// handshake finds nothing to read; UCX alone may still serve an unregistered range over
+    /// some transports, so this, not the unregistration, stops readers); a read it posted
+    /// before may still land, which holds' claims and leases rule out. Our own reads fail too
+    /// (outside the registered regions). [`Engine::register_region`] and
+    /// [`Engine::set_layout`] serve again. Returns how many regions it unregistered.
+    pub fn unregister_regions(&self) -> Result<usize, EngineError> {
+        let mut local = self.shared.local.write().unwrap_or_else(|p| p.into_inner());
+        let count = local.regions.len();
+        local.regions.clear();
+        local.layout = None;
+        self.publish(&local)?;
+        drop(local);
+        // After the metadata: a handshake answered before it is among these connections.
+        lock(&self.shared.server).as_ref().ok_or(EngineError::Closed)?.close_connections();
+        log::info!("unregistered {count} regions; readers disconnected");
+        Ok(count)
+    }
+
     pub fn set_layout(&self, layout: BlockLayout) -> Result<(), EngineError> {
         let mut local = self.shared.local.write().unwrap_or_else(|p| p.into_inner());
         layout.validate_within(&bounds(&local.regions))?;

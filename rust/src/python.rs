@@ -342,6 +342,12 @@ impl Engine {
         self.with(py, |e| e.register_region(memory))
     }
 
+    /// Stop offering this engine's memory (vLLM is about to unmap it): see
+    /// `engine::Engine::unregister_regions`. Returns how many regions it unregistered.
+    fn unregister_regions(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |e| e.unregister_regions())
+    }
+
     fn set_layout(
         &self,
         py: Python<'_>,

@@ -4,12 +4,13 @@ peers compare at the handshake."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 from vllm.config import KVTransferConfig, ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from duplex_harness import make_kv_cache_config, make_kv_caches, make_vllm_config
 from kvduplex.connector import DuplexConnector
@@ -61,6 +62,29 @@ def test_layerwise_pulls_need_piecewise_cuda_graphs(tiny_config_dir: Path, extra
     assert connector_cls is DuplexConnector
     extra_config = transfer_config.kv_connector_extra_config
     assert connector_cls.requires_piecewise_for_cudagraph(extra_config) is piecewise
+
+
+@pytest.mark.parametrize("hook", ["supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"])
+def test_sleep_mode_hooks_override_vllms_own(tiny_config_dir: Path, hook):
+    """vLLM 0.33 asks the connector class before it allows sleep mode and calls the worker's
+    hooks around it by these names (0.32 has none: ours are then never called); each of ours
+    overrides vLLM's with its very signature, and sleep mode is allowed."""
+    ours = vars(DuplexConnector)[hook]
+    vllms = inspect.getattr_static(KVConnectorBase_V1, hook, None)
+    if vllms is not None:
+        assert type(ours) is type(vllms)  # a classmethod where vLLM's is one
+        assert _parameters(getattr(DuplexConnector, hook)) == _parameters(
+            getattr(KVConnectorBase_V1, hook)
+        )
+    transfer_config = make_vllm_config(tiny_config_dir, "P").kv_transfer_config
+    assert KVConnectorFactory.get_connector_class(transfer_config).supports_sleep_mode(
+        transfer_config
+    )
+
+
+def _parameters(function) -> list[tuple[str, object]]:
+    """Names and kinds (annotations may be strings on one side only)."""
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
 
 
 def _parallel(dp_size: int, dp_rank_local: int, tp_size: int) -> ParallelConfig:

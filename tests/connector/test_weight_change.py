@@ -1,20 +1,31 @@
 """Weights changed in place (RL rollouts, vLLM's weight updates, sleep and wake): held KV was
 computed with the old weights, under the same model path and revision. vLLM's cache reset,
 which it does (or its callers must) for every such change, ends every hold: a grant of a hold
-taken before is refused and the reader recomputes."""
+taken before is refused and the reader recomputes. vLLM 0.33's sleep-mode hooks also stop
+peers' reads of the memory it unmaps, and offer it again after wake-up."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from vllm.distributed.kv_events import BlockRemoved
 
 from duplex_harness import decode, make_kv_caches, make_worker, prefill, prompt_tokens, running
 from kvduplex.connector.metadata import DuplexConnectorMetadata
 from kvduplex.protocol import HELD_TURN_MEDIUM
-from test_worker_transfer import PROMPT_FINGERPRINTS, OwnerProcess, grant, release
+from test_worker_transfer import (
+    NUM_BLOCKS,
+    PROMPT_FINGERPRINTS,
+    OwnerProcess,
+    grant,
+    load,
+    release,
+    run_until_received,
+)
 
 LOOKUP = {"bidirectional_kv_xfer": True, "lookup_timeout_ms": 100, "kv_recompute_threshold": 16}
 RESETS = {
@@ -159,5 +170,57 @@ def test_a_step_that_ends_holds_waits_for_an_unreleased_read_until_its_claims_de
         assert owner.freed_holds == ["w-silent"]
         (ended_at,) = owner.ended_holds_at
         assert claimed_at + CLAIM_S - 0.1 <= ended_at < claimed_at + CLAIM_S + SLACK_S
+    finally:
+        worker.shutdown()
+
+
+def _until(attempt, what: str):
+    """`attempt()` again until it returns something true (a reader's backoff after its owner
+    went away may refuse the first tries); a bound, not a speed check."""
+    deadline = time.monotonic() + SLACK_S
+    while not (result := attempt()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+    return result
+
+
+def test_sleep_mode_hooks_stop_peers_reads_and_wake_up_offers_the_caches_again(
+    owner, tiny_config_dir
+):
+    """vLLM 0.33's sleep-mode hooks on the owner's real worker, a reader in this process:
+    before sleep every hold ends and a connected reader's read fails cleanly (its connection
+    ends; a new one finds nothing to read) instead of reaching memory about to be unmapped;
+    after wake-up a new hold is granted and read value for value. Each hook is idempotent."""
+    caches = make_kv_caches(NUM_BLOCKS)
+    worker = make_worker(tiny_config_dir, "sleep-reader", caches, {"handshake_timeout_s": 2})
+    try:
+        owner.reset()
+        owner.hold("s-read", ttl_s=30)
+        match = grant(worker, owner, "s-read", PROMPT_FINGERPRINTS)  # connected
+        worker.begin_step(DuplexConnectorMetadata(releases=[release(owner, match)]))
+        owner.collect(until=1)
+        owner.hold("s-asleep", ttl_s=30)
+        owner.sleep(True)
+        owner.sleep(True)
+        owner.collect(until=2)
+        assert owner.freed_holds == ["s-read", "s-asleep"]
+        assert grant(worker, owner, "s-asleep", PROMPT_FINGERPRINTS) is None
+        failed = run_until_received(worker, load(owner, "s-asleep-read", [1, 2], [3, 4]))
+        assert failed == {1, 2} and not any(t.any() for t in caches.values())
+
+        owner.sleep(False)
+        owner.sleep(False)
+        owner.hold("s-awake", ttl_s=30)
+        _until(lambda: grant(worker, owner, "s-awake", PROMPT_FINGERPRINTS), "no grant")
+        attempts = itertools.count()
+        _until(
+            lambda: not run_until_received(
+                worker, load(owner, f"s-awake-read-{next(attempts)}", [5, 6], [7, 8])
+            ),
+            "no read after wake-up",
+        )
+        for name, tensor in caches.items():
+            for lid, rid in zip([5, 6], [7, 8]):
+                assert torch.equal(tensor[lid], owner.expected[name][rid]), (name, lid, rid)
     finally:
         worker.shutdown()

@@ -78,10 +78,10 @@ class OwnerProcess:
             env=env,
             text=True,
         )
-        # Its stdout is read from the descriptor, not the buffered file: select() does not see
-        # lines a readline() left in that file's buffer.
-        self._unread = b""
-        line = self._next_line(WAIT_S)
+        # Its output is split into lines here, not by `readline`: lines that one buffered would
+        # be invisible to `select` until more output came.
+        self._output = b""
+        line = self._line(None)
         if line is None:
             raise RuntimeError(f"owner process exited with {self.proc.wait()}")
         address = json.loads(line)
@@ -91,6 +91,8 @@ class OwnerProcess:
         self.stats: dict[str, int] = {}
         # When the steps that ended every hold were done (`end_holds`), on our clock.
         self.ended_holds_at: list[float] = []
+        # How often the hold book ended every hold (`end_holds`, `sleep`).
+        self.holds_ended = 0
 
     def hold(
         self,
@@ -108,28 +110,26 @@ class OwnerProcess:
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
 
-    def _next_line(self, timeout_s: float) -> bytes | None:
-        """The owner's next line of output, or None when none comes within `timeout_s`."""
-        end = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._unread:
-            left = max(0.0, end - time.monotonic())
-            ready, _, _ = select.select([fd], [], [], left)
-            chunk = os.read(fd, 1 << 16) if ready else b""
+    def _line(self, end: float | None) -> bytes | None:
+        """The owner's next output line, waiting for it until `end` (None: for ever); None
+        when none came by then or the owner exited."""
+        while b"\n" not in self._output:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else b""
             if not chunk:
                 return None
-            self._unread += chunk
-        line, self._unread = self._unread.split(b"\n", 1)
+            self._output += chunk
+        line, self._output = self._output.split(b"\n", 1)
         return line
 
     def poll(self, timeout_s: float) -> None:
         """Take the reports that arrive within `timeout_s`."""
         end = time.monotonic() + timeout_s
-        while True:
-            line = self._next_line(max(0.0, end - time.monotonic()))
-            if line is None:
-                return
+        while (line := self._line(end)) is not None:
             report = json.loads(line)
+            if report.get("holds_ended"):
+                self.holds_ended += 1
             if report.get("ended_holds"):
                 self.ended_holds_at.append(time.monotonic())
             self.freed_holds.extend(report["freed_holds"])
@@ -146,8 +146,19 @@ class OwnerProcess:
         self.poll(settle_s)
 
     def end_holds(self) -> None:
-        """What vLLM's cache reset (the weights changed) leads to on the owner."""
+        """What vLLM's cache reset (the weights changed) leads to on the owner; returns once
+        its hold book ended every hold (its step may still wait for their readers)."""
+        ended = self.holds_ended
         self.proc.stdin.write(json.dumps({"end_holds": True}) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + WAIT_S
+        while self.holds_ended == ended:
+            assert time.monotonic() < deadline, "the owner never ended its holds"
+            self.poll(0.05)
+
+    def sleep(self, asleep: bool) -> None:
+        """vLLM's sleep-mode hooks on the owner: before sleep (True), after wake-up (False)."""
+        self.proc.stdin.write(json.dumps({"sleep": asleep}) + "\n")
         self.proc.stdin.flush()
 
     def reset(self) -> None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -120,6 +120,13 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         config = DuplexConfig.from_extra_config(extra_config)
         return config.layerwise_load and config.bidirectional_kv_xfer
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM 0.33 asks before it allows sleep mode: it resets the caches first (every hold
+        is dropped: `held_blocks.py`) and calls `unregister_kv_caches` / `restore_kv_caches`
+        around the sleep. vLLM 0.32 never asks."""
+        return True
+
     # ------------------------------------------------------------- scheduler
 
     def on_new_request(self, request: Request) -> None:
@@ -180,6 +187,15 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33, before sleep (and before discarding the KV cache): holds end, reads of
+        this memory stop (`DuplexWorker.unregister_kv_caches`). Not called by 0.32."""
+        self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33, after wake-up: the KV caches are offered to peers again."""
+        self._worker.restore_kv_caches()
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.get_handshake_metadata()

@@ -37,7 +37,7 @@ from kvduplex.connector.compatibility import compatibility_fingerprint
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.idle_steps import WorkerSpin
-from kvduplex.connector.kv_layout import describe_kv_caches, head_major_bytes
+from kvduplex.connector.kv_layout import KVLayout, describe_kv_caches, head_major_bytes
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.worker_lookup import WorkerLookups
 
@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-# How often a step that waits for the readers of ended holds looks for their releases.
+# How often a worker that waits for reads to be done (the readers of ended holds, or its own
+# before sleep) looks again.
 _DRAIN_POLL_S = 0.001
 
 
@@ -138,6 +139,11 @@ class DuplexWorker:
         self._lookups = WorkerLookups(config, tp_rank, self._stats)
         self._idle_step = False
         self._spin = WorkerSpin()
+        # What `register_kv_caches` registered, to register again after vLLM's sleep
+        # (`restore_kv_caches`): the layout and the tensors that own its memory.
+        self._layout: KVLayout | None = None
+        self._owners: tuple[torch.Tensor, ...] = ()
+        self._asleep = False
 
     # ------------------------------------------------------------- lifecycle
 
@@ -169,14 +175,9 @@ class DuplexWorker:
         )
         # The tensors own the regions' memory: the engine holds them while a read may still
         # write into it, past close (`_core.pyi`).
-        owners = tuple(kv_caches.values())
+        self._layout, self._owners = layout, tuple(kv_caches.values())
         try:
-            for addr, length in layout.regions:
-                engine.register_region(addr, length, owner=owners)
-            engine.set_layout(
-                list(layout.segment_bases), layout.block_len, layout.block_stride,
-                layout.num_blocks,
-            )
+            self._register(engine)
         except BaseException:
             engine.close()
             raise
@@ -202,6 +203,51 @@ class DuplexWorker:
             engine.side_channel_host,
             engine.side_channel_port,
             fingerprint["page_layout"],
+        )
+
+    def _register(self, engine: _core.Engine) -> None:
+        for addr, length in self._layout.regions:
+            engine.register_region(addr, length, owner=self._owners)
+        engine.set_layout(
+            list(self._layout.segment_bases), self._layout.block_len, self._layout.block_stride,
+            self._layout.num_blocks,
+        )
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM (0.33) is about to put the worker to sleep and unmap its KV cache; it has
+        reset its caches (the scheduler dropped every hold) and drained its own transfers.
+        TP rank 0 ends every hold and waits until no peer reads one (`_end_holds`); every rank
+        lets its own reads settle (bounded by their deadlines: none writes into memory being
+        unmapped), then stops offering its memory (`Engine.unregister_regions`: a peer's read
+        fails and it recomputes; none reaches memory being unmapped). Idempotent."""
+        if self._engine is None or self._asleep:
+            return
+        self._end_holds()
+        self._finish_layerwise_reads()
+        while self._inflight:  # reported as usual at the next step
+            self._poll_reads()
+            if self._inflight:
+                time.sleep(_DRAIN_POLL_S)
+        if self._tp_size > 1:
+            _tp_barrier()
+        regions = self._engine.unregister_regions()
+        self._asleep = True
+        logger.info(
+            "DuplexConnector worker %s: %d KV-cache regions unregistered for sleep",
+            self._engine.engine_id,
+            regions,
+        )
+
+    def restore_kv_caches(self) -> None:
+        """vLLM woke the worker: its KV-cache tensors (same addresses, new memory) are
+        registered again and offered to peers. Idempotent."""
+        if self._engine is None or not self._asleep:
+            return
+        self._register(self._engine)
+        self._asleep = False
+        logger.info(
+            "DuplexConnector worker %s: KV-cache regions registered again after sleep",
+            self._engine.engine_id,
         )
 
     def get_handshake_metadata(self) -> md.DuplexHandshakeMetadata | None:

@@ -146,6 +146,15 @@ impl SideChannelServer {
         peers
     }
 
+    /// Closes every connection served now (their threads then end; readers see their link
+    /// die), and goes on accepting new ones.
+    pub fn close_connections(&self) {
+        for stream in lock(&self.state.connections).values() {
+            // Wakes the thread's blocked read or write; an error means it is closed already.
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
     /// Stops accepting, closes every connection and joins every thread. Also run on drop.
     pub fn shutdown(&mut self) {
         self.state.stopping.store(true, Ordering::Release);
