@@ -42,6 +42,9 @@ E2E_LOOKUP_TIMEOUT_MS = 3000
 # its peer took it for dead at the default heartbeat (1 s, 3 missed) and a lookup found nothing.
 # Liveness gets 6 s; a killed server is still seen at once (its connections close).
 E2E_PEER_HEARTBEAT_S = 2.0
+# Every pair's servers run in vLLM's dev mode (`/reset_prefix_cache` and friends, which
+# test_reset_e2e calls), so that test shares the pair the other modules of its config use.
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -122,7 +125,7 @@ def pd_pair(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[PdPairFactor
                 tiny_model_dir,
                 name=name,
                 extra_args=[*SERVER_ARGS, *extra_args, "--kv-transfer-config", json.dumps(config)],
-                env=env,
+                env={**DEV_MODE, **(env or {})},
                 log_dir=server_log_dir,
             )
 

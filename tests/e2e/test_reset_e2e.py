@@ -5,7 +5,8 @@ endpoint, `VLLM_SERVER_DEV_MODE=1` on D) plain, with `reset_external=true`, and 
 each; every reset answers, reports success and drops the hold; D stays healthy, and the
 conversation's next turn, whose held history is gone, is computed and answers as one server.
 
-A P/D pair of its own (D in dev mode): it stops the session's shared pair first.
+It shares the session's P/D pair of its config (test_connector_e2e's, test_proxy_e2e's): every
+pair runs in dev mode (conftest's `pd_pair`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ HELD = "vllm:kvduplex_held_blocks"
 
 @pytest.fixture(scope="module")
 def pair(pd_pair) -> ServerPair:
-    return pd_pair(RESET_CONFIG, decode_env={"VLLM_SERVER_DEV_MODE": "1"})
+    return pd_pair(RESET_CONFIG)
 
 
 @pytest.mark.e2e
