@@ -16,7 +16,7 @@ export UCX_NET_DEVICES ?= lo
 # once the venv exists; the deps step makes it first).
 export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-no-servers test-servers test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,12 +39,19 @@ test-rust: $(DEPS_STAMP)
 test-python: build
 	$(PY) -m pytest -q --durations=25 tests
 
+# pytest without the suites that start vLLM servers (marked e2e), and those alone.
+test-no-servers: build
+	$(PY) -m pytest -q --durations=10 -m 'not e2e' tests
+
+test-servers: build
+	$(PY) -m pytest -q --durations=25 -m e2e tests
+
 # Everything that starts no vLLM server: the Rust unit and integration tests, and the pytest
 # suites but the e2e ones (vLLM's real Scheduler and workers, real engines over UCX, the proxy
 # against fake engines). No static checks, no fuzzing: for the edit-test loop.
 test-fast: build
 	cargo test --release
-	$(PY) -m pytest -q -m 'not e2e' tests
+	$(MAKE) --no-print-directory test-no-servers
 
 # Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors.
 check: lint check-rust
@@ -60,17 +67,20 @@ fmt-check:
 clippy:
 	cargo clippy --release --all-targets -- -D warnings
 
-# The vLLM 0.33 suites run beside the static checks, the Rust tests and the fuzz run (compiles
-# and one fuzz process leave room; the servers of test-python get the machine to themselves);
-# their log follows. Every part runs even if another failed; any failure fails `make test`.
+# Two lanes, then the servers: the suites that start no vLLM server (on vLLM 0.32, then on 0.33:
+# test-vllm-next) run beside the static checks, the Rust tests and the fuzz run (compiles and
+# one fuzz process leave room), their log printed after; the suites with vLLM servers run
+# alone after both (they get the machine to themselves). Every part runs even if another
+# failed; any failure fails `make test`.
 test: build
-	@echo "make test: test-vllm-next runs beside check, test-rust and test-fuzz (its log: $(VENV_NEXT).test.log)"
-	@$(MAKE) --no-print-directory test-vllm-next > $(VENV_NEXT).test.log 2>&1 & next=$$!; \
+	@echo "make test: test-no-servers and test-vllm-next run beside check, test-rust and test-fuzz (their log: .test-lane.log)"
+	@{ $(MAKE) --no-print-directory test-no-servers; a=$$?; $(MAKE) --no-print-directory test-vllm-next; b=$$?; \
+	   [ $$a = 0 ] && [ $$b = 0 ]; } > .test-lane.log 2>&1 & lane=$$!; \
 	status=0; $(MAKE) --no-print-directory check test-rust test-fuzz || status=$$?; \
-	next_status=0; wait $$next || next_status=$$?; \
-	echo "---- make test-vllm-next (exit $$next_status) ----"; cat $(VENV_NEXT).test.log; \
-	$(MAKE) --no-print-directory test-python || status=$$?; \
-	[ $$status = 0 ] && [ $$next_status = 0 ]
+	lane_status=0; wait $$lane || lane_status=$$?; \
+	echo "---- make test-no-servers test-vllm-next (exit $$lane_status) ----"; cat .test-lane.log; \
+	$(MAKE) --no-print-directory test-servers || status=$$?; \
+	[ $$status = 0 ] && [ $$lane_status = 0 ]
 
 # The connector's suites that need no vLLM server (vLLM's real Scheduler and workers, real
 # engines over UCX) against the next vLLM release; vllm-cpu 0.32 runs every suite above. The
@@ -149,4 +159,4 @@ demo: build
 	$(VENV)/bin/kvduplex demo --json $(VENV)/demo.json
 
 clean:
-	rm -rf target $(VENV) $(VENV_NEXT) $(VENV_NEXT).lock $(VENV_NEXT).test.log
+	rm -rf target $(VENV) $(VENV_NEXT) $(VENV_NEXT).lock .test-lane.log
