@@ -287,7 +287,8 @@ def test_when_prefill_busy_a_continuation_goes_to_its_d_only_while_p_has_a_prefi
         # P busy, D free: the continuation goes to D alone, and D computes it until it answers.
         threads.append(send("local", chat(USER_1, ANSWER_1, USER_2, stream=True)))
         wait_until(lambda: holder.computing_alone == 1)
-        assert len(p.bodies()) == 3 and len(d.bodies()) == 3
+        # The proxy counts before the fake engines have read the bodies: wait for them too.
+        wait_until(lambda: len(p.bodies()) == 3 and len(d.bodies()) == 3)
         # D computing a turn alone: the next continuation goes through P.
         threads.append(send("through_p", chat(USER_1, ANSWER_1, USER_2)))
         wait_until(lambda: len(p.bodies()) == 4)
