@@ -110,8 +110,10 @@ def paper(rows: list[dict], n: int, held_blocks_per_d: int, turn_blocks: int,
     link as the least-squares slope, through 0, of (connected - alone) against links over the
     sizes measured; idle CPU as a straight line through every size."""
     big = max(rows, key=lambda r: r["n"])
-    entry = big["index"]["p_rss_bytes_per_entry"]
-    block = big["index"]["d_rss_bytes_per_held_block"]
+    grown = [r for r in rows if r["index"]["p_rss_bytes_per_entry"]]
+    grown_big = max(grown, key=lambda r: r["n"])["index"] if grown else {}
+    entry = grown_big.get("p_rss_bytes_per_entry", 0.0)
+    block = grown_big.get("d_rss_bytes_per_held_block", 0.0)
     # What the index (P) and the held turns (D) took at connection time, not the links.
     held = {"p": lambda r: r["index"]["before_growth"] * entry / 1024,
             "d": lambda r: r["index"]["before_growth"] / r["n"] * block / 1024}
