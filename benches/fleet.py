@@ -30,10 +30,11 @@ index of what they hold is synced. Then, per n:
   `asked` per lookup (the D's not ruled out by their announcements), and the P process's CPU
   per lookup less its idle CPU over the same time.
 
-Last, the paper model at `--paper-n` (100) a side: each per-engine cost as a straight line
-through the measured sizes (one part per engine, one per link), the `Held` bytes by the frame
-format, and each P's index at `--paper-held-blocks` held blocks per D (14.4k: an 80 GB D
-serving an 8B model at decode_kv_hold_max_fraction 0.5) against the caps.
+Last, the paper model at `--paper-n` (100) a side (`_fleet_wire.paper`): each cost is one part
+per engine and one per link (threads, fds, memory: the engine alone at the largest size, and
+the slope per link over the sizes; idle CPU: a straight line through the sizes), the `Held`
+bytes by the frame format, and each P's index at `--paper-held-blocks` held blocks per D
+(14.4k: an 80 GB D serving an 8B model at decode_kv_hold_max_fraction 0.5) against the caps.
 
     UCX_NET_DEVICES=lo PYTHONPATH=python .venv/bin/python benches/fleet.py --json OUT
 
@@ -137,6 +138,7 @@ def measure(n: int, args) -> dict:
     def phase(name: str) -> None:
         print(f"n={n}: {name} at {time.monotonic() - started:.1f} s, load "
               f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
     authenticated = bool(os.environ.get("KVDUPLEX_SECRET"))
     ds = spawn("D", n, args)
     ps: list[Proc] = []
@@ -206,27 +208,26 @@ def measure(n: int, args) -> dict:
         busy = [sum(b) - sum(a) - sum(i) / idle_s * (t1 - t0) for a, b, i in zip(c0, c1, idle)]
         frames = args.announce_turns * n
         time.sleep(max(0.0, until + 0.1 - time.time()))
-        t2 = time.monotonic()
         freed = d0.ask(op="expire")["freed"]
         time.sleep(0.5)
         s2, t3 = wire.tcp_bytes(), time.monotonic()
-        rate_d = rate_p = heartbeat["d_to_p_bytes_per_link_s"]  # pings, D to P
+        ping = heartbeat["d_to_p_bytes_per_link_s"]  # D to P, subtracted
         held_out, held_in = wire.link_bytes(s0, s1, d0_ends)
         freed_out, freed_in = wire.link_bytes(s1, s2, d0_ends)
         turns = args.announce_turns
         announce = {
             "turns": turns, "freed": freed, "blocks": args.blocks,
-            "held_out_of_d_per_turn": round((sum(held_out) - rate_d * (t1 - t0) * n) / turns),
+            "held_out_of_d_per_turn": round((sum(held_out) - ping * (t1 - t0) * n) / turns),
             "held_into_each_p_per_turn": round(
-                (statistics.fmean(held_in) - rate_p * (t1 - t0)) / turns),
-            "freed_out_of_d_per_turn": round((sum(freed_out) - rate_d * (t3 - t1) * n) / turns),
+                (statistics.fmean(held_in) - ping * (t1 - t0)) / turns),
+            "freed_out_of_d_per_turn": round((sum(freed_out) - ping * (t3 - t1) * n) / turns),
             "freed_into_each_p_per_turn": round(
-                (statistics.fmean(freed_in) - rate_p * (t3 - t1)) / turns),
+                (statistics.fmean(freed_in) - ping * (t3 - t1)) / turns),
             "frame_bytes_by_format": wire.held_frame_bytes(args.blocks, authenticated),
             # The leases end together: one frame frees them all.
             "freed_frame_bytes_by_format_per_turn": round(
                 wire.held_frame_bytes(turns * args.blocks, authenticated) / turns),
-            "heartbeat_bytes_subtracted_per_link": round(rate_d * (t1 - t0 + t3 - t2), 1),
+            "heartbeat_bytes_subtracted_per_link": round(ping * (t1 - t0 + t3 - t1), 1),
             "d_cpu_us_per_frame_sent": round(busy[0] / frames * 1e6, 1),
             "p_cpu_us_per_frame_taken": round(sum(busy[len(ds):]) / frames * 1e6, 1),
         }
@@ -283,7 +284,7 @@ def print_rows(rows: list[dict]) -> None:
 
 def print_paper(model: dict) -> None:
     n = model["n"]
-    print(f"paper, {n} × {n} (straight lines through the sizes measured: per engine + per link × n):")
+    print(f"paper, {n} × {n} (per engine + per link × n, every P linked to every D):")
     for key, line in model["lines"].items():
         print(f"  {key}: {line['per_engine']} + {line['per_link']} × n = {line[f'at_{n}']}")
     print(f"  Held bytes per held turn: out of each D {n} × {model['held_frame_bytes']} = "
