@@ -82,6 +82,19 @@ def _msgpack_array_header(n: int) -> int:
     return 1 if n < 16 else 3 if n < 1 << 16 else 5
 
 
+# Of a held turn, D announces block 0, every `ANNOUNCE_STRIDE`-th, its prompt's last full block
+# and its last two (`rust/src/holds/feed.rs`, `announced`).
+ANNOUNCE_STRIDE = 16
+
+
+def announced_per_turn(blocks: int, prompt_blocks: int = 0) -> int:
+    """How many of a held turn's `blocks` fingerprints D announces (the same rule)."""
+    return sum(
+        1 for i in range(blocks)
+        if i == 0 or (i + 1) % ANNOUNCE_STRIDE == 0 or i + 1 == prompt_blocks or i + 2 >= blocks
+    )
+
+
 def held_frame_bytes(fingerprints: int, authenticated: bool) -> int:
     """One `Held` frame of `fingerprints` 64-bit fingerprints, held or freed, on the wire:
     the header, the msgpack body rmp_serde's `to_vec_named` writes for `HeldUpdate` (a map of
@@ -130,8 +143,11 @@ def paper(rows: list[dict], n: int, held_blocks_per_d: int, turn_blocks: int,
         a, b = fit([r["n"] for r in rows], [r[side]["idle_core_cpu_ms_per_s"] for r in rows])
         line[f"{side}_idle_core_cpu_ms_per_s"] = {"per_engine": round(a, 3), "per_link": round(b, 4),
                                                   f"at_{n}": round(a + b * n, 2)}
-    frame = held_frame_bytes(turn_blocks, authenticated)
-    index = n * held_blocks_per_d
+    # A vLLM engine's turns also announce their prompt's end (about the middle of the turn).
+    per_turn = announced_per_turn(turn_blocks, turn_blocks // 2)
+    frame = held_frame_bytes(per_turn, authenticated)
+    per_d = held_blocks_per_d // turn_blocks * per_turn
+    index = n * per_d
     return {
         "n": n, "links_per_p": n, "links_per_d": n, "lines": line,
         "p_rss_bytes_per_index_entry": entry, "d_rss_bytes_per_held_block": block,
@@ -143,10 +159,11 @@ def paper(rows: list[dict], n: int, held_blocks_per_d: int, turn_blocks: int,
         "held_index_fingerprints_per_p": index,
         "held_index_cap": HELD_INDEX_MAX_ENTRIES,
         "held_index_over_cap": index > HELD_INDEX_MAX_ENTRIES,
-        "held_index_cap_hit_at_n": HELD_INDEX_MAX_ENTRIES // held_blocks_per_d + 1,
+        "announced_per_turn": per_turn,
+        "held_index_cap_hit_at_n": HELD_INDEX_MAX_ENTRIES // per_d + 1,
         "held_mirror_cap": HELD_MIRROR_MAX,
         "held_mirror_untrusted": index > HELD_MIRROR_MAX,
-        "held_mirror_cap_hit_at_n": HELD_MIRROR_MAX // held_blocks_per_d + 1,
+        "held_mirror_cap_hit_at_n": HELD_MIRROR_MAX // per_d + 1,
         "per_owner_cap_hit": held_blocks_per_d > HELD_INDEX_MAX_PER_OWNER,
         "d_connections_vs_cap": [n, MAX_CONNECTIONS],
         "same_host_connections_per_address_cap": MAX_CONNECTIONS_PER_ADDRESS,

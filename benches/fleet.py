@@ -24,7 +24,7 @@ index of what they hold is synced. Then, per n:
 - index: up to `--grow-max-n`, every D holds `--grow-turns` more turns (`--grow-rate` a second
   over the fleet); the resident memory this adds to each P (per fingerprint its index gains)
   and to each D (per block held); then the fingerprints each P's held index has (n × (turns +
-  grow turns) × blocks when all arrived);
+  grow turns) × the fingerprints announced of a turn of `--blocks` blocks, when all arrived);
 - lookups: `--rounds` lookups by one P, each asking all n D's for a conversation one of them
   holds, polled every `--poll-us` µs until all answered; p50/p99, start_lookup's own time,
   `asked` per lookup (the D's not ruled out by their announcements), and the P process's CPU
@@ -133,6 +133,7 @@ def per_engine(procs: list[Proc], stats: list[dict], idle: list[tuple[float, flo
 
 
 def measure(n: int, args) -> dict:
+    per_turn = wire.announced_per_turn(args.blocks)  # fingerprints a held turn announces
     started = time.monotonic()
 
     def phase(name: str) -> None:
@@ -185,7 +186,7 @@ def measure(n: int, args) -> dict:
         if grow_turns:
             time.sleep(2.0)  # the announcements arrive (the index count below checks them)
         grown = [x.ask(op="stats")["rss"] - s["rss"] for x, s in zip(procs, stats)]
-        entries = n * grow_turns * args.blocks
+        entries = n * grow_turns * per_turn
         phase("grown")
         sizes, unsynced = [], 0
         for p in ps:
@@ -223,10 +224,12 @@ def measure(n: int, args) -> dict:
             "freed_out_of_d_per_turn": round((sum(freed_out) - ping * (t3 - t1) * n) / turns),
             "freed_into_each_p_per_turn": round(
                 (statistics.fmean(freed_in) - ping * (t3 - t1)) / turns),
-            "frame_bytes_by_format": wire.held_frame_bytes(args.blocks, authenticated),
+            "frame_bytes_by_format": wire.held_frame_bytes(
+                wire.announced_per_turn(args.blocks), authenticated),
             # The leases end together: one frame frees them all.
             "freed_frame_bytes_by_format_per_turn": round(
-                wire.held_frame_bytes(turns * args.blocks, authenticated) / turns),
+                wire.held_frame_bytes(turns * wire.announced_per_turn(args.blocks), authenticated)
+                / turns),
             "heartbeat_bytes_subtracted_per_link": round(ping * (t1 - t0 + t3 - t1), 1),
             "d_cpu_us_per_frame_sent": round(busy[0] / frames * 1e6, 1),
             "p_cpu_us_per_frame_taken": round(sum(busy[len(ds):]) / frames * 1e6, 1),
@@ -255,8 +258,8 @@ def measure(n: int, args) -> dict:
             "links_served_by_p": served_by_p,
             "p": p_row, "d": d_row, "heartbeat": heartbeat, "announce": announce,
             "index": {"min": min(sizes), "max": max(sizes), "p_unsynced": unsynced,
-                      "expected": n * (args.turns + grow_turns) * args.blocks,
-                      "before_growth": n * args.turns * args.blocks,
+                      "expected": n * (args.turns + grow_turns) * per_turn,
+                      "before_growth": n * args.turns * per_turn,
                       "p_rss_bytes_per_entry": round(sum(grown[len(ds):]) / n / entries, 1)
                       if entries else None,
                       "d_rss_bytes_per_held_block": round(
@@ -290,7 +293,8 @@ def print_paper(model: dict) -> None:
     print(f"  Held bytes per held turn: out of each D {n} × {model['held_frame_bytes']} = "
           f"{model['held_bytes_per_turn_out_of_each_d']}, into each P "
           f"{model['held_bytes_per_turn_into_each_p_per_d_turn']} per D's turn")
-    print(f"  each P's index: {n} D's × held blocks = {model['held_index_fingerprints_per_p']} "
+    print(f"  each P's index: {n} D's × held turns × {model['announced_per_turn']} announced = "
+          f"{model['held_index_fingerprints_per_p']} "
           f"(cap {model['held_index_cap']}: over from n = {model['held_index_cap_hit_at_n']}; "
           f"scheduler's mirror cap {model['held_mirror_cap']}: untrusted from n = "
           f"{model['held_mirror_cap_hit_at_n']}); at {model['p_rss_bytes_per_index_entry']} B "

@@ -325,6 +325,7 @@ fn owner_holding_a_turn_and_reader() -> (TestEngine, TestEngine) {
             HoldKind::Turn,
             3,
             vec![11, 12, 13],
+            0,
             b"params".to_vec(),
             Instant::now() + Duration::from_secs(60),
         )
@@ -411,6 +412,7 @@ fn a_named_grant_waits_for_a_hold_the_owner_takes_late_and_checks_the_readers_to
                     HoldKind::ForDecode,
                     3,
                     vec![11, 12, 13],
+                    0,
                     b"params".to_vec(),
                     Instant::now() + Duration::from_secs(60),
                 )
@@ -523,7 +525,7 @@ fn wait_until_asked(reader: &Engine, targets: &[(String, u16)], fps: &[u64], ask
 /// After `delay`, `owner` holds the turn `id` it was computing (`fps`) and settles it.
 fn hold_turn_after(owner: &Engine, id: &str, fps: Vec<u64>, delay: Duration) {
     std::thread::sleep(delay);
-    owner.hold(id, HoldKind::Turn, fps.len(), fps, vec![], Instant::now() + TIMEOUT).unwrap();
+    owner.hold(id, HoldKind::Turn, fps.len(), fps, 0, vec![], Instant::now() + TIMEOUT).unwrap();
     owner.settle_turns(&[id.to_string()]);
 }
 
@@ -534,7 +536,7 @@ fn a_lookup_asks_only_the_owners_whose_announcements_hold_the_prompt() {
     let owners = [engine("a", "f32", buf()), engine("b", "f32", buf()), engine("c", "f32", buf())];
     let turn = |owner: &Engine, id: &str, fps: Vec<u64>| {
         let lease_ends = Instant::now() + Duration::from_secs(60);
-        owner.hold(id, HoldKind::Turn, fps.len(), fps, vec![], lease_ends).unwrap()
+        owner.hold(id, HoldKind::Turn, fps.len(), fps, 0, vec![], lease_ends).unwrap()
     };
     // a holds its turn before the reader connects (its snapshot), b after (an update).
     turn(&owners[0], "turn-a", vec![11, 12]);
@@ -597,7 +599,7 @@ fn a_lookup_continuing_a_turn_the_owner_still_computes_waits_for_its_hold() {
     // comes after the client has it.
     let owners = [engine("a", "f32", buf()), engine("b", "f32", buf())];
     owners[0]
-        .hold("turn-0", HoldKind::Turn, 1, vec![11], vec![], Instant::now() + TIMEOUT)
+        .hold("turn-0", HoldKind::Turn, 1, vec![11], 0, vec![], Instant::now() + TIMEOUT)
         .unwrap();
     owners[1].expect_turn("turn-1", 120).unwrap();
     let targets = connect_all(&reader, &owners);
@@ -841,8 +843,8 @@ fn a_lookup_continuing_a_handoff_asks_the_engine_granted_the_prompt_not_every_en
         [engine("d1", "f32", buf()), engine("d2", "f32", buf()), engine("d3", "f32", buf())];
     let lease_ends = || Instant::now() + TIMEOUT;
     // p hands two prompts off: d1 is granted the first (ends with 13), d3 the second (32).
-    p.hold("prompt-1", HoldKind::ForDecode, 3, vec![11, 12, 13], vec![], lease_ends()).unwrap();
-    p.hold("prompt-2", HoldKind::ForDecode, 2, vec![31, 32], vec![], lease_ends()).unwrap();
+    p.hold("prompt-1", HoldKind::ForDecode, 3, vec![11, 12, 13], 0, vec![], lease_ends()).unwrap();
+    p.hold("prompt-2", HoldKind::ForDecode, 2, vec![31, 32], 0, vec![], lease_ends()).unwrap();
     for (reader, id, fps) in [(0, "prompt-1", vec![11, 12, 13]), (2, "prompt-2", vec![31, 32])] {
         let at_p = vec![("127.0.0.1".to_string(), p.side_channel_addr().unwrap().port())];
         let grant =
@@ -851,7 +853,7 @@ fn a_lookup_continuing_a_handoff_asks_the_engine_granted_the_prompt_not_every_en
     }
     // d1 computes the turn after the first prompt; d2 holds a turn sharing its first block.
     decoders[0].expect_turn("turn-1", 13).unwrap();
-    decoders[1].hold("other", HoldKind::Turn, 1, vec![11], vec![], lease_ends()).unwrap();
+    decoders[1].hold("other", HoldKind::Turn, 1, vec![11], 0, vec![], lease_ends()).unwrap();
     let targets = connect_all(&p, &decoders);
     wait_until_asked(&p, &targets, &[11, 12, 13, 14], 1);
     // The next turn's prompt continues the first: d1 (computing the turn, announced none of

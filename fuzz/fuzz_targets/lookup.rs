@@ -26,8 +26,8 @@ fuzz_target!(|data: &[u8]| {
         let now = Instant::now();
         let mut book = HoldBook::new();
         let held: Vec<u64> = request.fingerprints.iter().take(8).copied().collect();
-        let _ = book.hold("turn", HoldKind::Turn, held.len(), held.clone(), b"offer".to_vec(), now + Duration::from_secs(60), now);
-        let _ = book.hold("prompt", HoldKind::ForDecode, held.len(), held, Vec::new(), now + Duration::from_secs(60), now);
+        let _ = book.hold("turn", HoldKind::Turn, held.len(), held.clone(), 0, b"offer".to_vec(), now + Duration::from_secs(60), now);
+        let _ = book.hold("prompt", HoldKind::ForDecode, held.len(), held, 0, Vec::new(), now + Duration::from_secs(60), now);
         if let Some(end) = request.continues {
             let _ = book.expect("computing", end);
         }

@@ -10,6 +10,10 @@ batch is read, the owner receives the batch's notification payload.
 from collections.abc import Sequence
 from typing import Literal, final
 
+ANNOUNCE_STRIDE: int
+"""Of each held turn an owner announces every this many blocks (with its first, its prompt's
+last full block and its last two): see `Engine.hold`."""
+
 class KvDuplexError(Exception):
     """Base class of every error raised by kvduplex's Rust core."""
 
@@ -202,6 +206,7 @@ class Engine:
         fingerprints: Sequence[str],
         turn: bool,
         offer: bytes = b"",
+        prompt_blocks: int = 0,
     ) -> None:
         """Hold a finished request's blocks, whose tokens have `fingerprints` (16 hex
         characters per block), for readers until `lease_expiry` (seconds since the Unix epoch;
@@ -209,8 +214,10 @@ class Engine:
         whose fingerprints equal its own, with a claim and `offer`. `turn=False`: a prefill
         node's prompt for its decode node, granted by name only and ended once a reader
         releases its claim; `turn=True`: a decode node's finished turn, also found by lookups
-        and evictable. Raises ValueError for a request already held, over 65,536 fingerprints
-        or an offer over 512 KiB."""
+        and evictable; of a turn, its first block, every 16th, the last full block of its
+        prompt (the first `prompt_blocks`; 0: unknown) and its last two are announced to the
+        readers connected (the others count through the chain). Raises ValueError for a request
+        already held, over 65,536 fingerprints or an offer over 512 KiB."""
     def expect_turn(self, request_id: str, end: str) -> None:
         """A decode node computes `request_id`'s turn and will hold it when it finishes
         (`end`: the fingerprint of its whole prompt, 16 hex characters): until `settle_turns`,

@@ -383,7 +383,8 @@ impl Engine {
         lock(&self.shared.server).as_ref().map(|s| s.known_peers()).unwrap_or_default()
     }
 
-    /// Holds `request_id`'s `num_blocks` blocks, whose tokens have `fingerprints`, for readers
+    /// Holds `request_id`'s `num_blocks` blocks, whose tokens have `fingerprints` (the first
+    /// `prompt_blocks` of them its prompt's full blocks, 0 if unknown), for readers
     /// until `lease_ends` (one already past ends at the next [`Engine::expire_holds`]); a
     /// reader is granted them against its own fingerprints and gets `offer` (see [`HoldBook`]).
     pub fn hold(
@@ -392,6 +393,7 @@ impl Engine {
         kind: HoldKind,
         num_blocks: usize,
         fingerprints: Vec<BlockFingerprint>,
+        prompt_blocks: usize,
         offer: Vec<u8>,
         lease_ends: Instant,
     ) -> Result<(), EngineError> {
@@ -401,6 +403,7 @@ impl Engine {
             kind,
             num_blocks,
             fingerprints,
+            prompt_blocks,
             offer,
             lease_ends,
             Instant::now(),

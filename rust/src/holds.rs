@@ -196,6 +196,8 @@ struct Held {
     num_blocks: usize,
     /// The fingerprints of the tokens the held blocks carry, block by block.
     fingerprints: Vec<BlockFingerprint>,
+    /// Those announced to readers (a turn's: [`feed::announced`]; none of other holds).
+    announced: Vec<BlockFingerprint>,
     offer: Vec<u8>,
     lease_ends: Instant,
     /// The first lease's length, and when the lease may end at the latest however often it is
@@ -246,7 +248,9 @@ impl HoldBook {
 
     /// Starts holding `request_id`'s `num_blocks` blocks, whose tokens have `fingerprints`,
     /// until `lease_ends` (one already past ends at the next [`HoldBook::expire`]). A
-    /// [`HoldKind::Turn`] is also offered to lookups.
+    /// [`HoldKind::Turn`] is also offered to lookups and announced to readers (some of its
+    /// fingerprints: [`feed::announced`], with its prompt's last full block, the first
+    /// `prompt_blocks`' last; 0 if unknown).
     #[allow(clippy::too_many_arguments)]
     pub fn hold(
         &mut self,
@@ -254,6 +258,7 @@ impl HoldBook {
         kind: HoldKind,
         num_blocks: usize,
         fingerprints: Vec<BlockFingerprint>,
+        prompt_blocks: usize,
         offer: Vec<u8>,
         lease_ends: Instant,
         now: Instant,
@@ -268,11 +273,13 @@ impl HoldBook {
             return Err(HoldError::OfferTooLarge(offer.len()));
         }
         self.forget_old_ended(now);
+        let mut announced = Vec::new();
         if kind == HoldKind::Turn {
             for fingerprint in &fingerprints {
                 self.index.entry(*fingerprint).or_default().push(request_id.to_owned());
             }
-            self.log.held(fingerprints.clone());
+            announced = feed::announced(&fingerprints, prompt_blocks);
+            self.log.held(announced.clone());
         } else if let Some(&end) = fingerprints.last() {
             self.handed.held(end);
         }
@@ -283,6 +290,7 @@ impl HoldBook {
                 kind,
                 num_blocks,
                 fingerprints,
+                announced,
                 offer,
                 lease_ends,
                 lease,
@@ -513,8 +521,9 @@ impl HoldBook {
             return (next, updates);
         }
         let mut snapshot = Chunker::snapshot();
-        for (fingerprint, turns) in &self.index {
-            turns.iter().for_each(|_| snapshot.push(*fingerprint, true));
+        // What `hold` announced of each turn the index has (ended ones still claimed too).
+        for held in self.held.values() {
+            held.announced.iter().for_each(|&fingerprint| snapshot.push(fingerprint, true));
         }
         (next, snapshot.finish(true))
     }
@@ -574,7 +583,7 @@ impl HoldBook {
                     }
                 }
             }
-            self.log.freed(held.fingerprints);
+            self.log.freed(held.announced);
         }
         self.remember_ended(request_id, now);
         Some(request_id.to_owned())

@@ -441,7 +441,7 @@ impl Engine {
     /// readers and wakes an idle engine at: it becomes an instant of the hold book's clock
     /// only here, both clocks read together, so the hold has ended when that wake-up's step
     /// looks (a TTL taken earlier ended a moment late, and that step freed nothing).
-    #[pyo3(signature = (request_id, num_blocks, lease_expiry, *, fingerprints, turn, offer=Vec::new()))]
+    #[pyo3(signature = (request_id, num_blocks, lease_expiry, *, fingerprints, turn, offer=Vec::new(), prompt_blocks=0))]
     #[allow(clippy::too_many_arguments)]
     fn hold(
         &self,
@@ -452,6 +452,7 @@ impl Engine {
         fingerprints: Vec<String>,
         turn: bool,
         offer: Vec<u8>,
+        prompt_blocks: usize,
     ) -> PyResult<()> {
         if !lease_expiry.is_finite() {
             return Err(PyValueError::new_err(format!(
@@ -461,7 +462,9 @@ impl Engine {
         let fingerprints = parse_fingerprints(&fingerprints)?;
         let kind = if turn { HoldKind::Turn } else { HoldKind::ForDecode };
         let lease_ends = crate::clock::instant_of_unix(lease_expiry);
-        self.with(py, |e| e.hold(&request_id, kind, num_blocks, fingerprints, offer, lease_ends))
+        self.with(py, |e| {
+            e.hold(&request_id, kind, num_blocks, fingerprints, prompt_blocks, offer, lease_ends)
+        })
     }
 
     /// Expect the turn `request_id` computes to be held when it finishes (`end`: the
@@ -659,6 +662,7 @@ fn parse_fingerprint(h: &str) -> PyResult<u64> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     pyo3_log::init();
+    m.add("ANNOUNCE_STRIDE", crate::holds::feed::ANNOUNCE_STRIDE)?;
     m.add("KvDuplexError", py.get_type::<KvDuplexError>())?;
     m.add("UcxError", py.get_type::<UcxError>())?;
     m.add("HandshakeError", py.get_type::<HandshakeError>())?;

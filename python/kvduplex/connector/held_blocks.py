@@ -14,7 +14,7 @@ it preempted the running requests first. Its pool's reset runs before the connec
 (`vllm_private.before_prefix_cache_reset`), so `HeldBlocks.drop_all` runs first: every hold's
 references go at once (when that lets the reset succeed; a reset that fails anyway keeps them),
 and the scheduler orders TP rank 0 to end every hold in its hold book at the next step
-(`DuplexWorker._end_holds`), which, before anything in that step writes KV, waits until no
+(`WorkerHolds.end_all`), which, before anything in that step writes KV, waits until no
 reader reads an ended hold: a block freed here and handed to a new request is not written
 while a peer still reads it. A reader granted a hold between the reset and that step reads
 KV of the old weights (the known gap: the step is due at once). Rank 0's later reports of

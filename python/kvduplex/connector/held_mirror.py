@@ -29,9 +29,14 @@ step, even with nothing changed, and that report renews the copy. It stops `IDLE
 last lookup (`lookup.py`).
 
 Otherwise the copy says how many of the prompt's leading tokens any decode node may hold: by
-the chained fingerprints, a held turn that matches the prompt's block k announced block k, and
-a held turn's partial last block is announced by the fingerprint of the tokens it holds, which
-the prompt's own fingerprint of as many tokens after its matching blocks equals (`may_hold`).
+the chained fingerprints, a held turn whose block k is announced holds the prompt's first k+1
+blocks if it has that fingerprint, and a held turn's partial last block is announced by the
+fingerprint of the tokens it holds, which the prompt's own fingerprint of as many tokens after
+its matching blocks equals (`may_hold`). A decode node announces of each turn its first block,
+every 16th, its prompt's last full block (the handoff's guard below) and its last two
+(`rust/src/holds/feed.rs`), so the count may fall short of what a turn holds by up to 15
+blocks in its middle: the lookup is then ruled out only if even the full count could not gain
+enough.
 
 Pure state: the caller passes the time (`time.monotonic()`).
 """
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvduplex._core import ANNOUNCE_STRIDE
 from kvduplex.connector import metadata as md
 from kvduplex.connector.token_fingerprint import PromptFingerprints
 
@@ -171,5 +177,7 @@ class HeldMirror:
             self._forget_short(tokens)
         for count in range(len(full_blocks), 0, -1):
             if full_blocks[count - 1] in self._held:
-                return count
+                # Up to a stride more may be held unannounced (the next stride's block, or
+                # the turn's end, would be announced).
+                return min(len(full_blocks), count + ANNOUNCE_STRIDE - 1)
         return 0

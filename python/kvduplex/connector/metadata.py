@@ -92,6 +92,8 @@ class HoldSpec:
     fingerprints: tuple[str, ...]
     turn: bool
     offer: bytes
+    prompt_blocks: int = 0
+    """Of a turn: its prompt's full blocks (the last of them is announced to readers)."""
 
 
 @dataclass(frozen=True)

@@ -577,6 +577,7 @@ class DuplexScheduler:
                 fingerprints=tuple(fingerprints),
                 turn=decode_turn,
                 offer=protocol.encode_offer(params),
+                prompt_blocks=request.num_prompt_tokens // self._block_size,
             )
         )
         return False, params
@@ -628,7 +629,7 @@ class DuplexScheduler:
 
     def _holds_dropped(self) -> None:
         """The next step (at once, if idle) orders TP rank 0 to end every hold taken before
-        (`DuplexWorker._end_holds`). With nothing held no step is asked for (vLLM's sleep
+        (`WorkerHolds.end_all`). With nothing held no step is asked for (vLLM's sleep
         resets its caches just before it puts the workers to sleep, whose connector ends the
         holds itself: `DuplexWorker.unregister_kv_caches`)."""
         self._end_holds = True

@@ -13,11 +13,7 @@ bidirectional prefill side); the owner checks the reader's own token fingerprint
 hold and answers with a claim and its own description of the blocks, which every rank then
 reads. The scheduler releases the claim once every rank has reported the load done.
 
-Owner side: only TP rank 0 keeps the hold book (holds, grants, claims, expiry, eviction: decided
-once, for every rank's blocks, which share block ids); it reports each ended hold in
-`DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference).
-Every hold ends when vLLM resets its caches (`_end_holds`): held KV is bound to the weights
-only by that, and the scheduler has given the blocks back to vLLM already (`held_blocks.py`).
+Owner side: TP rank 0's hold book (`worker_holds.py`).
 """
 
 from __future__ import annotations
@@ -32,13 +28,14 @@ from vllm.logger import init_logger
 
 from kvduplex import _core, protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector import retention, tp
+from kvduplex.connector import tp
 from kvduplex.connector.compatibility import compatibility_fingerprint
 from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.groups import TransferGroups
 from kvduplex.connector.idle_steps import WorkerSpin
 from kvduplex.connector.kv_layout import KVLayout, describe_kv_caches, head_major_bytes
 from kvduplex.connector.stats import DuplexConnectorStats
+from kvduplex.connector.worker_holds import WorkerHolds
 from kvduplex.connector.worker_lookup import WorkerLookups
 
 if TYPE_CHECKING:
@@ -48,8 +45,7 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-# How often a worker that waits for reads to be done (the readers of ended holds, or its own
-# before sleep) looks again.
+# How often a worker that waits for its own reads to be done before sleep looks again.
 _DRAIN_POLL_S = 0.001
 
 
@@ -128,15 +124,13 @@ class DuplexWorker:
         # Failed pulls of a hybrid model: vLLM maps block-level errors to requests only with
         # one KV-cache group, so it is told the request (which then recomputes) instead.
         self._failed_recving: set[str] = set()
-        self._freed_holds: list[str] = []
         self._loads_done: list[str] = []
-        self._evictions_done = 0
-        self._claims = 0
-        self._awaited = 0
         self._load_errors: set[int] = set()
         self._stats = DuplexConnectorStats()
         # Grants and lookups, TP rank 0's (`worker_lookup.py`).
         self._lookups = WorkerLookups(config, tp_rank, self._stats)
+        # The hold book, TP rank 0's (`worker_holds.py`).
+        self._holds = WorkerHolds(tp_rank, self._stats)
         self._idle_step = False
         self._spin = WorkerSpin()
         # What `register_kv_caches` registered, to register again after vLLM's sleep
@@ -182,7 +176,7 @@ class DuplexWorker:
         except BaseException:
             engine.close()
             raise
-        self._engine = engine
+        self._engine = self._holds.engine = engine
         self._lookups.join_fleet(engine, fingerprint, secret)
         self._layer_segments = dict(layout.layer_segments)
         # Forward order: by the layer numbers in the names ("model.layers.10..." after "2").
@@ -218,13 +212,13 @@ class DuplexWorker:
     def unregister_kv_caches(self) -> None:
         """vLLM (0.33) is about to put the worker to sleep and unmap its KV cache; it has
         reset its caches (the scheduler dropped every hold) and drained its own transfers.
-        TP rank 0 ends every hold and waits until no peer reads one (`_end_holds`); every rank
+        TP rank 0 ends every hold and waits until no peer reads one (`WorkerHolds.end_all`); every rank
         lets its own reads settle (bounded by their deadlines: none writes into memory being
         unmapped), then stops offering its memory (`Engine.unregister_regions`: a peer's read
         fails and it recomputes; none reaches memory being unmapped). Idempotent."""
         if self._engine is None or self._asleep:
             return
-        self._end_holds()
+        self._holds.end_all()
         self._finish_layerwise_reads()
         while self._inflight:  # reported as usual at the next step
             self._poll_reads()
@@ -265,7 +259,7 @@ class DuplexWorker:
         self._lookups.close()
         if self._engine is not None:
             self._engine.close()
-            self._engine = None
+            self._engine = self._holds.engine = None
 
     # ----------------------------------------------------------------- steps
 
@@ -276,11 +270,11 @@ class DuplexWorker:
         busy engine one forward pass of waiting per pull and per lookup; it costs microseconds."""
         self._idle_step = meta.idle
         for turn in meta.expected:
-            self._expect(turn)
+            self._holds.expect(turn)
         for hold in meta.holds:
-            self._hold(hold)
+            self._holds.hold(hold)
         if meta.end_holds:
-            self._end_holds()
+            self._holds.end_all()
             if self._tp_size > 1:
                 # No rank writes KV in this step before rank 0 has no reader left.
                 _tp_barrier()
@@ -288,7 +282,7 @@ class DuplexWorker:
             # After the holds: a reader is never told the turn's prompt gone before its hold.
             self._engine.settle_turns(meta.settled)
         if meta.evict is not None:
-            self._evict(meta.evict)
+            self._holds.evict(meta.evict)
         for lookup in meta.lookups:
             self._lookups.start(self._engine, lookup)
         for spec in meta.loads:
@@ -331,10 +325,10 @@ class DuplexWorker:
         self._finish_layerwise_reads()
         self._advance()
         self._poll_reads()
-        self._take_notifications()
-        self._expire_holds()
+        self._holds.take_notifications()
+        self._holds.expire()
         self._lookups.connect_ahead(self._engine)
-        self._record_occupancy()
+        self._holds.record_occupancy()
         results = KVConnectorTransferResults(
             finished_recving=self._finished_recving, failed_recving=self._failed_recving
         )
@@ -349,12 +343,13 @@ class DuplexWorker:
         announced = self._lookups.announced(self._engine)
         if self._idle_step and not (self._inflight or self._waiting_loads or self._lookups.pending):
             self._spin.rest()  # (`idle_steps.py`)
+        freed_holds, evictions_done = self._holds.take_report()
         if (
             self._tp_rank != 0
             and not lookups
-            and not self._freed_holds
+            and not freed_holds
             and not self._loads_done
-            and not self._evictions_done
+            and not evictions_done
             and lookup_targets < 0
             and announced is None
         ):
@@ -366,14 +361,13 @@ class DuplexWorker:
         # (`held_mirror.py`; an idle engine steps to renew it).
         meta = md.DuplexWorkerMetadata(
             lookups=lookups,
-            freed_holds=self._freed_holds,
+            freed_holds=freed_holds,
             loads_done=self._loads_done,
-            evictions_done=self._evictions_done,
+            evictions_done=evictions_done,
             lookup_targets=lookup_targets,
             announced=announced,
         )
-        self._freed_holds, self._loads_done = [], []
-        self._evictions_done = 0
+        self._loads_done = []
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -587,148 +581,6 @@ class DuplexWorker:
         self._stats.add("failed_transfers")
         self._stats.add("fallbacks")
         self._stats.add("tokens_recomputed", spec.num_tokens)
-
-    # ------------------------------------------------------------- owner side
-
-    def _hold(self, hold: md.HoldSpec) -> None:
-        """TP rank 0 keeps the engine's holds (see the module docstring)."""
-        if self._tp_rank != 0:
-            return
-        if self._engine is None:
-            self._freed_holds.append(hold.request_id)
-            return
-        try:
-            self._engine.hold(
-                hold.request_id,
-                hold.num_blocks,
-                # The moment the scheduler counts too (and the params announce), not a TTL
-                # from now: the scheduler wakes an idle engine then (`retention.py`), and
-                # the hold must have ended when that step looks.
-                hold.lease_expiry,
-                fingerprints=list(hold.fingerprints),
-                turn=hold.turn,
-                offer=hold.offer,
-            )
-        except ValueError as exc:
-            # E.g. a turn too long to offer: nobody can be granted it, free it now.
-            logger.warning("Not holding request %s's blocks for readers: %s", hold.request_id, exc)
-            self._freed_holds.append(hold.request_id)
-            return
-        if hold.turn:
-            self._stats.add("turns_offered")
-
-    def _end_holds(self) -> None:
-        """vLLM reset its caches, as it does for a weight update (`held_blocks.py`): the held
-        KV was computed with other weights, and the scheduler gave the blocks back to vLLM,
-        which may hand them to a request of this very step. TP rank 0 ends every hold at once,
-        under the hold book's lock (none is granted again; unclaimed ones are freed now), then
-        waits until no reader reads one (released, or past its claim's deadline, by which its
-        reads fail) before anything of this step writes KV: a peer never reads a block that a
-        new request's forward pass or pull is writing."""
-        if self._engine is None or self._tp_rank != 0:
-            return
-        freed = self._engine.end_holds()
-        self._freed_holds.extend(freed)
-        logger.info(
-            "KV caches reset (new weights): every held block set ended, %d freed at once",
-            len(freed),
-        )
-        left = self._engine.ended_claims_s()
-        if left is None:
-            return
-        logger.info("Waiting up to %.1f s for the readers of ended holds to be done", left)
-        started = time.monotonic()
-        while left is not None:
-            time.sleep(min(left, _DRAIN_POLL_S))
-            self._take_notifications()  # their releases
-            self._expire_holds()  # claims past their deadline
-            left = self._engine.ended_claims_s()
-        logger.info("The readers of ended holds were done after %.3f s", time.monotonic() - started)
-
-    def _expect(self, turn: md.ExpectedTurn) -> None:
-        """TP rank 0 answers lookups that extend a turn in flight with "ask again"
-        (`expected_turns.py`)."""
-        if self._engine is None or self._tp_rank != 0:
-            return
-        try:
-            self._engine.expect_turn(turn.request_id, turn.end)
-        except ValueError as exc:
-            logger.warning("Request %s's turn is not expected: %s", turn.request_id, exc)
-
-    def _evict(self, order: md.EvictOrder) -> None:
-        """TP rank 0 frees unclaimed holds and acknowledges the order (`retention.py`)."""
-        if self._tp_rank != 0:
-            return
-        self._evictions_done += 1
-        if self._engine is None:
-            return
-        for request_id in self._engine.evict_holds(order.cap_blocks) if order.cap_blocks else ():
-            self._freed_holds.append(request_id)
-            self._stats.add("evictions")
-            logger.debug("Held turn %s evicted to make room for new turns", request_id)
-        freed: list[str] = []
-        if order.turn_blocks:
-            unread_s = retention.UNREAD_PROMPT_S - retention.UNREAD_MARGIN_S
-            freed += self._engine.evict_holds(order.turn_blocks, unread_prompts_s=unread_s)
-        if order.any_blocks:
-            freed += self._engine.evict_holds(order.any_blocks, prompts=True)
-        for request_id in freed:
-            self._freed_holds.append(request_id)
-            self._stats.add("pressure_evictions")
-        if freed:
-            logger.info(
-                "Gave up %d held block set(s) (%s) for %d blocks the engine's requests need",
-                len(freed),
-                ", ".join(freed[:4]),
-                order.turn_blocks + order.any_blocks,
-            )
-
-    def _record_occupancy(self) -> None:
-        """Claims alive on this engine's holds (TP rank 0), for the stats when it changes,
-        and the lookups it told to ask again since the last step."""
-        if self._engine is None or self._tp_rank != 0:
-            return
-        claims, _, awaited = self._engine.hold_occupancy()
-        if claims != self._claims:
-            self._claims = claims
-            self._stats.set_gauge("claims", claims)
-        if awaited != self._awaited:
-            self._stats.add("lookups_awaited", awaited - self._awaited)
-            self._awaited = awaited
-
-    def _take_notifications(self) -> None:
-        if self._engine is None:
-            return
-        for sender, payload in self._engine.take_notifications():
-            note = protocol.decode_notification(payload)
-            if note is None:
-                version = protocol.PROTOCOL_VERSION  # (a peer of another version, or malformed)
-                logger.warning("Ignoring a notification from %s: not protocol %d's", sender, version)
-                continue
-            if self._tp_rank != 0:
-                continue
-            try:
-                if isinstance(note, protocol.Renewal):  # (`renewals.py`)
-                    if self._engine.renew_hold(note.owner_request_id, note.first_fingerprint):
-                        self._stats.add("leases_renewed")
-                    continue
-                freed = self._engine.release_hold(
-                    sender, note.owner_request_id, note.claim_id
-                )
-            except (ValueError, OverflowError, _core.KvDuplexError) as exc:
-                logger.warning("Ignoring a notification from %s: %s", sender, exc)
-                continue
-            if freed:
-                self._freed_holds.append(note.owner_request_id)
-                self._stats.add("leases_released")
-
-    def _expire_holds(self) -> None:
-        if self._engine is None:
-            return
-        for request_id in self._engine.expire_holds():
-            self._freed_holds.append(request_id)
-            self._stats.add("lease_expiries")
-            logger.debug("Hold of request %s ended; its blocks are freed", request_id)
 
 
 def _tp_barrier() -> None:

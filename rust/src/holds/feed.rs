@@ -1,6 +1,15 @@
-//! What an owner announces to its readers about the turns it holds: the fingerprints its hold
-//! book indexes for lookups, as "held" and "freed" updates, so that a reader can ask only the
-//! owners that may hold a prompt (see [`crate::held_index`]).
+//! What an owner announces to its readers about the turns it holds: some of the fingerprints
+//! its hold book indexes for lookups, as "held" and "freed" updates, so that a reader can ask
+//! only the owners that may hold a prompt (see [`crate::held_index`]).
+//!
+//! Of each held turn, the first block, every [`ANNOUNCE_STRIDE`]-th block and the last two
+//! (the last full block and a partial tail) are announced ([`announced`]), not every block:
+//! chained fingerprints make any of them stand for every block before it, so a reader finds
+//! the holder of a prompt that continues the turn, or shares at least its first block, and
+//! learns how much it holds to within a stride (the owner's own lookup answers block-exact).
+//! At 100 decode nodes of 14.4k held blocks each, every block announced would put 1.44M
+//! fingerprints into each prefill node's index (past its cap of 2^20, and its scheduler's
+//! copy's 2^18); a stride of 16 puts about 12 per 128-block turn.
 //!
 //! The book records every change of its lookup index here, numbered; a reader's connection
 //! keeps a cursor and is sent the changes past it, or a snapshot of the whole index when it has
@@ -19,6 +28,25 @@ use super::BlockFingerprint;
 /// The most fingerprints one update carries (held and freed together): its msgpack body then
 /// stays under the frame's cap (`wire::MAX_HELD_FRAME_LEN`) at 9 bytes a fingerprint.
 pub const MAX_FINGERPRINTS_PER_UPDATE: usize = 65_536;
+/// Of a held turn's blocks, every this many is announced (with the first and the last two).
+pub const ANNOUNCE_STRIDE: usize = 16;
+
+/// The fingerprints of a held turn that are announced, in order: block 0, each block `i`
+/// with `(i + 1) % ANNOUNCE_STRIDE == 0`, the last full block of its prompt (its first
+/// `prompt_blocks`: a prefill node that handed the prompt off waits for it, `held_mirror.py`),
+/// and the last two.
+pub fn announced(fingerprints: &[BlockFingerprint], prompt_blocks: usize) -> Vec<BlockFingerprint> {
+    let n = fingerprints.len();
+    fingerprints
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| {
+            i == 0 || (i + 1) % ANNOUNCE_STRIDE == 0 || i + 1 == prompt_blocks || i + 2 >= n
+        })
+        .map(|(_, &fingerprint)| fingerprint)
+        .collect()
+}
+
 /// The log keeps at most this many changes and this many fingerprints in them; a reader
 /// further behind is sent a snapshot instead.
 pub const MAX_LOGGED_CHANGES: usize = 4096;
@@ -198,6 +226,21 @@ impl FeedWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_turn_announces_its_first_block_every_strides_last_and_its_last_two() {
+        let turn: Vec<u64> = (0..40).collect();
+        assert_eq!(announced(&turn, 0), vec![0, 15, 31, 38, 39]);
+        assert_eq!(announced(&turn, 21), vec![0, 15, 20, 31, 38, 39], "its prompt's end");
+        assert_eq!(announced(&turn, 500), vec![0, 15, 31, 38, 39]);
+        assert_eq!(announced(&turn[..16], 16), vec![0, 14, 15]);
+        assert_eq!(announced(&turn[..2], 0), vec![0, 1]);
+        assert_eq!(announced(&turn[..1], 1), vec![0]);
+        assert!(announced(&[], 3).is_empty());
+        // Bounded by the turn: a 1M-token turn of 16-token blocks announces about 1 in 16.
+        let long: Vec<u64> = (0..65_536).collect();
+        assert_eq!(announced(&long, 100).len(), 65_536 / ANNOUNCE_STRIDE + 3);
+    }
 
     #[test]
     fn a_waiter_wakes_at_the_first_move_past_what_it_saw_and_not_before() {

@@ -10,7 +10,7 @@ fn book_with(turns: &[(&str, &[u64])], now: Instant) -> HoldBook {
     for (id, fps) in turns {
         let offer = format!("offer-{id}").into_bytes();
         assert_eq!(
-            book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), offer, now + TTL, now),
+            book.hold(id, HoldKind::Turn, fps.len(), fps.to_vec(), 0, offer, now + TTL, now),
             Ok(())
         );
     }
@@ -19,7 +19,7 @@ fn book_with(turns: &[(&str, &[u64])], now: Instant) -> HoldBook {
 
 fn prompt_hold(book: &mut HoldBook, id: &str, fps: &[u64], now: Instant) {
     assert_eq!(
-        book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), vec![], now + TTL, now),
+        book.hold(id, HoldKind::ForDecode, fps.len(), fps.to_vec(), 0, vec![], now + TTL, now),
         Ok(())
     );
 }
@@ -180,7 +180,7 @@ fn eviction_frees_least_recently_used_unclaimed_turns_and_unread_prompts_only() 
     let t0 = Instant::now();
     let mut book = book_with(&[("old", &[1]), ("claimed", &[2])], t0);
     let t1 = t0 + Duration::from_secs(1);
-    assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], vec![], t1 + TTL, t1), Ok(()));
+    assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], 0, vec![], t1 + TTL, t1), Ok(()));
     book.lookup("P", &[2], CLAIM, t1).unwrap();
     assert_eq!(book.evict(1, Evict::Turns, t1), vec!["old".to_string()]);
     assert_eq!(book.evict(100, Evict::Turns, t1), vec!["new".to_string()]);
@@ -247,7 +247,7 @@ fn after_a_weight_change_no_hold_taken_before_it_is_granted_and_each_is_freed_on
     assert_eq!(book.release("P", "read", turn_claim.claim_id, t0), Some("read".into()));
     assert!(book.is_empty() && book.evict(0, Evict::Stale, t0).is_empty());
     // A hold taken after the change is granted as any.
-    book.hold("after", HoldKind::Turn, 1, vec![3], vec![], t0 + TTL, t0).unwrap();
+    book.hold("after", HoldKind::Turn, 1, vec![3], 0, vec![], t0 + TTL, t0).unwrap();
     assert_eq!(book.lookup("P", &[3], CLAIM, t0).unwrap().owner_request_id, "after");
 }
 
@@ -276,22 +276,22 @@ fn holds_are_checked() {
     let t0 = Instant::now();
     let mut book = book_with(&[("a", &[1])], t0);
     assert_eq!(
-        book.hold("a", HoldKind::Turn, 1, vec![], vec![], t0 + TTL, t0),
+        book.hold("a", HoldKind::Turn, 1, vec![], 0, vec![], t0 + TTL, t0),
         Err(HoldError::AlreadyHeld("a".into()))
     );
     let too_many = vec![0; MAX_FINGERPRINTS + 1];
     assert!(matches!(
-        book.hold("b", HoldKind::Turn, 1, too_many, vec![], t0 + TTL, t0),
+        book.hold("b", HoldKind::Turn, 1, too_many, 0, vec![], t0 + TTL, t0),
         Err(HoldError::TooManyFingerprints(_))
     ));
     let huge = vec![0; MAX_OFFER_BYTES + 1];
     assert!(matches!(
-        book.hold("b", HoldKind::Turn, 1, vec![], huge, t0 + TTL, t0),
+        book.hold("b", HoldKind::Turn, 1, vec![], 0, huge, t0 + TTL, t0),
         Err(HoldError::OfferTooLarge(_))
     ));
     // A TTL that overflows Instant is a hold that lasts, not a panic.
     assert_eq!(
-        book.hold("c", HoldKind::ForDecode, 1, vec![], vec![], later(t0, Duration::MAX), t0),
+        book.hold("c", HoldKind::ForDecode, 1, vec![], 0, vec![], later(t0, Duration::MAX), t0),
         Ok(())
     );
 }
@@ -303,7 +303,7 @@ fn lookups_that_repeat_fingerprints_or_examine_too_much_find_nothing() {
     // Many holds sharing a first block (a long common system prompt).
     for n in 0..(MAX_EXAMINED as u64 + 1) {
         assert_eq!(
-            book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], vec![], t0 + TTL, t0),
+            book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], 0, vec![], t0 + TTL, t0),
             Ok(())
         );
     }
@@ -338,17 +338,43 @@ fn readers_are_told_what_the_lookup_index_gains_and_loses() {
     let mut held = snapshot[0].held.clone();
     held.sort_unstable();
     assert_eq!(held, vec![1, 2], "turns only, not prompts held for a decode node");
-    assert_eq!(book.hold("b", HoldKind::Turn, 3, vec![1, 2, 3], vec![], t0 + TTL, t0), Ok(()));
+    assert_eq!(book.hold("b", HoldKind::Turn, 3, vec![1, 2, 3], 0, vec![], t0 + TTL, t0), Ok(()));
     let (next, updates) = book.held_since(Some(cursor));
     assert_eq!(updates, vec![HeldUpdate { held: vec![1, 2, 3], ..HeldUpdate::default() }]);
     assert_eq!(book.evict(1, Evict::Turns, t0), vec!["a".to_string()]);
     let (_, updates) = book.held_since(Some(next));
     assert_eq!(updates, vec![HeldUpdate { freed: vec![1, 2], ..HeldUpdate::default() }]);
     // A snapshot counts a fingerprint once per turn that has it.
-    assert_eq!(book.hold("c", HoldKind::Turn, 1, vec![1], vec![], t0 + TTL, t0), Ok(()));
+    assert_eq!(book.hold("c", HoldKind::Turn, 1, vec![1], 0, vec![], t0 + TTL, t0), Ok(()));
     let mut held = book.held_since(None).1[0].held.clone();
     held.sort_unstable();
     assert_eq!(held, vec![1, 1, 2, 3]);
+}
+
+#[test]
+fn a_long_turn_is_announced_by_some_blocks_and_answered_by_all() {
+    // 40 blocks, the prompt's 21: announced are blocks 0, 15, 20 (the prompt's end), 31 and the
+    // last two, in the update, in a snapshot and when freed; a lookup still matches all 40,
+    // and a prompt that shares 25 of them (none of 21..25 announced) too.
+    let t0 = Instant::now();
+    let mut book = HoldBook::default();
+    let (cursor, _) = book.held_since(None);
+    let turn: Vec<u64> = (100..140).collect();
+    let offer = b"offer".to_vec();
+    assert_eq!(book.hold("t", HoldKind::Turn, 40, turn.clone(), 21, offer, t0 + TTL, t0), Ok(()));
+    let announced = vec![100, 115, 120, 131, 138, 139];
+    let (next, updates) = book.held_since(Some(cursor));
+    assert_eq!(updates, vec![HeldUpdate { held: announced.clone(), ..HeldUpdate::default() }]);
+    let mut snapshot = book.held_since(None).1[0].held.clone();
+    snapshot.sort_unstable();
+    assert_eq!(snapshot, announced);
+    assert_eq!(book.lookup("P", &turn, CLAIM, t0).unwrap().matched_blocks, 40);
+    let mut shared = turn[..25].to_vec();
+    shared.push(7);
+    assert_eq!(book.lookup("Q", &shared, CLAIM, t0).unwrap().matched_blocks, 25);
+    assert_eq!(book.expire(t0 + TTL + CLAIM), vec!["t".to_string()]);
+    let (_, updates) = book.held_since(Some(next));
+    assert_eq!(updates, vec![HeldUpdate { freed: announced, ..HeldUpdate::default() }]);
 }
 
 #[test]
@@ -370,7 +396,7 @@ fn a_lookup_continuing_a_turn_being_computed_is_awaited_until_the_turn_is_settle
     assert!(book.awaited(&[1, 2, 3], Some(20)));
     assert!(!book.awaited(&[1, 2, 3], None));
     assert!(!book.awaited(&[1, 2, 3], Some(21)));
-    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], vec![], t0 + TTL, t0), Ok(()));
+    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], 0, vec![], t0 + TTL, t0), Ok(()));
     assert!(!book.awaited(&[1, 2, 3], Some(20)), "held: nothing more to wait for");
     assert!(book.awaited(&[1, 2, 3, 4], Some(20)), "expected until settled");
     assert!(book.settle("turn"));
@@ -408,7 +434,7 @@ fn a_prompt_held_for_a_decode_node_is_renewed_up_to_its_cap_and_nothing_else_is(
     let lease = Duration::from_secs(2);
     let mut book = book_with(&[("turn", &[1])], t0);
     for id in ["p1", "p2", "p3"] {
-        book.hold(id, HoldKind::ForDecode, 2, vec![5, 6], vec![], t0 + lease, t0).unwrap();
+        book.hold(id, HoldKind::ForDecode, 2, vec![5, 6], 0, vec![], t0 + lease, t0).unwrap();
     }
     // Renewed by the first lease's length from now, again and again: it outlives its lease.
     let t1 = t0 + Duration::from_millis(1500);
@@ -428,7 +454,7 @@ fn a_prompt_held_for_a_decode_node_is_renewed_up_to_its_cap_and_nothing_else_is(
     assert_eq!(book.renew("p1", 5, cap - Duration::from_millis(1)), Some(cap));
     assert_eq!(book.expire(cap), vec!["p1"]);
     // Unknown, ended, past its lease, another reader's tokens, a turn, a claimed prompt: no.
-    book.hold("p4", HoldKind::ForDecode, 2, vec![5, 6], vec![], cap + lease, cap).unwrap();
+    book.hold("p4", HoldKind::ForDecode, 2, vec![5, 6], 0, vec![], cap + lease, cap).unwrap();
     assert_eq!(book.renew("p1", 5, cap), None, "ended");
     assert_eq!(book.renew("p3", 5, t1), None, "ended");
     assert_eq!(book.renew("nobody", 5, cap), None);
