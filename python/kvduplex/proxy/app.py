@@ -430,9 +430,7 @@ class DuplexProxy:
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         for pool in (self.decode, self.prefill):
-            tried: set[str] = set()
-            while (upstream := pool.pick(frozenset(tried))) is not None:
-                tried.add(upstream.address)
+            for upstream in candidates(pool):
                 try:
                     status, raw = await self.client.fetch(
                         "GET",
