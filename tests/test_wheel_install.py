@@ -81,6 +81,10 @@ def test_wheel_is_manylinux_abi3(wheel):
         names = zf.namelist()
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = zf.read(metadata_name).decode()
+        # The license the metadata declares, its text beside the metadata.
+        (license_name,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        license_text = zf.read(license_name).decode()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "kvduplex/_core.abi3.so" in names
     # The product and the demo's servers and model; the tests' harness stays in the checkout.
     modules = sorted(n for n in names if n.endswith((".py", ".pyi")))

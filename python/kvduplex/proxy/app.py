@@ -11,22 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..protocol import DO_REMOTE_DECODE
 from . import first_token
-from .balancer import Upstream, UpstreamPool, probe_all, run_health_checks
+from .balancer import UpstreamPool, probe_all, run_health_checks
 from .config import ProxyConfig
 from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params, why_not_local
+from .conversations import Conversations
+from .dispatch import Choice, Dispatcher, candidates
 from .errors import (
     NoUpstream,
     ProxyError,
@@ -35,37 +38,20 @@ from .errors import (
     UpstreamTransportError,
     bad_request,
     describe,
+    error_body,
+    error_kind,
+    openai_error,
 )
 from .intake import caller_of, check_stateless_response, conversation_id, digest, read_json
 from .metrics import LOOKUP_DECODE_UNAVAILABLE, LOOKUP_LOCAL, ProxyMetrics
-from .relay import (
-    PARAMS_FIELD,
-    RelayResponse,
-    StreamRelay,
-    openai_error,
-    sse_error,
-    sse_event,
-)
-from .routes import RESPONSES_ROUTE, prefill_body
+from .relay import RelayResponse, StreamRelay, sse_error, sse_event
+from .routes import PARAMS_FIELD, RESPONSES_ROUTE, prefill_body
 from .routing import conversation_key
 from .store import ConversationKey, ConversationStore, Lookup, create_store
+from .upstream import Upstream
 from .upstream_http import UpstreamClient
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Choice:
-    """How a request's D (or P) is chosen: `pinned` (the D a remembered conversation entry
-    names, or that holds the history of a local continuation) if it answers, else rendezvous
-    hashing on `route_key` over the live servers (with `slack`: while the one it picks has at
-    most `slack` requests in flight more than the least busy; `UpstreamPool.pick`); with
-    `only_pinned`, `pinned` or none."""
-
-    pinned: Upstream | None
-    route_key: bytes
-    only_pinned: bool = False
-    slack: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +62,7 @@ class _DecodeLeg:
 
     route: str
     headers: dict[str, str]
-    choice: _Choice
+    choice: Choice
     key: ConversationKey | None
     routing: dict[str, str]
     turn: Turn | None = None
@@ -93,7 +79,6 @@ class DuplexProxy:
     ):
         self.config = config
         self.metrics = metrics
-        self.store = store
         backoff = {
             "backoff_initial_s": config.backoff_initial_s,
             "backoff_max_s": config.backoff_max_s,
@@ -108,6 +93,8 @@ class DuplexProxy:
             pool_timeout_s=config.pool_timeout_s,
             keepalive_expiry_s=config.keepalive_expiry_s,
         )
+        self.dispatch = Dispatcher(self.client, config.max_upstream_response_bytes)
+        self.conversations = Conversations(store, self.decode, metrics)
         self._warned_no_prefill_params: set[str] = set()
         self.turns = TurnLedger(
             max_chars=config.local_continuation_max_chars,
@@ -146,7 +133,7 @@ class DuplexProxy:
             else None
         )
         route_key = conversation_key(caller, body)
-        lookup, pinned, pull_params = await self.recall(key)
+        lookup, pinned, pull_params = await self.conversations.recall(key)
         forward_headers = {}
         if "authorization" in request.headers:
             forward_headers["authorization"] = request.headers["authorization"]
@@ -157,7 +144,7 @@ class DuplexProxy:
             local = _DecodeLeg(
                 route,
                 forward_headers,
-                _Choice(None, route_key),
+                Choice(None, route_key),
                 key,
                 {"prefill": "none", "conversation": served},
                 turn,
@@ -165,16 +152,16 @@ class DuplexProxy:
             try:
                 answer = await self._continue_locally(local, body)
             except BaseException:
-                self._count_lookup(key, served)  # sent to D, which failed it
+                self.conversations.count_lookup(key, served)  # sent to D, which failed it
                 raise
             if answer is not None:
-                self._count_lookup(key, served)
+                self.conversations.count_lookup(key, served)
                 return answer
             if pinned is not None and not self.decode.is_available(pinned):
                 # The local attempt just found the remembered D gone: P recomputes.
                 pinned = pull_params = None
                 lookup = LOOKUP_DECODE_UNAVAILABLE
-        self._count_lookup(key, lookup)
+        self.conversations.count_lookup(key, lookup)
 
         first_reason = (
             first_token.ineligible_reason(route, body)
@@ -204,7 +191,7 @@ class DuplexProxy:
         leg = _DecodeLeg(
             route,
             forward_headers,
-            _Choice(pinned, route_key),
+            Choice(pinned, route_key),
             key,
             {"prefill": prefill_upstream.address, "conversation": lookup},
             turn,
@@ -270,116 +257,6 @@ class DuplexProxy:
             self.metrics.first_tokens.labels("decode", "local").inc()
         return answer
 
-    async def recall(
-        self, key: ConversationKey | None
-    ) -> tuple[str, Upstream | None, dict[str, Any] | None]:
-        """Take the conversation's entry: (lookup result, D holding its blocks, D's params).
-        The result is counted once the turn's path is chosen (`_count_lookup`)."""
-        if key is None:
-            return "none", None, None
-        try:
-            lookup, entry = await self.store.take(key)
-        except Exception as exc:  # a store outage must not fail the request: it recomputes
-            logger.warning("conversation store unavailable, turn recomputes: %s", describe(exc))
-            self.metrics.errors.labels("store").inc()
-            lookup, entry = Lookup.MISS, None
-        result = lookup.value
-        pinned = None
-        params = None
-        if entry is not None:
-            holder = self.decode.get(entry.decode)
-            if holder is not None and self.decode.is_available(holder):
-                pinned, params = holder, entry.params
-            else:
-                result = LOOKUP_DECODE_UNAVAILABLE
-        return result, pinned, params
-
-    def _count_lookup(self, key: ConversationKey | None, result: str) -> None:
-        """Counts a request's conversation-store lookup once its turn's path is chosen."""
-        if key is not None:
-            self.metrics.conversation_lookups.labels(result).inc()
-
-    async def remember(self, key: ConversationKey | None, upstream: Upstream, params: Any) -> None:
-        """Keep D's params for the next turn when D holds the blocks for a readback."""
-        if key is None or not isinstance(params, dict) or not params.get(DO_REMOTE_DECODE):
-            return
-        try:
-            result = await self.store.put(key, upstream.address, params)
-        except Exception as exc:  # a store outage must not fail the request
-            logger.warning("conversation store unavailable, not remembering: %s", describe(exc))
-            self.metrics.errors.labels("store").inc()
-            return
-        if result.stored:
-            self.metrics.conversations_stored.inc()
-        if result.evicted:
-            self.metrics.conversation_evictions.inc(result.evicted)
-
-    def _candidates(
-        self, pool: UpstreamPool, choice: _Choice | None = None
-    ) -> Iterator[Upstream]:
-        """The upstreams to try in turn, each once: the remembered one first, then the pool's
-        picks (by the routing key when there is one); ends when none is left."""
-        pinned = choice.pinned if choice is not None else None
-        key = choice.route_key if choice is not None else None
-        tried: set[str] = set()
-        while True:
-            if pinned is not None and pinned.address not in tried:
-                upstream: Upstream | None = pinned
-            elif choice is not None and choice.only_pinned:
-                return
-            else:
-                upstream = pool.pick(
-                    frozenset(tried), key, choice.slack if choice is not None else None
-                )
-            if upstream is None:
-                return
-            tried.add(upstream.address)
-            yield upstream
-
-    async def _post_buffered(
-        self,
-        pool: UpstreamPool,
-        route: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        latency: Histogram,
-        choice: _Choice | None = None,
-    ) -> tuple[Upstream, bytes]:
-        """POST to the first upstream that answers, failing over on transport errors; returns
-        that upstream and its size-limited 200 body. `latency` observes the time to answer.
-
-        A decode leg is retried on another D even when the request may have reached the first
-        one: P grants its prompt's blocks only against the reader's own tokens and only while
-        its hold lasts (the first D's read ends it), so the second D reads the same intact
-        blocks or is refused and computes the prompt; it never reads reused blocks."""
-        for upstream in self._candidates(pool, choice):
-            started = time.perf_counter()
-            with pool.track(upstream):
-                try:
-                    status, raw = await self.client.fetch(
-                        "POST",
-                        upstream.base_url + route,
-                        json=body,
-                        headers=headers,
-                        limit=self.config.max_upstream_response_bytes,
-                    )
-                except UpstreamTransportError as exc:
-                    pool.mark_failed(upstream, str(exc))
-                    continue
-                except ResponseTooLarge as exc:
-                    raise ProxyError(
-                        502,
-                        f"{pool.role} server {upstream.address}: {exc}",
-                        error_type="upstream_error",
-                        kind="upstream_status",
-                    ) from None
-            pool.mark_ok(upstream)
-            latency.observe(time.perf_counter() - started)
-            if status != 200:
-                raise UpstreamErrorResponse(status, raw, upstream)
-            return upstream, raw
-        raise NoUpstream(pool.role)
-
     async def _prefill(
         self, route: str, body: dict[str, Any], headers: dict[str, str], route_key: bytes
     ) -> tuple[Upstream, dict[str, Any], dict[str, Any] | None]:
@@ -387,8 +264,8 @@ class DuplexProxy:
         P is the conversation's (by `route_key`) unless it is busier than the least busy by
         more than `prefill_affinity_slack` (None: the least busy)."""
         slack = self.config.prefill_affinity_slack
-        choice = None if slack is None else _Choice(None, route_key, slack=slack)
-        upstream, raw = await self._post_buffered(
+        choice = None if slack is None else Choice(None, route_key, slack=slack)
+        upstream, raw = await self.dispatch.post_buffered(
             self.prefill, route, body, headers, self.metrics.prefill_seconds, choice
         )
         hashed = choice is not None and upstream is self.prefill.pick(key=route_key)
@@ -439,7 +316,7 @@ class DuplexProxy:
         }
 
     async def _decode_json(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response:
-        upstream, raw = await self._post_buffered(
+        upstream, raw = await self.dispatch.post_buffered(
             self.decode,
             leg.route,
             body,
@@ -461,7 +338,7 @@ class DuplexProxy:
             offered = result.pop(PARAMS_FIELD)
             if isinstance(offered, dict) and offered.get(DO_REMOTE_DECODE):
                 self.served(leg.turn, upstream)
-            await self.remember(leg.key, upstream, offered)
+            await self.conversations.remember(leg.key, upstream, offered)
             # D's block ids and address stay inside the deployment.
             raw = json.dumps(result, ensure_ascii=False).encode()
         return Response(
@@ -480,37 +357,24 @@ class DuplexProxy:
     ) -> StreamRelay:
         """D's streamed answer (status 200) from the first D that takes the request, as the relay
         that owns the response and its outstanding count (`rewrite`, `first_chunk`: its own)."""
-        for upstream in self._candidates(self.decode, leg.choice):
-            with contextlib.ExitStack() as outstanding:
-                outstanding.enter_context(self.decode.track(upstream))
-                started = time.perf_counter()
-                try:
-                    response = await self.client.open(
-                        "POST", upstream.base_url + leg.route, json=body, headers=leg.headers
-                    )
-                except UpstreamTransportError as exc:
-                    self.decode.mark_failed(upstream, str(exc))
-                    continue
-                self.decode.mark_ok(upstream)
-                if response.status != 200:
-                    try:
-                        raw = await response.read_limited(self.config.max_upstream_response_bytes)
-                    except (UpstreamTransportError, ResponseTooLarge):
-                        raw = b""
-                    raise UpstreamErrorResponse(response.status, raw, upstream)
-                self._accepted(leg, upstream)
-                return StreamRelay(
-                    self,
-                    response,
-                    upstream,
-                    outstanding.pop_all(),
-                    leg.key,
-                    started,
-                    leg.turn,
-                    rewrite=rewrite,
-                    first_chunk=first_chunk,
-                )
-        raise NoUpstream(self.decode.role)
+        opened = await self.dispatch.open_stream(
+            self.decode, leg.route, body, leg.headers, leg.choice
+        )
+        self._accepted(leg, opened.upstream)
+        return StreamRelay(
+            opened,
+            self.decode,
+            self.metrics,
+            functools.partial(self._answered, leg, opened.upstream),
+            rewrite=rewrite,
+            first_chunk=first_chunk,
+        )
+
+    async def _answered(self, leg: _DecodeLeg, decode: Upstream, params: Any) -> None:
+        """`decode` streamed the turn whole: it holds the history (for a local continuation)
+        and, with `params`, the blocks for the next turn's readback."""
+        self.served(leg.turn, decode)
+        await self.conversations.remember(leg.key, decode, params)
 
     async def _decode_stream(
         self, leg: _DecodeLeg, body: dict[str, Any], first_chunk: Callable[[], None] | None = None
@@ -549,7 +413,7 @@ class DuplexProxy:
                 await relay.close()
 
         first_pick = (
-            next(iter(self._candidates(self.decode, leg.choice)), None)
+            next(iter(candidates(self.decode, leg.choice)), None)
             if self.config.routing_headers
             else None
         )
@@ -566,9 +430,7 @@ class DuplexProxy:
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         for pool in (self.decode, self.prefill):
-            tried: set[str] = set()
-            while (upstream := pool.pick(frozenset(tried))) is not None:
-                tried.add(upstream.address)
+            for upstream in candidates(pool):
                 try:
                     status, raw = await self.client.fetch(
                         "GET",
@@ -607,26 +469,9 @@ class DuplexProxy:
         return JSONResponse(body, status_code=status)
 
     def error_body(self, exc: ProxyError | UpstreamErrorResponse) -> tuple[int, dict[str, Any]]:
-        """The error's HTTP status and OpenAI-shaped body (an upstream's own such body as it
-        sent it); counted in the error metrics."""
-        if isinstance(exc, ProxyError):
-            self.metrics.errors.labels(exc.kind).inc()
-            return exc.status, openai_error(exc.status, exc.message, exc.error_type)
-        self.metrics.errors.labels("upstream_status").inc()
-        try:
-            body = json.loads(exc.body)
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            return exc.status, body
-        detail = body.get("detail") if isinstance(body, dict) else None
-        text = str(detail) if detail is not None else exc.body[:500].decode(errors="replace")
-        message = f"{exc.upstream.role} server {exc.upstream.address} answered HTTP {exc.status}"
-        if text:
-            message += f": {text}"
-        error_type = "invalid_request_error" if 400 <= exc.status < 500 else "upstream_error"
-        return exc.status, openai_error(exc.status, message, error_type)
-
+        """The error's HTTP status and OpenAI-shaped body, counted in the error metrics."""
+        self.metrics.errors.labels(error_kind(exc)).inc()
+        return error_body(exc)
 
 def create_app(
     config: ProxyConfig,

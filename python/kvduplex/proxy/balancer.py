@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -16,36 +15,13 @@ from .config import UpstreamAddress
 from .errors import PoolExhausted, ResponseTooLarge, UpstreamTransportError, describe
 from .metrics import ProxyMetrics
 from .routing import rendezvous_score
+from .upstream import Upstream
 from .upstream_http import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
 # vLLM's /health answers with an empty body; anything longer than this is not a health answer.
 _MAX_HEALTH_BYTES = 64 << 10
-
-
-@dataclasses.dataclass
-class Upstream:
-    role: str
-    target: UpstreamAddress
-    outstanding: int = 0
-    healthy: bool = True
-    consecutive_failures: int = 0
-    # While taken out: when a request or probe may try it again (balancer clock).
-    retry_at: float = 0.0
-    # How often it was marked failed: what it served before may be gone (a restart).
-    epoch: int = 0
-    # D: local continuations sent to it that it is computing: a streamed one until its first
-    # chunk, a non-streamed one until its answer (`continuation`).
-    computing_alone: int = 0
-
-    @property
-    def address(self) -> str:
-        return self.target.address
-
-    @property
-    def base_url(self) -> str:
-        return self.target.base_url
 
 
 class UpstreamPool:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from typing import Any
 
-if TYPE_CHECKING:
-    from .balancer import Upstream
+from .upstream import Upstream
 
 
 class ProxyError(Exception):
@@ -57,6 +57,35 @@ class ResponseTooLarge(Exception):
 class UpstreamTransportError(Exception):
     """An upstream could not be reached, or broke its answer off or fell silent
     (`upstream_http`); its message says how."""
+
+
+def openai_error(status: int, message: str, error_type: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+
+
+def error_body(exc: ProxyError | UpstreamErrorResponse) -> tuple[int, dict[str, Any]]:
+    """The error's HTTP status and OpenAI-shaped body (an upstream's own such body as it sent
+    it)."""
+    if isinstance(exc, ProxyError):
+        return exc.status, openai_error(exc.status, exc.message, exc.error_type)
+    try:
+        body = json.loads(exc.body)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return exc.status, body
+    detail = body.get("detail") if isinstance(body, dict) else None
+    text = str(detail) if detail is not None else exc.body[:500].decode(errors="replace")
+    message = f"{exc.upstream.role} server {exc.upstream.address} answered HTTP {exc.status}"
+    if text:
+        message += f": {text}"
+    error_type = "invalid_request_error" if 400 <= exc.status < 500 else "upstream_error"
+    return exc.status, openai_error(exc.status, message, error_type)
+
+
+def error_kind(exc: ProxyError | UpstreamErrorResponse) -> str:
+    """The error's label in the proxy's error metric."""
+    return exc.kind if isinstance(exc, ProxyError) else "upstream_status"
 
 
 def describe(exc: BaseException) -> str:

@@ -1,36 +1,28 @@
 """D's SSE stream on its way to the caller: lines passed through as they come, D's params lifted
-out (and remembered for the conversation's next turn once the stream completed: before the
-caller has its `[DONE]`, at which a chat SDK ends the stream and may send the next turn), events
-rewritten where the stream continues a first token sent before (`first_token`)."""
+out (and handed on once the stream completed, to be remembered for the conversation's next turn:
+before the caller has its `[DONE]`, at which a chat SDK ends the stream and may send the next
+turn), events rewritten where the stream continues a first token sent before (`first_token`)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from .balancer import Upstream
-from .errors import UpstreamTransportError
-from .store import ConversationKey
+from .balancer import UpstreamPool
+from .dispatch import OpenStream
+from .errors import UpstreamTransportError, openai_error
+from .metrics import ProxyMetrics
+from .routes import PARAMS_FIELD
+from .upstream import Upstream
 from .upstream_http import UpstreamResponse
 
-if TYPE_CHECKING:
-    from .app import DuplexProxy
-    from .continuation import Turn
-
-# The request and response field of vLLM's OpenAI server that carries kv_transfer_params.
-PARAMS_FIELD = "kv_transfer_params"
 _PARAMS_FIELD_JSON = json.dumps(PARAMS_FIELD).encode()
 # Longest SSE line the stream relay parses for kv_transfer_params; longer lines pass unparsed.
 _MAX_SCANNED_LINE_BYTES = 4 << 20
-
-
-def openai_error(status: int, message: str, error_type: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
 
 
 def sse_event(event: dict[str, Any]) -> bytes:
@@ -116,30 +108,29 @@ class SseParamsScanner:
 
 
 class StreamRelay:
-    """Relays D's SSE stream to the caller and, once it completed, remembers D's params. Owns the
-    upstream response and the outstanding-request count until `close`."""
+    """Relays D's SSE stream to the caller and, once it completed, hands D's params to
+    `answered`. Owns the upstream response and the outstanding-request count until `close`;
+    a transport failure takes D out of `pool`."""
 
     def __init__(
         self,
-        proxy: DuplexProxy,
-        response: UpstreamResponse,
-        upstream: Upstream,
-        outstanding: contextlib.ExitStack,
-        key: ConversationKey | None,
-        started: float,
-        turn: Turn | None = None,
+        opened: OpenStream,
+        pool: UpstreamPool,
+        metrics: ProxyMetrics,
+        answered: Callable[[dict[str, Any] | None], Awaitable[None]],
         rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
         first_chunk: Callable[[], None] | None = None,
     ):
-        """`first_chunk` runs once: at D's first chunk, or at `close` if none came (the relay
-        owns it from here)."""
-        self._proxy = proxy
-        self._response = response
-        self._upstream = upstream
-        self._outstanding = outstanding
-        self._key = key
-        self._turn = turn
-        self._started = started
+        """`answered` runs once, when D answered the turn whole (before the caller sees the
+        stream end, so that its next turn always finds what it records). `first_chunk` runs
+        once: at D's first chunk, or at `close` if none came (the relay owns it from here)."""
+        self._response = opened.response
+        self._upstream = opened.upstream
+        self._outstanding = opened.outstanding
+        self._started = opened.started
+        self._pool = pool
+        self._metrics = metrics
+        self._answered = answered
         self._rewrite = rewrite
         self._first_chunk = first_chunk
         self._closed = False
@@ -167,7 +158,7 @@ class StreamRelay:
                 self._outstanding.close()
 
     async def stream(self) -> AsyncIterator[bytes]:
-        proxy, upstream = self._proxy, self._upstream
+        upstream = self._upstream
         scanner = SseParamsScanner(rewrite=self._rewrite)
         recorded = False
         try:
@@ -176,7 +167,7 @@ class StreamRelay:
                 if first:
                     first = False
                     self._first_chunk_came()
-                    proxy.metrics.decode_first_byte_seconds.observe(
+                    self._metrics.decode_first_byte_seconds.observe(
                         time.perf_counter() - self._started
                     )
                 out = scanner.feed(chunk)
@@ -184,18 +175,18 @@ class StreamRelay:
                     # Before the caller has `[DONE]`: its SDK ends the stream there, and may
                     # send the next turn before D's response ends.
                     recorded = True
-                    await self._record(scanner)
+                    await self._answered(scanner.params)
                 if out:
                     yield out
             tail = scanner.finish()
             if not recorded:
                 recorded = True
-                await self._record(scanner)
+                await self._answered(scanner.params)
             if tail:
                 yield tail
         except UpstreamTransportError as exc:
-            proxy.decode.mark_failed(upstream, str(exc))
-            proxy.metrics.errors.labels("stream_aborted").inc()
+            self._pool.mark_failed(upstream, str(exc))
+            self._metrics.errors.labels("stream_aborted").inc()
             scanner.discard_partial()
             yield sse_error(
                 openai_error(
@@ -206,12 +197,6 @@ class StreamRelay:
             )
         finally:
             await self.close()
-
-    async def _record(self, scanner: SseParamsScanner) -> None:
-        """D answered the turn whole: stored before the caller sees the stream end, so that
-        its next turn always finds the entry (the served history, D's params)."""
-        self._proxy.served(self._turn, self._upstream)
-        await self._proxy.remember(self._key, self._upstream, scanner.params)
 
 
 class RelayResponse(StreamingResponse):

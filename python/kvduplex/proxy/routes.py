@@ -1,13 +1,15 @@
 """The generation routes the proxy serves, the request fields of each that bound the tokens it
 generates (P's leg sets each to one; a stream continued after P's first token asks D for one
-less), and P's leg of a request."""
+less), the field that carries `kv_transfer_params` both ways, and P's leg of a request."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..protocol import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, prefill_request_params
-from .relay import PARAMS_FIELD
+
+# The request and response field of vLLM's OpenAI server that carries kv_transfer_params.
+PARAMS_FIELD = "kv_transfer_params"
 
 COMPLETIONS_ROUTE = "/v1/completions"
 CHAT_ROUTE = "/v1/chat/completions"

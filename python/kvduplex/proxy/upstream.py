@@ -1,0 +1,32 @@
+"""One P or D server as the proxy keeps it: its address, its requests in flight, and whether it
+is in rotation (`balancer.UpstreamPool` changes it; the errors and the relay name it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import UpstreamAddress
+
+
+@dataclasses.dataclass
+class Upstream:
+    role: str
+    target: UpstreamAddress
+    outstanding: int = 0
+    healthy: bool = True
+    consecutive_failures: int = 0
+    # While taken out: when a request or probe may try it again (balancer clock).
+    retry_at: float = 0.0
+    # How often it was marked failed: what it served before may be gone (a restart).
+    epoch: int = 0
+    # D: local continuations sent to it that it is computing: a streamed one until its first
+    # chunk, a non-streamed one until its answer (`continuation`).
+    computing_alone: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.target.address
+
+    @property
+    def base_url(self) -> str:
+        return self.target.base_url
