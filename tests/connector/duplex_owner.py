@@ -60,7 +60,7 @@ def main() -> None:
         spec["num_blocks"], seed=spec["seed"], layout=spec.get("layout", "LBHNC")
     )
     worker = make_worker(spec["model_dir"], spec["engine_id"], kv_caches, spec.get("extra_config"))
-    worker_log = logging.getLogger("vllm.kvduplex.connector.worker")
+    worker_log = logging.getLogger("vllm.kvduplex.connector.worker_holds")
     worker_log.addHandler(HoldsEnded())
     worker_log.setLevel(logging.INFO)
     address = worker.get_handshake_metadata()

@@ -34,9 +34,9 @@ blocks if it has that fingerprint, and a held turn's partial last block is annou
 fingerprint of the tokens it holds, which the prompt's own fingerprint of as many tokens after
 its matching blocks equals (`may_hold`). A decode node announces of each turn its first block,
 every 16th, its prompt's last full block (the handoff's guard below) and its last two
-(`rust/src/holds/feed.rs`), so the count may fall short of what a turn holds by up to 15
-blocks in its middle: the lookup is then ruled out only if even the full count could not gain
-enough.
+(`rust/src/holds/feed.rs`): a prompt that continues a turn, or repeats its prompt, counts
+exactly; one that leaves a turn in its middle (an edited history) may count up to 15 blocks
+short, and is then ruled out where those blocks alone would have been worth the lookup.
 
 Pure state: the caller passes the time (`time.monotonic()`).
 """
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvduplex._core import ANNOUNCE_STRIDE
 from kvduplex.connector import metadata as md
 from kvduplex.connector.token_fingerprint import PromptFingerprints
 
@@ -177,7 +176,5 @@ class HeldMirror:
             self._forget_short(tokens)
         for count in range(len(full_blocks), 0, -1):
             if full_blocks[count - 1] in self._held:
-                # Up to a stride more may be held unannounced (the next stride's block, or
-                # the turn's end, would be announced).
-                return min(len(full_blocks), count + ANNOUNCE_STRIDE - 1)
+                return count
         return 0
