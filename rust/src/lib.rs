@@ -14,6 +14,7 @@ pub mod engine;
 pub mod handshake;
 pub mod held_index;
 pub mod holds;
+mod sender;
 pub mod side_channel;
 /// UCX and same-host reads: the crate's only `unsafe`, behind safe functions whose contracts
 /// the types keep; the one promise they cannot is the `unsafe fn` that names memory to
