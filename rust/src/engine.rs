@@ -45,8 +45,9 @@ use crate::handshake::{
 use crate::held_index::HeldIndex;
 use crate::holds::feed::FeedWatch;
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
+use crate::same_host::{boot_id, ucx_tls_allows_cma};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, pid_namespace, ucx_tls_allows_cma, MemRegion, UcxError, Worker};
+use crate::ucx::{pid_namespace, MemRegion, UcxError, Worker};
 pub use crate::ucx::{MemoryOwner, RegionMemory};
 use copier::CopyThreads;
 use feeds::BookFeed;

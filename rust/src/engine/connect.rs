@@ -19,8 +19,9 @@ use crate::descriptors::RegionBounds;
 use crate::handshake::{
     ConnectDecision, EngineMetadata, HandshakeError, MemoryType, PeerState, SameHostIdentity,
 };
+use crate::same_host::SameHostPeer;
 use crate::side_channel::PeerLink;
-use crate::ucx::{check_not_this_process, packed, OpenError, PeerProcess, SameHostPeer};
+use crate::ucx::{check_not_this_process, packed, OpenError, PeerProcess};
 
 impl Engine {
     /// Handshakes with the engine whose side channel is `host:port` (unless a live connection

@@ -23,8 +23,9 @@ use crate::descriptors::{RegionBounds, RegionIndex};
 #[allow(unused_imports)] // rustdoc links
 use crate::handshake::PeerTable;
 use crate::handshake::{EngineMetadata, MemoryType};
+use crate::same_host::SameHostPeer;
 use crate::side_channel::PeerLink;
-use crate::ucx::{BatchState, Endpoint, Read, SameHostPeer};
+use crate::ucx::{BatchState, Endpoint, Read};
 
 /// A ready connection to one peer engine.
 pub(super) struct Peer {
