@@ -1,4 +1,4 @@
-"""`python/kvduplex/_core.pyi` states what the built extension (`rust/src/python.rs`) does: the same
+"""`python/kvduplex/_core.pyi` states what the built extension (`rust/src/python/`) does: the same
 classes, exception bases, methods and properties, and for every method the same parameters, in
 the same kinds (positional, keyword-only) and with the same defaults. The extension's signatures
 are read from its `__text_signature__`s (pyo3 writes them from each `#[pyo3(signature = ...)]`).

@@ -10,19 +10,24 @@
 //! [`Engine::release_hold`] / [`Engine::expire_holds`] / [`Engine::evict_holds`]) and answer
 //! other engines' [`Engine::start_lookup`]s of offered holds over the side channel.
 //!
-//! Here: the engine's state, start, memory, holds and close. Beside it: `connect` (connecting
-//! verbs, what is retried), `peer` (handshakes and connections), `read` (posting, tracking and
-//! settling batches: [`Transfer`]), `connection` (a connection's transport and batches, under
-//! one lock), `routes` (which connection answers for an address, and who waits for one),
-//! `copier` (same-host copy threads), `threads` (the progress thread, close's drain) and
-//! `lookup` (lookups of held turns, both sides).
+//! Here: the engine's state, start, memory, holds and close. Beside it, each module using
+//! only those listed before it (and this one): `connection` (a connection's transport and
+//! batches, under one lock), `copier` (same-host copy threads), `retry` (the retry thread),
+//! `feeds` (what owners announce they hold, both sides), `peer` (a connection to a peer and
+//! the batches in flight on it), `routes` (which connection answers for an address, who waits
+//! for one), `connect` (connecting verbs, waiting for a handshake, the handshake itself),
+//! `read` (posting, tracking and settling batches: [`Transfer`]), `lookup` (lookups of held
+//! turns, both sides: [`Engine::start_lookup`]) and `threads` (the progress thread, close's
+//! drain).
 
 mod connect;
 mod connection;
 mod copier;
+mod feeds;
 mod lookup;
 mod peer;
 mod read;
+mod retry;
 mod routes;
 mod threads;
 
@@ -32,27 +37,28 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::clock::deadline_after;
 use crate::descriptors::{BlockLayout, PlanError, RegionBounds};
 use crate::handshake::{
     new_generation, EngineMetadata, Fingerprint, HandshakeError, RegionInfo, RetryPolicy,
     SameHostIdentity,
 };
-use crate::held_index::{AnnouncedChanges, HeldIndex};
+use crate::held_index::HeldIndex;
 use crate::holds::feed::FeedWatch;
 use crate::holds::{BlockFingerprint, Evict, HoldBook, HoldError, HoldKind};
+use crate::same_host::{boot_id, ucx_tls_allows_cma};
 use crate::side_channel::{KnownPeer, Notification, SideChannelConfig, SideChannelServer};
-use crate::ucx::{boot_id, pid_namespace, ucx_tls_allows_cma, MemRegion, UcxError, Worker};
+use crate::ucx::{pid_namespace, MemRegion, UcxError, Worker};
 pub use crate::ucx::{MemoryOwner, RegionMemory};
 use copier::CopyThreads;
-use lookup::{lookup_handler, retry_loop, unasked, BookFeed, LookupQuestion, MustAsk};
+use feeds::BookFeed;
+use lookup::lookup_handler;
 pub use lookup::{
     LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
 };
-use peer::{abort_peer, Peer};
-use read::Inflight;
+use peer::{Inflight, Peer};
 pub use read::Transfer;
-use routes::{connect_then, ready_peer, Routes};
+use retry::{retry_loop, Retry};
+use routes::{abort_peer, Routes};
 use threads::{drain_reads, progress_loop, CLOSE_DRAIN};
 
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +85,20 @@ pub enum EngineError {
     Hold(#[from] HoldError),
     #[error("engine is closed")]
     Closed,
+}
+
+impl EngineError {
+    /// Whether connecting again may succeed: the peer was unreachable or slow, not refused.
+    pub(crate) fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Handshake(
+                HandshakeError::Io(_)
+                    | HandshakeError::Unreachable { .. }
+                    | HandshakeError::Timeout { .. }
+            )
+        )
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -150,11 +170,11 @@ struct Shared {
     lookup_answers: Arc<FeedWatch>,
     /// "host:port" of our side channel, announced to the owners we connect to.
     side_channel: String,
-    /// Handshakes on threads of their own ([`routes::spawn_handshake`]: for
+    /// Handshakes on threads of their own ([`connect::spawn_handshake`]: for
     /// [`Engine::peer_status`] and lookups), joined by `close`.
     handshakes: Mutex<Vec<JoinHandle<()>>>,
-    /// Lookups' asks to make again ([`lookup::retry_loop`]).
-    retries: mpsc::Sender<lookup::Retry>,
+    /// Lookups' asks to make again ([`retry::retry_loop`]).
+    retries: mpsc::Sender<Retry>,
     stop: AtomicBool,
 }
 
@@ -387,6 +407,7 @@ impl Engine {
     /// `prompt_blocks` of them its prompt's full blocks, 0 if unknown), for readers
     /// until `lease_ends` (one already past ends at the next [`Engine::expire_holds`]); a
     /// reader is granted them against its own fingerprints and gets `offer` (see [`HoldBook`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn hold(
         &self,
         request_id: &str,
@@ -462,99 +483,6 @@ impl Engine {
         (holds.num_claims(), holds.held_blocks(), holds.num_awaited())
     }
 
-    /// Moved by every answer to this engine's lookups: a caller waiting on several at once
-    /// wakes as soon as one is answered.
-    pub fn lookup_answers(&self) -> Arc<FeedWatch> {
-        Arc::clone(&self.shared.lookup_answers)
-    }
-
-    /// What the set of fingerprints announced by the owners we are connected to gained and
-    /// lost since `cursor`, the whole set only up to `max_whole` fingerprints (see
-    /// [`HeldIndex::changes_since`]), and whether every one of `targets` ("host:port") has
-    /// announced all it holds.
-    pub fn announced_changes(
-        &self,
-        cursor: Option<u64>,
-        targets: &[String],
-        max_whole: usize,
-    ) -> (AnnouncedChanges, bool) {
-        let index = lock(&self.shared.held_index);
-        (index.changes_since(cursor, max_whole), index.all_synced(targets))
-    }
-
-    /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
-    /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
-    /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
-    /// after the request finishes), or a turn the owner still computes whose prompt ends with
-    /// `continues` ([`HoldBook::awaited`]), is asked for again, less and less often (see
-    /// [`NOT_YET_FIRST_RETRY`]), until `timeout` has passed. A connected owner is asked from
-    /// this thread right away: a new thread may wait long for a core on a busy host. Others
-    /// are connected to first, each on a thread of its own, within `timeout`. Nothing here
-    /// needs the caller: poll the returned [`LookupFanOut`]; an owner's reply is taken until
-    /// [`LATE_REPLY_WINDOW`] after `timeout`, so that a late claim can still be handed back.
-    /// Without `request_id`, owners that announced they hold none of the prompt are not
-    /// asked: their answer (no match) is there at once (see [`crate::held_index`]); with
-    /// `continues`, the engines this one granted that prompt to are asked whatever they
-    /// announced ([`HoldBook::handed_to`]), and every owner when it knows none or none of
-    /// them is a connected target. An owner not connected yet is asked once a handshake with
-    /// it made the connection, one handshake per owner at a time, on a thread of its own,
-    /// whatever the number of lookups waiting for it ([`routes::connect_then`]).
-    pub fn start_lookup(
-        &self,
-        targets: Vec<(String, u16)>,
-        fingerprints: Vec<BlockFingerprint>,
-        request_id: Option<String>,
-        continues: Option<BlockFingerprint>,
-        timeout: Duration,
-    ) -> LookupFanOut {
-        let connect_deadline = deadline_after(timeout);
-        let addresses: Vec<String> =
-            targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
-        let must_ask = match (&request_id, continues) {
-            // A named hold: every owner (the one that holds it announces no prompts).
-            (Some(_), _) => MustAsk::All,
-            // A prompt that continues a handoff: the engines it was granted to (the one
-            // computing its turn has announced none of it yet), or all when none is known.
-            (None, Some(end)) => match lock(&self.shared.holds).handed_to(end) {
-                engines if engines.is_empty() => MustAsk::All,
-                engines => MustAsk::Engines(engines),
-            },
-            (None, None) => MustAsk::Engines(Vec::new()),
-        };
-        let mut unasked = unasked(&self.shared, &addresses, &fingerprints, must_ask);
-        let asked = unasked.iter().filter(|owner| owner.is_none()).count();
-        let fan_out = LookupFanOut::new(
-            addresses,
-            Arc::new(LookupQuestion {
-                fingerprints,
-                request_id,
-                continues,
-                retry_until: deadline_after(timeout),
-            }),
-            deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
-            asked,
-            Arc::clone(&self.shared.lookup_answers),
-            self.shared.retries.clone(),
-        );
-        for (index, (host, port)) in targets.into_iter().enumerate() {
-            if let Some(owner) = unasked[index].take() {
-                fan_out.answer(index, Ok((owner, None)));
-                continue;
-            }
-            if let Some(peer) = ready_peer(&self.shared, &fan_out.addresses[index]) {
-                fan_out.ask(index, &peer, NOT_YET_FIRST_RETRY);
-                continue;
-            }
-            let asking = fan_out.clone();
-            let ask = move |connected: Result<Arc<Peer>, String>| match connected {
-                Ok(peer) => asking.ask(index, &peer, NOT_YET_FIRST_RETRY),
-                Err(e) => asking.answer(index, Err(e)),
-            };
-            connect_then(&self.shared, host, port, connect_deadline, Box::new(ask));
-        }
-        fan_out
-    }
-
     /// Stops the progress thread, fails what is in flight, closes peers and the side channel,
     /// then unregisters memory. Idempotent.
     pub fn close(&mut self) {
@@ -566,8 +494,7 @@ impl Engine {
             let _ = t.join();
         }
         // Woken to see the engine closed, it asks no owner again; the lookups' links close below.
-        let _ =
-            self.shared.retries.send(lookup::Retry { due: Instant::now(), ask: Box::new(|| ()) });
+        let _ = self.shared.retries.send(Retry { due: Instant::now(), ask: Box::new(|| ()) });
         if let Some(t) = self.retry_thread.take() {
             let _ = t.join();
         }

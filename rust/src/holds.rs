@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::clock::later;
-use crate::side_channel::sender_engine;
+use crate::sender::sender_engine;
 
 mod expected;
 pub mod feed;

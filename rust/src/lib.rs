@@ -14,10 +14,13 @@ pub mod engine;
 pub mod handshake;
 pub mod held_index;
 pub mod holds;
+mod same_host;
+mod sender;
 pub mod side_channel;
-/// UCX and same-host reads: the crate's only `unsafe`, behind safe functions whose contracts
-/// the types keep; the one promise they cannot is the `unsafe fn` that names memory to
-/// register ([`engine::RegionMemory`]). Crate-private: [`engine::Engine`] is its user.
+/// UCX and the system calls of same-host reads ([`same_host`]): the crate's only `unsafe`,
+/// behind safe functions whose contracts the types keep; the one promise they cannot is the
+/// `unsafe fn` that names memory to register ([`engine::RegionMemory`]). Crate-private:
+/// [`engine::Engine`] and [`same_host`] are its users.
 mod ucx;
 /// The checks of a peer's packed worker address and remote keys (public for the fuzzer).
 pub use ucx::packed as ucx_packed;

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::lock;
-use crate::ucx::SameHostCopy;
+use crate::same_host::SameHostCopy;
 
 /// How long a copy thread keeps looking for its peer's next batch before it sleeps: batches
 /// posted back to back (a layer-by-layer pull, a burst of requests) then skip the wake-up of a

@@ -1,22 +1,21 @@
 //! Lookups of held turns: one question fanned out to several owners at once, their answers
 //! collected as they come ([`LookupFanOut`]), and the owner's side that answers them from its
-//! hold book ([`lookup_handler`]). Owners announce what their lookups can find ([`BookFeed`]);
-//! a reader keeps it in its [`HeldIndex`] ([`IndexFeed`]) and asks only the owners that may
-//! hold the prompt ([`unasked`]).
+//! hold book ([`lookup_handler`]). A reader asks only the owners that may hold the prompt, by
+//! what they announced ([`unasked`]; the announcements: `feeds.rs`).
 
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
-use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use super::connect::connect_then;
 use super::peer::Peer;
+use super::retry::Retry;
 use super::routes::ready_peer;
-use super::{lock, Shared};
-use crate::held_index::{HeldIndex, OwnerSlot, OwnerState};
-use crate::holds::feed::{FeedWatch, HeldUpdate};
+use super::{lock, Engine, Shared};
+use crate::clock::deadline_after;
+use crate::held_index::AnnouncedChanges;
+use crate::holds::feed::FeedWatch;
 use crate::holds::{BlockFingerprint, HoldBook, LookupMatch, LookupReply};
-use crate::side_channel::{HeldSink, HeldSource, LookupOutcome};
+use crate::side_channel::LookupOutcome;
 
 /// One owner's answer to a lookup: `(owner engine id, its match)`, or why there is none.
 #[derive(Clone, Debug)]
@@ -34,9 +33,104 @@ pub const LATE_REPLY_WINDOW: Duration = Duration::from_secs(60);
 /// asked again after 2 ms, then after twice the previous wait up to 64 ms, until its timeout
 /// (an owner takes a hold one engine step after the request ends, and a busy engine's step can
 /// take long: its workers were seen without a core for seconds on an overloaded host, where a
-/// shorter window missed pulls). The asks wait on the engine's retry thread ([`retry_loop`]).
+/// shorter window missed pulls). The asks wait on the engine's retry thread (`retry.rs`).
 pub const NOT_YET_FIRST_RETRY: Duration = Duration::from_millis(2);
 pub const NOT_YET_MAX_RETRY: Duration = Duration::from_millis(64);
+
+impl Engine {
+    /// Moved by every answer to this engine's lookups: a caller waiting on several at once
+    /// wakes as soon as one is answered.
+    pub fn lookup_answers(&self) -> Arc<FeedWatch> {
+        Arc::clone(&self.shared.lookup_answers)
+    }
+
+    /// What the set of fingerprints announced by the owners we are connected to gained and
+    /// lost since `cursor`, the whole set only up to `max_whole` fingerprints (see
+    /// [`crate::held_index::HeldIndex::changes_since`]), and whether every one of `targets` ("host:port") has
+    /// announced all it holds.
+    pub fn announced_changes(
+        &self,
+        cursor: Option<u64>,
+        targets: &[String],
+        max_whole: usize,
+    ) -> (AnnouncedChanges, bool) {
+        let index = lock(&self.shared.held_index);
+        (index.changes_since(cursor, max_whole), index.all_synced(targets))
+    }
+
+    /// Asks every `(host, port)` in `targets` at once for the longest held turn starting
+    /// with `fingerprints` or, with `request_id`, for a grant of that hold's blocks that carry
+    /// them. A named hold that the owner has not taken yet (it takes a hold one engine step
+    /// after the request finishes), or a turn the owner still computes whose prompt ends with
+    /// `continues` ([`HoldBook::awaited`]), is asked for again, less and less often (see
+    /// [`NOT_YET_FIRST_RETRY`]), until `timeout` has passed. A connected owner is asked from
+    /// this thread right away: a new thread may wait long for a core on a busy host. Others
+    /// are connected to first, each on a thread of its own, within `timeout`. Nothing here
+    /// needs the caller: poll the returned [`LookupFanOut`]; an owner's reply is taken until
+    /// [`LATE_REPLY_WINDOW`] after `timeout`, so that a late claim can still be handed back.
+    /// Without `request_id`, owners that announced they hold none of the prompt are not
+    /// asked: their answer (no match) is there at once (see [`crate::held_index`]); with
+    /// `continues`, the engines this one granted that prompt to are asked whatever they
+    /// announced ([`HoldBook::handed_to`]), and every owner when it knows none or none of
+    /// them is a connected target. An owner not connected yet is asked once a handshake with
+    /// it made the connection, one handshake per owner at a time, on a thread of its own,
+    /// whatever the number of lookups waiting for it ([`connect_then`]).
+    pub fn start_lookup(
+        &self,
+        targets: Vec<(String, u16)>,
+        fingerprints: Vec<BlockFingerprint>,
+        request_id: Option<String>,
+        continues: Option<BlockFingerprint>,
+        timeout: Duration,
+    ) -> LookupFanOut {
+        let connect_deadline = deadline_after(timeout);
+        let addresses: Vec<String> =
+            targets.iter().map(|(host, port)| format!("{host}:{port}")).collect();
+        let must_ask = match (&request_id, continues) {
+            // A named hold: every owner (the one that holds it announces no prompts).
+            (Some(_), _) => MustAsk::All,
+            // A prompt that continues a handoff: the engines it was granted to (the one
+            // computing its turn has announced none of it yet), or all when none is known.
+            (None, Some(end)) => match lock(&self.shared.holds).handed_to(end) {
+                engines if engines.is_empty() => MustAsk::All,
+                engines => MustAsk::Engines(engines),
+            },
+            (None, None) => MustAsk::Engines(Vec::new()),
+        };
+        let mut unasked = unasked(&self.shared, &addresses, &fingerprints, must_ask);
+        let asked = unasked.iter().filter(|owner| owner.is_none()).count();
+        let fan_out = LookupFanOut::new(
+            addresses,
+            Arc::new(LookupQuestion {
+                fingerprints,
+                request_id,
+                continues,
+                retry_until: deadline_after(timeout),
+            }),
+            deadline_after(timeout.saturating_add(LATE_REPLY_WINDOW)),
+            asked,
+            Arc::clone(&self.shared.lookup_answers),
+            self.shared.retries.clone(),
+        );
+        for (index, (host, port)) in targets.into_iter().enumerate() {
+            if let Some(owner) = unasked[index].take() {
+                fan_out.answer(index, Ok((owner, None)));
+                continue;
+            }
+            if let Some(peer) = ready_peer(&self.shared, &fan_out.addresses[index]) {
+                fan_out.ask(index, &peer, NOT_YET_FIRST_RETRY);
+                continue;
+            }
+            let asking = fan_out.clone();
+            let ask = move |connected: Result<Arc<Peer>, String>| match connected {
+                Ok(peer) => asking.ask(index, &peer, NOT_YET_FIRST_RETRY),
+                Err(e) => asking.answer(index, Err(e)),
+            };
+            connect_then(&self.shared, host, port, connect_deadline, Box::new(ask));
+        }
+        fan_out
+    }
+}
 
 /// What a lookup asks every target.
 pub(super) struct LookupQuestion {
@@ -61,7 +155,7 @@ pub struct LookupFanOut {
     asked: usize,
     /// Moved by every answer of every lookup of the engine ([`super::Engine::lookup_answers`]).
     answered: Arc<FeedWatch>,
-    /// Where an ask answered "not yet" goes to be asked again ([`retry_loop`]).
+    /// Where an ask answered "not yet" goes to be asked again (`retry.rs`).
     retries: mpsc::Sender<Retry>,
 }
 
@@ -153,75 +247,6 @@ impl LookupFanOut {
     }
 }
 
-/// An ask to make again when it is due (an owner answered "not yet").
-pub(super) struct Retry {
-    pub(super) due: Instant,
-    pub(super) ask: Box<dyn FnOnce() + Send>,
-}
-
-/// A [`Retry`] in the queue, earliest (then first queued) first.
-struct Queued(Retry, u64);
-
-impl PartialEq for Queued {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Queued {}
-
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Queued {
-    fn cmp(&self, other: &Self) -> Ordering {
-        // `BinaryHeap` pops the greatest: the earliest due is the greatest.
-        (other.0.due, other.1).cmp(&(self.0.due, self.1))
-    }
-}
-
-/// The engine's retry thread: makes each queued ask when it is due, in order, until `stopped`
-/// (checked at every wake-up: the engine's close sends a no-op [`Retry`] to wake it, and what
-/// is queued is then dropped, no owner asked again) or every sender is gone and nothing is
-/// queued. It sleeps while nothing is queued.
-pub(super) fn retry_loop(queue: &mpsc::Receiver<Retry>, stopped: impl Fn() -> bool) {
-    let mut queued: BinaryHeap<Queued> = BinaryHeap::new();
-    let mut next_seq = 0u64;
-    let mut senders_gone = false;
-    loop {
-        if stopped() {
-            return;
-        }
-        let now = Instant::now();
-        while queued.peek().is_some_and(|next| next.0.due <= now) {
-            if let Some(Queued(retry, _)) = queued.pop() {
-                (retry.ask)();
-            }
-        }
-        let wait = queued.peek().map(|next| next.0.due.saturating_duration_since(now));
-        let received = match (wait, senders_gone) {
-            (None, true) => return,
-            (Some(wait), true) => {
-                std::thread::sleep(wait);
-                continue;
-            }
-            (None, false) => queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            (Some(wait), false) => queue.recv_timeout(wait),
-        };
-        match received {
-            Ok(retry) => {
-                queued.push(Queued(retry, next_seq));
-                next_seq += 1;
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => senders_gone = true,
-        }
-    }
-}
-
 /// Answers side-channel lookups and grants from the hold book, claiming what matches for
 /// the asking engine.
 pub(super) fn lookup_handler(
@@ -298,7 +323,7 @@ pub(super) enum MustAsk {
 }
 
 /// The targets a lookup need not ask, each with its owner's engine id: those
-/// [`HeldIndex::narrow`] passes over (synced owners that announced none of the prompt's
+/// [`crate::held_index::HeldIndex::narrow`] passes over (synced owners that announced none of the prompt's
 /// longest announced prefix, while another announced it), that have a live connection to
 /// answer for and that `must_ask` does not name.
 pub(super) fn unasked(
@@ -334,76 +359,6 @@ pub(super) fn unasked(
             .zip(ask)
             .map(|(address, ask)| if ask { None } else { owner(address) })
             .collect(),
-    }
-}
-
-/// Announces an engine's hold book to the readers connected to its side channel.
-pub(super) struct BookFeed {
-    holds: Weak<Mutex<HoldBook>>,
-    watch: Arc<FeedWatch>,
-}
-
-impl BookFeed {
-    pub(super) fn new(holds: &Arc<Mutex<HoldBook>>) -> Self {
-        Self { watch: lock(holds).feed_watch(), holds: Arc::downgrade(holds) }
-    }
-}
-
-impl HeldSource for BookFeed {
-    fn updates_since(&self, cursor: Option<u64>) -> (u64, Vec<HeldUpdate>) {
-        match self.holds.upgrade() {
-            Some(holds) => lock(&holds).held_since(cursor),
-            None => (cursor.unwrap_or(0), Vec::new()),
-        }
-    }
-
-    fn wait_past(&self, cursor: u64, wait: Duration, stop: &AtomicBool) {
-        self.watch.wait_past(cursor, wait, stop);
-    }
-
-    fn wake(&self) {
-        self.watch.wake();
-    }
-}
-
-/// One link's announcements, fed into the engine's index; forgotten when dropped (the link
-/// ended, or its handshake failed before it began).
-pub(super) struct IndexFeed {
-    index: Arc<Mutex<HeldIndex>>,
-    slot: OwnerSlot,
-    address: String,
-}
-
-impl IndexFeed {
-    /// The index's entry for a new connection to the owner at `address`.
-    pub(super) fn open(index: &Arc<Mutex<HeldIndex>>, address: &str) -> Self {
-        let slot = lock(index).open(address);
-        Self { index: Arc::clone(index), slot, address: address.to_owned() }
-    }
-
-    pub(super) fn into_sink(self) -> HeldSink {
-        Box::new(move |update| {
-            let (overflowed, state) = {
-                let mut index = lock(&self.index);
-                (index.apply(self.slot, &update), index.state(&self.address))
-            };
-            if overflowed {
-                log::warn!(
-                    "the owner at {} announced more than the index keeps of one owner ({} \
-                     fingerprints): it is asked on every lookup until it reconnects",
-                    self.address,
-                    crate::held_index::MAX_ENTRIES_PER_OWNER
-                );
-            } else if update.synced && state == Some(OwnerState::Synced) {
-                log::debug!("the owner at {} announced all it holds", self.address);
-            }
-        })
-    }
-}
-
-impl Drop for IndexFeed {
-    fn drop(&mut self) {
-        lock(&self.index).close(self.slot);
     }
 }
 
@@ -450,49 +405,5 @@ mod tests {
             (silent.address.as_str(), silent.outcome.as_ref().unwrap_err().as_str()),
             ("b:2", "the owner did not reply")
         );
-    }
-
-    #[test]
-    fn the_retry_thread_asks_again_in_due_order_and_ends_with_its_senders() {
-        let (retries, queue) = mpsc::channel();
-        let thread = std::thread::spawn(move || retry_loop(&queue, || false));
-        let (done, asked) = mpsc::channel();
-        let t0 = Instant::now();
-        for (name, after_ms) in [("late", 60), ("early", 20), ("early-too", 20)] {
-            let done = done.clone();
-            let ask = Box::new(move || {
-                let _ = done.send((name, Instant::now()));
-            });
-            let due = t0 + Duration::from_millis(after_ms);
-            retries.send(Retry { due, ask }).unwrap();
-        }
-        drop(retries);
-        let order: Vec<(&str, Instant)> = (0..3).map(|_| asked.recv().unwrap()).collect();
-        let names: Vec<&str> = order.iter().map(|(name, _)| *name).collect();
-        assert_eq!(names, ["early", "early-too", "late"]);
-        assert!(order[2].1 >= t0 + Duration::from_millis(60), "not before it was due");
-        // Every sender gone and nothing queued: the thread ends.
-        thread.join().unwrap();
-    }
-
-    #[test]
-    fn the_retry_thread_ends_when_its_engine_closes_and_asks_nothing_more() {
-        let (retries, queue) = mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
-            retry_loop(&queue, || stopped.load(std::sync::atomic::Ordering::Acquire))
-        });
-        let (done, asked) = mpsc::channel::<()>();
-        let due = Instant::now() + Duration::from_millis(300);
-        let ask = Box::new(move || done.send(()).unwrap());
-        retries.send(Retry { due, ask }).unwrap();
-        stop.store(true, std::sync::atomic::Ordering::Release);
-        // Woken as the engine's close wakes it, it ends though a sender lives and an ask is
-        // queued.
-        retries.send(Retry { due: Instant::now(), ask: Box::new(|| ()) }).unwrap();
-        thread.join().unwrap();
-        assert!(asked.recv().is_err(), "the queued ask was dropped, never made");
-        drop(retries);
     }
 }

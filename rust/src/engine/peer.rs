@@ -1,5 +1,5 @@
-//! Connections to peer engines: the handshake that makes one, the handle a caller reads
-//! through, and its end.
+//! Connections to peer engines: the handle a caller reads through, the batches in flight on
+//! it ([`Inflight`]), and its end. The handshake that makes one is `connect.rs`'s.
 //!
 //! Peers are keyed by the side channel they were connected through ("host:port"), never by the
 //! engine id they declare: a second server declaring a connected engine's id is a connection of
@@ -11,26 +11,21 @@
 //! checked, or fails when that one died or was replaced meanwhile; a bare engine id names the
 //! one open connection declaring it, and is refused while several do.
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use super::connect::is_retryable_engine_error;
-use super::connection::{Connection, PostError, Tracked, Transport};
+use super::connection::{verdict, Connection, PostError, Tracked, Transport};
 use super::copier::CopyQueue;
-use super::lookup::IndexFeed;
-use super::routes::{settle_waiting, unroute};
 #[allow(unused_imports)] // rustdoc links
 use super::Engine;
-use super::{lock, EngineError, Inflight, Shared};
+use super::{lock, Shared};
 use crate::descriptors::{RegionBounds, RegionIndex};
 #[allow(unused_imports)] // rustdoc links
 use crate::handshake::PeerTable;
-use crate::handshake::{EngineMetadata, MemoryType, SameHostIdentity};
+use crate::handshake::{EngineMetadata, MemoryType};
+use crate::same_host::SameHostPeer;
 use crate::side_channel::PeerLink;
-use crate::ucx::{
-    check_not_this_process, packed, Endpoint, OpenError, PeerProcess, Read, SameHostPeer,
-};
+use crate::ucx::{BatchState, Endpoint, Read};
 
 /// A ready connection to one peer engine.
 pub(super) struct Peer {
@@ -52,6 +47,29 @@ pub(super) struct Peer {
     /// good: a new `connect` makes a new peer) when the peer dies, a batch to it passes its
     /// deadline through UCX, or the engine closes.
     conn: Connection<PeerTransport, Arc<Inflight>>,
+}
+
+/// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
+/// that must follow the last byte.
+pub(super) struct Inflight {
+    pub(super) batch: Arc<BatchState>,
+    pub(super) peer: Arc<Peer>,
+    pub(super) deadline: Instant,
+    pub(super) notify: Mutex<Option<Vec<u8>>>,
+    /// Why the engine failed this batch, which says more than UCX's "canceled".
+    pub(super) abort_reason: Mutex<Option<String>>,
+    /// Read directly (same-host reads): nothing to cancel in UCX, a failed batch stops at
+    /// its copy's next call.
+    pub(super) same_host: bool,
+}
+
+impl Inflight {
+    /// The batch's result once it settled: a failure if that was after its deadline
+    /// ([`verdict`]).
+    pub(super) fn result(&self) -> Option<Result<(), String>> {
+        let (outcome, settled_at) = self.batch.settled()?;
+        Some(verdict(outcome, settled_at, self.deadline))
+    }
 }
 
 /// How batches reach one peer: its UCX endpoint, opened by the first read (an engine
@@ -102,6 +120,29 @@ pub(super) fn handle(engine_id: &str, address: &str, connection: u64) -> String 
 }
 
 impl Peer {
+    /// Connection `connection` to the side channel at `address`, whose handshake gave `meta`
+    /// and `link` (and `regions`, its regions' bounds; `same_host`, its process when read
+    /// directly).
+    pub(super) fn new(
+        address: String,
+        connection: u64,
+        meta: EngineMetadata,
+        regions: Arc<[RegionBounds]>,
+        link: PeerLink,
+        same_host: Option<Arc<SameHostPeer>>,
+    ) -> Peer {
+        Peer {
+            address,
+            connection,
+            same_host,
+            meta,
+            region_index: RegionIndex::new(&regions),
+            regions,
+            link,
+            conn: Connection::new(PeerTransport::default()),
+        }
+    }
+
     pub(super) fn handle(&self) -> String {
         handle(&self.meta.engine_id, &self.address, self.connection)
     }
@@ -116,14 +157,15 @@ impl Peer {
     /// memory) on the peer's copy thread, else posted on the peer's endpoint, opened on first
     /// use. A post that may have left reads in flight closes the connection, which cancels
     /// them; the batch then fails when the last of them has completed, so no byte lands in
-    /// blocks the caller then reuses.
+    /// blocks the caller then reuses. Returns whether it closed the connection (the caller
+    /// then takes it out of the routes).
     pub(super) fn post(
         &self,
         shared: &Shared,
         inflight: &Arc<Inflight>,
         reads: &[Read<'_>],
         direct: Option<&Arc<SameHostPeer>>,
-    ) {
+    ) -> bool {
         let batch = &inflight.batch;
         let closed = self.conn.post(Arc::clone(inflight), |transport| match direct {
             Some(direct) => {
@@ -149,9 +191,7 @@ impl Peer {
                     .map_err(|e| PostError::MaybePartial(e.to_string()))
             }
         });
-        if closed {
-            unroute(shared, self);
-        }
+        closed
     }
 
     /// Opens the UCX endpoint to the peer, with peer error handling unless the engine's
@@ -211,8 +251,9 @@ impl Peer {
     }
 
     /// Fails this connection's batches that passed their deadline by `now`: a same-host one
-    /// alone, a UCX one by closing the connection (the next `connect` re-handshakes).
-    pub(super) fn expire(&self, shared: &Shared, now: Instant) {
+    /// alone, a UCX one by closing the connection (the next `connect` re-handshakes); returns
+    /// whether it closed (the caller then takes it out of the routes).
+    pub(super) fn expire(&self, now: Instant) -> bool {
         let reason = |_: &Arc<Inflight>| {
             format!(
                 "deadline passed before the last byte arrived from peer {}",
@@ -231,247 +272,12 @@ impl Peer {
                 "a batch from peer {} passed its deadline; closing the connection to it",
                 self.handle()
             );
-            unroute(shared, self);
         }
+        closed
     }
-}
 
-/// The identity to check with the kernel, if the peer claims a process of this host (same boot
-/// id) and of our pid namespace (where its pid names the same process).
-fn claim_on_this_host<'a>(
-    our_boot_id: Option<&str>,
-    our_pid_namespace: Option<u64>,
-    meta: &'a EngineMetadata,
-) -> Option<&'a SameHostIdentity> {
-    let theirs = meta.same_host.as_ref()?;
-    let here = our_boot_id == Some(theirs.boot_id.as_str())
-        && our_pid_namespace == Some(theirs.pid_namespace);
-    here.then_some(theirs)
-}
-
-/// Whether a peer proven to be a process of this host is read directly: same-host reads on and
-/// all its memory host memory.
-fn reads_directly(enabled: bool, meta: &EngineMetadata) -> bool {
-    enabled && meta.regions.iter().all(|r| r.memory == MemoryType::Host)
-}
-
-/// The process on the other end of `link`, if the peer names one of this host and the kernel
-/// confirms it (`Ok(None)`: none named, or it cannot be checked); an error when the kernel
-/// shows the claim false and same-host reads would have believed it.
-fn peer_process(
-    shared: &Shared,
-    meta: &EngineMetadata,
-    link: &PeerLink,
-) -> Result<Option<PeerProcess>, String> {
-    let Some(claim) = claim_on_this_host(shared.boot_id.as_deref(), shared.pid_namespace, meta)
-    else {
-        return Ok(None);
-    };
-    match PeerProcess::prove(link.socket(), claim.pid, claim.socket_fd) {
-        Ok(process) => Ok(Some(process)),
-        Err(OpenError::Unreadable(e)) => {
-            log::info!(
-                "peer {} claims to be process {} on this host, which cannot be checked (it is read through UCX): {e}",
-                meta.engine_id,
-                claim.pid
-            );
-            Ok(None)
-        }
-        // Without same-host reads a false claim only vouches for nothing (a relay between
-        // engines of this host may then be used).
-        Err(OpenError::Forged(e)) if shared.same_host_reads => Err(e),
-        Err(OpenError::Forged(e)) => {
-            log::warn!("peer {} makes a false claim, ignored: {e}", meta.engine_id);
-            Ok(None)
-        }
-    }
-}
-
-/// One handshake with the side channel at `key`, its outcome recorded in the peer table: a
-/// success becomes the live connection to `key`, numbered by the table.
-pub(super) fn attempt_connect(
-    shared: &Arc<Shared>,
-    key: &str,
-    host: &str,
-    port: u16,
-    timeout: Duration,
-) -> Result<Arc<Peer>, EngineError> {
-    let result = handshake_with(shared, key, host, port, timeout);
-    let mut routes = lock(&shared.routes);
-    // Checked under the lock `close` clears the routes with, after it stopped the engine: a
-    // connection made meanwhile is either aborted by `close` or dropped here.
-    let closed = shared.stop.load(Ordering::Acquire);
-    let result = result.and_then(|parts| if closed { Err(EngineError::Closed) } else { Ok(parts) });
-    let mut waiting = Vec::new();
-    let result = result.map(|parts| {
-        let connected = routes.table.on_ready(key, &parts.meta);
-        if connected.restarted {
-            log::info!("peer {} at {key} restarted (now generation {:#x}); its old endpoint and keys are gone", parts.meta.engine_id, parts.meta.generation);
-        }
-        let peer = Arc::new(Peer {
-            address: key.to_owned(),
-            connection: connected.connection,
-            same_host: parts.same_host,
-            meta: parts.meta,
-            region_index: RegionIndex::new(&parts.regions),
-            regions: parts.regions,
-            link: parts.link,
-            conn: Connection::new(PeerTransport::default()),
-        });
-        waiting = routes.add(&peer);
-        peer
-    });
-    if let Err(e) = &result {
-        log::debug!("connecting to {key} failed: {e}");
-        routes.table.on_failed(key, &e.to_string(), is_retryable_engine_error(e), Instant::now());
-        waiting = routes.failed(key);
-    }
-    drop(routes);
-    shared.table_changed.notify_all();
-    if let Ok(peer) = &result {
-        // Runs at once if the link died meanwhile.
-        let (weak_shared, weak_peer) = (Arc::downgrade(shared), Arc::downgrade(peer));
-        peer.link.on_death(Box::new(move |reason| peer_died(&weak_shared, &weak_peer, &reason)));
-        log::info!(
-            "connected to peer {} at {key} as {} ({} regions)",
-            peer.meta.engine_id,
-            peer.handle(),
-            peer.meta.regions.len()
-        );
-    }
-    settle_waiting(shared, waiting, result.as_ref().ok());
-    result
-}
-
-/// A handshake's outcome, before the table numbers it.
-struct Handshaken {
-    link: PeerLink,
-    meta: EngineMetadata,
-    regions: Arc<[RegionBounds]>,
-    same_host: Option<Arc<SameHostPeer>>,
-}
-
-/// Checks the peer's worker address and remote keys as UCX will parse them (see
-/// [`crate::ucx::packed`]), so that a malformed one is refused at the handshake, with the
-/// field named, rather than when the first read opens the endpoint.
-fn check_packed_for_ucx(meta: &EngineMetadata) -> Result<(), String> {
-    packed::parse_worker_address(&meta.worker_address, packed::unified_mode())
-        .map_err(|e| format!("a malformed worker_address: {e}"))?;
-    for (index, region) in meta.regions.iter().enumerate() {
-        packed::check_rkey(&region.rkey, region.memory)
-            .map_err(|e| format!("a malformed rkey for regions[{index}]: {e}"))?;
-    }
-    Ok(())
-}
-
-fn handshake_with(
-    shared: &Arc<Shared>,
-    key: &str,
-    host: &str,
-    port: u16,
-    timeout: Duration,
-) -> Result<Handshaken, EngineError> {
-    if shared.stop.load(Ordering::Acquire) {
-        return Err(EngineError::Closed);
-    }
-    let (link, meta) = PeerLink::connect(
-        host,
-        port,
-        &shared.config.engine_id,
-        Some(shared.side_channel.clone()),
-        &shared.config.fingerprint,
-        shared.config.secret.as_deref(),
-        timeout,
-        shared.config.heartbeat,
-        Some(IndexFeed::open(&shared.held_index, key).into_sink()),
-    )?;
-    if shared.stop.load(Ordering::Acquire) {
-        return Err(EngineError::Closed);
-    }
-    let layout = meta.layout.as_ref().ok_or_else(|| {
-        EngineError::InvalidArgument(format!(
-            "peer {} at {key} has not published a block layout yet",
-            meta.engine_id
-        ))
-    })?;
-    let regions: Arc<[RegionBounds]> =
-        meta.regions.iter().map(|r| RegionBounds { addr: r.addr, len: r.len }).collect();
-    layout.validate_within(&regions)?;
-    // Whether UCX could parse what it sent first (nothing here hands its bytes to UCX), then
-    // who the peer is, as the kernel says, and whether its worker address reaches this very
-    // process (unless the peer is this process).
-    check_packed_for_ucx(&meta).map_err(|e| {
-        EngineError::InvalidArgument(format!("peer {} at {key} sent {e}", meta.engine_id))
-    })?;
-    let refused = |error: String| EngineError::ConnectFailed {
-        address: key.to_owned(),
-        error: format!("peer {:?} refused: {error}", meta.engine_id),
-    };
-    let process = peer_process(shared, &meta, &link).map_err(refused)?;
-    let vouched = process.as_ref().is_some_and(PeerProcess::is_this_process);
-    check_not_this_process(&meta.worker_address, vouched).map_err(refused)?;
-    let same_host = process.filter(|_| reads_directly(shared.same_host_reads, &meta)).map(|p| {
-        log::info!(
-            "peer {} is process {} on this host: its blocks are read directly, not through UCX",
-            meta.engine_id,
-            p.pid()
-        );
-        Arc::new(SameHostPeer::new(p, Arc::clone(&regions)))
-    });
-    Ok(Handshaken { link, meta, regions, same_host })
-}
-
-fn peer_died(shared: &Weak<Shared>, peer: &Weak<Peer>, reason: &str) {
-    let (Some(shared), Some(peer)) = (shared.upgrade(), peer.upgrade()) else { return };
-    log::warn!("peer {} is gone ({reason}); failing its in-flight transfers", peer.handle());
-    abort_peer(&shared, &peer, &format!("peer {} is gone: {reason}", peer.meta.engine_id));
-}
-
-/// Closes the connection (failing its batches and cancelling their reads: see
-/// [`Endpoint::abort`]; a batch settles only when its last read has completed, so one whose
-/// reads UCX has not released stays pending rather than be reported while bytes may land) and
-/// ends it in the peer table (a newer connection to its address is left alone).
-pub(super) fn abort_peer(shared: &Shared, peer: &Peer, reason: &str) {
-    peer.conn.close(reason);
-    unroute(shared, peer);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::handshake::{Fingerprint, RegionInfo};
-
-    #[test]
-    fn only_a_claim_of_this_host_and_pid_namespace_is_checked_and_host_memory_read_directly() {
-        let region = |memory| RegionInfo { addr: 0x1000, len: 4096, rkey: vec![1; 8], memory };
-        let identity = SameHostIdentity {
-            boot_id: "boot-a".to_owned(),
-            pid_namespace: 7,
-            pid: 42,
-            socket_fd: 9,
-        };
-        let meta = EngineMetadata {
-            engine_id: "d".to_owned(),
-            generation: 1,
-            worker_address: vec![1; 64],
-            regions: vec![region(MemoryType::Host)],
-            layout: None,
-            fingerprint: Fingerprint::default(),
-            same_host: Some(identity.clone()),
-        };
-        assert_eq!(claim_on_this_host(Some("boot-a"), Some(7), &meta), Some(&identity));
-        assert_eq!(claim_on_this_host(Some("boot-b"), Some(7), &meta), None, "another host");
-        assert_eq!(claim_on_this_host(Some("boot-a"), Some(8), &meta), None, "another pid ns");
-        assert_eq!(claim_on_this_host(None, Some(7), &meta), None, "our boot id unknown");
-        assert_eq!(claim_on_this_host(Some("boot-a"), None, &meta), None, "our pid ns unknown");
-        let elsewhere = EngineMetadata { same_host: None, ..meta.clone() };
-        assert_eq!(claim_on_this_host(Some("boot-a"), Some(7), &elsewhere), None, "no claim");
-        assert!(reads_directly(true, &meta));
-        assert!(!reads_directly(false, &meta), "turned off");
-        let cuda = EngineMetadata {
-            regions: vec![region(MemoryType::Host), region(MemoryType::Cuda)],
-            ..meta.clone()
-        };
-        assert!(!reads_directly(true, &cuda), "device memory goes through UCX");
+    /// Closes the connection, failing its batches ([`Connection::close`]).
+    pub(super) fn close(&self, reason: &str) {
+        self.conn.close(reason);
     }
 }

@@ -6,37 +6,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::connection::verdict;
-use super::peer::Peer;
-use super::routes::resolve;
+use super::peer::Inflight;
+use super::routes::{resolve, unroute};
 use super::{lock, Engine, EngineError, Shared};
 use crate::clock::deadline_after;
 use crate::descriptors::{check_remote_bounds, plan_reads, plan_segment_reads, BlockSlice};
 use crate::handshake::MemoryType;
 use crate::ucx::{BatchState, Read};
-
-/// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
-/// that must follow the last byte.
-pub(super) struct Inflight {
-    pub(super) batch: Arc<BatchState>,
-    pub(super) peer: Arc<Peer>,
-    pub(super) deadline: Instant,
-    pub(super) notify: Mutex<Option<Vec<u8>>>,
-    /// Why the engine failed this batch, which says more than UCX's "canceled".
-    pub(super) abort_reason: Mutex<Option<String>>,
-    /// Read directly (same-host reads): nothing to cancel in UCX, a failed batch stops at
-    /// its copy's next call.
-    pub(super) same_host: bool,
-}
-
-impl Inflight {
-    /// The batch's result once it settled: a failure if that was after its deadline
-    /// ([`verdict`]).
-    pub(super) fn result(&self) -> Option<Result<(), String>> {
-        let (outcome, settled_at) = self.batch.settled()?;
-        Some(verdict(outcome, settled_at, self.deadline))
-    }
-}
 
 impl Engine {
     /// Plans, bounds-checks and posts the reads of `remote_ids` into `local_ids`: whole blocks,
@@ -120,7 +96,9 @@ impl Engine {
             same_host: same_host.is_some(),
         });
         lock(&self.shared.inflight).push(Arc::clone(&inflight));
-        peer.post(&self.shared, &inflight, &reads, same_host);
+        if peer.post(&self.shared, &inflight, &reads, same_host) {
+            unroute(&self.shared, &peer);
+        }
         drop(local);
         let transfer = Transfer {
             shared: Arc::clone(&self.shared),
@@ -155,12 +133,13 @@ fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Opti
 }
 
 /// Fails a batch that passed its deadline by `now`, whatever its peer's state: through the
-/// connection it was posted on ([`Peer::expire`]: alone for a same-host batch, by closing the
+/// connection it was posted on ([`super::peer::Peer::expire`]: alone for a same-host batch, by closing the
 /// connection for a UCX one). A batch that connection no longer tracks was failed when it
 /// closed, and settles when its last read comes back.
 fn expire(shared: &Shared, inflight: &Inflight, now: Instant) {
-    if inflight.batch.outcome().is_none() && now >= inflight.deadline {
-        inflight.peer.expire(shared, now);
+    let due = inflight.batch.outcome().is_none() && now >= inflight.deadline;
+    if due && inflight.peer.expire(now) {
+        unroute(shared, &inflight.peer);
     }
 }
 

@@ -180,7 +180,10 @@ fn eviction_frees_least_recently_used_unclaimed_turns_and_unread_prompts_only() 
     let t0 = Instant::now();
     let mut book = book_with(&[("old", &[1]), ("claimed", &[2])], t0);
     let t1 = t0 + Duration::from_secs(1);
-    assert_eq!(book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], 0, vec![], t1 + TTL, t1), Ok(()));
+    assert_eq!(
+        book.hold("new", HoldKind::Turn, 4, vec![3, 4, 5, 6], 0, vec![], t1 + TTL, t1),
+        Ok(())
+    );
     book.lookup("P", &[2], CLAIM, t1).unwrap();
     assert_eq!(book.evict(1, Evict::Turns, t1), vec!["old".to_string()]);
     assert_eq!(book.evict(100, Evict::Turns, t1), vec!["new".to_string()]);
@@ -303,7 +306,16 @@ fn lookups_that_repeat_fingerprints_or_examine_too_much_find_nothing() {
     // Many holds sharing a first block (a long common system prompt).
     for n in 0..(MAX_EXAMINED as u64 + 1) {
         assert_eq!(
-            book.hold(&format!("t{n}"), HoldKind::Turn, 2, vec![1, 1000 + n], 0, vec![], t0 + TTL, t0),
+            book.hold(
+                &format!("t{n}"),
+                HoldKind::Turn,
+                2,
+                vec![1, 1000 + n],
+                0,
+                vec![],
+                t0 + TTL,
+                t0
+            ),
             Ok(())
         );
     }
@@ -396,7 +408,10 @@ fn a_lookup_continuing_a_turn_being_computed_is_awaited_until_the_turn_is_settle
     assert!(book.awaited(&[1, 2, 3], Some(20)));
     assert!(!book.awaited(&[1, 2, 3], None));
     assert!(!book.awaited(&[1, 2, 3], Some(21)));
-    assert_eq!(book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], 0, vec![], t0 + TTL, t0), Ok(()));
+    assert_eq!(
+        book.hold("turn", HoldKind::Turn, 3, vec![1, 2, 3], 0, vec![], t0 + TTL, t0),
+        Ok(())
+    );
     assert!(!book.awaited(&[1, 2, 3], Some(20)), "held: nothing more to wait for");
     assert!(book.awaited(&[1, 2, 3, 4], Some(20)), "expected until settled");
     assert!(book.settle("turn"));

@@ -33,6 +33,7 @@ use crate::handshake::wire::{
 };
 use crate::handshake::{EngineMetadata, Fingerprint, HandshakeError};
 use crate::holds::{LookupReply, LookupRequest};
+use crate::sender::sender_name;
 
 mod announce;
 mod framing;
@@ -119,19 +120,6 @@ type Waker = Arc<dyn Fn() + Send + Sync>;
 
 /// Answers a lookup from the named sender (see [`sender_name`]).
 pub type LookupHandler = Arc<dyn Fn(&str, &LookupRequest) -> LookupReply + Send + Sync>;
-
-/// How the server names the sender of a lookup or notification: the engine id the client
-/// announced and the connection it came on, `engine-id#connection`. A claim made through one
-/// connection is thus released only through it: another client cannot end it by announcing
-/// the same engine id.
-pub fn sender_name(engine_id: &str, connection: u64) -> String {
-    format!("{engine_id}#{connection}")
-}
-
-/// The engine id of a [`sender_name`].
-pub fn sender_engine(sender: &str) -> &str {
-    sender.rsplit_once('#').map_or(sender, |(engine_id, _)| engine_id)
-}
 
 /// An authenticated client that announced where its own side channel listens.
 #[derive(Clone, Debug, PartialEq, Eq)]

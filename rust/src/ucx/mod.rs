@@ -1,9 +1,9 @@
 //! Safe wrappers over UCP: one context + worker per engine, registered memory, endpoints with
 //! their unpacked remote keys, and batches of one-sided reads, each read completed on its own.
 //!
-//! Same-host peers are read without UCX, a batch per system call ([`same_host`]), once the
-//! kernel shows which process they are ([`peer_process`]); a worker address that reaches this
-//! very process is refused ([`this_process`]).
+//! Same-host peers are read without UCX ([`crate::same_host`]), a batch per system call
+//! ([`process_read`]), once the kernel shows which process they are ([`peer_process`]); a
+//! worker address that reaches this very process is refused ([`this_process`]).
 //!
 //! All `unsafe` in the crate lives in this module. Every UCP call on a worker (and on its
 //! context) is made while holding [`Worker::lock`]: the worker is created in UCX's
@@ -15,12 +15,12 @@
 //! binding, which receives tensors' addresses. Everything after is held by the types: a
 //! [`MemRegion`] stays registered while a batch that writes into it exists (the batch holds it,
 //! [`BatchState`]), so neither a UCX read ([`Endpoint::post_reads`]) nor a same-host copy
-//! ([`SameHostCopy::run`]) can outlive the registration of the memory it writes.
+//! ([`CheckedCopy`]) can outlive the registration of the memory it writes.
 
 mod endpoint;
 pub mod packed;
 mod peer_process;
-mod same_host;
+mod process_read;
 mod sys;
 mod this_process;
 
@@ -33,10 +33,9 @@ use std::time::Duration;
 
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
-use endpoint::check_bounds;
 pub use endpoint::{BatchState, Endpoint, Read};
 pub use peer_process::{pid_namespace, OpenError, PeerProcess};
-pub use same_host::{boot_id, ucx_tls_allows_cma, SameHostCopy, SameHostPeer};
+pub use process_read::{CheckedCopy, Piece, MAX_BYTES_PER_CALL, MAX_RANGES_PER_CALL};
 use sys::Api;
 pub use this_process::check_not_this_process;
 
