@@ -25,7 +25,7 @@ from kvduplex import protocol
 from kvduplex.connector import held_mirror, retention
 from kvduplex.connector import lookup as lookup_module
 from kvduplex.connector.metadata import AnnouncedChanges, DuplexWorkerMetadata, LookupMatch
-from kvduplex.connector.scheduler import _held_output_tokens
+from kvduplex.connector.offers import held_output_tokens
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt, salt_of
 from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT
@@ -373,9 +373,9 @@ def test_of_several_stop_strings_the_one_vllm_matches_ends_the_held_answer(
     request = Request("r", prompt_tokens(10), params, None)
     request.append_output_token_ids(tokens)
     request.status = status
-    assert _held_output_tokens(request, tokenizer) == (3 if include_stop else 2)
+    assert held_output_tokens(request, tokenizer) == (3 if include_stop else 2)
     # Without a tokenizer vLLM matches no stop strings: a finished request's client saw all.
-    assert _held_output_tokens(request, None) == (None if status == ABORTED else len(tokens))
+    assert held_output_tokens(request, None) == (None if status == ABORTED else len(tokens))
 
 
 def test_the_salt_separates_lora_adapters_by_name_and_path():

@@ -24,14 +24,9 @@ normally. Grants and lookups, asked and answered, are `lookup.py`'s (`Lookups`);
 the workers' transfer cores, and `get_num_new_matched_tokens` returns None ("ask again")
 meanwhile, so vLLM's scheduler loop never blocks.
 
-Owner (the node that holds): a prefill request (`do_remote_decode`) that finished normally, and
-with `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also on
-a stop string, which vLLM finishes as an abort: `_held_output_tokens`), keep their blocks under a
-hold (with the fingerprints of the tokens they carry, for grants) and return params describing
-them. The hold is a reference of our own on the blocks in vLLM's block pool
-(`bind_kv_cache_manager`): vLLM frees the request at once, and the blocks stay allocated until the
-hold ends. How long holds last, what is evicted under the cap on held turns or when the engine runs
-short of free blocks, and how an idle engine frees the holds that end: `retention.py`. (Had vLLM
+Owner (the node that holds): what a finished request keeps for readers and the params that
+describe it are `offers.py`'s (`Offers`); its references in vLLM's block pool are
+`held_blocks.py`'s, and how long holds last and what is evicted `retention.py`'s. (Had vLLM
 delayed freeing the request instead, as `request_finished` allows, its engine would step non-stop
 for as long as any hold lasts, i.e. for the whole pause between a conversation's turns: measured
 1.3 CPU cores per idle server holding one turn.) TP rank 0's transfer core ends a hold (read by the
@@ -46,8 +41,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
-from vllm.tokenizers import cached_tokenizer_from_config
-from vllm.v1.request import RequestStatus
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
@@ -59,14 +52,13 @@ from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.held_blocks import HeldBlocks
 from kvduplex.connector.idle_steps import IdleWaker
 from kvduplex.connector.lookup import ASK_AGAIN, Lookups
+from kvduplex.connector.offers import Offers
 from kvduplex.connector.params import (
     ParamsContext,
     Rejected,
     RemoteBlocks,
     claim_release,
-    hands_off,
     parse_remote_blocks,
-    takes_over,
     unsupported_reason,
 )
 from kvduplex.connector.retention import LiveRequests, Retention
@@ -74,16 +66,13 @@ from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
 from kvduplex.connector.token_fingerprint import (
     PromptFingerprints,
-    block_fingerprints,
     matched_prefix_tokens,
     prompt_fingerprints,
-    salt_of,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
-    from vllm.tokenizers import TokenizerLike
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -94,7 +83,6 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-_HOLDABLE_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 @dataclass
@@ -140,9 +128,6 @@ class DuplexScheduler:
             read_deadline_margin_s=config.read_deadline_margin_s,
             groups=self._groups,
         )
-        # Tells a turn that ended on a stop string from a client's abort (`_held_output_tokens`). The
-        # EngineCore's structured-output manager loaded this tokenizer already (cached).
-        self._tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
         self._estimator = (
             RecomputeThresholdEstimator(config.recompute_threshold, max_model_len)
             if config.auto_recompute_threshold
@@ -150,11 +135,6 @@ class DuplexScheduler:
         )
         if self._groups.has_state:
             vllm_private.check_prompt_edit()
-        # Side channels of this engine's workers, index = TP rank; None until workers report.
-        self._host: str | None = None
-        self._ports: tuple[int, ...] | None = None
-        self._missing_address_logged = False
-        self._missing_pool_logged = False
 
         self._pulls: dict[str, _PullState] = {}
         # Loads given to the workers: the claim to release and the TP ranks not done yet.
@@ -162,7 +142,6 @@ class DuplexScheduler:
         self._block_pool: BlockPool | None = None
         self._loads: list[md.LoadSpec] = []
         self._releases: list[md.ReleaseSpec] = []
-        self._holds: list[md.HoldSpec] = []
         self._expected = ExpectedTurns(config.bidirectional_kv_xfer, self._block_size)
         self._stats = DuplexConnectorStats()
         # Our references in vLLM's block pool of each hold (`held_blocks.py`).
@@ -180,6 +159,16 @@ class DuplexScheduler:
         # vLLM reset its caches: the next step ends every hold (`_holds_dropped`).
         self._end_holds = False
         self._waker = IdleWaker(self._next_idle_step_in)
+        # What finished requests keep for readers (`offers.py`).
+        self._offers = Offers(
+            vllm_config,
+            kv_cache_config,
+            config,
+            engine_id,
+            self._groups,
+            (self._retention, self._held, self._events, self._lookups, self._waker),
+            self._stats,
+        )
 
     # ---------------------------------------------------------------- reader
 
@@ -439,169 +428,14 @@ class DuplexScheduler:
             # Finished (e.g. aborted) before it was ever scheduled: end the owner's claim.
             self._hand_back(state.remote)
 
-        params = request.kv_transfer_params
-        if not isinstance(params, dict):
-            return False, None
-        output_tokens = _held_output_tokens(request, self._tokenizer)
-        if output_tokens is None:
-            return False, None
-        prompt = None  # its fingerprints, where computed already
-        if hands_off(params):
-            decode_turn = False
-            ttl_s = self._config.kv_lease_ttl_s
-            # Whether or not we hold the prompt for it, the decode node may hold its turn.
-            prompt = self._lookups.handed_off(request)
-        elif takes_over(params) and self._config.bidirectional_kv_xfer:
-            decode_turn = True
-            ttl_s = self._config.decode_kv_hold_ttl_s
-            # The prompt's fingerprints, computed when its pull was matched.
-            prompt = state.prompt if state is not None else None
-        else:
-            return False, None
-
-        if self._groups.has_state and request.num_in_flight_tokens > 0:
-            # A state-space group's state already moves past a token still in flight (async
-            # scheduling): it holds no state of the turn's computed tokens alone.
-            logger.debug(
-                "Request %s: a token is in flight, so its state is not offered", request.request_id
-            )
-            return False, None
-        computed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
-        num_tokens = min(computed, request.num_prompt_tokens + output_tokens)
-        if self._groups.has_state and num_tokens < computed:
-            # A state-space group's state is that after every computed token, not the turn's.
-            logger.debug(
-                "Request %s: its state is past the answer its client saw, so it is not offered",
-                request.request_id,
-            )
-            return False, None
-        num_blocks = -(-num_tokens // self._block_size)
-        # Per transfer group, one entry per block of the turn; vLLM has put its null block
-        # where a sliding-window group freed blocks outside its window; of a state-space
-        # group's, only the running state is offered.
-        tables = [
-            self._groups.needed_blocks(index, table[:num_blocks], num_tokens)
-            for index, table in enumerate(
-                self._kv_cache_config.select_transfer_block_ids(block_ids)
-            )
-        ]
-        if num_blocks == 0 or any(len(table) < num_blocks for table in tables):
-            return False, None
-        if any(
-            group.state_space and tables[index][-1] == NULL_BLOCK_ID
-            for index, group in enumerate(self._groups.groups)
-        ):
-            logger.debug(
-                "Request %s: no state after its %d tokens to offer", request.request_id, num_tokens
-            )
-            return False, None
-        self._keep_edge_blocks(request, tables, num_tokens)
-        held_ids = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]
-        if unsupported_reason(request) is not None:
-            return False, None
-        if self._block_pool is None:
-            if not self._missing_pool_logged:
-                self._missing_pool_logged = True
-                logger.warning(
-                    "vLLM bound no block pool to DuplexConnector; finished requests free their "
-                    "KV blocks instead of offering them to peers"
-                )
-            return False, None
-        if request.request_id in self._held:
-            logger.warning("Request %s is held already; not holding it twice", request.request_id)
-            return False, None
-        if self._host is None or self._ports is None:
-            if not self._missing_address_logged:
-                self._missing_address_logged = True
-                logger.warning(
-                    "No transfer-engine address from the workers yet; finished requests "
-                    "free their KV blocks instead of offering them to peers"
-                )
-            return False, None
-        if decode_turn and len(held_ids) > self._retention.max_turn_blocks:
-            logger.debug(
-                "Request %s: not holding %d blocks, more than held turns may use (%d)",
-                request.request_id,
-                len(held_ids),
-                self._retention.max_turn_blocks,
-            )
-            return False, None
-
-        if prompt is not None and num_tokens <= len(prompt.token_ids):
-            fingerprints = prompt.of_prefix(num_tokens)  # hashed once, for the handoff
-        elif prompt is not None:  # a turn: its prompt's blocks were hashed for the pull
-            fingerprints = prompt.extended(request.all_token_ids[:num_tokens]).of_prefix(
-                num_tokens
-            )
-        else:
-            fingerprints = block_fingerprints(
-                request.all_token_ids[:num_tokens], self._block_size, salt_of(request)
-            )
-        self._held.keep(request.request_id, held_ids)
-        if decode_turn:
-            self._events.held(
-                request, num_tokens, vllm_private.hash_block_size(self._block_pool)
-            )
-        lease_expiry = time.time() + ttl_s
-        # A turn past the cap orders room: the workers free the least recently used unclaimed
-        # turns (every read of a held turn is claimed, so none is freed under a read).
-        self._retention.hold(request.request_id, len(held_ids), decode_turn, lease_expiry)
-        self._waker.poke()
-        if not decode_turn:
-            # The decode node it goes to announces itself to our workers when it reads: the
-            # next turn's lookup has an engine to ask.
-            self._lookups.peers_known()
-        self._stats.set_gauge("held_blocks", self._retention.held_blocks)
-        params = {
-            protocol.DO_REMOTE_PREFILL: not decode_turn,
-            protocol.DO_REMOTE_DECODE: decode_turn,
-            protocol.REMOTE_ENGINE_ID: self._engine_id,
-            protocol.REMOTE_REQUEST_ID: request.request_id,
-            protocol.REMOTE_HOST: self._host,
-            protocol.REMOTE_PORT: self._ports[0],
-            protocol.REMOTE_PORTS: list(self._ports),
-            protocol.TP_SIZE: self._tp_size,
-            # vLLM's flat list for one group, one list per group for a hybrid model.
-            protocol.REMOTE_BLOCK_IDS: tables if self._groups.hybrid else tables[0],
-            protocol.REMOTE_NUM_TOKENS: num_tokens,
-            protocol.REMOTE_BLOCK_SIZE: self._block_size,
-            protocol.REMOTE_BLOCK_FINGERPRINTS: fingerprints,
-            protocol.REMOTE_LEASE_EXPIRY: lease_expiry,
-            protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION,
-        }
-        self._holds.append(
-            md.HoldSpec(
-                request_id=request.request_id,
-                lease_expiry=lease_expiry,
-                num_blocks=len(held_ids),
-                fingerprints=tuple(fingerprints),
-                turn=decode_turn,
-                offer=protocol.encode_offer(params),
-                prompt_blocks=request.num_prompt_tokens // self._block_size,
-            )
-        )
-        return False, params
-
-    def _keep_edge_blocks(self, request: Request, tables: list[list[int]], num_tokens: int) -> None:
-        """Put back into `tables` the sliding-window blocks a reader of the whole turn as its
-        prompt needs (`TransferGroups.pull_limit`) but vLLM has already freed: they are still
-        in vLLM's prefix cache, found by the turn's block hash (held like the others). Not
-        found: the table keeps the null block, and such a reader computes instead."""
-        pool = self._block_pool
-        if pool is None or vllm_private.hash_block_size(pool) != self._block_size:
-            return
-        for index, block in self._groups.edge_blocks(num_tokens):
-            if tables[index][block] != NULL_BLOCK_ID or block >= len(request.block_hashes):
-                continue
-            group_id = self._groups.groups[index].group_id
-            cached = vllm_private.cached_block_id(pool, request.block_hashes[block], group_id)
-            if cached is not None:
-                tables[index][block] = cached
+        prompt = state.prompt if state is not None else None
+        return self._offers.finished(request, block_ids, prompt)
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._live.bind(manager)
         vllm_private.check_block_pool(manager.block_pool)
         self._block_pool = manager.block_pool
+        self._offers.bind(manager.block_pool)
         self._held.bind(manager.block_pool, self._holds_dropped)
 
     # ------------------------------------------------------------- retention
@@ -688,13 +522,13 @@ class DuplexScheduler:
                 f"DuplexConnector: TP workers announce different hosts {sorted(hosts)}; "
                 "all ranks of one engine must share side_channel_host"
             )
-        self._host = hosts.pop()
-        self._ports = tuple(by_rank[rank].port for rank in range(self._tp_size))
+        host, ports = hosts.pop(), tuple(by_rank[rank].port for rank in range(self._tp_size))
+        self._offers.set_address(host, ports)
         logger.info(
             "DuplexConnector engine %s offers KV blocks at %s ports %s",
             self._engine_id,
-            self._host,
-            list(self._ports),
+            host,
+            list(ports),
         )
 
     # ------------------------------------------------------------------ steps
@@ -710,7 +544,7 @@ class DuplexScheduler:
         meta = md.DuplexConnectorMetadata(
             loads=self._loads,
             releases=self._releases,
-            holds=self._holds,
+            holds=self._offers.take_holds(),
             expected=expected,
             settled=settled,
             lookups=self._lookups.take_specs(),
@@ -724,7 +558,7 @@ class DuplexScheduler:
         self._poke_if_renewing()
         if meta.holds:
             self._retention.shipped([hold.request_id for hold in meta.holds], now)
-        self._loads, self._releases, self._holds = [], [], []
+        self._loads, self._releases = [], []
         if self._estimator is not None:
             self._estimator.step_built(
                 time.perf_counter(), scheduler_output.total_num_scheduled_tokens
@@ -782,60 +616,3 @@ def _computes_alone(request: Request) -> bool:
     history itself, so it looks nothing up and pulls nothing."""
     params = request.kv_transfer_params
     return isinstance(params, dict) and params.get(protocol.KEEP_TURN) is True
-
-
-def _held_output_tokens(request: Request, tokenizer: TokenizerLike | None) -> int | None:
-    """How many of a finished request's output tokens its turn holds: the answer its client
-    saw, None when the request is not worth holding. vLLM 0.32 matches stop strings in the
-    frontend, which cuts the answer before the first one (past `min_tokens`, where its
-    detokenizer looks) and aborts the request in the engine core as it does a client's abort
-    (FINISHED_ABORTED, no reason given). The engine may have computed a few tokens past the
-    stop string by then, or even reached max_tokens or eos before the abort came, their number
-    a matter of timing; held, they would spoil the turn's partial last block for the next
-    turn's prompt. So: a request with stop strings holds the tokens before the first one
-    (every one when its answer has none, unless it was aborted: then its client aborted it,
-    and it is never held); a request without, every token if it finished in the engine
-    (length, eos, stop token). The answer's text is decoded from its ids alone, where vLLM's
-    frontend decodes them after the prompt's: with a tokenizer whose text depends on that
-    (a SentencePiece answer's leading space) a stop string may be placed otherwise, and the
-    reader, which checks every held token, reuses the blocks before the difference."""
-    output = request.output_token_ids
-    params = request.sampling_params
-    aborted = request.status == RequestStatus.FINISHED_ABORTED
-    if not aborted and request.status not in _HOLDABLE_STATUSES:
-        return None
-    # Without a tokenizer vLLM's frontend matches no stop strings either.
-    if params is None or not params.stop or len(output) <= params.min_tokens or tokenizer is None:
-        return None if aborted else len(output)
-    output = list(output)
-    skip = params.skip_special_tokens
-
-    def decode(count: int) -> str:
-        return tokenizer.decode(output[:count], skip_special_tokens=skip)
-
-    text = decode(len(output))
-    checked_from = len(decode(params.min_tokens))
-    # As vLLM's `check_stop_strings`: the stop string that ends first, the first listed of
-    # those that end together.
-    found = [
-        (at + len(stop), order, at, len(stop))
-        for order, stop in enumerate(params.stop)
-        if (at := text.find(stop, max(0, checked_from - len(stop) + 1))) >= 0
-    ]
-    if not found:
-        return None if aborted else len(output)
-    _, _, at, length = min(found)
-    seen = at + length if params.include_stop_str_in_output else at
-    # The longest output prefix whose text the client saw whole: binary search on the text's
-    # length (it grows with the tokens), then back off while the text is not a prefix (a
-    # tokenizer may rewrite earlier characters as tokens join); O(log n) decodes.
-    low, high = 0, len(output)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if len(decode(middle)) <= seen:
-            low = middle
-        else:
-            high = middle - 1
-    while low > 0 and not text[:seen].startswith(decode(low)):
-        low -= 1
-    return low
