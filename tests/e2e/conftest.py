@@ -53,6 +53,17 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_router_e2e runs right after test_reset_e2e, not after test_retention_e2e (name
+    order): it shares the session pair of test_connector_e2e's config, which the modules up to
+    test_reset_e2e use and test_retention_e2e replaces with its own (a restart saved)."""
+    late = [item for item in items if item.path.name == "test_router_e2e.py"]
+    rest = [item for item in items if item.path.name != "test_router_e2e.py"]
+    after = [n for n, item in enumerate(rest) if item.path.name == "test_reset_e2e.py"]
+    if late and after:
+        items[:] = rest[: after[-1] + 1] + late + rest[after[-1] + 1 :]
+
+
 def warm_up(server: VllmServer) -> None:
     """Send one plain request so the server's one-time first-request cost (~20 s on a busy
     2-core machine) is paid here and not inside whatever a test measures or waits for."""
