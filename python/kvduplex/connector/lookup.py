@@ -36,6 +36,7 @@ from kvduplex import protocol
 from kvduplex.connector import held_mirror
 from kvduplex.connector import metadata as md
 from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.fleet import parse_address
 from kvduplex.connector.held_mirror import HeldMirror
 from kvduplex.connector.params import (
     ParamsContext,
@@ -493,13 +494,14 @@ def _lookup_hint(request: Request) -> str | None:
     hint = (request.kv_transfer_params or {}).get(protocol.LOOKUP_HINT)
     if not isinstance(hint, str) or len(hint) > _MAX_HINT_LEN:
         return None
-    host, _, port = hint.rpartition(":")
-    return hint if host and port.isdigit() and 0 < int(port) < 65536 else None
+    return hint if parse_address(hint) is not None else None
 
 
 def _owner_release(match: md.LookupMatch) -> md.ReleaseSpec:
     """Where to hand a lookup's claim back: the side channel that answered it (TP rank 0)."""
-    host, _, port = match.owner_address.rpartition(":")
+    address = parse_address(match.owner_address)
+    if address is None:
+        raise ValueError(f"owner address {match.owner_address!r} is not host:port")
     engine_id = match.owner_engine_id.rsplit("/tp", 1)[0]
-    peer = md.PeerAddress(engine_id=engine_id, host=host, ports=(int(port),))
+    peer = md.PeerAddress(engine_id=engine_id, host=address[0], ports=(address[1],))
     return md.ReleaseSpec(peer, match.owner_request_id, match.claim_id)

@@ -159,6 +159,7 @@ class DuplexWorker:
         fingerprint = compatibility_fingerprint(
             self._vllm_config, kv_caches, layout, self._groups, self._head_bytes
         )
+        secret = self._config.auth_secret()
         engine = _core.Engine(
             md.rank_engine_id(self._engine_id, self._tp_rank),
             fingerprint,
@@ -166,7 +167,7 @@ class DuplexWorker:
             port=side_channel_port(
                 self._config.side_channel_port, self._vllm_config.parallel_config, self._tp_rank
             ),
-            secret=self._config.auth_secret(),
+            secret=secret,
             peer_error_handling=self._config.ucx_peer_error_handling,
             lookup_claim_s=self._config.kv_lease_ttl_s,
             heartbeat_s=self._config.peer_heartbeat_s,
@@ -182,6 +183,7 @@ class DuplexWorker:
             engine.close()
             raise
         self._engine = engine
+        self._lookups.join_fleet(engine, fingerprint, secret)
         self._layer_segments = dict(layout.layer_segments)
         # Forward order: by the layer numbers in the names ("model.layers.10..." after "2").
         in_order = sorted(
@@ -260,6 +262,7 @@ class DuplexWorker:
         )
 
     def shutdown(self) -> None:
+        self._lookups.close()
         if self._engine is not None:
             self._engine.close()
             self._engine = None

@@ -23,7 +23,14 @@ from vllm.logger import init_logger
 
 from kvduplex import _core, protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector.config import DuplexConfig
+from kvduplex.connector.config import DuplexConfig, per_user_secret_path
+from kvduplex.connector.fleet import (
+    Fleet,
+    FleetDirectory,
+    advertised_address,
+    fleet_key,
+    parse_address,
+)
 from kvduplex.connector.stats import DuplexConnectorStats
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
@@ -53,6 +60,8 @@ class WorkerLookups:
         self._unanswered: list[_PendingLookup] = []
         self._results: dict[str, list[md.LookupMatch]] = {}
         self._next_peer_scan = 0.0
+        # Who a lookup asks besides the readers the transfer core knows (`join_fleet`).
+        self._fleet = Fleet(config.decode_peers, None)
         self._num_targets = -1
         self._reported_targets = -1
         # Where the scheduler's copy of the decode nodes' announcements stands (`announced`).
@@ -66,7 +75,7 @@ class WorkerLookups:
             return
         targets = self._targets(engine, spec.owner)
         if spec.hint is not None:
-            hint = _address(spec.hint)
+            hint = parse_address(spec.hint)
             if hint is not None and hint in targets:
                 targets = [hint]
                 self._stats.add("lookups_hinted")
@@ -191,26 +200,40 @@ class WorkerLookups:
         self._announced_synced = synced
         return md.AnnouncedChanges(whole, tuple(added), tuple(removed), synced)
 
+    def join_fleet(self, engine: _core.Engine, fingerprint: dict[str, str],
+                   secret: bytes | None) -> None:
+        """TP rank 0 of a bidirectional engine: list it in this host's fleet directory and
+        start reading the fleet (`fleet.py`), so that every P on this host (or behind a name in
+        `decode_peers`) asks it from its first lookup, whoever routed what before."""
+        if self._tp_rank != 0 or not self._config.bidirectional_kv_xfer:
+            return
+        secret_path = per_user_secret_path()
+        directory = (
+            FleetDirectory(secret_path.parent / f"fleet-{fleet_key(secret, fingerprint)}")
+            if secret_path is not None
+            else None
+        )
+        address = advertised_address(engine.side_channel_host, engine.side_channel_port)
+        self._fleet = Fleet(self._config.decode_peers, directory)
+        self._fleet.start(engine.engine_id, address)
+
+    def close(self) -> None:
+        """Withdraw from the fleet directory (at shutdown)."""
+        self._fleet.close()
+
     def _targets(self, engine: _core.Engine, owner: str | None) -> list[tuple[str, int]]:
-        """Side channels to ask: the owner named in params alone, or (a lookup) the configured
-        decode peers and every reader our transfer core knows (same TP rank)."""
-        addresses: list[str] = []
+        """Side channels to ask: the owner named in params alone, or (a lookup) the fleet's
+        engines (`fleet.py`) and every reader our transfer core knows (same TP rank)."""
         if owner:
-            addresses.append(owner)
-        else:
-            addresses.extend(self._config.decode_peers)
-            # An engine's holds live on its TP rank 0 (other ranks of a reader at another TP
-            # size announce themselves too).
-            addresses.extend(
-                address
-                for engine_id, address in engine.known_peers()
-                if engine_id.endswith(md.rank_engine_id("", 0))
-            )
+            target = parse_address(owner)
+            return [] if target is None else [target]
         # In order, each once (a dict: linear in the fleet, not quadratic).
-        targets: dict[tuple[str, int], None] = {}
-        for address in addresses:
-            target = _address(address)
-            if target is not None:
+        targets: dict[tuple[str, int], None] = dict.fromkeys(self._fleet.members())
+        # An engine's holds live on its TP rank 0 (other ranks of a reader at another TP size
+        # announce themselves too).
+        for engine_id, address in engine.known_peers():
+            target = parse_address(address)
+            if target is not None and engine_id.endswith(md.rank_engine_id("", 0)):
                 targets[target] = None
         return list(targets)
 
@@ -335,11 +358,3 @@ class _PendingLookup:
                     )
                 )
         return matches, failures
-
-
-def _address(address: str) -> tuple[str, int] | None:
-    """("host", port) of a "host:port" side-channel address (brackets of IPv6 hosts dropped)."""
-    host, _, port = address.rpartition(":")
-    if host and port.isdigit() and 0 < int(port) < 65536:
-        return host.strip("[]"), int(port)
-    return None
