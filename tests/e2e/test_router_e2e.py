@@ -7,7 +7,8 @@ D that holds it.
 What the router does (docs/connector.md, "Behind vllm-router"): P gets the client's request
 with `max_tokens=1` and its own `kv_transfer_params` (`do_remote_decode`, whatever the client
 sent), D gets the client's request with P's params. So nothing in a request names the D that
-holds the previous turn: P must know every D by itself.
+holds the previous turn: P must know every D by itself (`connector/fleet.py`: on one host, the
+fleet directory every engine lists itself in).
 - `round_robin` advances the P and the D index together: request k goes to (P[k mod 2],
   D[k mod 2]), so a conversation's next turn lands on the other pair, whose P has never met the
   D that holds the history (turn 2: P1 pulls from D0).
