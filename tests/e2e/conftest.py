@@ -6,8 +6,9 @@ Fixtures:
 - `reference_server`: a plain vLLM server (no connector) whose answers are the expected ones.
 - `pd_pair`: a factory that starts a prefill/decode pair for a `--kv-transfer-config`.
 
-A vLLM server here takes ~30-50 s to start and ~3 GB of memory, and the machine runs at most 3,
-so everything is session-scoped and at most one P/D pair is alive at a time (reference + 2).
+A vLLM server here takes ~30-50 s to start and ~3 GB of memory, so everything is session-scoped
+and at most one P/D pair is alive at a time (reference + 2); a module that needs more servers
+starts them for itself (test_router_e2e: a second P and D beside the pair, 5 in all).
 
 Request helpers live in `kvduplex.demo.servers` (`complete`, `with_nonce`, `describe_mismatch`) and
 are re-exported here. Mark tests that use these fixtures with `@pytest.mark.e2e`.
