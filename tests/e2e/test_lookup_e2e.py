@@ -36,16 +36,15 @@ def pair(pd_pair) -> ServerPair:
     return pd_pair(KV_TRANSFER_CONFIG)
 
 
-def relay_streamed(pair: ServerPair, prompt: list[int], max_tokens: int) -> tuple[Completion, dict]:
-    """One turn through a standard-params router, D's answer streamed with the openai SDK.
-    Returns the completion and P's prompt-token counts by source for this turn."""
-    before = prompt_tokens_by_source(pair.prefill.base_url)
-    prefill = complete(
-        pair.prefill.base_url, prompt, max_tokens=1, kv_transfer_params=prefill_request_params()
-    )
-    after = prompt_tokens_by_source(pair.prefill.base_url)
-    on_p = {key: after.get(key, 0) - before.get(key, 0) for key in after}
-    client = openai.OpenAI(base_url=f"{pair.decode.base_url}/v1", api_key="unused")
+def stream_completion(
+    base_url: str, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None
+) -> Completion:
+    """`prompt` answered in `max_tokens` tokens (greedy, eos ignored, top-5 logprobs), streamed
+    from `base_url` with the openai SDK; token ids from the logprob tokens."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
+    extra: dict = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
     stream = client.completions.create(
         model=SERVED_MODEL_NAME,
         prompt=prompt,
@@ -54,11 +53,7 @@ def relay_streamed(pair: ServerPair, prompt: list[int], max_tokens: int) -> tupl
         seed=0,
         logprobs=5,
         stream=True,
-        extra_body={
-            "ignore_eos": True,
-            "return_tokens_as_token_ids": True,
-            "kv_transfer_params": prefill.kv_transfer_params,
-        },
+        extra_body=extra,
     )
     token_ids: list[int] = []
     logprobs: list[float] = []
@@ -78,7 +73,7 @@ def relay_streamed(pair: ServerPair, prompt: list[int], max_tokens: int) -> tupl
     # How many chunks carry the tokens is the server's choice: vLLM merges the deltas a slow
     # reader has not taken yet, so a short answer on a busy host may come in one chunk.
     assert len(token_ids) == max_tokens, f"{chunks} chunks carried {len(token_ids)} tokens"
-    completion = Completion(
+    return Completion(
         text="",
         token_ids=token_ids,
         prompt_token_ids=list(prompt),
@@ -87,6 +82,20 @@ def relay_streamed(pair: ServerPair, prompt: list[int], max_tokens: int) -> tupl
         finish_reason="length",
         kv_transfer_params=None,
         elapsed_s=0.0,
+    )
+
+
+def relay_streamed(pair: ServerPair, prompt: list[int], max_tokens: int) -> tuple[Completion, dict]:
+    """One turn through a standard-params router, D's answer streamed with the openai SDK.
+    Returns the completion and P's prompt-token counts by source for this turn."""
+    before = prompt_tokens_by_source(pair.prefill.base_url)
+    prefill = complete(
+        pair.prefill.base_url, prompt, max_tokens=1, kv_transfer_params=prefill_request_params()
+    )
+    after = prompt_tokens_by_source(pair.prefill.base_url)
+    on_p = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    completion = stream_completion(
+        pair.decode.base_url, prompt, max_tokens, prefill.kv_transfer_params
     )
     return completion, on_p
 
