@@ -109,3 +109,11 @@ def test_results_files_are_linked_and_links_resolve():
         for target in LINK.findall(source.read_text()):
             if not target.startswith("http"):
                 assert (source.parent / target).exists(), f"{source.name}: broken link {target}"
+
+
+def test_links_to_results_sections_resolve():
+    """A link to a section of the results page (README, docs/) names one it has."""
+    page = sections(RESULTS.read_text())
+    for source in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for anchor in re.findall(r"RESULTS\.md#([a-z0-9-]+)", source.read_text()):
+            assert anchor in page, f"{source.name}: no section #{anchor} in benches/RESULTS.md"
