@@ -16,7 +16,7 @@ the figure load.py reports as `prefill_computed_tokens`:
   whose blocks would not fit (a hold lasts until then: its lease outlives a point). A later
   turn's history comes from P's cache, else from D's held turn where that gains at least the
   recompute threshold.
-- `p-cache-2x`: the same with P's pool doubled (RESULTS 2026-12-06 11:53 measured it).
+- `p-cache-2x`: the same with P's pool doubled (measured once: `benches/RESULTS.md`, Load).
 - `exclusive`: once D holds a turn, P reuses first the cached blocks of its prompt (D has them
   too), so its cache keeps other histories longer; they stay first after D gives the turn up.
 - `supersede`: D gives up a chat's held turn once it holds the chat's next one (whose blocks

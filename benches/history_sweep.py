@@ -54,7 +54,8 @@ Model: `kvduplex_testing.tiny_model.build_realistic_chat_model` (SmolLM2-360M's 
 built on first use, ~1.5 GB). Usage (repository root):
     PYTHONPATH=python .venv/bin/python benches/history_sweep.py --out DIR [--lengths 1024 2048]
 writes DIR/history_sweep.json and DIR/history_sweep.png. Exit status 1 if an answer differs or a
-kvduplex system fails.
+kvduplex system fails. `--replot JSON --out DIR` prints a kept run's table and redraws its plot
+in DIR (no servers).
 """
 
 from __future__ import annotations
@@ -334,7 +335,16 @@ def main() -> int:
     add_pin_argument(parser)
     parser.add_argument("--skip", action="append", default=[], choices=SYSTEMS[1:])
     parser.add_argument("--model-dir", type=Path, help="realistic model directory (built if missing)")
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="no run: a kept history_sweep.json's table, and its plot in --out")
     args = parser.parse_args()
+    if args.replot:
+        report = json.loads(args.replot.read_text())
+        table = {s: {int(n): pt for n, pt in pts.items()} for s, pts in report["table"].items()}
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(table, report["lengths"], args.out / "history_sweep.png")
+        print(format_table(table, report["lengths"]))
+        return 0
     args.cpus = pd_cpus(parser, args.pin)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

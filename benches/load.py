@@ -65,6 +65,7 @@ turns >= 2 and goodput against offered load; needs matplotlib: `pip install matp
 Usage (repository root):
     PYTHONPATH=python .venv/bin/python benches/load.py --quick --json OUT --png OUT
 `--quick` finishes in about 6 minutes, the default workload in about 15, on 2 cores.
+`--replot JSON [--png OUT]` prints a kept report's table and redraws its plot (no servers).
 Exit status 1 when a system failed, a client request failed or an answer differs.
 """
 
@@ -711,6 +712,8 @@ def main() -> None:
     parser.add_argument("--think", type=float, help="mean think time between turns (s)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     parser.add_argument("--png", type=Path, help="TTFT and goodput against offered load")
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="no run: print a kept report's table, and plot it with --png")
     parser.add_argument("--model-dir", type=Path, help="tiny chat model directory (built if missing)")
     parser.add_argument("--work-dir", type=Path, help="server logs (default: a new temp dir)")
     parser.add_argument("--skip", action="append", default=[], choices=SYSTEMS[1:],
@@ -743,6 +746,12 @@ def main() -> None:
     )
     add_pin_argument(parser)
     args = parser.parse_args()
+    if args.replot:
+        report = json.loads(args.replot.read_text())
+        print(format_report(report))
+        if args.png:
+            plot(report, args.png)
+        return
     try:
         args.connector_config = {
             key: json.loads(value)

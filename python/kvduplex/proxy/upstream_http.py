@@ -9,8 +9,8 @@ answer off (refused or failed connect, reset, disconnect, `read_timeout_s` of si
 
 aiohttp rather than httpx: on an idle P/D pair on 2 cores a later chat turn's first token came
 2.8 and 6.1 ms sooner through the proxy with aiohttp in two runs (p50), as soon as straight
-from P (`benches/RESULTS.md`, 2026-12-06 05:41; under load the difference was within the
-runs' spread).
+from P (a probe recorded in `benches/results/HISTORY.md`; under load the difference was within
+the runs' spread).
 """
 
 from __future__ import annotations
