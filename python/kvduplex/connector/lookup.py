@@ -1,14 +1,14 @@
 """Scheduler side of lookups and grants: which engine holds a request's blocks.
 
-A request whose params name a peer's hold (a hint, never a capability) asks that owner for a
-*grant* of it; on a bidirectional prefill node, a request whose params name none is *looked up*
-by its prompt on every decode engine TP rank 0 knows. Either way `Lookups` sends the
+Whether a request asks, and whom, is decided in `pull_decision.py`: the owner its params name,
+for a *grant* of that hold (a hint, never a capability), or, on a bidirectional prefill node,
+the decode engines a *lookup* by its prompt asks. Either way `Lookups` sends the
 fingerprints of the prompt's blocks to the workers (`md.LookupSpec`; their side:
 `worker_lookup.py`), tells vLLM "ask again" meanwhile, and takes the owners' claimed answers
 when the workers report them: it checks each exactly like params from a router, keeps the one
 that covers most of the prompt (only here can a turn's partial last block be checked against
 the prompt's tokens) and hands every other claim back. The request then pulls what was chosen
-(`scheduler.py`) or, with nothing found, prefills.
+(`pull_decision.py`) or, with nothing found, prefills.
 
 One deadline per lookup, computed once, here, when it is asked: `time.monotonic()` plus
 `lookup_timeout_ms` (a grant, which may need a first handshake with its owner:
@@ -150,11 +150,6 @@ class Lookups:
         # scheduling vLLM builds the next step before it takes the last one's report).
         self._looked_up_at = -math.inf
         self._built_at = -math.inf
-
-    def __contains__(self, request_id: str) -> bool:
-        """Whether the request was looked up or asked a grant for, or its params named an
-        owner (checked once, on arrival: their lease may be renewed since)."""
-        return request_id in self._lookups or request_id in self._named
 
     def name_owner(
         self, request: Request, remote: RemoteBlocks, prompt: PromptFingerprints | None
