@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 
-
 class DuplexScheduler:
     def __init__(
         self,
