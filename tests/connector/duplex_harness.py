@@ -216,22 +216,20 @@ class Engine:
         invalid_block_ids: Iterable[int] = (),
         worker_stats: DuplexConnectorStats | None = None,
         worker_meta: DuplexWorkerMetadata | None = None,
-        evictions_done: int = 0,
         rank0: Callable[[DuplexConnectorMetadata], DuplexWorkerMetadata | None] | None = None,
     ) -> Step:
         """One engine step; the test plays the workers: `freed_holds` are holds that ended
-        (as TP rank 0 reports them, with the `evictions_done` eviction orders it carried
-        out), `finished_recving` reads that completed (every TP rank reports their loads
+        (as TP rank 0 reports them; the step's report settles its eviction order),
+        `finished_recving` reads that completed (every TP rank reports their loads
         done, as the workers do). `rank0`, given this step's metadata, answers as TP rank 0
         does in this step's output (an eviction it carries out during the step)."""
         done = [*finished_recving, *failed_recving]
-        if freed_holds or done or evictions_done:
+        if freed_holds or done:
             tp_size = self.scheduler.vllm_config.parallel_config.tensor_parallel_size
             worker_meta = DuplexWorkerMetadata(
                 lookups=worker_meta.lookups if worker_meta is not None else {},
                 freed_holds=list(freed_holds),
                 loads_done=done * tp_size,
-                evictions_done=evictions_done,
             )
         output = self.scheduler.schedule()
         if rank0 is not None:

@@ -35,12 +35,12 @@ class Rank0:
             return DuplexWorkerMetadata(lookups=lookups) if lookups else None
         self.orders.append((len(self.d.steps), meta.evict.total))
         freed, blocks = [], 0
-        for request_id, held_blocks in self.d.duplex._held._held.items():  # oldest hold first
+        for request_id, hold in self.d.duplex._held._holds.items():  # oldest hold first
             if blocks >= meta.evict.total:
                 break
             freed.append(request_id)
-            blocks += len(held_blocks)
-        return DuplexWorkerMetadata(lookups=lookups, freed_holds=freed, evictions_done=1)
+            blocks += len(hold.blocks)
+        return DuplexWorkerMetadata(lookups=lookups, freed_holds=freed)
 
 
 def _d_with_two_held_turns(
@@ -63,7 +63,7 @@ def _d_with_two_held_turns(
         _, params = decode(d, f"turn{i}", turn, prefill(p, f"p{i}", turn), max_tokens=2)
         assert params is not None
     d.step()  # the holds are shipped
-    assert d.duplex._retention.turn_blocks == 14
+    assert d.duplex._held.turn_blocks == 14
     assert d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 17
     assert all(s.meta.evict is None for s in d.steps)
     return p, d
@@ -247,7 +247,7 @@ def test_the_counted_need_is_exactly_what_vllm_admits_with(engines, reserve_full
         d.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
         d.step()
         earlier = prompt
-        assert d.duplex._retention.turn_blocks == 14  # nothing was evicted
+        assert d.duplex._held.turn_blocks == 14  # nothing was evicted
     assert admitted and waited  # both sides of the boundary were seen
 
 

@@ -409,3 +409,26 @@ def test_rank_reads_map_kv_heads_between_tp_sizes():
         rank_reads(2, 4, 0, 1, 100)
     with pytest.raises(ValueError, match="not head-major"):
         rank_reads(8, 2, 0, 1, None)
+
+
+def test_the_options_and_the_params_are_checked_by_one_set_of_validators():
+    """`config.py` and `params.py` used to repeat each other's checks, each with its own rules
+    and messages; both now use `validate.py`'s, the options taking text too (a command line)."""
+    from kvduplex.connector import validate
+
+    for extra, check in (
+        ({"layerwise_load": "yes"}, lambda: validate.boolean("yes", "layerwise_load")),
+        ({"lookup_timeout_ms": 1.5}, lambda: validate.integer(1.5, "lookup_timeout_ms")),
+        (
+            {"side_channel_port": "70000"},
+            lambda: validate.integer(70000, "side_channel_port", minimum=0, maximum=65535),
+        ),
+        ({"side_channel_host": ""}, lambda: validate.text("", "side_channel_host")),
+    ):
+        with pytest.raises(validate.Invalid) as checked:
+            check()
+        with pytest.raises(ValueError) as option:
+            DuplexConfig.from_extra_config(extra)
+        assert str(option.value) == f"DuplexConnector: {checked.value}"
+    assert DuplexConfig.from_extra_config({"layerwise_load": "True"}).layerwise_load is True
+    assert DuplexConfig.from_extra_config({"side_channel_port": "41000"}).side_channel_port == 41000

@@ -1,5 +1,6 @@
-"""`retention.py`'s pure logic: orders, acknowledgements, pressure, wake times; and the hold
-book's lease end, which those wake times count on."""
+"""`retention.py`'s pure logic (orders, pressure) over `holds.py`'s record of held turns (counts,
+wake times), on vLLM's own block pool; and the hold book's lease end, which those wake times
+count on."""
 
 from __future__ import annotations
 
@@ -9,93 +10,135 @@ import threading
 import time
 
 import pytest
+from vllm.config import VllmConfig
+from vllm.v1.core.block_pool import BlockPool
 
 from kvduplex import _core
 from kvduplex.connector import retention as retention_module
+from kvduplex.connector.events import HeldTurnEvents
+from kvduplex.connector.holds import IDLE_CHECK_S, Holds
 from kvduplex.connector.idle_steps import IdleWaker
-from kvduplex.connector.retention import (
-    IDLE_CHECK_S,
-    Retention,
-    most_running_blocks,
-    running_blocks_needed,
-)
+from kvduplex.connector.retention import Retention, most_running_blocks, running_blocks_needed
+from kvduplex.connector.stats import DuplexConnectorStats
 
 
-def test_pressure_orders_the_shortfall_once_until_it_is_acknowledged():
-    r = Retention(max_turn_blocks=100)
-    r.hold("a", 4, True, 100.0)
-    r.hold("b", 3, False, 100.0)
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    return VllmConfig()
+
+
+class _Book:
+    """An engine's holds on a real block pool, and their eviction orders."""
+
+    def __init__(self, vllm_config: VllmConfig, max_turn_blocks: int = 100) -> None:
+        self.pool = BlockPool(64, enable_caching=False, hash_block_size=16)
+        self.holds = Holds(HeldTurnEvents(vllm_config), DuplexConnectorStats())
+        self.holds.bind(self.pool, lambda: None)
+        self.retention = Retention(self.holds, max_turn_blocks)
+
+    def hold(self, request_id: str, num_blocks: int, turn: bool, expires_at: float = 100.0):
+        blocks = self.pool.get_new_blocks(num_blocks)
+        self.holds.keep(request_id, [b.block_id for b in blocks], turn, expires_at)
+        self.pool.free_blocks(blocks)  # the request is freed; the hold's reference stays
+        if turn:
+            self.retention.turn_held()
+
+
+def test_pressure_orders_the_shortfall_once_until_its_steps_report(vllm_config):
+    b = _Book(vllm_config)
+    r = b.retention
+    b.hold("a", 4, True)
+    b.hold("b", 3, False)
+    assert b.holds.held_blocks == 7 and b.holds.turn_blocks == 4
     assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.0) == 3
     # Ordered, not shipped yet: asking again orders nothing more.
     assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.0) == 0
-    order = r.take_order(now=0.0)
+    order = r.take_order()
     assert order is not None and (order.cap_blocks, order.turn_blocks, order.any_blocks) == (0, 0, 3)
-    # Shipped, not acknowledged: still counted as coming back.
-    assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=0.1) == 0
-    assert r.frees_pending(0.1)
-    # TP rank 0 freed "b" (3 blocks) and acknowledged: nothing is pending.
-    assert r.freed("b") == 3
-    r.acknowledged(1, freed_blocks=3, now=0.2)
-    assert not r.frees_pending(0.2)
-    assert r.held_blocks == 4
+    # Shipped, its step not reported: still counted as coming back, however long it takes.
+    assert r.take_order() is None  # the next step (async scheduling), no order of its own
+    assert r.pressure(free_blocks=2, running_need=5, waiting_need=0, now=60.0) == 0
+    assert r.frees_pending()
+    # Its step reports "b" (3 blocks) ended: nothing is pending, though the next step is not in.
+    assert b.holds.end(["b"]) == 3
+    r.reported(3, now=60.1)
+    assert not r.frees_pending()
+    assert b.holds.held_blocks == 4
     # Never more than what is held.
-    assert r.pressure(free_blocks=0, running_need=50, waiting_need=0, now=0.3) == 4
-    assert r.freed("b") is None  # freed once
+    assert r.pressure(free_blocks=0, running_need=50, waiting_need=0, now=60.2) == 4
+    assert b.holds.end(["b"]) == 0  # freed once
 
 
-def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_while():
-    r = Retention(max_turn_blocks=100)
-    r.hold("prompt", 4, False, 100.0)
-    r.hold("turn", 3, True, 100.0)
+def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_while(vllm_config):
+    b = _Book(vllm_config)
+    r = b.retention
+    b.hold("prompt", 4, False)
+    b.hold("turn", 3, True)
     # Nothing running needs blocks; the waiting ones need 6 more than are free: the turn's 3.
     assert r.pressure(free_blocks=2, running_need=0, waiting_need=8, now=0.0) == 3
-    order = r.take_order(now=0.0)
+    order = r.take_order()
     assert (order.cap_blocks, order.turn_blocks, order.any_blocks) == (0, 3, 0)
     # A running request short of 2 more may take the prompt too.
     assert r.pressure(free_blocks=0, running_need=5, waiting_need=8, now=0.0) == 2
-    assert r.take_order(now=0.0).any_blocks == 2
+    assert r.take_order().any_blocks == 2
     # No reader asked for a prompt: after UNREAD_PROMPT_S the waiting ones may take it.
-    r = Retention(max_turn_blocks=100)
-    r.hold("prompt", 4, False, 100.0)
+    b = _Book(vllm_config)
+    r = b.retention
+    b.hold("prompt", 4, False)
     assert r.pressure(free_blocks=0, running_need=0, waiting_need=2, now=60.0) == 0  # unshipped
-    r.shipped(["prompt"], now=0.0)
+    b.holds.shipped(["prompt"], now=0.0)
     before = retention_module.UNREAD_PROMPT_S - 0.1
     assert r.pressure(free_blocks=0, running_need=0, waiting_need=2, now=before) == 0
     after = retention_module.UNREAD_PROMPT_S
     assert r.pressure(free_blocks=0, running_need=0, waiting_need=2, now=after) == 2
-    assert r.take_order(now=after).turn_blocks == 2
+    assert r.take_order().turn_blocks == 2
 
 
-def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while():
-    r = Retention(max_turn_blocks=100)
-    r.hold("claimed", 5, True, 100.0)
+def test_turns_past_the_cap_order_room_once(vllm_config):
+    b = _Book(vllm_config, max_turn_blocks=10)
+    b.hold("t1", 6, True)
+    b.hold("t2", 6, True)  # 2 over
+    b.hold("p", 6, False)  # prompts do not count
+    b.hold("t3", 6, True)  # 6 more over, the 2 ordered already
+    order = b.retention.take_order()
+    assert (order.cap_blocks, order.turn_blocks, order.any_blocks) == (8, 0, 0)
+
+
+def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while(vllm_config):
+    b = _Book(vllm_config)
+    r = b.retention
+    b.hold("claimed", 5, True)
     r.pressure(0, 5, 0, now=0.0)
-    r.take_order(now=0.0)
-    r.acknowledged(1, freed_blocks=0, now=0.1)
+    r.take_order()
+    r.reported(0, now=0.1)  # its step freed nothing: the turn is claimed
     assert r.pressure(0, 5, 0, now=0.2) == 0  # vLLM preempts meanwhile
-    assert not r.frees_pending(0.2)
+    assert not r.frees_pending()
     assert r.pressure(0, 5, 0, now=0.1 + retention_module.FRUITLESS_BACKOFF_S + 0.01) == 5
 
 
-def test_an_order_never_acknowledged_stops_counting_after_its_timeout():
-    r = Retention(max_turn_blocks=100)
-    r.hold("a", 2, True, 100.0)
-    r.pressure(0, 2, 0, now=0.0)
-    r.take_order(now=0.0)
-    assert r.frees_pending(retention_module.ORDER_TIMEOUT_S - 0.1)
-    assert not r.frees_pending(retention_module.ORDER_TIMEOUT_S + 0.1)
+def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last(vllm_config):
+    b = _Book(vllm_config)
+    holds = b.holds
+    assert holds.wake_at() is None
+    holds.stepped(10.0)
+    b.hold("a", 1, False, expires_at=10.4)
+    assert holds.wake_at() == 10.4
+    holds.stepped(10.5)  # the expiry was checked in this step; "a" is claimed and stays
+    assert holds.wake_at() == 10.5 + IDLE_CHECK_S
+    holds.end(["a"])
+    assert holds.wake_at() is None
 
 
-def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last():
-    r = Retention(max_turn_blocks=100)
-    assert r.wake_at() is None
-    r.stepped(10.0)
-    r.hold("a", 1, False, expires_at=10.4)
-    assert r.wake_at() == 10.4
-    r.stepped(10.5)  # the expiry was checked in this step; "a" is claimed and stays
-    assert r.wake_at() == 10.5 + IDLE_CHECK_S
-    r.freed("a")
-    assert r.wake_at() is None
+def test_a_reset_drops_every_hold_and_the_books_later_report_is_expected(vllm_config):
+    b = _Book(vllm_config)
+    b.hold("t", 3, True)
+    b.hold("p", 2, False)
+    assert b.pool.get_num_free_blocks() == 63 - 5
+    assert sorted(b.holds.drop_all()) == ["p", "t"]
+    assert b.pool.get_num_free_blocks() == 63
+    assert not b.holds and b.holds.held_blocks == 0 and b.holds.turn_blocks == 0
+    assert b.holds.end(["t", "p"]) == 0  # TP rank 0's ends of the dropped holds: no double free
+    assert b.pool.get_num_free_blocks() == 63
 
 
 def test_the_hold_book_has_ended_a_lease_when_the_scheduler_wakes_for_its_end():

@@ -24,7 +24,12 @@ from duplex_harness import (
 from kvduplex import protocol
 from kvduplex.connector import held_mirror, retention
 from kvduplex.connector import lookup as lookup_module
-from kvduplex.connector.metadata import AnnouncedChanges, DuplexWorkerMetadata, LookupMatch
+from kvduplex.connector.metadata import (
+    AnnouncedChanges,
+    DuplexConnectorMetadata,
+    DuplexWorkerMetadata,
+    LookupMatch,
+)
 from kvduplex.connector.offers import held_output_tokens
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt, salt_of
@@ -422,8 +427,8 @@ def test_lease_expiry_frees_a_claimed_hold_exactly_once_and_never_early(engines)
     assert len(held) == 7
     orders = []
 
-    def worker_step(evictions_done: int = 0) -> None:
-        step = p.step(freed_holds=expire(), evictions_done=evictions_done)
+    def worker_step() -> None:
+        step = p.step(freed_holds=expire())
         for hold in step.meta.holds:
             assert hold.lease_expiry - time.time() == pytest.approx(5.0, abs=1.0)
             book[hold.request_id] = now[0] + 5.0
@@ -436,7 +441,7 @@ def test_lease_expiry_frees_a_claimed_hold_exactly_once_and_never_early(engines)
     p.add("big", prompt_tokens(130, start=300), max_tokens=5)
     for _ in range(3):
         now[0] += 1.0
-        worker_step(evictions_done=len(orders))
+        worker_step()
         orders.clear()
         assert "big" not in running(p)
         assert all(p.ref_count(b) == 1 for b in held)
@@ -447,6 +452,35 @@ def test_lease_expiry_frees_a_claimed_hold_exactly_once_and_never_early(engines)
     assert "big" in running(p)
     assert set(p.block_ids("big")) & held  # the freed blocks are reused only now
     assert expire() == set() and not book
+
+
+def test_an_eviction_order_counts_until_its_own_steps_report_however_long_the_step(
+    engines, monkeypatch
+):
+    """vLLM asks `has_pending_block_frees` again while the step that carries an eviction order
+    still runs (a long forward pass on a busy host, seconds): the order's blocks are still on
+    their way, so nothing more is ordered. On the tree before `holds.py`, an order counted for
+    `ORDER_TIMEOUT_S` (5 s) only: asked later, the scheduler ordered the same blocks again."""
+    p = engines("P", {"kv_lease_ttl_s": 30.0}, num_blocks=16)
+    prefill(p, "p1", prompt_tokens(100))  # 7 blocks held
+    p.step()
+    assert p.duplex.has_pending_block_frees()  # vLLM is about to preempt: an order is made
+    orders = []
+    real_time = time.time
+
+    def rank0(meta: DuplexConnectorMetadata) -> DuplexWorkerMetadata | None:
+        if meta.evict is None:
+            return None
+        orders.append(meta.evict)
+        with monkeypatch.context() as later:
+            later.setattr(time, "time", lambda: real_time() + 10.0)
+            assert p.duplex.has_pending_block_frees()  # 10 s into the step: still coming
+        return DuplexWorkerMetadata(freed_holds=["p1"])
+
+    p.step(rank0=rank0)
+    step = p.step(rank0=rank0)
+    assert len(orders) == 1 and step.meta.evict is None  # one order, shipped once
+    assert "p1" not in p.duplex._held and not p.duplex.has_pending_block_frees()
 
 
 def test_an_unclaimed_prompt_hold_is_given_up_for_a_running_request_at_once(engines):
@@ -465,19 +499,23 @@ def test_an_unclaimed_prompt_hold_is_given_up_for_a_running_request_at_once(engi
     p.scheduler.finish_requests("big", RequestStatus.FINISHED_ABORTED)
     # A 100-token prompt (7 blocks) runs and grows past 8 blocks: the hold goes first.
     long = p.add("long", prompt_tokens(100, start=600), max_tokens=40)
-    orders, freed, acks = [], [], 0
+    orders = []
+
+    def rank0(meta: DuplexConnectorMetadata) -> DuplexWorkerMetadata | None:
+        # TP rank 0 frees the unclaimed hold as the step begins and reports it in its output.
+        if meta.evict is None:
+            return None
+        orders.append(meta.evict)
+        return DuplexWorkerMetadata(freed_holds=["p1"] if "p1" in p.duplex._held else [])
+
     for _ in range(60):
-        step = p.step(freed_holds=freed, evictions_done=acks)
-        freed, acks = [], 0
-        if step.meta.evict is not None:
-            orders.append(step.meta.evict)
-            acks, freed = 1, ["p1"] if "p1" in p.duplex._held else []
+        step = p.step(rank0=rank0)
         if step.finished("long") is not None:
             break
     assert step.finished("long") is not None and long.num_preemptions == 0
     assert [order.any_blocks for order in orders][:1] == [1]
     assert all(p.ref_count(b) == 0 for b in held)
-    assert p.duplex._retention.held_blocks == 0
+    assert p.duplex._held.held_blocks == 0
     assert p.stats.data["held_blocks"] == 0
 
 
@@ -495,7 +533,7 @@ def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
     d.step()
     assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2]
     # The worker evicted d1: its blocks come back; a new turn then needs no eviction.
-    d.step(freed_holds={"d1"}, evictions_done=1)
+    d.step(freed_holds={"d1"})
     p3_params = prefill(p, "p3", prompt_tokens(20, start=900))
     _, third = decode(d, "d3", prompt_tokens(20, start=900), p3_params, max_tokens=2)
     assert third is not None
@@ -507,16 +545,25 @@ def test_decode_hold_cap_evicts_to_make_room_for_new_turns(engines):
 
 
 def test_consecutive_turns_past_the_cap_order_each_block_once(engines):
-    """Three 7-block turns, 12 blocks allowed: 9 must go. The second turn orders 2; the
-    third, before the workers acknowledged that order, orders only its own 7 (on the tree
-    before retention.py: 9, counting the 2 shipped again)."""
+    """Three 7-block turns, 12 blocks allowed. The second turn orders 2; TP rank 0 frees the
+    least recently used unclaimed turn (7 blocks) in that order's step and reports it there;
+    the third turn then orders its own overflow, 2, not the first order's again (orders still
+    in flight are counted once: `test_retention.py`)."""
     config = {**BIDIRECTIONAL, "decode_kv_hold_max_fraction": 0.2}
     p, d = engines("P", config), engines("D", config, num_blocks=64)
+
+    def rank0(meta: DuplexConnectorMetadata) -> DuplexWorkerMetadata | None:
+        if meta.evict is None:
+            return None
+        oldest = next(iter(d.duplex._held._holds))  # (the test's turns are unclaimed)
+        return DuplexWorkerMetadata(freed_holds=[oldest])
+
     for i in range(3):
         prompt = prompt_tokens(100, start=400 * (i + 1))
         decode(d, f"d{i}", prompt, prefill(p, f"p{i}", prompt), max_tokens=2)
-    d.step()
-    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2, 7]
+        d.step(rank0=rank0)
+    assert [s.meta.evict.cap_blocks for s in d.steps if s.meta.evict] == [2, 2]
+    assert list(d.duplex._held._holds) == ["d2"] and d.duplex._held.turn_blocks == 7
 
 
 def test_no_params_without_worker_addresses(engines, connector_log):
@@ -557,14 +604,14 @@ def test_pull_counts_start_at_a_local_prefix_hit(engines):
 
 def test_auto_threshold_learns_from_worker_reads_and_steps(engines):
     p, d = engines("P"), engines("D", {"kv_recompute_threshold": "auto"})
-    assert d.duplex.recompute_threshold() == 64
+    assert d.duplex._decision.recompute_threshold() == 64
     for i in range(4):
         d.add(f"warm{i}", prompt_tokens(100, start=2000 + 100 * i))
         reads = DuplexConnectorStats()
         # Reads far slower than this step's compute: pulling never pays off.
         reads.record_transfer(5.0 * (i + 1), blocks_per_group=(1,), nbytes=1, tokens=16 * (i + 1))
         d.step(worker_stats=reads)
-    assert d.duplex.recompute_threshold() == 1025
+    assert d.duplex._decision.recompute_threshold() == 1025
     prompt = prompt_tokens(300)
     params = prefill(p, "p1", prompt)
     d.add("d1", prompt, max_tokens=2, params=params)
@@ -922,15 +969,18 @@ def _burst_on_a_small_cache(engines, evictable: bool) -> tuple:
     held = set(d_params["remote_block_ids"])
     assert len(held) == 7 and all(d.ref_count(b) == 1 for b in held)
     burst = [d.add(f"b{i}", prompt_tokens(32, start=3000 + 100 * i), max_tokens=64) for i in range(3)]
-    ordered, freed, acks = [], [], 0
+    ordered = []
+
+    def rank0(meta: DuplexConnectorMetadata) -> DuplexWorkerMetadata | None:
+        if meta.evict is None:
+            return None
+        ordered.append(len(d.steps) + 1)
+        return DuplexWorkerMetadata(
+            freed_holds=["d1"] if evictable and "d1" in d.duplex._held else []
+        )
+
     for _ in range(200):
-        step = d.step(freed_holds=freed, evictions_done=acks)
-        freed, acks = [], 0
-        if step.meta.evict is not None:
-            ordered.append(len(d.steps))
-            acks = 1
-            if evictable and "d1" in d.duplex._held:
-                freed = ["d1"]
+        d.step(rank0=rank0)
         if all(r.is_finished() for r in burst):
             break
     assert all(r.is_finished() for r in burst)
@@ -941,7 +991,7 @@ def test_held_blocks_are_evicted_before_any_preemption_under_a_burst(engines):
     preemptions, ordered, d, held = _burst_on_a_small_cache(engines, evictable=True)
     assert preemptions == 0
     assert ordered, "the burst ran the cache short: the turn was ordered out"
-    assert "d1" not in d.duplex._held and d.duplex._retention.held_blocks == 0
+    assert "d1" not in d.duplex._held and d.duplex._held.held_blocks == 0
     assert all(d.ref_count(b) == 0 for b in held)  # freed exactly once (never below 0)
     # Control: the same burst with the turn claimed (under a read) preempts instead: vLLM
     # waits for held blocks only while an eviction may free some.
@@ -959,25 +1009,25 @@ def test_a_prompt_no_decode_node_asks_for_gives_way_to_waiting_requests(engines,
     p = engines("P", BIDIRECTIONAL, num_blocks=16)  # 15 usable
     started = time.time()
     prefill(p, "p1", prompt_tokens(100))  # 7 blocks held for a D that never reads them
-    assert p.duplex._retention.held_blocks == 7
+    assert p.duplex._held.held_blocks == 7
     waiting = p.add("w", prompt_tokens(150, start=2000), max_tokens=1)  # needs 10 blocks
     ordered = []
-    freed, acks = [], 0
+
+    def rank0(meta: DuplexConnectorMetadata) -> DuplexWorkerMetadata | None:
+        if meta.evict is None:
+            return None
+        ordered.append((time.time(), meta.evict))
+        return DuplexWorkerMetadata(freed_holds=["p1"] if "p1" in p.duplex._held else [])
+
     deadline = time.monotonic() + 5
     while not waiting.is_finished() and time.monotonic() < deadline:
-        step = p.step(freed_holds=freed, evictions_done=acks)
-        freed, acks = [], 0
-        if step.meta.evict is not None:
-            ordered.append((time.time(), step.meta.evict))
-            acks = 1
-            if "p1" in p.duplex._held:
-                freed = ["p1"]
+        p.step(rank0=rank0)
         time.sleep(0.02)
     assert waiting.is_finished()
     (when, order), *_ = ordered
     assert order.turn_blocks > 0 and order.any_blocks == 0
     assert when - started >= 0.3  # not before the prompt went unread that long
-    assert "p1" not in p.duplex._held and p.duplex._retention.held_blocks == 0
+    assert "p1" not in p.duplex._held and p.duplex._held.held_blocks == 0
 
 
 def test_an_idle_engine_steps_when_a_hold_expires(engines):
@@ -988,15 +1038,15 @@ def test_an_idle_engine_steps_when_a_hold_expires(engines):
     p.step()
     assert p.duplex._held
     assert not p.connector.has_pending_push_work()
-    retention = p.duplex._retention
-    wake_at = retention.wake_at()
+    holds = p.duplex._held
+    wake_at = holds.wake_at()
     assert wake_at is not None and wake_at <= time.time() + 1.0
     time.sleep(max(0.0, wake_at - time.time()) + 0.01)
     assert p.connector.has_pending_push_work()
     p.step()  # the worker's expiry runs in this step; it reports the hold freed
     assert not p.connector.has_pending_push_work()
     p.step(freed_holds={"p1"})
-    assert not p.duplex._held and retention.wake_at() is None
+    assert not p.duplex._held and holds.wake_at() is None
     assert not p.connector.has_pending_push_work()
 
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import math
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvduplex.connector import validate
 from kvduplex.connector.fleet import parse_address
 
 if TYPE_CHECKING:
@@ -337,43 +337,26 @@ def _addresses(extra: dict[str, Any], key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+# The options' checks are `validate.py`'s (shared with params'), taking text as well as JSON
+# values (a command line), each error named "DuplexConnector: <key> ...".
+
+
 def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ValueError(f"DuplexConnector: {key} must be true or false, got {value!r}")
+    return _checked(validate.boolean, extra.get(key, default), key, from_text=True)
 
 
 def _text(extra: dict[str, Any], key: str, default: str) -> str:
-    value = extra.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"DuplexConnector: {key} must be a non-empty string, got {value!r}")
-    return value
+    return _checked(validate.text, extra.get(key, default), key)
 
 
 def _int(value: Any, key: str, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"DuplexConnector: {key} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        upper = "" if maximum is None else f" and <= {maximum}"
-        raise ValueError(f"DuplexConnector: {key} must be >= {minimum}{upper}, got {value}")
-    return value
+    return _checked(
+        validate.integer, value, key, minimum=minimum, maximum=maximum, from_text=True
+    )
 
 
 def _number(extra: dict[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"DuplexConnector: {key} must be a finite number, got {value!r}")
-    return float(value)
+    return _checked(validate.number, extra.get(key, default), key, from_text=True)
 
 
 def _seconds(extra: dict[str, Any], key: str, default: float, allow_zero: bool = False) -> float:
@@ -382,3 +365,10 @@ def _seconds(extra: dict[str, Any], key: str, default: float, allow_zero: bool =
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"DuplexConnector: {key} must be {bound} seconds, got {value}")
     return value
+
+
+def _checked(check: Any, value: Any, key: str, **bounds: Any) -> Any:
+    try:
+        return check(value, key, **bounds)
+    except validate.Invalid as exc:
+        raise ValueError(f"DuplexConnector: {exc}") from None

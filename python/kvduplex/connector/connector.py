@@ -123,7 +123,7 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         """vLLM 0.33 asks before it allows sleep mode: it resets the caches first (every hold
-        is dropped: `held_blocks.py`) and calls `unregister_kv_caches` / `restore_kv_caches`
+        is dropped: `holds.py`) and calls `unregister_kv_caches` / `restore_kv_caches`
         around the sleep. vLLM 0.32 never asks."""
         return True
 
@@ -180,7 +180,7 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
-        """An idle engine steps while a hold is due to end (`retention.py`)."""
+        """An idle engine steps while a hold is due to end (`holds.py`)."""
         return self._scheduler.has_pending_push_work()
 
     # ---------------------------------------------------------------- worker

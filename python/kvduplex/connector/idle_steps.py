@@ -1,7 +1,7 @@
 """Steps for an idle engine: vLLM's EngineCore steps only while its scheduler has requests or
 a connector has "push work"; an idle one blocks on its input queue and runs no step at all.
 The scheduler's connector has two reasons to step while idle: holds that end (their blocks go
-back, `retention.py`) and its copy of what the decode nodes announced, which only a step's
+back, `holds.py`) and its copy of what the decode nodes announced, which only a step's
 report renews (`held_mirror.py`). It tells vLLM through `has_pending_push_work`; `IdleWaker`
 breaks the idle engine's wait at those moments with the WAKEUP request vLLM itself uses to
 wake an idle engine for shutdown.

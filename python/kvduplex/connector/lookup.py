@@ -1,14 +1,14 @@
 """Scheduler side of lookups and grants: which engine holds a request's blocks.
 
-A request whose params name a peer's hold (a hint, never a capability) asks that owner for a
-*grant* of it; on a bidirectional prefill node, a request whose params name none is *looked up*
-by its prompt on every decode engine TP rank 0 knows. Either way `Lookups` sends the
+Whether a request asks, and whom, is decided in `pull_decision.py`: the owner its params name,
+for a *grant* of that hold (a hint, never a capability), or, on a bidirectional prefill node,
+the decode engines a *lookup* by its prompt asks. Either way `Lookups` sends the
 fingerprints of the prompt's blocks to the workers (`md.LookupSpec`; their side:
 `worker_lookup.py`), tells vLLM "ask again" meanwhile, and takes the owners' claimed answers
 when the workers report them: it checks each exactly like params from a router, keeps the one
 that covers most of the prompt (only here can a turn's partial last block be checked against
 the prompt's tokens) and hands every other claim back. The request then pulls what was chosen
-(`scheduler.py`) or, with nothing found, prefills.
+(`pull_decision.py`) or, with nothing found, prefills.
 
 One deadline per lookup, computed once, here, when it is asked: `time.monotonic()` plus
 `lookup_timeout_ms` (a grant, which may need a first handshake with its owner:
@@ -61,8 +61,10 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-# `Lookups.look_up`'s "not yet": the lookup runs (get_num_new_matched_tokens returns None).
+# `Lookups.answer`'s "not yet": the lookup runs (get_num_new_matched_tokens returns None).
 ASK_AGAIN = object()
+# `Lookups.answer` before anything was asked or settled for the request.
+NOT_ASKED = object()
 
 # How long after its last lookup by content (or hand-off) an idle engine keeps stepping to
 # renew its copy of the decode nodes' announcements (`held_mirror.py`): about a user's pause
@@ -113,23 +115,16 @@ class Lookups:
         context: ParamsContext,
         stats: DuplexConnectorStats,
         *,
-        threshold: Callable[[], int],
-        lookup_threshold: Callable[[Request], int],
         pullable: Callable[[Request, RemoteBlocks, int, int], int],
         release: Callable[[md.ReleaseSpec], None],
     ) -> None:
-        """`threshold`: the recompute threshold now, for a grant of the hold params name;
-        `lookup_threshold(request)`: the fewest tokens a lookup by content must be able to
-        gain (its wait included: `threshold.py`); `pullable(request, remote, matched tokens,
-        local tokens)`: what a pull of the owner's matched tokens covers; `release`: hands a
-        claim back to its owner."""
+        """`pullable(request, remote, matched tokens, local tokens)`: what a pull of the
+        owner's matched tokens covers; `release`: hands a claim back to its owner."""
         self._config = config
         self._context = context
         self._block_size = context.block_size
         self._groups = context.groups
         self._stats = stats
-        self._threshold = threshold
-        self._lookup_threshold = lookup_threshold
         self._pullable = pullable
         self._release = release
         self._lookups: dict[str, _LookupState] = {}
@@ -156,15 +151,10 @@ class Lookups:
         self._looked_up_at = -math.inf
         self._built_at = -math.inf
 
-    def __contains__(self, request_id: str) -> bool:
-        """Whether the request was looked up or asked a grant for, or its params named an
-        owner (checked once, on arrival: their lease may be renewed since)."""
-        return request_id in self._lookups or request_id in self._named
-
     def name_owner(
         self, request: Request, remote: RemoteBlocks, prompt: PromptFingerprints | None
     ) -> None:
-        """The request's params name this hold: its owner is asked for a grant (`look_up`),
+        """The request's params name this hold: its owner is asked for a grant (`pull_decision.py`),
         with `prompt`'s fingerprints where they were computed already; a prefill node's
         prompt is renewed until then."""
         self._named[request.request_id] = (remote, prompt)
@@ -207,49 +197,12 @@ class Lookups:
             due = max(due, self._built_at + held_mirror.FRESH_S)  # its report is on its way
         return due
 
-    def look_up(self, request: Request, num_computed_tokens: int) -> Found | None | object:
-        """What the request's grant or lookup found, None when there is nothing to pull, or
-        ASK_AGAIN while it runs."""
+    def answer(self, request: Request) -> Found | None | object:
+        """What the request's grant or lookup found, None when there is nothing to pull,
+        ASK_AGAIN while it runs, or NOT_ASKED before `ask` or `settle`."""
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
-            named, prompt = self._named.pop(request.request_id, (None, None))
-            self._renewals.remove(request.request_id)
-            if named is not None:
-                # The grant may need a first handshake with the owner.
-                timeout_s = self._config.handshake_timeout_s
-                end = min(named.num_tokens, request.num_prompt_tokens)
-            else:
-                timeout_s = self._config.lookup_timeout_s if self._config.looks_up else 0.0
-                if self._config.looks_up:
-                    self._looked_up_at = time.monotonic()
-                # A lookup matches whole blocks from the prompt's first (a held turn's partial
-                # last block is checked on the answer, after its full ones matched): a prompt
-                # without one, or no engine to ask, and nothing could be found. A prompt whose
-                # full blocks are all local still looks up: the held turn's partial last block
-                # (the previous answer's tail) is gained beyond them.
-                if request.num_prompt_tokens < self._block_size or not self._peers_known:
-                    timeout_s = 0.0
-                end = request.num_prompt_tokens
-            threshold = (
-                self._threshold if named is not None else lambda: self._lookup_threshold(request)
-            )
-            min_gain = (
-                self._gain_to_ask(request, num_computed_tokens, end, threshold)
-                if timeout_s > 0
-                else None
-            )
-            if min_gain is None:
-                timeout_s = 0.0
-            elif named is None and _lookup_hint(request) is None:
-                # (A router's hint says a decode node holds it, announced or not.)
-                prompt = prompt_fingerprints(request, self._block_size)
-                if self._ruled_out(prompt, num_computed_tokens, min_gain):
-                    timeout_s = 0.0
-            if timeout_s <= 0:
-                self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
-                return None
-            self._ask(request, timeout_s, named, prompt)
-            return ASK_AGAIN
+            return NOT_ASKED
         if not lookup.arrived:
             if time.monotonic() < lookup.deadline:
                 return ASK_AGAIN
@@ -276,6 +229,31 @@ class Lookups:
         if chosen is None or lookup.prompt is None:
             return None
         return Found(chosen, lookup.prompt)
+
+    def take_named(self, request: Request) -> tuple[RemoteBlocks, PromptFingerprints | None] | None:
+        """The hold the request's params named (`name_owner`) and the prompt's fingerprints
+        where computed, once: its owner is asked now, or never; its renewals stop."""
+        self._renewals.remove(request.request_id)
+        return self._named.pop(request.request_id, None)
+
+    def looked_up(self) -> None:
+        """A request was considered for a lookup by content: the copy of the announcements is
+        renewed for `IDLE_REFRESH_S` from now (`refresh_at`)."""
+        self._looked_up_at = time.monotonic()
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether an engine could ever answer a lookup."""
+        return self._peers_known
+
+    def settle(self, request: Request) -> None:
+        """Nothing is asked for the request: it has nothing to pull."""
+        self._lookups[request.request_id] = _LookupState(request, 0.0, arrived=True)
+
+    def continued(self, prompt: PromptFingerprints) -> str | None:
+        """The end of a prompt handed to a decode node, whose turn is not announced yet, that
+        `prompt` continues (`held_mirror.py`)."""
+        return self._mirror.continued(prompt)
 
     def take_specs(self) -> list[md.LookupSpec]:
         """The lookups and grants to send with the step being built."""
@@ -315,7 +293,7 @@ class Lookups:
         self._stats.data["lookup_wait_s"].append(time.monotonic() - lookup.asked_at)
         self._stats.data["lookup_wait_steps"].append(self._steps_built - lookup.asked_step)
 
-    def _ruled_out(self, prompt: PromptFingerprints, num_computed_tokens: int, gain: int) -> bool:
+    def ruled_out(self, prompt: PromptFingerprints, num_computed_tokens: int, gain: int) -> bool:
         """Whether what the decode nodes announced says no lookup could gain `gain` tokens
         beyond the `num_computed_tokens` we have: none holds that much of the prompt (a held
         turn's partial last block counted by its tokens). The request then prefills in this
@@ -326,7 +304,7 @@ class Lookups:
         self._stats.add("lookups_ruled_out")
         return True
 
-    def _gain_to_ask(
+    def gain_to_ask(
         self, request: Request, num_computed_tokens: int, end: int, threshold: Callable[[], int]
     ) -> int | None:
         """The tokens a pull must gain to be worth it, `threshold()` (read once, and only where
@@ -343,14 +321,20 @@ class Lookups:
             return None
         return needed
 
-    def _ask(
+    def ask(
         self,
         request: Request,
         timeout_s: float,
-        named: RemoteBlocks | None,
         prompt: PromptFingerprints | None,
-    ) -> None:
-        """A lookup compares full blocks (a held turn's partial last block is checked on the
+        named: RemoteBlocks | None = None,
+        hint: str | None = None,
+        continues: str | None = None,
+    ) -> object:
+        """Ask the workers: the owner of the `named` hold for a grant, or (a lookup) the
+        engine `hint` names, or those whose announcements hold the prompt (the decode node
+        `continues`' prompt went to too), else every one. Returns ASK_AGAIN.
+
+        A lookup compares full blocks (a held turn's partial last block is checked on the
         answer); a grant, the blocks holding the named hold's tokens as the params count them
         (the owner compares the partial last block too).
 
@@ -380,10 +364,11 @@ class Lookups:
                 deadline=deadline,
                 owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
                 owner_request_id=None if named is None else named.remote_request_id,
-                hint=None if named is not None else _lookup_hint(request),
-                continues=None if named is not None else self._mirror.continued(prompt),
+                hint=hint,
+                continues=continues,
             )
         )
+        return ASK_AGAIN
 
     def _on_answers(self, answers: dict[str, list[md.LookupMatch]]) -> None:
         for request_id, matches in answers.items():
@@ -488,7 +473,7 @@ class Lookups:
         return Rejected(f"lookup answer: {reason}", release)
 
 
-def _lookup_hint(request: Request) -> str | None:
+def lookup_hint(request: Request) -> str | None:
     """The decode node a router named for the request's lookup ("host:port"), if well formed;
     the worker asks it alone only if it is an engine it would ask anyway."""
     hint = (request.kv_transfer_params or {}).get(protocol.LOOKUP_HINT)

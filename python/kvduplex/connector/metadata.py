@@ -148,8 +148,8 @@ class EvictOrder:
     """Free unclaimed holds, least recently used first, at least: `cap_blocks` blocks of
     held turns (their cap), `turn_blocks` of held turns and of prompts no reader claimed for
     `retention.UNREAD_PROMPT_S` (waiting requests need blocks), then `any_blocks` of any
-    holds, prompts too (running requests need blocks). TP rank 0 acknowledges every order once
-    (`evictions_done`)."""
+    holds, prompts too (running requests need blocks). TP rank 0 carries it out as the step
+    begins; the step's report (`freed_holds`) settles it (`retention.py`)."""
 
     cap_blocks: int = 0
     turn_blocks: int = 0
@@ -207,15 +207,13 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
     `loads_done`: requests whose load ended on a rank this step (read or failed), once per
     rank: the scheduler releases the owner's claim when every rank has.
 
-    `evictions_done`: eviction orders carried out this step (TP rank 0; the holds they freed
-    are in `freed_holds`). `lookup_targets`: how many engines a lookup would ask, when that
+    `lookup_targets`: how many engines a lookup would ask, when that
     changed (TP rank 0; -1: unchanged). `announced`: what the decode nodes' announcements
     changed, when they did (TP rank 0; None: unchanged)."""
 
     lookups: dict[str, list[LookupMatch]] = field(default_factory=dict)
     freed_holds: list[str] = field(default_factory=list)
     loads_done: list[str] = field(default_factory=list)
-    evictions_done: int = 0
     lookup_targets: int = -1
     announced: AnnouncedChanges | None = None
 
@@ -226,7 +224,6 @@ class DuplexWorkerMetadata(KVConnectorWorkerMetadata):
             lookups={**self.lookups, **other.lookups},
             freed_holds=[*self.freed_holds, *other.freed_holds],
             loads_done=[*self.loads_done, *other.loads_done],
-            evictions_done=self.evictions_done + other.evictions_done,
             lookup_targets=max(self.lookup_targets, other.lookup_targets),
             announced=self.announced if self.announced is not None else other.announced,
         )

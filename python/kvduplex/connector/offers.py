@@ -5,9 +5,9 @@ A prefill request (`do_remote_decode`) that finished normally, and with
 `bidirectional_kv_xfer` a decode request (`do_remote_prefill`) that finished normally (also on
 a stop string, which vLLM finishes as an abort: `held_output_tokens`), keep their blocks under a
 hold (with the fingerprints of the tokens they carry, for grants) and return params describing
-them. The hold is a reference of our own on the blocks in vLLM's block pool (`held_blocks.py`):
-vLLM frees the request at once, and the blocks stay allocated until the hold ends. How long
-holds last and what is evicted: `retention.py`. The workers' TP rank 0 takes each hold into its
+them. The hold is a reference of our own on the blocks in vLLM's block pool, kept in the one
+record of held turns (`holds.py`): vLLM frees the request at once, and the blocks stay allocated
+until the hold ends. What is evicted: `retention.py`. The workers' TP rank 0 takes each hold into its
 hold book (`worker_holds.py`) from the step's `HoldSpec`s (`Offers.take_holds`).
 """
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from kvduplex.connector.config import DuplexConfig
     from kvduplex.connector.events import HeldTurnEvents
     from kvduplex.connector.groups import TransferGroups
-    from kvduplex.connector.held_blocks import HeldBlocks
+    from kvduplex.connector.holds import Holds
     from kvduplex.connector.idle_steps import IdleWaker
     from kvduplex.connector.lookup import Lookups
     from kvduplex.connector.retention import Retention
@@ -59,7 +59,7 @@ class Offers:
         config: DuplexConfig,
         engine_id: str,
         groups: TransferGroups,
-        parts: tuple[Retention, HeldBlocks, HeldTurnEvents, Lookups, IdleWaker],
+        parts: tuple[Retention, Holds, HeldTurnEvents, Lookups, IdleWaker],
         stats: DuplexConnectorStats,
     ) -> None:
         self._config = config
@@ -201,21 +201,20 @@ class Offers:
             fingerprints = block_fingerprints(
                 request.all_token_ids[:num_tokens], self._block_size, salt_of(request)
             )
-        self._held.keep(request.request_id, held_ids)
+        lease_expiry = time.time() + ttl_s
+        self._held.keep(request.request_id, held_ids, decode_turn, lease_expiry)
         if decode_turn:
             self._events.held(
                 request, num_tokens, vllm_private.hash_block_size(self._block_pool)
             )
-        lease_expiry = time.time() + ttl_s
-        # A turn past the cap orders room: the workers free the least recently used unclaimed
-        # turns (every read of a held turn is claimed, so none is freed under a read).
-        self._retention.hold(request.request_id, len(held_ids), decode_turn, lease_expiry)
+            # A turn past the cap orders room: the workers free the least recently used
+            # unclaimed turns (every read of a held turn is claimed, so none is freed under a read).
+            self._retention.turn_held()
         self._waker.poke()
         if not decode_turn:
             # The decode node it goes to announces itself to our workers when it reads: the
             # next turn's lookup has an engine to ask.
             self._lookups.peers_known()
-        self._stats.set_gauge("held_blocks", self._retention.held_blocks)
         params = {
             protocol.DO_REMOTE_PREFILL: not decode_turn,
             protocol.DO_REMOTE_DECODE: decode_turn,

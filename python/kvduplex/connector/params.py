@@ -11,14 +11,13 @@ owner's registered layout before anything is read.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvduplex import protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector import tp
+from kvduplex.connector import tp, validate
 from kvduplex.connector.groups import NULL_BLOCK_ID, SLIDING_WINDOW, STATE_SPACE, TransferGroups
 from kvduplex.connector.token_fingerprint import FINGERPRINT_HEX_CHARS
 
@@ -121,10 +120,6 @@ def _took_over(params: dict) -> bool:
     return params.get(protocol.DO_REMOTE_PREFILL) is True or params.get(protocol.KEEP_TURN) is True
 
 
-class _Invalid(Exception):
-    pass
-
-
 def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejected | None:
     """Validate the pull a request's params ask for; None when they ask for none."""
     if params is None:
@@ -134,7 +129,7 @@ def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejec
     try:
         prefill = _optional_bool(params, protocol.DO_REMOTE_PREFILL)
         decode = _optional_bool(params, protocol.DO_REMOTE_DECODE)
-    except _Invalid as exc:
+    except validate.Invalid as exc:
         return Rejected(str(exc))
     if prefill and decode:
         return Rejected(f"{protocol.DO_REMOTE_PREFILL} and {protocol.DO_REMOTE_DECODE} are both true")
@@ -148,9 +143,9 @@ def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejec
     try:
         peer, remote_request_id = _parse_address(params, ctx)
         if from_decode_node and not ctx.bidirectional:
-            raise _Invalid("bidirectional_kv_xfer is off on this engine")
+            raise validate.Invalid("bidirectional_kv_xfer is off on this engine")
         blocks = _parse_blocks(params, ctx, time.time())
-    except _Invalid as exc:
+    except validate.Invalid as exc:
         return Rejected(str(exc))
     block_ids, num_tokens, fingerprints, lease_expiry = blocks
     return RemoteBlocks(
@@ -167,34 +162,32 @@ def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejec
 def _parse_address(params: dict[str, Any], ctx: ParamsContext) -> tuple[md.PeerAddress, str]:
     version = _required(params, protocol.PROTOCOL_KEY)
     if isinstance(version, bool) or version != protocol.PROTOCOL_VERSION:
-        raise _Invalid(
+        raise validate.Invalid(
             f"{protocol.PROTOCOL_KEY}={version!r} is not this kvduplex's protocol "
             f"{protocol.PROTOCOL_VERSION}"
         )
     engine_id = _text(params, protocol.REMOTE_ENGINE_ID, _MAX_ID_CHARS)
     if engine_id == ctx.engine_id:
-        raise _Invalid(f"{protocol.REMOTE_ENGINE_ID} names this engine itself")
+        raise validate.Invalid(f"{protocol.REMOTE_ENGINE_ID} names this engine itself")
     remote_request_id = _text(params, protocol.REMOTE_REQUEST_ID, _MAX_ID_CHARS)
     host = _text(params, protocol.REMOTE_HOST, _MAX_HOST_CHARS)
-    port = _port(_required(params, protocol.REMOTE_PORT), protocol.REMOTE_PORT)
-    tp_size = _int(params, protocol.TP_SIZE)
-    if not 1 <= tp_size <= _MAX_TP_SIZE:
-        raise _Invalid(f"{protocol.TP_SIZE}={tp_size} is outside [1, {_MAX_TP_SIZE}]")
+    port = validate.port(_required(params, protocol.REMOTE_PORT), protocol.REMOTE_PORT)
+    tp_size = _int(params, protocol.TP_SIZE, 1, _MAX_TP_SIZE)
     if tp_size != ctx.tp_size:
         reason = tp.mappable(ctx.total_kv_heads, tp_size, ctx.tp_size)
         if reason is None and (ctx.groups.hybrid or ctx.groups.has_state):
             reason = "heterogeneous TP is supported for one full-attention KV-cache group only"
         if reason is not None:
-            raise _Invalid(
+            raise validate.Invalid(
                 f"remote tensor-parallel size {tp_size} differs from this engine's "
                 f"{ctx.tp_size} and cannot be mapped: {reason}"
             )
     ports_raw = _required(params, protocol.REMOTE_PORTS)
     if not isinstance(ports_raw, list) or len(ports_raw) != tp_size:
-        raise _Invalid(f"{protocol.REMOTE_PORTS} must be a list of {tp_size} port(s)")
-    ports = tuple(_port(p, protocol.REMOTE_PORTS) for p in ports_raw)
+        raise validate.Invalid(f"{protocol.REMOTE_PORTS} must be a list of {tp_size} port(s)")
+    ports = tuple(validate.port(p, protocol.REMOTE_PORTS) for p in ports_raw)
     if ports[0] != port:
-        raise _Invalid(f"{protocol.REMOTE_PORT} differs from {protocol.REMOTE_PORTS}[0]")
+        raise validate.Invalid(f"{protocol.REMOTE_PORT} differs from {protocol.REMOTE_PORTS}[0]")
     return md.PeerAddress(engine_id=engine_id, host=host, ports=ports), remote_request_id
 
 
@@ -203,26 +196,18 @@ def _parse_blocks(
 ) -> tuple[tuple[tuple[int, ...], ...], int, tuple[str, ...], float]:
     block_size = _int(params, protocol.REMOTE_BLOCK_SIZE)
     if block_size != ctx.block_size:
-        raise _Invalid(
+        raise validate.Invalid(
             f"remote block size {block_size} differs from this engine's {ctx.block_size}"
         )
-    num_tokens = _int(params, protocol.REMOTE_NUM_TOKENS)
-    if not 1 <= num_tokens <= ctx.max_model_len:
-        raise _Invalid(
-            f"{protocol.REMOTE_NUM_TOKENS}={num_tokens} is outside [1, {ctx.max_model_len}]"
-        )
+    num_tokens = _int(params, protocol.REMOTE_NUM_TOKENS, 1, ctx.max_model_len)
     expected_blocks = -(-num_tokens // block_size)
     block_ids = _block_tables(params, ctx.groups, expected_blocks)
     fingerprints = _fingerprints(params, expected_blocks)
-    lease_expiry = _required(params, protocol.REMOTE_LEASE_EXPIRY)
-    if (
-        isinstance(lease_expiry, bool)
-        or not isinstance(lease_expiry, (int, float))
-        or not math.isfinite(lease_expiry)
-    ):
-        raise _Invalid(f"{protocol.REMOTE_LEASE_EXPIRY} must be a finite number of seconds")
+    lease_expiry = validate.number(
+        _required(params, protocol.REMOTE_LEASE_EXPIRY), protocol.REMOTE_LEASE_EXPIRY
+    )
     if lease_expiry - ctx.read_deadline_margin_s <= now:
-        raise _Invalid(
+        raise validate.Invalid(
             f"the owner's lease ends in {lease_expiry - now:.1f} s, within the "
             f"{ctx.read_deadline_margin_s} s read margin"
         )
@@ -231,39 +216,23 @@ def _parse_blocks(
 
 def _required(params: dict[str, Any], key: str) -> Any:
     if key not in params or params[key] is None:
-        raise _Invalid(f"missing {key}")
+        raise validate.Invalid(f"missing {key}")
     return params[key]
 
 
 def _optional_bool(params: dict[str, Any], key: str) -> bool:
     value = params.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise _Invalid(f"{key} must be a boolean, got {type(value).__name__}")
-    return value
+    return False if value is None else validate.boolean(value, key)
 
 
 def _text(params: dict[str, Any], key: str, max_chars: int) -> str:
-    value = _required(params, key)
-    if not isinstance(value, str) or not value:
-        raise _Invalid(f"{key} must be a non-empty string")
-    if len(value) > max_chars or not value.isprintable() or value.strip() != value:
-        raise _Invalid(f"{key} must be at most {max_chars} printable characters")
-    return value
+    return validate.text(_required(params, key), key, max_chars=max_chars)
 
 
-def _int(params: dict[str, Any], key: str) -> int:
-    value = _required(params, key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _Invalid(f"{key} must be an integer, got {type(value).__name__}")
-    return value
-
-
-def _port(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise _Invalid(f"{key} must hold ports in [1, 65535], got {value!r}")
-    return value
+def _int(
+    params: dict[str, Any], key: str, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    return validate.integer(_required(params, key), key, minimum=minimum, maximum=maximum)
 
 
 def _block_tables(
@@ -277,10 +246,10 @@ def _block_tables(
     key = protocol.REMOTE_BLOCK_IDS
     raw = _required(params, key)
     if not isinstance(raw, list):
-        raise _Invalid(f"{key} must be a list of integers")
+        raise validate.Invalid(f"{key} must be a list of integers")
     if groups.hybrid:
         if len(raw) != len(groups) or not all(isinstance(table, list) for table in raw):
-            raise _Invalid(f"{key} must hold one list per KV-cache group ({len(groups)})")
+            raise validate.Invalid(f"{key} must hold one list per KV-cache group ({len(groups)})")
         tables = raw
     else:
         tables = [raw]
@@ -289,28 +258,28 @@ def _block_tables(
     for index, (group, table) in enumerate(zip(groups.groups, tables)):
         where = f"{key}[{index}]" if groups.hybrid else key
         if len(table) != expected:
-            raise _Invalid(
+            raise validate.Invalid(
                 f"{where} has {len(table)} ids but {params[protocol.REMOTE_NUM_TOKENS]} tokens "
                 f"need {expected} block(s)"
             )
         for value in table:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise _Invalid(f"{where} must hold integers only")
+                raise validate.Invalid(f"{where} must hold integers only")
             if not 0 <= value <= _MAX_BLOCK_ID:
-                raise _Invalid(f"{where} holds out-of-range id {value}")
+                raise validate.Invalid(f"{where} holds out-of-range id {value}")
         real = [value for value in table if value != NULL_BLOCK_ID]
         nulls = len(table) - len(real)
         if group.kind == STATE_SPACE:
             if len(real) > 1 or (real and table[-1] == NULL_BLOCK_ID):
-                raise _Invalid(f"{where} must hold one state, in its last block, or none")
+                raise validate.Invalid(f"{where} must hold one state, in its last block, or none")
         elif nulls and (group.kind != SLIDING_WINDOW or any(table[:nulls])):
-            raise _Invalid(
+            raise validate.Invalid(
                 f"{where} holds out-of-range id {NULL_BLOCK_ID}"
                 if group.kind != SLIDING_WINDOW
                 else f"{where} may hold null blocks only before its window"
             )
         if seen.intersection(real) or len(set(real)) != len(real):
-            raise _Invalid(f"{key} holds duplicate ids")
+            raise validate.Invalid(f"{key} holds duplicate ids")
         seen.update(real)
         out.append(tuple(table))
     return tuple(out)
@@ -319,14 +288,14 @@ def _block_tables(
 def _fingerprints(params: dict[str, Any], expected: int) -> tuple[str, ...]:
     raw = _required(params, protocol.REMOTE_BLOCK_FINGERPRINTS)
     if not isinstance(raw, list) or len(raw) != expected:
-        raise _Invalid(f"{protocol.REMOTE_BLOCK_FINGERPRINTS} must be a list of {expected} strings")
+        raise validate.Invalid(f"{protocol.REMOTE_BLOCK_FINGERPRINTS} must be a list of {expected} strings")
     for value in raw:
         if (
             not isinstance(value, str)
             or len(value) != FINGERPRINT_HEX_CHARS
             or not _HEX.issuperset(value)
         ):
-            raise _Invalid(
+            raise validate.Invalid(
                 f"{protocol.REMOTE_BLOCK_FINGERPRINTS} must hold {FINGERPRINT_HEX_CHARS}-character "
                 "lowercase hex strings"
             )

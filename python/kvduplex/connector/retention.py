@@ -1,4 +1,4 @@
-"""How long an engine keeps held blocks: the cap on held turns, memory pressure, expiry.
+"""How long an engine keeps held blocks: the cap on held turns, memory pressure.
 
 Held blocks (a prefill node's prompts for their decode nodes, a decode node's finished turns
 for the next turn) are worth less than the requests the engine runs: they are given up,
@@ -12,10 +12,9 @@ as soon as it gets the request), and giving it up then makes the decode node com
 prompt, to let a waiting request in a little sooner; but a decode node that computes the prompt
 itself (a pull would gain less than its recompute threshold) never asks, and such a prompt
 would keep its blocks from waiting requests until its lease ends. A held turn waits for a next
-turn that may never come. The scheduler owns
-the blocks' references (it frees them once TP rank 0 reports a hold ended); TP rank 0's hold
-book owns the claims, so the scheduler orders evictions of *a number of blocks* and the hold
-book picks which holds (unclaimed only: no block is freed under a read).
+turn that may never come. The holds and their counts are `holds.py`'s (`Holds`, which this
+reads); TP rank 0's hold book owns the claims, so the scheduler orders evictions of *a number
+of blocks* and the hold book picks which holds (unclaimed only: no block is freed under a read).
 
 Admission (`LiveRequests.waiting_need`): a waiting request needs exactly what vLLM's allocation
 for it would take from the pool in the next step (`Scheduler.schedule`'s waiting loop and
@@ -29,33 +28,27 @@ is the one vLLM got (`matched`). The order made when vLLM first leaves such a re
 ships in that step; TP rank 0 frees the holds during it, and vLLM admits the request in the
 next step (async scheduling: the one after, scheduled before this step's output is in).
 
-Accounting (`Retention`, pure: time comes in as an argument):
-- Every order travels in one step's metadata and is acknowledged once, by TP rank 0, in the
-  worker metadata that also reports the holds it freed; until then its blocks count as about
-  to be freed, so an eviction shipped and one reported are never counted twice, and two turns
-  finishing in one step order only what they need together.
+Orders (`Retention`, pure: time comes in as an argument):
+- Every order travels in one step's metadata; TP rank 0 carries it out as the step begins and
+  reports the holds it freed in that step's report, which vLLM hands back after the reports of
+  the steps built before (one per step, in order; TP rank 0 reports every step). Until that
+  report, the order's blocks count as about to be freed, so an eviction shipped and one
+  reported are never counted twice, and two turns finishing in one step order only what they
+  need together.
 - While an order is outstanding, vLLM's `has_pending_block_frees` says so, and a running
   request that cannot get blocks waits for them instead of preempting another. When vLLM is
   about to preempt and no order is outstanding, one is made there and then.
-- An order that freed less than it asked (the rest is claimed) holds back further pressure
-  orders for `FRUITLESS_BACKOFF_S`: vLLM then preempts as it would without holds.
-
-Idle engines: vLLM's EngineCore steps only while its scheduler has requests (or a connector
-has "push work"); an idle one blocks on its input queue, so a hold that ends while it is idle
-would keep its blocks until the next request. `wake_at` is when the engine should step: when
-a hold's lease has passed since the last step, or once a second while any hold lasts
-(a reader's release or the end of a claim frees a hold too); the idle waker
-(`idle_steps.py`) wakes the engine at those moments, so it takes one step, in which TP rank
-0 ends the holds and the scheduler frees their blocks.
+- An order whose step freed less than it asked (the rest is claimed: claims live in the hold
+  book, taken by peers between steps, and the scheduler never sees them) holds back further
+  pressure orders for `FRUITLESS_BACKOFF_S`: vLLM then preempts as it would without holds, and
+  a claim that ends meanwhile is found by the next order.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -70,13 +63,11 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+    from kvduplex.connector.holds import Holds
+
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
 
-# An idle engine with holds steps this often, to free holds whose reader released them.
-IDLE_CHECK_S = 1.0
-# An eviction order not acknowledged within this long is dropped (a lost step's output).
-ORDER_TIMEOUT_S = 5.0
 # After an order freed less than asked (claimed holds), no pressure order for this long.
 FRUITLESS_BACKOFF_S = 0.5
 # A prompt held for a decode node that no reader has claimed for this long since its hold was
@@ -87,129 +78,67 @@ UNREAD_PROMPT_S = 1.0
 UNREAD_MARGIN_S = 0.1
 
 
-@dataclass
-class _Held:
-    num_blocks: int
-    turn: bool
-    expires_at: float
-    # When the hold was shipped to the workers (None: not yet).
-    shipped_at: float | None = None
-
-
-@dataclass(frozen=True)
-class _Shipped:
-    order: EvictOrder
-    sent_at: float
-
-
 class Retention:
-    """The scheduler's view of its holds: blocks held, evictions ordered, when to step."""
+    """The eviction orders of an engine's holds (`holds`: what is held)."""
 
-    def __init__(self, max_turn_blocks: int) -> None:
+    def __init__(self, holds: Holds, max_turn_blocks: int) -> None:
         self.max_turn_blocks = max_turn_blocks
-        self._held: dict[str, _Held] = {}
-        self.held_blocks = 0
-        self.turn_blocks = 0
+        self._holds = holds
         self._next = EvictOrder()
-        self._shipped: deque[_Shipped] = deque()
+        # The orders of the steps built and not reported yet, oldest first, one per step.
+        self._in_flight: deque[EvictOrder] = deque()
         self._backoff_until = -math.inf
-        self._last_step = -math.inf
-        # The idle waker's thread reads the wake time while the engine thread changes holds.
-        self._lock = threading.Lock()
 
-    # ---------------------------------------------------------------- holds
-
-    def hold(self, request_id: str, num_blocks: int, turn: bool, expires_at: float) -> None:
-        """A hold was taken; a turn past the cap orders room among the older turns."""
-        with self._lock:
-            if turn:
-                overflow = (
-                    self.turn_blocks + num_blocks - self.max_turn_blocks - self._outstanding(True)
-                )
-                if overflow > 0:
-                    self._add(cap_blocks=overflow)
-                self.turn_blocks += num_blocks
-            self._held[request_id] = _Held(num_blocks, turn, expires_at)
-            self.held_blocks += num_blocks
-
-    def shipped(self, request_ids: list[str], now: float) -> None:
-        """These holds went to the workers with the step built at `now`."""
-        with self._lock:
-            for request_id in request_ids:
-                held = self._held.get(request_id)
-                if held is not None and held.shipped_at is None:
-                    held.shipped_at = now
-
-    def freed(self, request_id: str) -> int | None:
-        """A hold ended: its blocks go back (None: not held)."""
-        with self._lock:
-            held = self._held.pop(request_id, None)
-            if held is None:
-                return None
-            self.held_blocks -= held.num_blocks
-            if held.turn:
-                self.turn_blocks -= held.num_blocks
-            return held.num_blocks
-
-    # ------------------------------------------------------------- pressure
+    def turn_held(self) -> None:
+        """A turn was held (`Holds.keep`): past the cap, order room among the older turns."""
+        overflow = self._holds.turn_blocks - self.max_turn_blocks - self._outstanding(True)
+        if overflow > 0:
+            self._add(cap_blocks=overflow)
 
     def pressure(self, free_blocks: int, running_need: int, waiting_need: int, now: float) -> int:
         """Running requests need `running_need` blocks, the waiting ones the next step could
         admit `waiting_need`, and `free_blocks` are free: order the shortfall from the holds
         (any for the running, turns and unread prompts for the waiting), beyond what orders
         outstanding free already. Returns the blocks ordered."""
-        with self._lock:
-            if now < self._backoff_until:
-                return 0
-            outstanding = self._outstanding(False)
-            evictable = self.held_blocks - outstanding
-            for_running = max(0, min(running_need - free_blocks - outstanding, evictable))
-            short = running_need + waiting_need - free_blocks - outstanding - for_running
-            for_waiting = 0
-            if short > 0:
-                unread = sum(
-                    h.num_blocks
-                    for h in self._held.values()
-                    if not h.turn
-                    and h.shipped_at is not None
-                    and h.shipped_at + UNREAD_PROMPT_S <= now
-                )
-                turns = self.turn_blocks + unread - self._outstanding(True)
-                for_waiting = max(0, min(short, turns, evictable - for_running))
-            if for_running or for_waiting:
-                self._add(turn_blocks=for_waiting, any_blocks=for_running)
-            return for_running + for_waiting
+        if now < self._backoff_until:
+            return 0
+        held = self._holds
+        outstanding = self._outstanding(False)
+        evictable = held.held_blocks - outstanding
+        for_running = max(0, min(running_need - free_blocks - outstanding, evictable))
+        short = running_need + waiting_need - free_blocks - outstanding - for_running
+        for_waiting = 0
+        if short > 0:
+            unread = held.unread_prompt_blocks(UNREAD_PROMPT_S, now)
+            turns = held.turn_blocks + unread - self._outstanding(True)
+            for_waiting = max(0, min(short, turns, evictable - for_running))
+        if for_running or for_waiting:
+            self._add(turn_blocks=for_waiting, any_blocks=for_running)
+        return for_running + for_waiting
 
-    def take_order(self, now: float) -> EvictOrder | None:
-        """The order for this step's metadata (None: nothing to evict)."""
-        with self._lock:
-            order, self._next = self._next, EvictOrder()
-            if not order.total:
-                return None
-            self._shipped.append(_Shipped(order, now))
-            return order
+    def take_order(self) -> EvictOrder | None:
+        """The order for the step being built (None: nothing to evict)."""
+        order, self._next = self._next, EvictOrder()
+        self._in_flight.append(order)
+        return order if order.total else None
 
-    def acknowledged(self, num_orders: int, freed_blocks: int, now: float) -> None:
-        """TP rank 0 carried out the `num_orders` oldest orders, freeing `freed_blocks`
-        (reported in the same worker metadata, and already given back with `freed`)."""
-        with self._lock:
-            asked = 0
-            for _ in range(min(num_orders, len(self._shipped))):
-                asked += self._shipped.popleft().order.total
-            if num_orders and freed_blocks < asked:
-                self._backoff_until = now + FRUITLESS_BACKOFF_S
+    def reported(self, freed_blocks: int, now: float) -> None:
+        """The oldest step in flight reported, with holds of `freed_blocks` blocks ended (its
+        order's, and any that ended otherwise): its order is done."""
+        if not self._in_flight:
+            return  # (no step built here: a report of none)
+        order = self._in_flight.popleft()
+        if order.total and freed_blocks < order.total:
+            self._backoff_until = now + FRUITLESS_BACKOFF_S
 
-    def frees_pending(self, now: float) -> bool:
+    def frees_pending(self) -> bool:
         """Whether blocks are about to come back from orders made or shipped."""
-        with self._lock:
-            while self._shipped and self._shipped[0].sent_at + ORDER_TIMEOUT_S < now:
-                self._shipped.popleft()
-            return bool(self._shipped) or self._next != EvictOrder()
+        return any(order.total for order in self._in_flight) or self._next.total > 0
 
     def _outstanding(self, turns_only: bool) -> int:
-        """Blocks ordered (this step's order and those shipped) and not acknowledged yet:
-        only those that turns alone may satisfy, or all."""
-        orders = [shipped.order for shipped in self._shipped] + [self._next]
+        """Blocks ordered (this step's order and those in flight) and not reported yet: only
+        those that turns alone may satisfy, or all."""
+        orders = [*self._in_flight, self._next]
         if turns_only:
             return sum(order.cap_blocks + order.turn_blocks for order in orders)
         return sum(order.total for order in orders)
@@ -221,24 +150,6 @@ class Retention:
             order.turn_blocks + turn_blocks,
             order.any_blocks + any_blocks,
         )
-
-    # ----------------------------------------------------------------- idle
-
-    def stepped(self, now: float) -> None:
-        """The engine took a step at `now`: TP rank 0 ends what has expired by then."""
-        with self._lock:
-            self._last_step = now
-
-    def wake_at(self) -> float | None:
-        """When the engine should next step to free holds (None: no holds)."""
-        with self._lock:
-            return self._wake_at()
-
-    def _wake_at(self) -> float | None:
-        if not self._held:
-            return None
-        expiries = (h.expires_at for h in self._held.values() if h.expires_at > self._last_step)
-        return min(self._last_step + IDLE_CHECK_S, min(expiries, default=math.inf))
 
 
 def running_blocks_needed(computed: Iterable[int], block_size: int, horizon_tokens: int) -> int:

@@ -3,30 +3,19 @@
 Runs in vLLM's EngineCore process and never touches the transfer core; it tells the workers
 what to do through `DuplexConnectorMetadata` once per step.
 
-Reader (the node that pulls): nothing is read without the owner's grant. A request whose
-params describe a peer's blocks (P->D: the decode node pulls the prefill's blocks; D->P with
-`bidirectional_kv_xfer`: the prefill node pulls a finished turn's blocks back) asks that owner
-for a grant of the hold the params name, presenting the fingerprints of its own prompt's
-tokens (`LookupSpec` with `owner_request_id`): params are a hint, never a capability. The
-owner checks them against the tokens its held blocks carry and answers with a claim for this
-reader and its own description of the blocks, which is what gets read: the longest prefix whose
-token fingerprints equal the prompt's, beyond the local prefix-cache hit, if at least
-`kv_recompute_threshold` tokens are gained. Refused (other tokens, a hold already read by
-another decode node, expired): the request computes its prompt, and the log says why. Each
-request pulls at most once; the scheduler releases the claim once every TP rank's load is
-done, or at once when it does not pull.
-
-Lookup (bidirectional, the prefill node): a request whose params describe no peer's blocks
-(a router sent only vLLM's standard `do_remote_decode`, or nothing) is looked up by its prompt
-on the decode engines the workers know; the longest match arrives claimed, like a grant. No
-answer by the lookup's deadline (`lookup_timeout_ms`; `0`: no lookups): the request prefills
-normally. Grants and lookups, asked and answered, are `lookup.py`'s (`Lookups`); they run on
-the workers' transfer cores, and `get_num_new_matched_tokens` returns None ("ask again")
-meanwhile, so vLLM's scheduler loop never blocks.
+Reader (the node that pulls): nothing is read without the owner's grant. Whether a request
+pulls, asks a peer first, or computes is decided in one place, `pull_decision.py` (params, the
+router's lookup hint, the announced holder, fan-out, compute); grants and lookups, asked and
+answered, are `lookup.py`'s (`Lookups`). Once vLLM has allocated the request's blocks, the
+scheduler plans the load (`update_state_after_alloc`): every TP rank reads, and the claim is
+released once every rank's load is done, or at once when it does not pull. Refused (other
+tokens, a hold already read by another decode node, expired): the request computes its prompt,
+and the log says why. Each request pulls at most once.
 
 Owner (the node that holds): what a finished request keeps for readers and the params that
 describe it are `offers.py`'s (`Offers`); its references in vLLM's block pool are
-`held_blocks.py`'s, and how long holds last and what is evicted `retention.py`'s. (Had vLLM
+`holds.py`'s (`Holds`: one record per hold, the truth for what it pins; TP rank 0's hold book
+the truth for who reads it and when it ends), and what is evicted `retention.py`'s. (Had vLLM
 delayed freeing the request instead, as `request_finished` allows, its engine would step non-stop
 for as long as any hold lasts, i.e. for the whole pause between a conversation's turns: measured
 1.3 CPU cores per idle server holding one turn.) TP rank 0's transfer core ends a hold (read by the
@@ -37,7 +26,6 @@ it in `DuplexWorkerMetadata.freed_holds`; the scheduler then drops its reference
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -49,26 +37,14 @@ from kvduplex.connector.config import DuplexConfig
 from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.expected_turns import ExpectedTurns
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
-from kvduplex.connector.held_blocks import HeldBlocks
+from kvduplex.connector.holds import Holds
 from kvduplex.connector.idle_steps import IdleWaker
-from kvduplex.connector.lookup import ASK_AGAIN, Lookups
 from kvduplex.connector.offers import Offers
-from kvduplex.connector.params import (
-    ParamsContext,
-    Rejected,
-    RemoteBlocks,
-    claim_release,
-    parse_remote_blocks,
-    unsupported_reason,
-)
+from kvduplex.connector.params import ParamsContext, Rejected
+from kvduplex.connector.pull_decision import PullDecision
 from kvduplex.connector.retention import LiveRequests, Retention
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.threshold import RecomputeThresholdEstimator
-from kvduplex.connector.token_fingerprint import (
-    PromptFingerprints,
-    matched_prefix_tokens,
-    prompt_fingerprints,
-)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,20 +58,6 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
 logger = init_logger(f"vllm.{__name__}")
-
-
-
-@dataclass
-class _PullState:
-    """A request whose params describe a peer's blocks; lives until the request finishes."""
-
-    remote: RemoteBlocks | Rejected
-    prompt: PromptFingerprints | None = None
-    """The prompt's fingerprints, when its lookup computed them already."""
-    matched_tokens: int = -1
-    consumed: bool = False
-    """The pull was decided (started, declined or impossible): never pull again."""
-    last_num_computed: int = 0
 
 
 class DuplexScheduler:
@@ -113,9 +75,6 @@ class DuplexScheduler:
         self._kv_cache_config = kv_cache_config
         self._groups = TransferGroups.from_kv_cache_config(kv_cache_config)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._retention = Retention(
-            int(config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks)
-        )
         self._live = LiveRequests(vllm_config)
         max_model_len = vllm_config.model_config.max_model_len
         self._params_context = ParamsContext(
@@ -136,7 +95,6 @@ class DuplexScheduler:
         if self._groups.has_state:
             vllm_private.check_prompt_edit()
 
-        self._pulls: dict[str, _PullState] = {}
         # Loads given to the workers: the claim to release and the TP ranks not done yet.
         self._reading: dict[str, tuple[md.ReleaseSpec | None, int]] = {}
         self._block_pool: BlockPool | None = None
@@ -144,18 +102,21 @@ class DuplexScheduler:
         self._releases: list[md.ReleaseSpec] = []
         self._expected = ExpectedTurns(config.bidirectional_kv_xfer, self._block_size)
         self._stats = DuplexConnectorStats()
-        # Our references in vLLM's block pool of each hold (`held_blocks.py`).
-        self._held = HeldBlocks(self._retention, self._events, self._stats)
-        # Grants for params and lookups by prompt (`lookup.py`).
-        self._lookups = Lookups(
+        # The held turns (`holds.py`) and their eviction orders (`retention.py`).
+        self._held = Holds(self._events, self._stats)
+        self._retention = Retention(
+            self._held, int(config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks)
+        )
+        # What to pull, and the grants and lookups asked for it (`pull_decision.py`).
+        self._decision = PullDecision(
             config,
             self._params_context,
+            self._live,
+            self._estimator,
             self._stats,
-            threshold=self.recompute_threshold,
-            lookup_threshold=self._lookup_threshold,
-            pullable=self._pullable,
             release=lambda release: self._releases.append(release),
         )
+        self._lookups = self._decision.lookups
         # vLLM reset its caches: the next step ends every hold (`_holds_dropped`).
         self._end_holds = False
         self._waker = IdleWaker(self._next_idle_step_in)
@@ -172,24 +133,12 @@ class DuplexScheduler:
 
     # ---------------------------------------------------------------- reader
 
-    def recompute_threshold(self) -> int:
-        if self._estimator is not None:
-            return self._estimator.threshold()
-        return self._config.recompute_threshold
-
-    def _lookup_threshold(self, request: Request) -> int:
-        """The fewest tokens a lookup by content of `request` must be able to gain: with
-        "auto", a step more while other requests run (`threshold.py`)."""
-        if self._estimator is not None:
-            return self._estimator.lookup_threshold(self._live.others_running(request.request_id))
-        return self._config.recompute_threshold
-
     def on_new_request(self, request: Request) -> None:
         self._live.add(request)
         self._stop_prefill_short(request)
         # Hashed once, for the turn it may hold and the grant of its params' blocks.
         prompt = self._expected.started(request)
-        self._pull_state(request, prompt)
+        self._decision.arrived(request, prompt)
 
     def _stop_prefill_short(self, request: Request) -> None:
         """A prefill for another engine (`do_remote_decode`) of a model with a state-space
@@ -214,49 +163,21 @@ class DuplexScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        state = self._pull_state(request)
-        if state is None and not _computes_alone(request):
-            found = self._lookups.look_up(request, num_computed_tokens)
-            if found is ASK_AGAIN:
-                return self._live.matched(request, None, False)
-            if found is not None:
-                state = _PullState(remote=found.remote, prompt=found.prompt)
-                self._pulls[request.request_id] = state
-        if state is None or state.consumed or isinstance(state.remote, Rejected):
-            return self._live.matched(request, 0, False)
-        state.last_num_computed = num_computed_tokens
-        gain = self._pullable_tokens(request, state, num_computed_tokens) - num_computed_tokens
-        if gain <= 0 or gain < self.recompute_threshold():
-            return self._live.matched(request, 0, False)
-        return self._live.matched(request, gain, not self._layerwise(state.remote))
-
-    def _layerwise(self, remote: RemoteBlocks) -> bool:
-        """A decode node's held turn is pulled layer by layer within the forward pass with
-        `layerwise_load` (the prefill node is connected to it ahead of time, and its new
-        tokens' forward pass is what the pull overlaps with). A hybrid model keeps the
-        asynchronous path: vLLM maps a synchronous load's failure back only by block id,
-        which it supports with one KV-cache group only."""
-        return (
-            self._config.layerwise_load
-            and remote.from_decode_node
-            and not self._groups.hybrid
-            and not self._groups.has_state
-            and len(remote.peer.ports) == self._tp_size
-        )
+        """Pull, ask a peer first, or compute (`pull_decision.py`, the order in one place)."""
+        return self._decision.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        state = self._pulls.get(request.request_id)
-        if state is None or state.consumed:
+        state = self._decision.take(request.request_id)
+        if state is None:
             return
-        state.consumed = True
         remote = state.remote
         if isinstance(remote, Rejected):
-            self._hand_back(remote)
+            self._decision.hand_back(remote)
             return
         if num_external_tokens <= 0:
-            self._decline(request, state)
+            self._decision.declined(request, state)
             return
         # The local prefix-cache hit is block-aligned: the load starts at a block boundary.
         first_block = state.last_num_computed // self._block_size
@@ -301,7 +222,7 @@ class DuplexScheduler:
                 num_tokens=num_external_tokens,
                 lease_expiry=remote.lease_expiry,
                 blocks_per_group=tuple(blocks_per_group),
-                layerwise=self._layerwise(remote),
+                layerwise=self._decision.layerwise(remote),
                 # Never happens when vLLM frees sliding-window blocks by the rule
                 # `TransferGroups.pullable_tokens` checked; if it does, recompute, never read
                 # a freed block.
@@ -322,98 +243,6 @@ class DuplexScheduler:
             remote.peer.engine_id,
         )
 
-    def _decline(self, request: Request, state: _PullState) -> None:
-        """No pull for this request: tell the owner to free its blocks now."""
-        remote = state.remote
-        assert isinstance(remote, RemoteBlocks)
-        self._hand_back(remote)
-        gain = (
-            self._pullable_tokens(request, state, state.last_num_computed)
-            - state.last_num_computed
-        )
-        if gain > 0:
-            self._stats.add("pulls_declined")
-            self._stats.add("tokens_recomputed", gain)
-            logger.debug(
-                "Request %s recomputes %d tokens instead of pulling them (threshold %d)",
-                request.request_id,
-                gain,
-                self.recompute_threshold(),
-            )
-
-    def _hand_back(self, remote: RemoteBlocks | Rejected) -> None:
-        """End the owner's claim, if it granted one."""
-        release = claim_release(remote)
-        if release is not None:
-            self._releases.append(release)
-
-    def _pull_state(
-        self, request: Request, prompt: PromptFingerprints | None = None
-    ) -> _PullState | None:
-        state = self._pulls.get(request.request_id)
-        if state is not None or request.request_id in self._lookups:
-            return state
-        remote = parse_remote_blocks(request.kv_transfer_params, self._params_context)
-        if remote is None:
-            return None
-        if isinstance(remote, RemoteBlocks):
-            unsupported = unsupported_reason(request)
-            if unsupported is not None:
-                remote = Rejected(unsupported)
-            else:
-                # A hint: its owner is asked for a grant first (`Lookups.look_up`).
-                self._lookups.name_owner(request, remote, prompt)
-                return None
-        if isinstance(remote, Rejected):
-            self._stats.add("fallbacks")
-            logger.warning(
-                "Request %s runs without KV transfer: %s", request.request_id, remote.reason
-            )
-        state = _PullState(remote=remote)
-        self._pulls[request.request_id] = state
-        return state
-
-    def _pullable_tokens(self, request: Request, state: _PullState, num_computed_tokens: int) -> int:
-        """Prompt tokens, from the first, whose KV the peer holds for the same token ids, in
-        every block each KV-cache group needs beyond the local hit (else the local hit)."""
-        remote = state.remote
-        assert isinstance(remote, RemoteBlocks)
-        if state.matched_tokens < 0:
-            prompt = request.prompt_token_ids or []
-            if state.prompt is None:  # kept: a turn held after it extends them
-                state.prompt = prompt_fingerprints(request, self._block_size)
-            fingerprints = state.prompt
-            matched, mismatch_block = matched_prefix_tokens(
-                fingerprints, remote.fingerprints, remote.num_tokens
-            )
-            state.matched_tokens = matched
-            if mismatch_block >= 0:
-                usable = min(remote.num_tokens, len(prompt))
-                self._stats.add("tokens_mismatched", usable - matched)
-                self._stats.add("fallbacks")
-                logger.warning(
-                    "Request %s: the tokens of block %d held by engine %s differ from the "
-                    "prompt's; only the first %d of %d tokens are reusable",
-                    request.request_id,
-                    mismatch_block,
-                    remote.peer.engine_id,
-                    matched,
-                    usable,
-                )
-        return self._pullable(request, remote, state.matched_tokens, num_computed_tokens)
-
-    def _pullable(
-        self, request: Request, remote: RemoteBlocks, matched_tokens: int, num_local_tokens: int
-    ) -> int:
-        """What a pull of the owner's `matched_tokens` matching tokens can cover for this
-        request, within the prompt's pull limit (`TransferGroups`)."""
-        return self._groups.pullable_tokens(
-            remote.block_ids,
-            min(matched_tokens, self._groups.pull_limit(request.num_prompt_tokens)),
-            num_local_tokens,
-            remote.num_tokens,
-        )
-
     # ----------------------------------------------------------------- owner
 
     def request_finished(
@@ -422,13 +251,7 @@ class DuplexScheduler:
         """`block_ids`: the request's block table of every KV-cache group (vLLM's order)."""
         self._live.remove(request.request_id)
         self._expected.finished(request.request_id)
-        state = self._pulls.pop(request.request_id, None)
-        self._lookups.finished(request.request_id)
-        if state is not None and not state.consumed:
-            # Finished (e.g. aborted) before it was ever scheduled: end the owner's claim.
-            self._hand_back(state.remote)
-
-        prompt = state.prompt if state is not None else None
+        prompt = self._decision.finished(request.request_id)
         return self._offers.finished(request, block_ids, prompt)
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
@@ -444,11 +267,11 @@ class DuplexScheduler:
         """vLLM asks when a running request cannot get blocks, before it preempts one:
         holds are given up first (an order now, if none is under way), and the request
         waits for their blocks. False once nothing held can go (claimed: vLLM preempts)."""
-        now = time.time()
-        if not self._retention.frees_pending(now) and self._block_pool is not None:
+        if not self._retention.frees_pending() and self._block_pool is not None:
             free = vllm_private.num_free_blocks(self._block_pool)
-            self._retention.pressure(free, max(self._live.running_need(free), free + 1), 0, now)
-        return self._retention.frees_pending(now)
+            need = max(self._live.running_need(free), free + 1)
+            self._retention.pressure(free, need, 0, time.time())
+        return self._retention.frees_pending()
 
     def reset_cache(self) -> bool:
         """vLLM resets its caches where the weights change in place (its pause and sleep for
@@ -456,7 +279,7 @@ class DuplexScheduler:
         `update_weights` or a `collective_rpc` that loads weights, its callers must): KV held
         for readers was computed with the old weights. vLLM has no weight version a connector
         could see: this reset is its only sign of new weights. Every hold was dropped already
-        if vLLM's own reset could succeed then (`held_blocks.py`), else now; succeeds."""
+        if vLLM's own reset could succeed then (`holds.py`), else now; succeeds."""
         if self._held.drop_all():
             self._holds_dropped()
         return True
@@ -470,7 +293,7 @@ class DuplexScheduler:
         self._waker.poke()
 
     def has_pending_push_work(self) -> bool:
-        """Keeps an idle engine stepping while a hold is due to end (`retention.py`, or every
+        """Keeps an idle engine stepping while a hold is due to end (`holds.py`, or every
         hold: `reset_cache`) or the copy of the announcements to be renewed
         (`held_mirror.py`)."""
         delay = self._next_idle_step_in()
@@ -490,7 +313,7 @@ class DuplexScheduler:
         if self._end_holds:
             return 0.0
         delays = []
-        wake_at = self._retention.wake_at()
+        wake_at = self._held.wake_at()
         if wake_at is not None:
             delays.append(wake_at - time.time())
         now = time.monotonic()
@@ -549,15 +372,15 @@ class DuplexScheduler:
             settled=settled,
             lookups=self._lookups.take_specs(),
             renewals=self._lookups.take_renewals(),
-            evict=self._retention.take_order(now),
+            evict=self._retention.take_order(),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             end_holds=self._end_holds,
         )
         self._end_holds = False
-        self._retention.stepped(now)
+        self._held.stepped(now)
         self._poke_if_renewing()
         if meta.holds:
-            self._retention.shipped([hold.request_id for hold in meta.holds], now)
+            self._held.shipped([hold.request_id for hold in meta.holds], now)
         self._loads, self._releases = [], []
         if self._estimator is not None:
             self._estimator.step_built(
@@ -573,9 +396,10 @@ class DuplexScheduler:
         self._lookups.announced(worker_meta.announced if worker_meta is not None else None)
         self._lookups.on_report(worker_meta)
         self._poke_if_renewing()
+        # The step's report: the holds TP rank 0 ended in it, and so its eviction order done.
+        freed_blocks = self._held.end(worker_meta.freed_holds) if worker_meta is not None else 0
+        self._retention.reported(freed_blocks, time.time())
         if worker_meta is not None:
-            freed_blocks = self._held.end(worker_meta.freed_holds)
-            self._retention.acknowledged(worker_meta.evictions_done, freed_blocks, time.time())
             self._on_loads_done(worker_meta.loads_done)
         if self._estimator is None:
             return
@@ -610,9 +434,3 @@ class DuplexScheduler:
         """KV events of the turns held and ended since the last call (`events.py`)."""
         return self._events.take()
 
-
-def _computes_alone(request: Request) -> bool:
-    """A router sent the request here to compute alone (`protocol.KEEP_TURN`): it holds the
-    history itself, so it looks nothing up and pulls nothing."""
-    params = request.kv_transfer_params
-    return isinstance(params, dict) and params.get(protocol.KEEP_TURN) is True

@@ -343,13 +343,12 @@ class DuplexWorker:
         announced = self._lookups.announced(self._engine)
         if self._idle_step and not (self._inflight or self._waiting_loads or self._lookups.pending):
             self._spin.rest()  # (`idle_steps.py`)
-        freed_holds, evictions_done = self._holds.take_report()
+        freed_holds = self._holds.take_report()
         if (
             self._tp_rank != 0
             and not lookups
             and not freed_holds
             and not self._loads_done
-            and not evictions_done
             and lookup_targets < 0
             and announced is None
         ):
@@ -363,7 +362,6 @@ class DuplexWorker:
             lookups=lookups,
             freed_holds=freed_holds,
             loads_done=self._loads_done,
-            evictions_done=evictions_done,
             lookup_targets=lookup_targets,
             announced=announced,
         )

@@ -2,10 +2,11 @@
 
 Only TP rank 0 keeps the hold book (holds, grants, claims, expiry, eviction: decided once, for
 every rank's blocks, which share block ids); `WorkerHolds` reports each ended hold in
-`DuplexWorkerMetadata.freed_holds` exactly once (the scheduler owns the blocks' reference,
-`held_blocks.py`). Every hold ends when vLLM resets its caches (`end_all`): held KV is bound to
-the weights only by that, and the scheduler has given the blocks back to vLLM already. Other
-ranks take their notifications (and ignore them) and hold nothing.
+`DuplexWorkerMetadata.freed_holds` exactly once (the scheduler's record of what each hold pins,
+`holds.py`, drops the blocks' references). Every hold ends when vLLM resets its caches
+(`end_all`): held KV is bound to the weights only by that, and the scheduler has given the
+blocks back to vLLM already. Other ranks take their notifications (and ignore them) and hold
+nothing.
 """
 
 from __future__ import annotations
@@ -35,15 +36,14 @@ class WorkerHolds:
         self._tp_rank = tp_rank
         self._stats = stats
         self._freed_holds: list[str] = []
-        self._evictions_done = 0
         self._claims = 0
         self._awaited = 0
 
-    def take_report(self) -> tuple[list[str], int]:
-        """The holds ended and the eviction orders done since the last report."""
+    def take_report(self) -> list[str]:
+        """The holds ended since the last report (the step's eviction order is done with the
+        step: `retention.py`)."""
         freed, self._freed_holds = self._freed_holds, []
-        done, self._evictions_done = self._evictions_done, 0
-        return freed, done
+        return freed
 
     def hold(self, hold: md.HoldSpec) -> None:
         """TP rank 0 keeps the engine's holds (see the module docstring)."""
@@ -57,7 +57,7 @@ class WorkerHolds:
                 hold.request_id,
                 hold.num_blocks,
                 # The moment the scheduler counts too (and the params announce), not a TTL
-                # from now: the scheduler wakes an idle engine then (`retention.py`), and
+                # from now: the scheduler wakes an idle engine then (`holds.py`), and
                 # the hold must have ended when that step looks.
                 hold.lease_expiry,
                 fingerprints=list(hold.fingerprints),
@@ -74,7 +74,7 @@ class WorkerHolds:
             self._stats.add("turns_offered")
 
     def end_all(self) -> None:
-        """vLLM reset its caches, as it does for a weight update (`held_blocks.py`): the held
+        """vLLM reset its caches, as it does for a weight update (`holds.py`): the held
         KV was computed with other weights, and the scheduler gave the blocks back to vLLM,
         which may hand them to a request of this very step. TP rank 0 ends every hold at once,
         under the hold book's lock (none is granted again; unclaimed ones are freed now), then
@@ -112,11 +112,8 @@ class WorkerHolds:
             logger.warning("Request %s's turn is not expected: %s", turn.request_id, exc)
 
     def evict(self, order: md.EvictOrder) -> None:
-        """TP rank 0 frees unclaimed holds and acknowledges the order (`retention.py`)."""
-        if self._tp_rank != 0:
-            return
-        self._evictions_done += 1
-        if self.engine is None:
+        """TP rank 0 frees unclaimed holds; the step's report says which (`retention.py`)."""
+        if self.engine is None or self._tp_rank != 0:
             return
         for request_id in self.engine.evict_holds(order.cap_blocks) if order.cap_blocks else ():
             self._freed_holds.append(request_id)
