@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# A second release build and a venv installed from PyPI: `make test` runs it, `make test-fast` not.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SUBCOMMANDS = ("proxy", "demo")
 PROXY_MESSAGE = "kvduplex proxy needs the 'proxy' extra: pip install 'kvduplex[proxy]'"
