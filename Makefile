@@ -53,11 +53,11 @@ test-no-servers: build
 test-servers: build
 	$(PY) -m pytest -q --durations=25 -m e2e tests
 
-# The edit-test loop, under 5 minutes on a fresh clone (docs/testing.md): the Rust unit and
-# integration tests, and the pytest suites that start no vLLM server (vLLM's real Scheduler and
-# workers, real engines over UCX, the proxy against fake engines) but those marked slow (the
-# wheel built and installed into a clean venv). No static checks, no fuzzing; `make test` runs
-# everything.
+# The edit-test loop, meant for under 5 minutes on a fresh clone (docs/testing.md): the Rust
+# unit and integration tests, and the pytest suites that start no vLLM server (vLLM's real
+# Scheduler and workers, real engines over UCX, the proxy against fake engines) but those marked
+# slow (the wheel built and installed into a clean venv). No static checks, no fuzzing;
+# `make test` runs everything.
 test-fast: build
 	cargo test --release
 	$(PY) -m pytest -q --durations=10 -m 'not e2e and not slow' tests
