@@ -53,12 +53,14 @@ test-no-servers: build
 test-servers: build
 	$(PY) -m pytest -q --durations=25 -m e2e tests
 
-# Everything that starts no vLLM server: the Rust unit and integration tests, and the pytest
-# suites but the e2e ones (vLLM's real Scheduler and workers, real engines over UCX, the proxy
-# against fake engines). No static checks, no fuzzing: for the edit-test loop.
+# The edit-test loop, meant for under 5 minutes on a fresh clone (docs/testing.md): the Rust
+# unit and integration tests, and the pytest suites that start no vLLM server (vLLM's real
+# Scheduler and workers, real engines over UCX, the proxy against fake engines) but those marked
+# slow (the wheel built and installed into a clean venv). No static checks, no fuzzing;
+# `make test` runs everything.
 test-fast: build
 	cargo test --release
-	$(MAKE) --no-print-directory test-no-servers
+	$(PY) -m pytest -q --durations=10 -m 'not e2e and not slow' tests
 
 # Static checks, run first by `make test`: ruff, rustfmt, clippy with warnings as errors, and the
 # house's rules (check-structure).

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 from _load_report import BIDIRECTIONAL, ONE_WAY
 from kvduplex.demo import MetricsSnapshot, read_metrics
-from kvduplex.demo.servers import ServerError, VllmServer
+from kvduplex.demo.servers import ServerError
+from kvduplex_testing.servers import VllmServer
 
 # One-way first: its answers are the expected ones.
 ROUTER_SYSTEMS = (ONE_WAY, BIDIRECTIONAL)

@@ -42,8 +42,8 @@ from kvduplex.demo import (  # noqa: E402
     read_metrics,
     read_metrics_after,
 )
-from kvduplex.demo.servers import ServerError, VllmServer, complete  # noqa: E402
-from kvduplex_testing.servers import complete_streamed, node_cpu_sets, start_many  # noqa: E402
+from kvduplex.demo.servers import ServerError, complete  # noqa: E402
+from kvduplex_testing.servers import VllmServer, complete_streamed, node_cpu_sets, start_many  # noqa: E402
 from kvduplex_testing.tiny_model import (  # noqa: E402
     REALISTIC_MODEL_CONFIG,
     build_realistic_chat_model,

@@ -69,14 +69,13 @@ from _netns import Fabric  # noqa: E402
 from history_sweep import prompt  # noqa: E402
 from kvduplex.demo import duplex_kv_transfer_config, read_metrics  # noqa: E402
 from kvduplex.demo.servers import (  # noqa: E402
-    VllmServer,
     complete,
     describe_mismatch,
     wait_until_ready,
 )
 from kvduplex.demo.tiny_model import MODEL_CONFIG, SERVER_ARGS  # noqa: E402
 from kvduplex.protocol import prefill_request_params  # noqa: E402
-from kvduplex_testing.servers import complete_streamed, node_cpu_sets  # noqa: E402
+from kvduplex_testing.servers import VllmServer, complete_streamed, node_cpu_sets  # noqa: E402
 from kvduplex_testing.tiny_model import build_tiny_chat_model  # noqa: E402
 from multihost import HOSTS, host_server  # noqa: E402
 

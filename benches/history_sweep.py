@@ -80,10 +80,10 @@ from kvduplex.demo import (
     read_metrics,
     read_metrics_after,
 )
-from kvduplex.demo.servers import WHOLE_MACHINE_ENV, Completion, ServerError, VllmServer, complete
+from kvduplex.demo.servers import WHOLE_MACHINE_ENV, Completion, ServerError, complete
 from kvduplex.demo.tiny_model import VOCAB_SIZE
 from kvduplex.proxy.config import CONVERSATION_HEADER
-from kvduplex_testing.servers import complete_streamed, start_many
+from kvduplex_testing.servers import VllmServer, complete_streamed, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_FIRST_WORD_ID,
     REALISTIC_MODEL_CONFIG,

@@ -106,17 +106,11 @@ from kvduplex.demo import (
     read_metrics,
     read_metrics_after,
 )
-from kvduplex.demo.servers import (
-    WHOLE_MACHINE_ENV,
-    Completion,
-    ServerError,
-    VllmServer,
-    describe_mismatch,
-)
+from kvduplex.demo.servers import WHOLE_MACHINE_ENV, Completion, ServerError, describe_mismatch
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.proxy.config import LOCAL_CONTINUATION_WHEN, ProxyConfig
 from kvduplex_testing.router import VllmRouter
-from kvduplex_testing.servers import async_sse_events, server_cpu_seconds, start_many
+from kvduplex_testing.servers import VllmServer, async_sse_events, server_cpu_seconds, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     build_tiny_chat_model,

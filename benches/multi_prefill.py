@@ -32,9 +32,8 @@ from pathlib import Path
 
 import load
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, read_metrics
-from kvduplex.demo.servers import VllmServer
 from kvduplex.proxy.config import DEFAULT_PREFILL_AFFINITY_SLACK
-from kvduplex_testing.servers import start_many
+from kvduplex_testing.servers import VllmServer, start_many
 from kvduplex_testing.tiny_model import build_tiny_chat_model
 
 POLICIES = {"affinity": DEFAULT_PREFILL_AFFINITY_SLACK, "least_busy": None}

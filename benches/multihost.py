@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE))
 import compare_transfer  # noqa: E402
 from _bench_common import PATTERNS_BY_NAME  # noqa: E402
 from _netns import HOST_IFACE, Fabric  # noqa: E402
-from kvduplex.demo.servers import VllmServer  # noqa: E402
+from kvduplex_testing.servers import VllmServer  # noqa: E402
 
 HOSTS = ("p", "d", "client")
 UCX_TLS = "tcp"

@@ -86,7 +86,6 @@ from kvduplex.demo.servers import (
     WHOLE_MACHINE_ENV,
     Completion,
     ServerError,
-    VllmServer,
     complete,
     describe_mismatch,
     with_nonce,
@@ -96,6 +95,7 @@ from kvduplex.protocol import METRIC_PREFIX
 from kvduplex.proxy.config import CONVERSATION_HEADER
 from kvduplex_testing.servers import (
     StreamedCompletion,
+    VllmServer,
     complete_streamed,
     node_cpu_sets,
     start_many,

@@ -27,10 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvduplex.demo.servers import ServerError, VllmServer, complete, describe_mismatch, with_nonce
+from kvduplex.demo.servers import ServerError, complete, describe_mismatch, with_nonce
 from kvduplex.demo.tiny_model import SERVER_ARGS, build_tiny_model, sample_text
 from kvduplex.protocol import prefill_request_params
 from kvduplex_testing.servers import (
+    VllmServer,
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,

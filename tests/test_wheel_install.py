@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# A second release build and a venv installed from PyPI: `make test` runs it, `make test-fast` not.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SUBCOMMANDS = ("proxy", "demo")
 PROXY_MESSAGE = "kvduplex proxy needs the 'proxy' extra: pip install 'kvduplex[proxy]'"
@@ -84,12 +87,16 @@ def test_wheel_is_manylinux_abi3(wheel):
         # The license the metadata declares, its text beside the metadata.
         (license_name,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
         license_text = zf.read(license_name).decode()
+        modules = sorted(n for n in names if n.endswith((".py", ".pyi")))
+        sources = {n: zf.read(n).decode() for n in modules}
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "kvduplex/_core.abi3.so" in names
-    # The product and the demo's servers and model; the tests' harness stays in the checkout.
-    modules = sorted(n for n in names if n.endswith((".py", ".pyi")))
+    # The product and the demo's servers and model; the tests' harness stays in the checkout:
+    # nothing shipped imports it, nor pins servers to CPUs (`kvduplex_testing.servers`).
     assert not [n for n in modules if not n.startswith("kvduplex/")], modules
     assert "kvduplex/demo/servers.py" in modules and "kvduplex/demo/tiny_model.py" in modules
+    harness = ("from kvduplex_testing", "import kvduplex_testing", "sched_setaffinity")
+    assert not [n for n, text in sources.items() if any(h in text for h in harness)]
     assert "Requires-Dist: libucx-cu12" in metadata
     for extra in ("proxy", "demo"):
         assert f"Provides-Extra: {extra}" in metadata

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from kvduplex.demo.servers import _EXEC_WITH_PARENT_DEATH_SIGNAL, ServerError, free_port
+from kvduplex.demo.servers import ServerError, free_port, spawn_in_own_session
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +69,7 @@ class VllmRouter:
         with open(self.log_path, "wb") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
-            launcher = [sys.executable, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid()), ""]
-            self._process = subprocess.Popen(
-                [*launcher, *self.argv], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )
+            self._process = spawn_in_own_session(self.argv, log)
         try:
             self._wait_until_ready()
         except BaseException:

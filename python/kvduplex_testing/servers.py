@@ -1,5 +1,6 @@
-"""The tests' and benchmarks' additions to `kvduplex.demo.servers`: several servers started as
-one, CPU sets and ports for pinned P/D pairs, streamed completions and prompt-token counters.
+"""The tests' and benchmarks' additions to `kvduplex.demo.servers`: `VllmServer` pinned to CPUs
+and used as a context manager, several servers started as one, CPU sets and ports for pinned
+P/D pairs, streamed completions and prompt-token counters.
 
 Not installed with the wheel (only the `kvduplex` package is): import it from a source checkout
 (`make test` installs the checkout in development mode; otherwise put `python/` on PYTHONPATH).
@@ -12,8 +13,17 @@ import json
 import os
 import random
 import socket
+import sys
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,15 +32,82 @@ import httpx
 import psutil
 
 from kvduplex.demo import sample_sums
+from kvduplex.demo import servers as demo_servers
 from kvduplex.demo.servers import (
     Completion,
     ServerError,
-    VllmServer,
     completion_body,
-    free_ports,
     parse_token_id,
     wait_until_ready,
 )
+
+# Sets the CPUs (comma-separated) a process and the children it starts may run on, then execs the
+# rest of its command line.
+_EXEC_PINNED = (
+    "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+class VllmServer(demo_servers.VllmServer):
+    """The demo's `VllmServer`, also a context manager (start, wait until healthy, stop on exit),
+    and pinned to `cpus` when given.
+
+    `cpus` pins the server (its API, engine and worker processes) to those CPUs, on as many
+    OpenMP threads unless `env` says otherwise; by default it may run on any. vLLM keeps the
+    pinning only with `VLLM_CPU_OMP_THREADS_BIND=nobind` (the servers' default); vLLM's
+    NixlConnector re-pins its CPU worker to the last CPU of each NUMA node whatever it inherited.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        cpus: Collection[int] | None = None,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.cpus = sorted(cpus) if cpus is not None else None
+        if self.cpus is not None and not self.cpus:
+            raise ValueError(f"{kwargs.get('name', 'vllm')} server: an empty CPU set")
+        pinned_threads = {"OMP_NUM_THREADS": str(len(self.cpus))} if self.cpus else {}
+        super().__init__(model_dir, env={**pinned_threads, **(env or {})}, **kwargs)
+
+    def command(self) -> list[str]:
+        server = super().command()
+        if self.cpus is None:
+            return server
+        return [sys.executable, "-c", _EXEC_PINNED, ",".join(map(str, self.cpus)), *server]
+
+    def __enter__(self) -> VllmServer:
+        try:
+            self.start()
+            self.wait_until_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Return `count` distinct TCP ports that were free a moment ago.
+
+    All sockets stay bound until every port is chosen, so the ports differ from one another.
+    Another process can still take one before it is used; callers start servers right away.
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def node_cpu_sets(nodes: int = 2) -> list[frozenset[int]]:
@@ -78,7 +155,9 @@ def ports_outside_ephemeral_range(count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def start_many(servers: Sequence[VllmServer]) -> Iterator[list[VllmServer]]:
+def start_many(
+    servers: Sequence[demo_servers.VllmServer],
+) -> Iterator[list[demo_servers.VllmServer]]:
     """Start all `servers` at once, wait until all are healthy, stop all on exit.
 
     If any fails to start, the others are stopped before the error propagates.

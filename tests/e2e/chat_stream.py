@@ -21,11 +21,11 @@ import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS, E2E_PEER_HEARTBEAT_S
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, metric_samples, sample_sums
-from kvduplex.demo.servers import VllmServer, complete
+from kvduplex.demo.servers import complete
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
 from kvduplex.protocol import METRIC_PREFIX
 from kvduplex.proxy.config import CONVERSATION_HEADER
-from kvduplex_testing.servers import prompt_tokens_by_source, start_many
+from kvduplex_testing.servers import VllmServer, prompt_tokens_by_source, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     CHAT_EOS_TOKEN_ID,

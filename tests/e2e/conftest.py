@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from kvduplex.demo.servers import Completion, VllmServer, complete, describe_mismatch, with_nonce
+from kvduplex.demo.servers import Completion, complete, describe_mismatch, with_nonce
 from kvduplex.demo.tiny_model import SERVER_ARGS, build_tiny_model, sample_text
-from kvduplex_testing.servers import ServerPair
+from kvduplex_testing.servers import ServerPair, VllmServer
 
 __all__ = ["Completion", "complete", "describe_mismatch", "with_nonce", "sample_text"]
 

@@ -35,10 +35,11 @@ from chat_stream import Answer, PullWatch, first_tokens_by_source, pulled, respo
 from conftest import E2E_LOOKUP_TIMEOUT_MS, E2E_PEER_HEARTBEAT_S
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, sample_sums
-from kvduplex.demo.servers import VllmServer, complete, describe_mismatch
+from kvduplex.demo.servers import complete, describe_mismatch
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS, VOCAB_SIZE
 from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT, METRIC_PREFIX, prefill_request_params
 from kvduplex_testing.servers import (
+    VllmServer,
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,

@@ -11,13 +11,12 @@ import pytest
 from kvduplex.demo.servers import (
     SERVER_ENV_DEFAULTS,
     ServerError,
-    VllmServer,
     complete,
     describe_mismatch,
     with_nonce,
 )
 from kvduplex.demo.tiny_model import sample_text
-from kvduplex_testing.servers import node_cpu_sets
+from kvduplex_testing.servers import VllmServer, node_cpu_sets
 
 # ~300 tokens: the nonce sits in the first 128-token KV block, generation starts in the third.
 PROMPT_WORDS = 150

@@ -27,10 +27,10 @@ import pytest
 
 from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
 from kvduplex.demo import duplex_kv_transfer_config
-from kvduplex.demo.servers import Completion, VllmServer, complete, describe_mismatch
+from kvduplex.demo.servers import Completion, complete, describe_mismatch
 from kvduplex.demo.tiny_model import SERVER_ARGS
 from kvduplex.protocol import prefill_request_params
-from kvduplex_testing.servers import start_many
+from kvduplex_testing.servers import VllmServer, start_many
 from test_connector_e2e import BLOCK, THRESHOLD, counter, token_prompt, tokenizer  # noqa: F401
 
 logger = logging.getLogger(__name__)

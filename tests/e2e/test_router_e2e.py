@@ -34,16 +34,10 @@ from pathlib import Path
 import pytest
 
 from conftest import DEV_MODE, warm_up
-from kvduplex.demo.servers import (
-    Completion,
-    VllmServer,
-    complete,
-    describe_mismatch,
-    wait_until_ready,
-)
+from kvduplex.demo.servers import Completion, complete, describe_mismatch, wait_until_ready
 from kvduplex.demo.tiny_model import SERVER_ARGS
 from kvduplex_testing.router import VllmRouter
-from kvduplex_testing.servers import prompt_tokens_by_source
+from kvduplex_testing.servers import VllmServer, prompt_tokens_by_source
 from test_connector_e2e import KV_TRANSFER_CONFIG, THRESHOLD, token_prompt, tokenizer  # noqa: F401
 from test_lookup_e2e import stream_completion
 

@@ -33,11 +33,12 @@ import pytest
 from chat_stream import Answer, pulled, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS, warm_up
 from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
-from kvduplex.demo.servers import VllmServer, complete, describe_mismatch, wait_until_ready
+from kvduplex.demo.servers import complete, describe_mismatch, wait_until_ready
 from kvduplex.demo.tiny_model import SERVER_ARGS
 from kvduplex.protocol import prefill_request_params
 from kvduplex_testing.servers import (
     ServerPair,
+    VllmServer,
     ports_outside_ephemeral_range,
     prompt_tokens_by_source,
     start_many,

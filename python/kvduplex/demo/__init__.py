@@ -17,8 +17,10 @@ How it is measured:
   then the new user message. A random-weight model emits token sequences that re-tokenizing their
   text would not reproduce, and the connector (rightly) reuses D's KV only for identical tokens.
 
-The pieces (`duplex_kv_transfer_config`, `read_metrics`, `ProxyThread`, `user_turns`) are shared
-with `benches/multiturn.py` and the end-to-end tests.
+The pieces (`duplex_kv_transfer_config`, `user_turns`, and from the modules beside this one
+`read_metrics`, `ProxyThread`) are shared with the benchmarks and the end-to-end tests; this
+package re-exports those of `metrics` and `proxy_thread`. The test harness that builds on the demo
+(CPU pinning, several servers as one, streamed completions) is `kvduplex_testing`, not installed.
 """
 
 from __future__ import annotations
@@ -30,22 +32,28 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
 
 from ..connector.config import DEFAULT_RECOMPUTE_THRESHOLD, REQUIRED_LOAD_FAILURE_POLICY
-from ..protocol import METRIC_PREFIX
 from ..proxy.config import CONVERSATION_HEADER
-from ..proxy.metrics import CONVERSATION_LOOKUPS
+from .metrics import (
+    MetricsSnapshot,
+    lookup_result,
+    metric_samples,
+    read_metrics,
+    read_metrics_after,
+    read_proxy_lookups,
+    sample_sums,
+)
+from .proxy_thread import ProxyThread
 from .servers import (
     WHOLE_MACHINE_ENV,
     Completion,
@@ -53,9 +61,24 @@ from .servers import (
     VllmServer,
     complete,
     describe_mismatch,
+    wait_until_ready,
     with_nonce,
 )
 from .tiny_model import SERVER_ARGS, build_tiny_model, sample_text
+
+__all__ = [
+    "MetricsSnapshot",
+    "ProxyThread",
+    "duplex_kv_transfer_config",
+    "lookup_result",
+    "metric_samples",
+    "read_metrics",
+    "read_metrics_after",
+    "read_proxy_lookups",
+    "register_demo",
+    "sample_sums",
+    "user_turns",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +92,6 @@ DEFAULT_USER_WORDS = 60
 # Outputs of P/D and the single server run the same float32 model on the same tokens; KV that was
 # pulled instead of computed only changes the summation order of a few kernels.
 LOGPROB_ATOL = 1e-3
-_METRICS_SETTLE_TIMEOUT_S = 30.0
 
 
 def default_model_dir() -> Path:
@@ -91,243 +113,6 @@ def duplex_kv_transfer_config(
             "kv_recompute_threshold": recompute_threshold,
         },
     }
-
-
-# --- server metrics -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MetricsSnapshot:
-    """The counters of one vLLM server that the demo and the benchmark diff around a turn."""
-
-    # vLLM's prompt-token sources: local_compute, local_cache_hit, external_kv_transfer.
-    prompt_tokens: dict[str, float] = field(default_factory=dict)
-    ttft_sum_s: float = 0.0
-    ttft_count: float = 0.0
-    finished_requests: float = 0.0
-    preemptions: float = 0.0
-    # DuplexConnector's counters (`vllm:kvduplex_<name>_total`) by name; empty for other servers.
-    connector: dict[str, float] = field(default_factory=dict)
-    # DuplexConnector's histograms' sums and counts (`vllm:kvduplex_<name>_{sum,count}`), by
-    # `<name>_sum` / `<name>_count`, and their cumulative buckets by `<name>_bucket:<le>`.
-    connector_histograms: dict[str, float] = field(default_factory=dict)
-
-    def minus(self, before: MetricsSnapshot) -> MetricsSnapshot:
-        def diff(after: Mapping[str, float], earlier: Mapping[str, float]) -> dict[str, float]:
-            return {k: v - earlier.get(k, 0.0) for k, v in after.items()}
-
-        return MetricsSnapshot(
-            prompt_tokens=diff(self.prompt_tokens, before.prompt_tokens),
-            ttft_sum_s=self.ttft_sum_s - before.ttft_sum_s,
-            ttft_count=self.ttft_count - before.ttft_count,
-            finished_requests=self.finished_requests - before.finished_requests,
-            preemptions=self.preemptions - before.preemptions,
-            connector=diff(self.connector, before.connector),
-            connector_histograms=diff(self.connector_histograms, before.connector_histograms),
-        )
-
-    def buckets_of(self, histogram: str) -> dict[str, float]:
-        """A DuplexConnector histogram's cumulative counts by bucket upper bound ("le")."""
-        prefix = f"{histogram}_bucket:"
-        return {
-            k[len(prefix) :]: v for k, v in self.connector_histograms.items() if k.startswith(prefix)
-        }
-
-    def mean_of(self, histogram: str) -> float | None:
-        """Mean of a DuplexConnector histogram (e.g. `lookup_seconds`), None without samples."""
-        count = self.connector_histograms.get(f"{histogram}_count", 0.0)
-        return self.connector_histograms.get(f"{histogram}_sum", 0.0) / count if count else None
-
-    @property
-    def computed_tokens(self) -> int:
-        return int(self.prompt_tokens.get("local_compute", 0.0))
-
-    @property
-    def cache_hit_tokens(self) -> int:
-        return int(self.prompt_tokens.get("local_cache_hit", 0.0))
-
-    @property
-    def transferred_tokens(self) -> int:
-        return int(self.prompt_tokens.get("external_kv_transfer", 0.0))
-
-    @property
-    def mean_ttft_s(self) -> float | None:
-        return self.ttft_sum_s / self.ttft_count if self.ttft_count else None
-
-
-def read_metrics(base_url: str, timeout_s: float = 60.0) -> MetricsSnapshot:
-    """One reading of a vLLM server's Prometheus `/metrics` (summed over engines and labels).
-
-    The generous timeout is for servers starved of CPU (NixlConnector's busy threads on 2 cores
-    have kept /metrics from answering for over 10 s).
-    """
-    prompt_tokens: dict[str, float] = {}
-    connector: dict[str, float] = {}
-    histograms: dict[str, float] = {}
-    values = {"ttft_sum_s": 0.0, "ttft_count": 0.0, "finished_requests": 0.0, "preemptions": 0.0}
-    for sample in metric_samples(base_url, timeout_s):
-        name = sample.name
-        if name == "vllm:prompt_tokens_by_source_total":
-            source = sample.labels.get("source", "")
-            prompt_tokens[source] = prompt_tokens.get(source, 0.0) + sample.value
-        elif name == "vllm:time_to_first_token_seconds_sum":
-            values["ttft_sum_s"] += sample.value
-        elif name == "vllm:time_to_first_token_seconds_count":
-            values["ttft_count"] += sample.value
-        elif name == "vllm:request_success_total":
-            values["finished_requests"] += sample.value
-        elif name == "vllm:num_preemptions_total":
-            values["preemptions"] += sample.value
-        elif name.startswith(METRIC_PREFIX) and name.endswith("_total"):
-            key = name[len(METRIC_PREFIX) : -len("_total")]
-            connector[key] = connector.get(key, 0.0) + sample.value
-        elif name.startswith(METRIC_PREFIX) and name.endswith(("_sum", "_count", "_bucket")):
-            key = name[len(METRIC_PREFIX) :]
-            if key.endswith("_bucket"):
-                key = f"{key}:{sample.labels.get('le', '')}"
-            histograms[key] = histograms.get(key, 0.0) + sample.value
-    return MetricsSnapshot(
-        prompt_tokens=prompt_tokens, connector=connector, connector_histograms=histograms, **values
-    )
-
-
-def read_metrics_after(
-    base_url: str,
-    before: MetricsSnapshot,
-    finished: int,
-    timeout_s: float = _METRICS_SETTLE_TIMEOUT_S,
-) -> MetricsSnapshot:
-    """Read `/metrics` once the server has counted `finished` more requests than in `before`.
-
-    vLLM records a step's stats just after it hands the step's outputs to the HTTP handlers, so a
-    reading taken right after a response can miss the last step.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snapshot = read_metrics(base_url)
-        if snapshot.finished_requests >= before.finished_requests + finished:
-            return snapshot
-        if time.monotonic() > deadline:
-            counted = snapshot.finished_requests - before.finished_requests
-            raise ServerError(
-                f"{base_url}/metrics counted {counted:.0f} finished requests after "
-                f"{timeout_s:.0f} s, expected {finished}"
-            )
-        time.sleep(0.05)
-
-
-def metric_samples(base_url: str, timeout_s: float = 10.0) -> list[Any]:
-    """Every Prometheus sample on a server's /metrics (`prometheus_client`'s `Sample`: name,
-    labels, value): the one reader of /metrics the demo, tests and benchmarks share."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
-    response.raise_for_status()
-    return [s for family in text_string_to_metric_families(response.text) for s in family.samples]
-
-
-def sample_sums(base_url: str, sample: str, label: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """The values of the Prometheus samples named `sample` on a server's /metrics, summed by the
-    value of their `label` (over every other label, e.g. engines)."""
-    sums: dict[str, float] = {}
-    for found in metric_samples(base_url, timeout_s):
-        if found.name == sample:
-            key = found.labels.get(label, "")
-            sums[key] = sums.get(key, 0.0) + found.value
-    return sums
-
-
-def read_proxy_lookups(proxy_url: str) -> dict[str, float]:
-    """The proxy's conversation-store lookups so far, by result (hit, miss, expired,
-    decode_unavailable, local: `proxy.metrics`)."""
-    return sample_sums(proxy_url, f"{CONVERSATION_LOOKUPS}_total", "result")
-
-
-def lookup_result(before: Mapping[str, float], after: Mapping[str, float]) -> str:
-    """What the proxy's store said for the one request between two readings."""
-    grown = [result for result, count in after.items() if count > before.get(result, 0.0)]
-    return ",".join(sorted(grown)) or "none"
-
-
-# --- the proxy, in this process -------------------------------------------------------------
-
-
-class ProxyThread:
-    """The kvduplex proxy served by uvicorn on 127.0.0.1 in a background thread.
-
-    The listening socket is bound before the thread starts, so the port is known and cannot be
-    taken by someone else in between.
-    """
-
-    def __init__(
-        self,
-        prefill_urls: Sequence[str],
-        decode_urls: Sequence[str],
-        *,
-        start_timeout_s: float = 30,
-        **settings: Any,
-    ) -> None:
-        """`settings`: other ProxyConfig settings (e.g. `local_continuation_max_chars`)."""
-        import uvicorn
-
-        from ..proxy.app import create_app
-        from ..proxy.config import ProxyConfig, parse_upstream
-
-        # On a busy 2-core machine a vLLM server's /health can take seconds; with the default
-        # 2 s the proxy would take the only D out of rotation and a turn would recompute.
-        settings.setdefault("health_timeout_s", 10.0)
-        config = ProxyConfig(
-            prefill=tuple(parse_upstream(url) for url in prefill_urls),
-            decode=tuple(parse_upstream(url) for url in decode_urls),
-            **settings,
-        )
-        # IPPROTO_TCP: an event loop sets TCP_NODELAY on the connections of a socket that names
-        # it (a reused connection otherwise waits for a delayed ACK between header and body).
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind(("127.0.0.1", 0))
-        self.port = self._socket.getsockname()[1]
-        app = create_app(config)
-        # The proxy itself, for its metrics (`proxy.metrics.registry`).
-        self.proxy = app.state.proxy
-        self._server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                log_level="warning",
-                access_log=False,
-                timeout_graceful_shutdown=5,
-            )
-        )
-        self._thread = threading.Thread(
-            target=self._server.run,
-            kwargs={"sockets": [self._socket]},
-            name="kvduplex-proxy",
-            daemon=True,
-        )
-        self._start_timeout_s = start_timeout_s
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> ProxyThread:
-        self._thread.start()
-        deadline = time.monotonic() + self._start_timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the kvduplex proxy did not start on :{self.port}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        self._socket.close()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 # --- conversations --------------------------------------------------------------------------
@@ -480,33 +265,6 @@ class _Progress:
         print(message, file=self._out, flush=True)
 
 
-def wait_with_progress(
-    servers: Sequence[VllmServer], progress: _Progress, every_s: float = 10.0
-) -> None:
-    """Wait until all `servers` answer /health, saying which became ready and who is still
-    starting every `every_s` seconds."""
-    pending = list(servers)
-    started = time.monotonic()
-    next_report = started + every_s
-    while pending:
-        still = []
-        for server in pending:
-            if server.poll_ready():
-                progress.say(
-                    f"  {server.name} server ready on :{server.port} "
-                    f"({time.monotonic() - started:.0f} s)"
-                )
-            else:
-                still.append(server)
-        pending = still
-        if pending and time.monotonic() >= next_report:
-            names = ", ".join(server.name for server in pending)
-            progress.say(f"  still starting: {names} ({time.monotonic() - started:.0f} s)")
-            next_report = time.monotonic() + every_s
-        if pending:
-            time.sleep(0.5)
-
-
 def warm_up(server_url: str, name: str, progress: _Progress) -> None:
     """A server's first request pays one-time costs (~10-20 s on a busy CPU); pay them here."""
     completion = complete(server_url, with_nonce("warm up"), max_tokens=2)
@@ -570,7 +328,7 @@ def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str, An
         )
         for vllm_server in servers:
             vllm_server.start()
-        wait_with_progress(servers, progress)
+        wait_until_ready(servers, progress.say)
         for vllm_server in servers:
             warm_up(vllm_server.base_url, vllm_server.name, progress)
         proxy = stack.enter_context(ProxyThread([prefill.base_url], [decode.base_url]))

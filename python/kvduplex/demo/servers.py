@@ -1,5 +1,6 @@
-"""Start and stop local vLLM OpenAI-compatible servers: what `kvduplex demo` needs, shared with the
-tests and benchmarks (their own additions live in `kvduplex_testing.servers`, not installed).
+"""Start and stop local vLLM OpenAI-compatible servers: what `kvduplex demo` needs. The tests and
+benchmarks build on it in `kvduplex_testing.servers` (not installed): CPU pinning, several
+servers started as one, streamed completions.
 
 `VllmServer` runs ``python -m vllm.entrypoints.openai.api_server`` in its own session (process
 group) with the environment a CPU-only, loopback-only machine needs, logs to a file, waits for
@@ -7,7 +8,7 @@ group) with the environment a CPU-only, loopback-only machine needs, logs to a f
 also gets SIGTERM when the process that started it dies (Linux parent-death signal), so a killed
 test run does not leave servers behind. `wait_until_ready` waits for several started servers at
 once: startup (~30 s on a CPU) is the slow part, so their waits overlap. `complete` sends the
-greedy completion requests that the demo, tests and benchmarks compare with `describe_mismatch`.
+greedy completion requests that the demo compares with `describe_mismatch`.
 
 Only the standard library and httpx are used.
 """
@@ -25,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -65,10 +66,9 @@ _STOP_GRACE_WHILE_STARTING_S = 5.0
 _LOG_TAIL_LINES = 40
 
 # Runs in the child before exec: ask the kernel to SIGTERM us when the parent dies, and exit if it
-# already died between fork and prctl. PR_SET_PDEATHSIG (1) survives exec. Then pin the process
-# to the CPUs given (comma-separated; empty: leave it), which the server's engine and worker
-# processes inherit. A separate interpreter instead of Popen(preexec_fn=...) because preexec_fn
-# is unsafe when the parent has threads.
+# already died between fork and prctl. PR_SET_PDEATHSIG (1) survives exec. A separate
+# interpreter instead of Popen(preexec_fn=...) because preexec_fn is unsafe when the parent has
+# threads.
 _EXEC_WITH_PARENT_DEATH_SIGNAL = """
 import ctypes, os, signal, sys
 parent = int(sys.argv[1])
@@ -76,9 +76,7 @@ if sys.platform.startswith("linux"):
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
 if os.getppid() != parent:
     sys.exit("parent exited before the server started")
-if sys.argv[2]:
-    os.sched_setaffinity(0, {int(cpu) for cpu in sys.argv[2].split(",")})
-os.execv(sys.argv[3], sys.argv[3:])
+os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
@@ -86,40 +84,39 @@ class ServerError(RuntimeError):
     """A server failed to start, died, or did not become healthy in time."""
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Return `count` distinct TCP ports that were free a moment ago.
-
-    All sockets stay bound until every port is chosen, so the ports differ from one another.
-    Another process can still take one before it is used; callers start servers right away.
-    """
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return one TCP port that was free a moment ago."""
-    return free_ports(1, host)[0]
+    """Return one TCP port that was free a moment ago.
+
+    Another process can still take it before it is used; callers start servers right away.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def spawn_in_own_session(
+    argv: Sequence[str], log: BinaryIO, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `argv` (its first element a path) in a session (process group) of its own, output
+    to `log`, with the parent-death signal: it gets SIGTERM when this process dies."""
+    launcher = [sys.executable, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid())]
+    return subprocess.Popen(
+        [*launcher, *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=None if env is None else dict(env),
+        start_new_session=True,
+    )
 
 
 class VllmServer:
     """One vLLM OpenAI-compatible API server process.
 
-    Use as a context manager (start, wait until healthy, stop on exit), or call `start`,
-    `wait_until_ready` and `stop` yourself. `extra_args` go to the api_server command line
-    unchanged (e.g. ``["--kv-transfer-config", json.dumps(cfg), "--enforce-eager"]``); `env` is
-    laid over the current environment and `SERVER_ENV_DEFAULTS`. `cpus` pins the server (its
-    API, engine and worker processes) to those CPUs, on as many OpenMP threads unless `env` says
-    otherwise; by default it may run on any. vLLM keeps the pinning only with
-    `VLLM_CPU_OMP_THREADS_BIND=nobind` (the default here); vLLM's NixlConnector re-pins its CPU
-    worker to the last CPU of each NUMA node whatever it inherited.
+    Call `start`, `wait_until_ready` (or the module's, for several at once) and `stop`.
+    `extra_args` go to the api_server command line unchanged (e.g.
+    ``["--kv-transfer-config", json.dumps(cfg), "--enforce-eager"]``); `env` is laid over the
+    current environment and `SERVER_ENV_DEFAULTS`; `python` is the interpreter that runs it.
     """
 
     def __init__(
@@ -134,7 +131,6 @@ class VllmServer:
         log_dir: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         python: str = sys.executable,
-        cpus: Collection[int] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.name = name
@@ -146,9 +142,6 @@ class VllmServer:
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
         self.python = python
-        self.cpus = sorted(cpus) if cpus is not None else None
-        if self.cpus is not None and not self.cpus:
-            raise ValueError(f"{name} server: an empty CPU set")
         self._process: subprocess.Popen[bytes] | None = None
         # vLLM's ZMQ sockets between its processes, removed with the server (vLLM leaves one
         # socket file per process in the temp directory when its processes are killed).
@@ -165,6 +158,7 @@ class VllmServer:
         return self._process.pid if self._process is not None else None
 
     def command(self) -> list[str]:
+        """The server's command line; `start` runs it, its first element a path."""
         return [
             self.python,
             "-m",
@@ -195,40 +189,22 @@ class VllmServer:
             raise
         self._started_at = time.monotonic()
         logger.info(
-            "starting %s server on :%d (pid %d, %s, log %s)",
+            "starting %s server on :%d (pid %d, log %s)",
             self.name,
             self.port,
             self.pid,
-            "every CPU" if self.cpus is None else f"CPUs {self.cpus}",
             self.log_path,
         )
 
     def _launch(self) -> None:
-        pinned_threads = {"OMP_NUM_THREADS": str(len(self.cpus))} if self.cpus else {}
         ipc = {"VLLM_RPC_BASE_PATH": self._ipc_dir}
-        env = {**os.environ, **SERVER_ENV_DEFAULTS, **pinned_threads, **ipc, **self.env}
+        env = {**os.environ, **SERVER_ENV_DEFAULTS, **ipc, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable,  # the launcher; it execs `self.python`
-            "-c",
-            _EXEC_WITH_PARENT_DEATH_SIGNAL,
-            str(os.getpid()),
-            ",".join(map(str, self.cpus or ())),
-            *self.command(),
-        ]
+        command = self.command()
         with open(self.log_path, "wb") as log:
-            if self.cpus is not None:
-                log.write(f"# pinned to CPUs {self.cpus}\n".encode())
-            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
-            self._process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+            self._process = spawn_in_own_session(command, log, env)
 
     def poll_ready(self) -> bool:
         """One non-blocking readiness check: True once `/health` answers 200.
@@ -247,7 +223,6 @@ class VllmServer:
         elapsed = time.monotonic() - self._started_at
         try:
             if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                logger.info("%s server on :%d ready after %.0f s", self.name, self.port, elapsed)
                 self._ready = True
                 return True
         except httpx.HTTPError:
@@ -306,39 +281,38 @@ class VllmServer:
     def _log_tail_message(self) -> str:
         return f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
 
-    def __enter__(self) -> VllmServer:
-        try:
-            self.start()
-            self.wait_until_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         return f"VllmServer({self.name!r}, {self.base_url}, model={str(self.model_dir)!r})"
 
 
-def wait_until_ready(servers: Sequence[VllmServer]) -> None:
-    """Wait until every started server answers `/health`, logging progress every 10 s.
+def wait_until_ready(
+    servers: Sequence[VllmServer],
+    say: Callable[[str], None] = logger.info,
+    every_s: float = _PROGRESS_EVERY_S,
+) -> None:
+    """Wait until every started server answers `/health`, telling `say` which became ready and,
+    every `every_s` seconds, which are still starting.
 
     Raises `ServerError` for the first server that dies or times out.
     """
     pending = list(servers)
     started = time.monotonic()
-    next_progress = started + _PROGRESS_EVERY_S
+    next_progress = started + every_s
     while pending:
-        pending = [server for server in pending if not server.poll_ready()]
+        still = []
+        for server in pending:
+            if server.poll_ready():
+                elapsed = time.monotonic() - started
+                say(f"  {server.name} server ready on :{server.port} ({elapsed:.0f} s)")
+            else:
+                still.append(server)
+        pending = still
         if not pending:
             return
         now = time.monotonic()
         if now >= next_progress:
-            waiting_for = ", ".join(f"{server.name} server on :{server.port}" for server in pending)
-            logger.info("waiting for %s (%.0f s)", waiting_for, now - started)
-            next_progress = now + _PROGRESS_EVERY_S
+            say(f"  still starting: {', '.join(s.name for s in pending)} ({now - started:.0f} s)")
+            next_progress = now + every_s
         time.sleep(_POLL_INTERVAL_S)
 
 
@@ -378,8 +352,8 @@ def completion_body(
     seed: int,
     cache_salt: str | None,
 ) -> dict[str, Any]:
-    """The greedy `/v1/completions` body `complete` sends (and `complete_streamed` of
-    `kvduplex_testing.servers`); several token-id prompts make one request of several."""
+    """The greedy `/v1/completions` body `complete` sends; several token-id prompts make one
+    request of several."""
     body: dict[str, Any] = {
         "prompt": prompt if isinstance(prompt, str) else list(prompt),
         "max_tokens": max_tokens,
