@@ -456,10 +456,15 @@ pub struct BatchState {
     /// Set once, when the batch settles, with the time it did; read without a lock by every
     /// poll.
     outcome: OnceLock<(Result<(), String>, Instant)>,
+    /// Told once, when the batch settles (the engine's completion queue).
+    on_settle: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 impl BatchState {
-    pub fn new(worker: &Arc<Worker>) -> Arc<BatchState> {
+    /// A batch of reads into `worker`'s regions; `on_settle` is called once, when it settles
+    /// (wherever that happens: a UCX callback, a copy thread, [`BatchState::fail`]), and must
+    /// not block.
+    pub fn new(worker: &Arc<Worker>, on_settle: impl FnOnce() + Send + 'static) -> Arc<BatchState> {
         Arc::new(BatchState {
             worker: Arc::clone(worker),
             regions: Mutex::new(Vec::new()),
@@ -467,6 +472,7 @@ impl BatchState {
             failure: Mutex::new(None),
             endpoint_batches: OnceLock::new(),
             outcome: OnceLock::new(),
+            on_settle: Mutex::new(Some(Box::new(on_settle))),
         })
     }
 
@@ -540,7 +546,12 @@ impl BatchState {
             None => Ok(()),
         };
         // A batch that settled already keeps its outcome.
-        let _ = self.outcome.set((outcome, Instant::now()));
+        if self.outcome.set((outcome, Instant::now())).is_ok() {
+            let on_settle = self.on_settle.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(on_settle) = on_settle {
+                on_settle();
+            }
+        }
     }
 
     pub fn outcome(&self) -> Option<Result<(), String>> {
@@ -581,7 +592,7 @@ mod tests {
         let endpoint = worker
             .connect(owner.address(), Arc::from([bounds]), &[(&from.rkey, from.memory)], false)
             .unwrap();
-        let batch = BatchState::new(&worker);
+        let batch = BatchState::new(&worker, || ());
         let read = Read {
             local_addr: into.addr,
             local: &into,
