@@ -29,7 +29,7 @@
 //!
 //! Pure state: time comes in as `now`, nothing here does I/O.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,11 +38,13 @@ use serde::{Deserialize, Serialize};
 use crate::clock::later;
 use crate::sender::sender_engine;
 
+mod ended;
 mod expected;
 pub mod feed;
 mod handed;
 mod renew;
 
+use ended::EndedHolds;
 use expected::ExpectedTurns;
 pub use expected::MAX_EXPECTED;
 use feed::{ChangeLog, Chunker, FeedWatch, HeldUpdate};
@@ -191,6 +193,8 @@ struct Claim {
 
 #[derive(Debug)]
 struct Held {
+    /// Its number in the lookup index, given once ([`HoldBook::names`]).
+    number: u64,
     kind: HoldKind,
     /// Blocks the hold keeps allocated.
     num_blocks: usize,
@@ -213,10 +217,13 @@ struct Held {
 #[derive(Debug, Default)]
 pub struct HoldBook {
     held: HashMap<String, Held>,
-    /// Fingerprint → offered turns that have it (at the same block position, by the chain).
-    index: HashMap<BlockFingerprint, Vec<String>>,
-    ended: VecDeque<(String, Instant)>,
-    ended_ids: HashSet<String>,
+    /// Fingerprint → numbers of the offered turns that have it (at the same block position,
+    /// by the chain): a block costs the index a number, not a copy of its turn's request id.
+    index: HashMap<BlockFingerprint, Vec<u64>>,
+    /// Each held turn's request id, by its number.
+    names: HashMap<u64, String>,
+    next_number: u64,
+    ended: EndedHolds,
     next_claim: u64,
     num_claims: usize,
     /// Turns being computed that will be held when they finish ([`HoldBook::expect`]).
@@ -272,11 +279,14 @@ impl HoldBook {
         if offer.len() > MAX_OFFER_BYTES {
             return Err(HoldError::OfferTooLarge(offer.len()));
         }
-        self.forget_old_ended(now);
+        self.ended.forget_old(now);
         let mut announced = Vec::new();
+        self.next_number += 1;
+        let number = self.next_number;
         if kind == HoldKind::Turn {
+            self.names.insert(number, request_id.to_owned());
             for fingerprint in &fingerprints {
-                self.index.entry(*fingerprint).or_default().push(request_id.to_owned());
+                self.index.entry(*fingerprint).or_default().push(number);
             }
             announced = feed::announced(&fingerprints, prompt_blocks);
             self.log.held(announced.clone());
@@ -287,6 +297,7 @@ impl HoldBook {
         self.held.insert(
             request_id.to_owned(),
             Held {
+                number,
                 kind,
                 num_blocks,
                 fingerprints,
@@ -317,9 +328,9 @@ impl HoldBook {
         if self.num_claims >= MAX_CLAIMS || fingerprints.len() > MAX_FINGERPRINTS {
             return Err(Refusal::TooMany);
         }
-        self.forget_old_ended(now);
+        self.ended.forget_old(now);
         let Some(held) = self.held.get(request_id) else {
-            return Err(if self.ended_ids.contains(request_id) {
+            return Err(if self.ended.contains(request_id) {
                 Refusal::Ended
             } else {
                 Refusal::NotHeldYet
@@ -428,6 +439,7 @@ impl HoldBook {
             }
             candidates
                 .iter()
+                .filter_map(|n| self.names.get(n))
                 .filter_map(|id| Some((id, self.held.get(id)?)))
                 .filter(|(_, h)| !h.ended && h.fingerprints.get(i) == Some(fp))
                 // Several holds share the prefix: the one whose lease lasts longest.
@@ -483,7 +495,7 @@ impl HoldBook {
 
     /// Ends leases and claims whose time is up; returns the holds this freed.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
-        self.forget_old_ended(now);
+        self.ended.forget_old(now);
         let mut touched = Vec::new();
         for (id, held) in &mut self.held {
             let before = held.claims.len();
@@ -576,41 +588,18 @@ impl HoldBook {
         let held = self.held.remove(request_id)?;
         if held.kind == HoldKind::Turn {
             for fingerprint in &held.fingerprints {
-                if let Some(ids) = self.index.get_mut(fingerprint) {
-                    ids.retain(|id| id != request_id);
-                    if ids.is_empty() {
+                if let Some(numbers) = self.index.get_mut(fingerprint) {
+                    numbers.retain(|&n| n != held.number);
+                    if numbers.is_empty() {
                         self.index.remove(fingerprint);
                     }
                 }
             }
+            self.names.remove(&held.number);
             self.log.freed(held.announced);
         }
-        self.remember_ended(request_id, now);
+        self.ended.remember(request_id, now);
         Some(request_id.to_owned())
-    }
-
-    fn remember_ended(&mut self, request_id: &str, now: Instant) {
-        if self.ended_ids.contains(request_id) {
-            return;
-        }
-        if self.ended.len() >= MAX_ENDED_KEPT {
-            if let Some((oldest, _)) = self.ended.pop_front() {
-                self.ended_ids.remove(&oldest);
-            }
-        }
-        let keep_until = later(now, ENDED_KEEP);
-        self.ended.push_back((request_id.to_owned(), keep_until));
-        self.ended_ids.insert(request_id.to_owned());
-    }
-
-    fn forget_old_ended(&mut self, now: Instant) {
-        while let Some((id, keep_until)) = self.ended.front() {
-            if *keep_until > now {
-                break;
-            }
-            self.ended_ids.remove(id);
-            self.ended.pop_front();
-        }
     }
 }
 
