@@ -367,6 +367,40 @@ mod tests {
     }
 
     #[test]
+    fn settled_batches_are_swept_in_bulk_and_one_still_out_is_kept_among_many() {
+        let t0 = Instant::now();
+        let reads = Reads::force();
+        let conn = Connection::new(reads.clone());
+        let batches: Vec<_> =
+            (0..1024).map(|_| Batch::new(t0 + Duration::from_secs(1), false)).collect();
+        for batch in &batches {
+            conn.post(Arc::clone(batch), |r| {
+                r.start(batch);
+                Ok(())
+            });
+        }
+        for (i, batch) in batches.iter().enumerate() {
+            if i != 500 {
+                batch.read_ended(false, t0);
+            }
+        }
+        for _ in 0..1024 {
+            let batch = Batch::new(t0 + Duration::from_secs(1), false);
+            conn.post(Arc::clone(&batch), |r| {
+                r.start(&batch);
+                Ok(())
+            });
+            batch.read_ended(false, t0);
+        }
+        let tracked = lock(&conn.state).batches.len();
+        assert!(tracked < 1024, "settled batches swept: {tracked} tracked");
+        assert!(batches[500].verdict().is_none());
+        conn.close("peer gone");
+        assert_eq!(batches[500].verdict(), Some(Err("peer gone".to_owned())));
+        assert_eq!(batches[499].verdict(), Some(Ok(())));
+    }
+
+    #[test]
     fn a_batch_that_settles_after_its_deadline_fails() {
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_millis(10);
