@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from kvduplex import _core
+
 # rust/src/handshake/wire.rs: MAGIC (4) + protocol version (2) + kind (1) + body length (4).
 FRAME_HEADER_LEN = 11
 # rust/src/handshake/auth.rs: TAG_LEN, after every frame of an authenticated link.
@@ -84,7 +86,7 @@ def _msgpack_array_header(n: int) -> int:
 
 # Of a held turn, D announces block 0, every `ANNOUNCE_STRIDE`-th, its prompt's last full block
 # and its last two (`rust/src/holds/feed.rs`, `announced`).
-ANNOUNCE_STRIDE = 16
+ANNOUNCE_STRIDE = _core.ANNOUNCE_STRIDE
 
 
 def announced_per_turn(blocks: int, prompt_blocks: int = 0) -> int:

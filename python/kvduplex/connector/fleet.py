@@ -176,10 +176,6 @@ class Fleet:
         self._thread: threading.Thread | None = None
         self._resolved: dict[tuple[str, int], list[tuple[str, int]]] = {}
 
-    @property
-    def directory(self) -> FleetDirectory | None:
-        return self._directory
-
     def start(self, engine_id: str, address: str) -> None:
         self._own_id = engine_id
         if self._directory is not None:
@@ -193,7 +189,7 @@ class Fleet:
                 self._directory = None
         if self._directory is None and not self._configured:
             return
-        self.refresh(time.monotonic(), resolve=True)
+        self.refresh(resolve=True)
         self._thread = threading.Thread(target=self._run, name="kvduplex-fleet", daemon=True)
         self._thread.start()
 
@@ -201,7 +197,7 @@ class Fleet:
         """Side channels of the other engines found (in order, each once)."""
         return self._members
 
-    def refresh(self, now: float, resolve: bool) -> None:
+    def refresh(self, resolve: bool) -> None:
         """Read the directory and (with `resolve`) resolve `decode_peers` again; the thread
         calls it, as does `start` (so the first step already knows this host's engines)."""
         addresses: list[tuple[str, int]] = []
@@ -232,7 +228,7 @@ class Fleet:
             if resolve:
                 next_resolve = now + RESOLVE_INTERVAL_S
             try:
-                self.refresh(now, resolve)
+                self.refresh(resolve)
             except Exception:  # noqa: BLE001 - the thread must outlive any one bad read
                 logger.exception("Fleet: reading the directory or resolving decode_peers failed")
 
