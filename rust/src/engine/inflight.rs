@@ -1,7 +1,6 @@
 //! The engine's batches in flight, found without scanning them: a batch that settles puts its
-//! number on a completion queue (its [`Completer`], which the batch calls from wherever it
-//! settles: a UCX callback, a copy thread, a failure), and deadlines wait in a heap ordered by
-//! time. So the progress thread's round costs what settled or fell due since the last one,
+//! number on a completion queue ([`Completions`], from wherever it settles: a UCX callback, a
+//! copy thread, a failure), and deadlines wait in a heap ordered by time. So the progress thread's round costs what settled or fell due since the last one,
 //! O(log n) each, whatever the number n in flight, and a finished batch leaves in O(1).
 //!
 //! This replaced a list the progress thread copied and scanned whole every millisecond while
@@ -11,32 +10,43 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 use std::time::Instant;
 
-use super::lock;
-
-/// Numbers of the batches that settled since the book last looked.
-type Queue = Arc<Mutex<Vec<u64>>>;
+use crate::ucx::Completions;
 
 pub(super) struct InflightBook<B> {
     next: u64,
-    batches: HashMap<u64, B>,
+    batches: HashMap<u64, B, BuildHasherDefault<NumberHash>>,
     /// (deadline, number) of tracked batches, earliest first; an entry whose batch left the
     /// book stays until it comes up, or until the heap is rebuilt ([`InflightBook::track`]).
     deadlines: BinaryHeap<Reverse<(Instant, u64)>>,
-    settled: Queue,
+    /// The completion queue of the batches it tracks.
+    settled: Arc<Completions>,
+    /// The queue's last contents, emptied: swapped in for the next round, so that neither
+    /// allocates once grown.
+    spare: Vec<u64>,
 }
 
-/// Reports one batch settled to its book's completion queue; called once, by the batch.
-pub(super) struct Completer {
-    queue: Queue,
-    number: u64,
-}
+/// Batch numbers are the book's own, consecutive and never chosen by a peer: a multiplication
+/// spreads them over the table (SipHash, the default, costs more than the rest of a lookup).
+#[derive(Default)]
+struct NumberHash(u64);
 
-impl Completer {
-    pub(super) fn settled(self) {
-        lock(&self.queue).push(self.number);
+impl Hasher for NumberHash {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0 << 8 | u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
     }
 }
 
@@ -44,17 +54,18 @@ impl<B: Clone> InflightBook<B> {
     pub(super) fn new() -> Self {
         Self {
             next: 0,
-            batches: HashMap::new(),
+            batches: HashMap::default(),
             deadlines: BinaryHeap::new(),
             settled: Arc::default(),
+            spare: Vec::new(),
         }
     }
 
-    /// The number of the next batch, and what it calls when it settles (before it is tracked:
-    /// the batch needs it when it is made).
-    pub(super) fn reserve(&mut self) -> (u64, Completer) {
+    /// The number of the next batch, and the queue it reports to when it settles (before it
+    /// is tracked: the batch needs both when it is made).
+    pub(super) fn reserve(&mut self) -> (u64, Arc<Completions>) {
         self.next += 1;
-        (self.next, Completer { queue: Arc::clone(&self.settled), number: self.next })
+        (self.next, Arc::clone(&self.settled))
     }
 
     /// Tracks batch `number` until it settles or the book is cleared; its deadline comes up in
@@ -93,8 +104,10 @@ impl<B: Clone> InflightBook<B> {
 
     /// The batches that settled since the last call and were still tracked, no longer tracked.
     pub(super) fn take_settled(&mut self) -> Vec<B> {
-        let numbers = std::mem::take(&mut *lock(&self.settled));
-        numbers.into_iter().filter_map(|n| self.batches.remove(&n)).collect()
+        self.settled.take(&mut self.spare);
+        let settled = self.spare.iter().filter_map(|n| self.batches.remove(n)).collect();
+        self.spare.clear();
+        settled
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -109,7 +122,8 @@ impl<B: Clone> InflightBook<B> {
     pub(super) fn clear(&mut self) {
         self.batches.clear();
         self.deadlines.clear();
-        lock(&self.settled).clear();
+        self.settled.take(&mut self.spare);
+        self.spare.clear();
     }
 }
 
@@ -141,14 +155,14 @@ mod tests {
     fn a_settled_batch_is_delivered_once_by_the_queue_even_after_its_deadline() {
         let t0 = Instant::now();
         let mut book = InflightBook::new();
-        let (late, late_done) = book.reserve();
+        let (late, queue) = book.reserve();
         book.track(late, "late", t0);
         let (other, _) = book.reserve();
         book.track(other, "other", t0 + Duration::from_secs(1));
         assert_eq!(book.due(t0), ["late"]);
         assert!(book.take_settled().is_empty());
         // Its last read comes back after its deadline, from another thread.
-        std::thread::spawn(move || late_done.settled()).join().unwrap();
+        std::thread::spawn(move || queue.settled(late)).join().unwrap();
         assert_eq!(book.take_settled(), ["late"]);
         assert!(book.take_settled().is_empty());
         assert_eq!(book.iter().collect::<Vec<_>>(), [&"other"]);
@@ -158,13 +172,14 @@ mod tests {
     fn a_finished_batch_among_many_leaves_alone_and_the_heap_stays_bounded() {
         let t0 = Instant::now();
         let mut book = InflightBook::new();
-        let mut completers = HashMap::new();
+        let mut numbers = HashMap::new();
         for i in 0..1024u64 {
-            let (n, done) = book.reserve();
+            let (n, queue) = book.reserve();
             book.track(n, i, t0 + Duration::from_secs(10 + i));
-            completers.insert(i, done);
+            numbers.insert(i, (n, queue));
         }
-        completers.remove(&500).unwrap().settled();
+        let (n, queue) = numbers.remove(&500).unwrap();
+        queue.settled(n);
         assert_eq!(book.take_settled(), [500]);
         assert_eq!(book.iter().count(), 1023);
         assert!(book.iter().all(|&i| i != 500));

@@ -82,12 +82,14 @@ impl Engine {
             });
             nbytes += d.len;
         }
-        let (number, completer) = lock(&self.shared.inflight).reserve();
-        let batch = BatchState::new(&self.shared.worker, move || completer.settled());
         let same_host = peer
             .same_host
             .as_ref()
             .filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
+        // Numbered and tracked under one hold of the book's lock.
+        let mut book = lock(&self.shared.inflight);
+        let (number, completions) = book.reserve();
+        let batch = BatchState::new(&self.shared.worker, completions, number);
         let inflight = Arc::new(Inflight {
             number,
             batch: Arc::clone(&batch),
@@ -97,7 +99,8 @@ impl Engine {
             abort_reason: Mutex::new(None),
             same_host: same_host.is_some(),
         });
-        lock(&self.shared.inflight).track(number, Arc::clone(&inflight), inflight.deadline);
+        book.track(number, Arc::clone(&inflight), inflight.deadline);
+        drop(book);
         if peer.post(&self.shared, &inflight, &reads, same_host) {
             unroute(&self.shared, &peer);
         }
