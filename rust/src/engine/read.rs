@@ -142,8 +142,12 @@ fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Opti
 /// same-host batch, by closing the connection for a UCX one). A batch that connection no longer
 /// tracks was failed when it closed, and settles when its last read comes back.
 fn expire(shared: &Shared, due: &[Arc<Inflight>], now: Instant) {
-    let mut due: Vec<Arc<Inflight>> =
-        due.iter().filter(|i| i.batch.outcome().is_none() && now >= i.deadline).cloned().collect();
+    let passed = |i: &&Arc<Inflight>| now >= i.deadline && i.batch.outcome().is_none();
+    // Nearly always none: `Transfer::wait` asks on every round.
+    if !due.iter().any(|i| passed(&i)) {
+        return;
+    }
+    let mut due: Vec<Arc<Inflight>> = due.iter().filter(passed).cloned().collect();
     // By connection, each asked once.
     due.sort_by_key(|i| Arc::as_ptr(&i.peer));
     for on_peer in due.chunk_by(|a, b| Arc::ptr_eq(&a.peer, &b.peer)) {

@@ -33,7 +33,11 @@ pub struct BatchState {
 /// An engine's completion queue: the numbers of the batches that settled, each pushed once by
 /// its batch wherever it settles (a UCX callback, a copy thread, [`BatchState::fail`]), taken
 /// in bulk by the engine. Never blocks a batch for longer than a push.
+///
+/// Aligned to its own cache lines: every batch's reference count sits beside it (in its
+/// `Arc`), and the threads that push would otherwise pull that line from the poster's core.
 #[derive(Default)]
+#[repr(align(128))]
 pub struct Completions(Mutex<Vec<u64>>);
 
 impl Completions {
