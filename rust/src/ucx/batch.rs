@@ -6,7 +6,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use super::{MemRegion, Read, Worker};
+use super::{MemRegion, Worker};
+
+/// One contiguous read: `len` bytes from the peer's `remote_addr` (inside the peer region
+/// `remote_region`) into `local_addr` (inside `local`).
+pub struct Read<'a> {
+    pub local_addr: u64,
+    pub local: &'a Arc<MemRegion>,
+    pub remote_addr: u64,
+    pub remote_region: usize,
+    pub len: u64,
+}
 
 /// Completion state of one batch of reads. It settles when its last read has completed (or
 /// when it is failed with no read outstanding), never earlier: a failed batch is reported

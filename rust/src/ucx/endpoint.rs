@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::sys::{self, Api, StatusPtr};
-use super::{call_error, packed, BatchState, MemRegion, UcxError, Worker, WorkerLock};
+use super::{call_error, packed, BatchState, Read, UcxError, Worker, WorkerLock};
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
 
@@ -178,16 +178,6 @@ unsafe extern "C" fn endpoint_failed(
 // SAFETY: ep and rkeys are only used under the worker lock.
 unsafe impl Send for Endpoint {}
 unsafe impl Sync for Endpoint {}
-
-/// One contiguous read: `len` bytes from the peer's `remote_addr` (inside the peer region
-/// `remote_region`) into `local_addr` (inside `local`).
-pub struct Read<'a> {
-    pub local_addr: u64,
-    pub local: &'a Arc<MemRegion>,
-    pub remote_addr: u64,
-    pub remote_region: usize,
-    pub len: u64,
-}
 
 /// How long closing an endpoint may take before it is abandoned to worker teardown.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);

@@ -34,8 +34,8 @@ use std::time::Duration;
 
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
-pub use batch::{BatchState, Completions};
-pub use endpoint::{Endpoint, Read};
+pub use batch::{BatchState, Completions, Read};
+pub use endpoint::Endpoint;
 pub use peer_process::{pid_namespace, OpenError, PeerProcess};
 pub use process_read::{CheckedCopy, Piece, MAX_BYTES_PER_CALL, MAX_RANGES_PER_CALL};
 use sys::Api;
