@@ -24,6 +24,7 @@ mod connect;
 mod connection;
 mod copier;
 mod feeds;
+mod inflight;
 mod lookup;
 mod peer;
 mod read;
@@ -51,6 +52,7 @@ use crate::ucx::{pid_namespace, MemRegion, UcxError, Worker};
 pub use crate::ucx::{MemoryOwner, RegionMemory};
 use copier::CopyThreads;
 use feeds::BookFeed;
+use inflight::InflightBook;
 use lookup::lookup_handler;
 pub use lookup::{
     LookupAnswer, LookupFanOut, LATE_REPLY_WINDOW, NOT_YET_FIRST_RETRY, NOT_YET_MAX_RETRY,
@@ -161,7 +163,8 @@ struct Shared {
     routes: Mutex<Routes>,
     /// Signalled whenever a connection attempt ends.
     table_changed: Condvar,
-    inflight: Mutex<Vec<Arc<Inflight>>>,
+    /// The batches in flight ([`inflight`]: a completion queue and a deadline heap).
+    inflight: Mutex<InflightBook<Arc<Inflight>>>,
     /// This engine's held blocks; the side channel's lookups read it too.
     holds: Arc<Mutex<HoldBook>>,
     /// What the owners we are connected to announced they hold ([`lookup::unasked`]).
@@ -239,7 +242,7 @@ impl Engine {
             local: RwLock::new(LocalMemory { regions: Vec::new(), layout: None }),
             routes: Mutex::new(Routes::new(RetryPolicy::default())),
             table_changed: Condvar::new(),
-            inflight: Mutex::new(Vec::new()),
+            inflight: Mutex::new(InflightBook::new()),
             holds,
             held_index: Arc::new(Mutex::new(HeldIndex::new())),
             lookup_answers: Arc::default(),

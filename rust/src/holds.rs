@@ -29,25 +29,27 @@
 //!
 //! Pure state: time comes in as `now`, nothing here does I/O.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use serde::{Deserialize, Serialize};
 
 use crate::clock::later;
 use crate::sender::sender_engine;
 
+mod ended;
 mod expected;
 pub mod feed;
 mod handed;
 mod renew;
+mod wire;
 
+use ended::EndedHolds;
 use expected::ExpectedTurns;
 pub use expected::MAX_EXPECTED;
 use feed::{ChangeLog, Chunker, FeedWatch, HeldUpdate};
 use handed::HandedOff;
 pub use renew::MAX_RENEWED_LIFE;
+pub use wire::{LookupMatch, LookupReply, LookupRequest};
 
 /// One block's chained token fingerprint (see `token_fingerprint.py`): equal fingerprints at
 /// block `i` mean equal tokens (and salt) at every position up to the end of block `i`.
@@ -68,49 +70,6 @@ pub const MAX_REQUEST_ID_BYTES: usize = 512;
 /// one is told it is gone rather than "not held yet".
 pub const ENDED_KEEP: Duration = Duration::from_secs(60);
 pub const MAX_ENDED_KEPT: usize = 4096;
-
-/// What a reader asks: "grant me the held turn starting with these blocks" (a lookup), or,
-/// with `request_id`, "grant me that hold's blocks that carry these blocks' tokens".
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LookupRequest {
-    /// Echoed in the reply, so one connection can carry several lookups.
-    pub id: u64,
-    pub fingerprints: Vec<BlockFingerprint>,
-    /// The hold the reader's params name; `None` asks every offered turn.
-    #[serde(default)]
-    pub request_id: Option<String>,
-    /// A lookup's prompt continues the prompt with this end (the chained fingerprint of all
-    /// its tokens), which the reader handed to a decode node: if the owner is computing that
-    /// turn, it answers "not yet" ([`HoldBook::awaited`]).
-    #[serde(default)]
-    pub continues: Option<BlockFingerprint>,
-}
-
-/// The longest held prefix of a lookup's blocks, claimed for the reader.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LookupMatch {
-    pub owner_request_id: String,
-    /// The first `matched_blocks` of the turn's blocks hold the reader's first blocks.
-    pub matched_blocks: u32,
-    /// Release this claim when the read is done (or not done).
-    pub claim_id: u64,
-    /// The turn stays allocated at least this long for this reader.
-    pub claim_ms: u64,
-    /// What the owner offered with the hold: its `kv_transfer_params` for the whole turn.
-    pub offer: Vec<u8>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LookupReply {
-    pub id: u64,
-    pub found: Option<LookupMatch>,
-    /// Nothing granted, and the named hold was never seen, or a lookup continues a turn the
-    /// owner is still computing ([`HoldBook::awaited`]): the owner may not have taken the hold
-    /// yet (its engine registers a hold one step after the request finishes), so asking again
-    /// shortly may find it.
-    #[serde(default)]
-    pub not_yet: bool,
-}
 
 /// What a hold is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -191,6 +150,8 @@ struct Claim {
 
 #[derive(Debug)]
 struct Held {
+    /// Its number in the lookup index, given once ([`HoldBook::names`]).
+    number: u64,
     kind: HoldKind,
     /// Blocks the hold keeps allocated.
     num_blocks: usize,
@@ -213,10 +174,13 @@ struct Held {
 #[derive(Debug, Default)]
 pub struct HoldBook {
     held: HashMap<String, Held>,
-    /// Fingerprint → offered turns that have it (at the same block position, by the chain).
-    index: HashMap<BlockFingerprint, Vec<String>>,
-    ended: VecDeque<(String, Instant)>,
-    ended_ids: HashSet<String>,
+    /// Fingerprint → numbers of the offered turns that have it (at the same block position,
+    /// by the chain): a block costs the index a number, not a copy of its turn's request id.
+    index: HashMap<BlockFingerprint, Vec<u64>>,
+    /// Each held turn's request id, by its number.
+    names: HashMap<u64, String>,
+    next_number: u64,
+    ended: EndedHolds,
     next_claim: u64,
     num_claims: usize,
     /// Turns being computed that will be held when they finish ([`HoldBook::expect`]).
@@ -272,11 +236,14 @@ impl HoldBook {
         if offer.len() > MAX_OFFER_BYTES {
             return Err(HoldError::OfferTooLarge(offer.len()));
         }
-        self.forget_old_ended(now);
+        self.ended.forget_old(now);
         let mut announced = Vec::new();
+        self.next_number += 1;
+        let number = self.next_number;
         if kind == HoldKind::Turn {
+            self.names.insert(number, request_id.to_owned());
             for fingerprint in &fingerprints {
-                self.index.entry(*fingerprint).or_default().push(request_id.to_owned());
+                self.index.entry(*fingerprint).or_default().push(number);
             }
             announced = feed::announced(&fingerprints, prompt_blocks);
             self.log.held(announced.clone());
@@ -287,6 +254,7 @@ impl HoldBook {
         self.held.insert(
             request_id.to_owned(),
             Held {
+                number,
                 kind,
                 num_blocks,
                 fingerprints,
@@ -317,9 +285,9 @@ impl HoldBook {
         if self.num_claims >= MAX_CLAIMS || fingerprints.len() > MAX_FINGERPRINTS {
             return Err(Refusal::TooMany);
         }
-        self.forget_old_ended(now);
+        self.ended.forget_old(now);
         let Some(held) = self.held.get(request_id) else {
-            return Err(if self.ended_ids.contains(request_id) {
+            return Err(if self.ended.contains(request_id) {
                 Refusal::Ended
             } else {
                 Refusal::NotHeldYet
@@ -428,6 +396,7 @@ impl HoldBook {
             }
             candidates
                 .iter()
+                .filter_map(|n| self.names.get(n))
                 .filter_map(|id| Some((id, self.held.get(id)?)))
                 .filter(|(_, h)| !h.ended && h.fingerprints.get(i) == Some(fp))
                 // Several holds share the prefix: the one whose lease lasts longest.
@@ -483,7 +452,7 @@ impl HoldBook {
 
     /// Ends leases and claims whose time is up; returns the holds this freed.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
-        self.forget_old_ended(now);
+        self.ended.forget_old(now);
         let mut touched = Vec::new();
         for (id, held) in &mut self.held {
             let before = held.claims.len();
@@ -576,41 +545,18 @@ impl HoldBook {
         let held = self.held.remove(request_id)?;
         if held.kind == HoldKind::Turn {
             for fingerprint in &held.fingerprints {
-                if let Some(ids) = self.index.get_mut(fingerprint) {
-                    ids.retain(|id| id != request_id);
-                    if ids.is_empty() {
+                if let Some(numbers) = self.index.get_mut(fingerprint) {
+                    numbers.retain(|&n| n != held.number);
+                    if numbers.is_empty() {
                         self.index.remove(fingerprint);
                     }
                 }
             }
+            self.names.remove(&held.number);
             self.log.freed(held.announced);
         }
-        self.remember_ended(request_id, now);
+        self.ended.remember(request_id, now);
         Some(request_id.to_owned())
-    }
-
-    fn remember_ended(&mut self, request_id: &str, now: Instant) {
-        if self.ended_ids.contains(request_id) {
-            return;
-        }
-        if self.ended.len() >= MAX_ENDED_KEPT {
-            if let Some((oldest, _)) = self.ended.pop_front() {
-                self.ended_ids.remove(&oldest);
-            }
-        }
-        let keep_until = later(now, ENDED_KEEP);
-        self.ended.push_back((request_id.to_owned(), keep_until));
-        self.ended_ids.insert(request_id.to_owned());
-    }
-
-    fn forget_old_ended(&mut self, now: Instant) {
-        while let Some((id, keep_until)) = self.ended.front() {
-            if *keep_until > now {
-                break;
-            }
-            self.ended_ids.remove(id);
-            self.ended.pop_front();
-        }
     }
 }
 

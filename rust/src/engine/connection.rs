@@ -53,14 +53,21 @@ struct State<T, B> {
     transport: Option<T>,
     /// Why it closed.
     closed_for: String,
-    /// Batches started on it that had not settled when the last one was started.
+    /// Batches started on it, those that settled swept out now and then (`post`).
     batches: Vec<B>,
+    /// How many `batches` held after the last sweep: the next comes once it doubled, so
+    /// posting costs O(1) a batch however many are in flight.
+    swept_to: usize,
 }
 
 impl<T: Transport, B: Tracked> Connection<T, B> {
     pub(super) fn new(transport: T) -> Self {
-        let state =
-            State { transport: Some(transport), closed_for: String::new(), batches: vec![] };
+        let state = State {
+            transport: Some(transport),
+            closed_for: String::new(),
+            batches: vec![],
+            swept_to: 0,
+        };
         Self { state: Mutex::new(state), open: AtomicBool::new(true) }
     }
 
@@ -83,7 +90,10 @@ impl<T: Transport, B: Tracked> Connection<T, B> {
             return false;
         };
         let started = start(transport);
-        state.batches.retain(|b| !b.settled());
+        if state.batches.len() >= 2 * state.swept_to.max(32) {
+            state.batches.retain(|b| !b.settled());
+            state.swept_to = state.batches.len();
+        }
         match started {
             Ok(()) => {
                 state.batches.push(batch);
@@ -112,14 +122,20 @@ impl<T: Transport, B: Tracked> Connection<T, B> {
         true
     }
 
-    /// Fails what passed its deadline by `now`: alone where that stops its reads, else by
-    /// closing the connection (the one way to stop reads on a UCX endpoint: cancelling them,
-    /// which fails every batch on it). `reason` says why, by batch. Returns how many batches
-    /// it failed alone and whether it closed.
-    pub(super) fn expire(&self, now: Instant, reason: impl Fn(&B) -> String) -> (usize, bool) {
+    /// Fails those of `due`, batches started on this connection, that passed their deadline by
+    /// `now` unsettled: alone where that stops its reads, else by closing the connection (the
+    /// one way to stop reads on a UCX endpoint: cancelling them, which fails every batch on
+    /// it). `reason` says why, by batch. Returns how many batches it failed alone and whether
+    /// it closed.
+    pub(super) fn expire(
+        &self,
+        due: &[B],
+        now: Instant,
+        reason: impl Fn(&B) -> String,
+    ) -> (usize, bool) {
         let state = lock(&self.state);
         let (mut failed_alone, mut close_for) = (0, None);
-        for batch in state.batches.iter().filter(|b| !b.settled() && now >= b.deadline()) {
+        for batch in due.iter().filter(|b| !b.settled() && now >= b.deadline()) {
             if batch.fails_alone() {
                 // Once: its copy stops at its next call, and settles it then.
                 if !batch.failed() {
@@ -338,14 +354,50 @@ mod tests {
         // A copy under way: failed at its deadline, settled only once the copy stops.
         lock(&copying.state).outstanding = true;
         let why = |_: &Arc<Batch>| "deadline".to_owned();
-        assert_eq!(conn.expire(t0 + Duration::from_millis(5), why), (0, false));
-        assert_eq!(conn.expire(t0 + Duration::from_millis(10), why), (2, false));
+        let all = [copy.clone(), ucx.clone(), copying.clone()];
+        let expire = |ms| conn.expire(&all, t0 + Duration::from_millis(ms), why);
+        assert_eq!(expire(5), (0, false));
+        assert_eq!(expire(10), (2, false));
         assert_eq!(copy.verdict(), Some(Err("deadline".to_owned())));
         assert_eq!(copying.verdict(), None, "settles when its copy stops");
-        assert_eq!(conn.expire(t0 + Duration::from_millis(11), why), (0, false), "failed once");
+        assert_eq!(expire(11), (0, false), "failed once");
         assert!(conn.is_open() && ucx.verdict().is_none());
-        assert_eq!(conn.expire(t0 + Duration::from_millis(20), why), (0, true));
+        assert_eq!(expire(20), (0, true));
         assert_eq!(ucx.verdict(), Some(Err("deadline".to_owned())));
+    }
+
+    #[test]
+    fn settled_batches_are_swept_in_bulk_and_one_still_out_is_kept_among_many() {
+        let t0 = Instant::now();
+        let reads = Reads::force();
+        let conn = Connection::new(reads.clone());
+        let batches: Vec<_> =
+            (0..1024).map(|_| Batch::new(t0 + Duration::from_secs(1), false)).collect();
+        for batch in &batches {
+            conn.post(Arc::clone(batch), |r| {
+                r.start(batch);
+                Ok(())
+            });
+        }
+        for (i, batch) in batches.iter().enumerate() {
+            if i != 500 {
+                batch.read_ended(false, t0);
+            }
+        }
+        for _ in 0..1024 {
+            let batch = Batch::new(t0 + Duration::from_secs(1), false);
+            conn.post(Arc::clone(&batch), |r| {
+                r.start(&batch);
+                Ok(())
+            });
+            batch.read_ended(false, t0);
+        }
+        let tracked = lock(&conn.state).batches.len();
+        assert!(tracked < 1024, "settled batches swept: {tracked} tracked");
+        assert!(batches[500].verdict().is_none());
+        conn.close("peer gone");
+        assert_eq!(batches[500].verdict(), Some(Err("peer gone".to_owned())));
+        assert_eq!(batches[499].verdict(), Some(Ok(())));
     }
 
     #[test]
@@ -398,13 +450,14 @@ mod tests {
             threads.push(std::thread::spawn(move || {
                 for i in 0..ITERATIONS {
                     barrier.wait();
-                    let (conn, _) = lock(&current).clone().unwrap();
+                    let (conn, reads) = lock(&current).clone().unwrap();
                     if i % 3 == 0 {
                         conn.close("peer gone");
                     } else {
                         // As the progress thread's expiry does, some deadlines not passed yet.
                         let now = Instant::now() + Duration::from_micros(i as u64 % 1500);
-                        conn.expire(now, |_| "deadline".to_owned());
+                        let started = lock(&reads.out).clone();
+                        conn.expire(&started, now, |_| "deadline".to_owned());
                         conn.close("engine closed");
                     }
                     barrier.wait();

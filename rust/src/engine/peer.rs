@@ -52,6 +52,8 @@ pub(super) struct Peer {
 /// A posted batch as the engine tracks it: for deadlines, peer deaths and the notification
 /// that must follow the last byte.
 pub(super) struct Inflight {
+    /// Its number in the engine's [`super::inflight::InflightBook`].
+    pub(super) number: u64,
     pub(super) batch: Arc<BatchState>,
     pub(super) peer: Arc<Peer>,
     pub(super) deadline: Instant,
@@ -250,17 +252,18 @@ impl Peer {
             })
     }
 
-    /// Fails this connection's batches that passed their deadline by `now`: a same-host one
-    /// alone, a UCX one by closing the connection (the next `connect` re-handshakes); returns
-    /// whether it closed (the caller then takes it out of the routes).
-    pub(super) fn expire(&self, now: Instant) -> bool {
+    /// Fails those of `due`, batches posted on this connection, that passed their deadline by
+    /// `now` unsettled: a same-host one alone, a UCX one by closing the connection (the next
+    /// `connect` re-handshakes); returns whether it closed (the caller then takes it out of
+    /// the routes).
+    pub(super) fn expire(&self, due: &[Arc<Inflight>], now: Instant) -> bool {
         let reason = |_: &Arc<Inflight>| {
             format!(
                 "deadline passed before the last byte arrived from peer {}",
                 self.meta.engine_id
             )
         };
-        let (failed_alone, closed) = self.conn.expire(now, reason);
+        let (failed_alone, closed) = self.conn.expire(due, now, reason);
         if failed_alone > 0 {
             log::warn!(
                 "{failed_alone} same-host batches from peer {} passed their deadline",

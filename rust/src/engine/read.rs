@@ -82,12 +82,16 @@ impl Engine {
             });
             nbytes += d.len;
         }
-        let batch = BatchState::new(&self.shared.worker);
         let same_host = peer
             .same_host
             .as_ref()
             .filter(|_| reads.iter().all(|r| r.local.memory == MemoryType::Host));
+        // Numbered and tracked under one hold of the book's lock.
+        let mut book = lock(&self.shared.inflight);
+        let (number, completions) = book.reserve();
+        let batch = BatchState::new(&self.shared.worker, completions, number);
         let inflight = Arc::new(Inflight {
+            number,
             batch: Arc::clone(&batch),
             peer: Arc::clone(&peer),
             deadline: deadline_after(timeout),
@@ -95,7 +99,8 @@ impl Engine {
             abort_reason: Mutex::new(None),
             same_host: same_host.is_some(),
         });
-        lock(&self.shared.inflight).push(Arc::clone(&inflight));
+        book.track(number, Arc::clone(&inflight), inflight.deadline);
+        drop(book);
         if peer.post(&self.shared, &inflight, &reads, same_host) {
             unroute(&self.shared, &peer);
         }
@@ -132,35 +137,46 @@ fn find_region<T>(regions: &[T], hint: usize, fits: impl Fn(&T) -> bool) -> Opti
     regions.iter().position(fits)
 }
 
-/// Fails a batch that passed its deadline by `now`, whatever its peer's state: through the
-/// connection it was posted on ([`super::peer::Peer::expire`]: alone for a same-host batch, by closing the
-/// connection for a UCX one). A batch that connection no longer tracks was failed when it
-/// closed, and settles when its last read comes back.
-fn expire(shared: &Shared, inflight: &Inflight, now: Instant) {
-    let due = inflight.batch.outcome().is_none() && now >= inflight.deadline;
-    if due && inflight.peer.expire(now) {
-        unroute(shared, &inflight.peer);
+/// Fails those of `due` that passed their deadline by `now` unsettled, whatever their peer's
+/// state: through the connection each was posted on ([`super::peer::Peer::expire`]: alone for a
+/// same-host batch, by closing the connection for a UCX one). A batch that connection no longer
+/// tracks was failed when it closed, and settles when its last read comes back.
+fn expire(shared: &Shared, due: &[Arc<Inflight>], now: Instant) {
+    let passed = |i: &&Arc<Inflight>| now >= i.deadline && i.batch.outcome().is_none();
+    // Nearly always none: `Transfer::wait` asks on every round.
+    if !due.iter().any(|i| passed(&i)) {
+        return;
+    }
+    let mut due: Vec<Arc<Inflight>> = due.iter().filter(passed).cloned().collect();
+    // By connection, each asked once.
+    due.sort_by_key(|i| Arc::as_ptr(&i.peer));
+    for on_peer in due.chunk_by(|a, b| Arc::ptr_eq(&a.peer, &b.peer)) {
+        let peer = &on_peer[0].peer;
+        if peer.expire(on_peer, now) {
+            unroute(shared, peer);
+        }
     }
 }
 
-/// Settles every in-flight batch that finished or passed its deadline; returns whether any is
-/// still pending.
+/// Settles what finished or passed its deadline since the last call, found by the in-flight
+/// book's completion queue and deadline heap ([`super::inflight`]); returns whether any batch
+/// is still pending.
 pub(super) fn settle_all(shared: &Shared) -> bool {
-    let pending: Vec<Arc<Inflight>> = lock(&shared.inflight).clone();
     let now = Instant::now();
-    for inflight in &pending {
-        expire(shared, inflight, now);
-        if inflight.batch.outcome().is_some() {
-            finish_inflight(shared, inflight);
-        }
+    let due = lock(&shared.inflight).due(now);
+    expire(shared, &due, now);
+    // Those that settled, expired just now or not.
+    let settled = lock(&shared.inflight).take_settled();
+    for inflight in &settled {
+        notify_done(inflight);
     }
     !lock(&shared.inflight).is_empty()
 }
 
-/// Queues the batch's notification (once, only on success) on its peer's link, and stops
-/// tracking it. Called on the progress thread and in `Transfer::poll`/`wait`, neither of which
-/// may block on a socket: the link's own thread writes it.
-fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
+/// Queues the batch's notification (once, only on success) on its peer's link. Called on the
+/// progress thread and in `Transfer::poll`/`wait`, neither of which may block on a socket: the
+/// link's own thread writes it.
+fn notify_done(inflight: &Inflight) {
     if let Some(Ok(())) = inflight.result() {
         if let Some(payload) = lock(&inflight.notify).take() {
             if let Err(e) = inflight.peer.link.notify(&payload) {
@@ -171,7 +187,6 @@ fn finish_inflight(shared: &Shared, inflight: &Arc<Inflight>) {
             }
         }
     }
-    lock(&shared.inflight).retain(|i| !Arc::ptr_eq(i, inflight));
 }
 
 /// One posted batch.
@@ -195,9 +210,10 @@ impl Transfer {
     }
 
     fn settle(&self) -> Option<Result<(), EngineError>> {
-        expire(&self.shared, &self.inflight, Instant::now());
+        expire(&self.shared, std::slice::from_ref(&self.inflight), Instant::now());
         let outcome = self.inflight.result()?;
-        finish_inflight(&self.shared, &self.inflight);
+        notify_done(&self.inflight);
+        lock(&self.shared.inflight).remove(self.inflight.number);
         Some(outcome.map_err(|error| {
             let reason = lock(&self.inflight.abort_reason).clone();
             EngineError::Transfer(

@@ -165,8 +165,8 @@ fn ended_holds_are_remembered_within_bounds() {
         let claim = book.grant("D", &id, &[1], CLAIM, t0).unwrap();
         assert_eq!(book.release("D", &id, claim.claim_id, t0), Some(id));
     }
-    assert_eq!(book.ended.len(), MAX_ENDED_KEPT);
-    assert_eq!(book.ended_ids.len(), MAX_ENDED_KEPT);
+    assert_eq!(book.ended.order.len(), MAX_ENDED_KEPT);
+    assert_eq!(book.ended.ids.len(), MAX_ENDED_KEPT);
     // The oldest were forgotten; the newest are known to be gone.
     assert_eq!(book.grant("D", "r0", &[1], CLAIM, t0), Err(Refusal::NotHeldYet));
     assert_eq!(
@@ -394,7 +394,7 @@ fn index_is_cleaned_when_turns_are_freed() {
     let t0 = Instant::now();
     let mut book = book_with(&[("a", &[1, 2]), ("b", &[1, 3])], t0);
     assert_eq!(book.expire(t0 + TTL).len(), 2);
-    assert!(book.index.is_empty());
+    assert!(book.index.is_empty() && book.names.is_empty());
 }
 
 #[test]

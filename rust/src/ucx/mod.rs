@@ -17,6 +17,7 @@
 //! [`BatchState`]), so neither a UCX read ([`Endpoint::post_reads`]) nor a same-host copy
 //! ([`CheckedCopy`]) can outlive the registration of the memory it writes.
 
+mod batch;
 mod endpoint;
 pub mod packed;
 mod peer_process;
@@ -33,7 +34,8 @@ use std::time::Duration;
 
 use crate::descriptors::RegionBounds;
 use crate::handshake::MemoryType;
-pub use endpoint::{BatchState, Endpoint, Read};
+pub use batch::{BatchState, Completions, Read};
+pub use endpoint::Endpoint;
 pub use peer_process::{pid_namespace, OpenError, PeerProcess};
 pub use process_read::{CheckedCopy, Piece, MAX_BYTES_PER_CALL, MAX_RANGES_PER_CALL};
 use sys::Api;

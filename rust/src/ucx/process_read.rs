@@ -279,7 +279,7 @@ mod tests {
         let memory = unsafe { super::super::RegionMemory::new(dest.as_mut_ptr() as u64, 4096) };
         let into = Arc::new(worker.register(memory).unwrap());
         let bounds = RegionBounds { addr: source.as_ptr() as u64, len: 4096 };
-        let batch = BatchState::new(&worker);
+        let batch = BatchState::new(&worker, Arc::default(), 0);
         let read = Read {
             local_addr: into.addr,
             local: &into,
