@@ -23,19 +23,22 @@ NIXL_ONE_WAY = "nixl-one-way"
 # The order they run in: the oracle first (it sets the objective), the reference next (its
 # answers are the expected ones).
 SYSTEMS = (ORACLE, REFERENCE, BIDIRECTIONAL, ONE_WAY, NIXL_BIDIRECTIONAL, NIXL_ONE_WAY)
-# The objective on p99 TTFT of turns >= 2: this many times the oracle's p50 at the lowest rate.
+# The objective on p99 TTFT of turns >= 2: this many times the oracle's p99 at the lowest rate.
+# Not its p50: turns add 300 to 3,000 tokens by design, so the p50 is one kind of turn and the p99
+# the slowest kind (the last 3,000-token tool output on a 5k history); at low load the oracle's
+# p99 is that turn with no queue, and 2x lets a turn wait about one such turn.
 OBJECTIVE_FACTOR = 2.0
 P99 = "ttft_p99_s_turns_2_plus"
 P50 = "ttft_p50_s_turns_2_plus"
 
 
 def objective_s(oracle_points: list[dict[str, Any]]) -> float | None:
-    """OBJECTIVE_FACTOR x the oracle's TTFT p50 (turns >= 2) at its lowest rate; None when the
+    """OBJECTIVE_FACTOR x the oracle's TTFT p99 (turns >= 2) at its lowest rate; None when the
     oracle has no such point."""
-    measured = [p for p in oracle_points if p.get(P50) is not None]
+    measured = [p for p in oracle_points if p.get(P99) is not None]
     if not measured:
         return None
-    return OBJECTIVE_FACTOR * min(measured, key=lambda p: p["rate"])[P50]
+    return OBJECTIVE_FACTOR * min(measured, key=lambda p: p["rate"])[P99]
 
 
 def within(point: dict[str, Any], objective: float) -> bool:
@@ -99,7 +102,7 @@ def verdicts(report: dict[str, Any]) -> dict[str, Any]:
         + sum(1 for r in systems.values() if "error" in r),
     }
     return {"objective_s": objective, "objective": f"p99 TTFT on turns >= 2 <= "
-            f"{OBJECTIVE_FACTOR:g} x the oracle's p50 at its lowest rate",
+            f"{OBJECTIVE_FACTOR:g} x the oracle's p99 at its lowest rate",
             "sustainable_rate_chats_per_min": {k: None if v is None else round(60 * v, 3)
                                                for k, v in rates.items()},
             "goals": goals}

@@ -52,9 +52,10 @@ use (`vllm:kv_cache_usage_perc` x D's blocks) are sampled every second during a 
 Per system and rate: TTFT p50/p99 on turns >= 2 (client), TPOT p50, goodput (answer tokens/s of
 answered turns over the point), preemptions, prompt tokens P computed, D->P pulled tokens, D's
 blocks held and used (max, mean), errors, answers equal. The objective: p99 TTFT on turns >= 2 at
-most OBJECTIVE_FACTOR x the oracle's p50 at the lowest rate; a system's sustainable rate is the
-highest rate it met the objective at, with every lower rate (`_load_long_report`). Once a system
-misses it, its higher rates are not run (they are recorded as skipped).
+most OBJECTIVE_FACTOR x the oracle's p99 at the lowest rate (why p99, not p50: turns differ in
+size by design; `_load_long_report`). A system's sustainable rate is the highest rate it met the
+objective at, with every lower rate. Once a system misses it, its higher rates are not run
+(they are recorded as skipped).
 
 Usage (repository root; `make load-long`):
     PYTHONPATH=python .venv/bin/python benches/load_long.py --json OUT.json --png OUT.png
