@@ -415,12 +415,11 @@ def summarize(records: list[TurnRecord], plan: PointPlan, turns: int,
 
 
 def warm_up(direct: list[str], proxy_url: str | None, mode: str, index: int) -> None:
-    """A chat of its own words on each server, then two turns through the proxy (answers past
-    the recompute threshold, so a bidirectional P pulls turn 1 back): first-request costs
+    """A two-turn chat of its own words through the proxy, or on a server without one (answers
+    past the recompute threshold, so a bidirectional P pulls turn 1 back): first-request costs
     (kernel set-up for long prompts, the transfer handshakes) stay out of the points."""
-    chats = [(url, "stream", 1) for url in direct]
-    if proxy_url:
-        chats.append((proxy_url, mode, 2))
+    # Through the proxy both servers warm up; a single server is warmed directly.
+    chats = [(proxy_url, mode, 2)] if proxy_url else [(url, "stream", 2) for url in direct]
     for n, (url, how, turns) in enumerate(chats):
         seed = -100 * index - 10 * n
         plan = PointPlan(1.0, WARM_UP_ANSWER, [0.0],
