@@ -4,7 +4,7 @@ objective, kvduplex against vLLM's own NixlConnector, all in one run (issue 37, 
 Systems, one after another, each on fresh servers (P pinned to the first half of the CPUs, D to
 the second, as in benches/load.py; the proxy and the client run anywhere):
 - `pd-oracle`: a DuplexConnector P/D pair, P->D only, whose P cache holds every live history
-  (`kv_plan`'s oracle_blocks), so a turn >= 2 is a local prefix-cache hit on P: what P/D can
+  (`kv_plan`'s oracle_p_blocks), so a turn >= 2 is a local prefix-cache hit on P: what P/D can
   reach at best. It runs first: its TTFT sets the objective.
 - `reference`: one plain server on both CPUs with both nodes' blocks; its answers are the
   expected ones, so it runs every rate (the others stop at the first rate that misses the
@@ -42,7 +42,9 @@ pull saves against recompute is decided by per-token ratios that are all per-lay
 (linear and attention) per KV byte moved, the attention share of a long prefill, a prefill
 token's cost against a decode step's. A slice keeps every one of them; only the absolute cost is
 32x lower (measured on this machine's cores: an 8k-token prefill of the 2-layer slice took 31 s,
-the 32-layer model would take minutes), so a run fits in ~25 minutes.
+the 32-layer model would take minutes). The default sweep is meant to fit in about 25
+minutes on an idle 2-core machine; with other work on the cores, cut it down with
+`--conversations`, `--rates` and `--point-deadline`.
 
 KV caches (`kv_plan`): each P/D node holds CACHE_SHARE of the chats' histories (averaged over
 turns), at least one and a half longest requests; the oracle's P every chat's longest history; the
