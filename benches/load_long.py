@@ -106,9 +106,9 @@ from kvduplex.demo import (
     metric_samples,
     read_metrics,
 )
-from kvduplex.demo.servers import ServerError, VllmServer
+from kvduplex.demo.servers import ServerError
 from kvduplex.proxy.config import CONVERSATION_HEADER
-from kvduplex_testing.servers import async_sse_events, start_many
+from kvduplex_testing.servers import VllmServer, async_sse_events, start_many
 from kvduplex_testing.tiny_model import (
     CHAT_ALLOWED_TOKEN_IDS,
     REALISTIC_SERVED_MODEL_NAME,
