@@ -13,47 +13,16 @@
 //!
 //! Needs userfaultfd for faults the kernel takes (root, or `vm.unprivileged_userfaultfd=1`).
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use kvduplex::descriptors::BlockLayout;
-use kvduplex::engine::{Engine, EngineConfig, RegionMemory, Transfer};
-use kvduplex::handshake::Fingerprint;
+use kvduplex::engine::{Engine, Transfer};
+
+mod common;
 
 const BLOCK: usize = 4096;
 const IN_FLIGHT: [usize; 3] = [1, 64, 1024];
 const MAX_IN_FLIGHT: usize = 1024;
-
-fn engine(id: &str, base: u64, len: usize) -> Engine {
-    let engine = Engine::start(EngineConfig {
-        engine_id: id.into(),
-        fingerprint: Fingerprint(BTreeMap::new()),
-        host: "127.0.0.1".into(),
-        port: 0,
-        secret: None,
-        ucx_lib_dir: None,
-        heartbeat: Duration::from_secs(1),
-        peer_error_handling: false,
-        lookup_claim: Duration::from_secs(30),
-        allow_unauthenticated: false,
-        same_host_reads: true,
-    })
-    .expect("engine starts (is KVDUPLEX_UCX_LIB_DIR set?)");
-    // SAFETY: each engine is declared after the memory it registers, in the same scope
-    // (`bench_completion`), so it is dropped (closed) before that memory is freed; nothing
-    // else writes it meanwhile.
-    let memory = unsafe { RegionMemory::new(base, len as u64) };
-    engine.register_region(memory).unwrap();
-    let layout = BlockLayout {
-        segment_bases: vec![base],
-        block_stride: BLOCK as u64,
-        block_len: BLOCK as u64,
-        num_blocks: (len / BLOCK) as u64,
-    };
-    engine.set_layout(layout).unwrap();
-    engine
-}
 
 /// One page of anonymous memory registered with a userfaultfd nobody reads: any access to it,
 /// `process_vm_readv` included, waits until [`Stalled::release`].
@@ -125,9 +94,15 @@ fn bench_completion(c: &mut Criterion) {
     let mut owned = vec![7u8; BLOCK];
     let stalled = Stalled::new();
     let mut local = vec![0u8; BLOCK * 2];
-    let owner = engine("owner", owned.as_mut_ptr() as u64, owned.len());
-    let silent = engine("silent", stalled.addr as u64, BLOCK);
-    let reader = engine("reader", local.as_mut_ptr() as u64, local.len());
+    // SAFETY: each engine is declared after the memory it registers, in this scope, so it is
+    // dropped (closed) before that memory is freed; nothing else writes it meanwhile.
+    let (owner, silent, reader) = unsafe {
+        (
+            common::engine("owner", owned.as_mut_ptr() as u64, owned.len(), BLOCK, true),
+            common::engine("silent", stalled.addr as u64, BLOCK, BLOCK, true),
+            common::engine("reader", local.as_mut_ptr() as u64, local.len(), BLOCK, true),
+        )
+    };
     let connect = |to: &Engine| {
         let addr = to.side_channel_addr().unwrap();
         reader.connect(&addr.ip().to_string(), addr.port(), Duration::from_secs(5)).unwrap()
