@@ -41,7 +41,8 @@ Orders (`Retention`, pure: time comes in as an argument):
 - An order whose step freed less than it asked (the rest is claimed: claims live in the hold
   book, taken by peers between steps, and the scheduler never sees them) holds back further
   pressure orders for `FRUITLESS_BACKOFF_S`: vLLM then preempts as it would without holds, and
-  a claim that ends meanwhile is found by the next order.
+  a claim that ends meanwhile is found by the next order (a reader whose own request cannot
+  get in hands its claim back within `ALLOCATION_WAIT_S`, `pull_decision.py`).
 """
 
 from __future__ import annotations
