@@ -38,14 +38,14 @@ bidirectional P/D: X on P was granted D's held turn but P's blocks were held for
 prompt, which Y on D was granted, while D lacked the blocks to admit Y, held by the very turn X
 had claimed. Neither engine evicts a claimed hold (`retention.py`), so both waited until the
 claims ran out (`kv_lease_ttl_s`, 30 s) and then computed anyway. So once a granted request has
-waited `ALLOCATION_WAIT_S` for vLLM to allocate it while this engine holds blocks (which its
-retention would have given up for it, had they been unclaimed), the claim goes back to its
+waited `ALLOCATION_WAIT_S` for vLLM to allocate it while this engine's eviction orders freed
+less than they asked because readers had claimed its holds, the claim goes back to its
 owner and the request computes: the owner may then evict that hold for its own waiting request,
 whose read of our held prompt frees our blocks. Correctness is kept: a released claim's blocks
 are never read (no load is planned; the request decided to compute for good, never asks again,
 so no new claim can close the cycle again). The cost: the request computes its history instead
-of pulling it. An engine that holds nothing keeps waiting: its shortage is its running
-requests', which finish without anyone's claim.
+of pulling it. A request waiting for anything else (a seat, running requests' blocks, holds
+nobody claimed, which retention evicts for it) keeps its claim: those waits end by themselves.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ class PullState:
     """`time.monotonic()` when the grant or lookup answer was taken (`matched`)."""
 
 
-# How long a granted request may wait for vLLM to allocate it while this engine holds blocks,
-# before its claim goes back to the owner and it computes (module doc).
+# How long a granted request may wait for vLLM to allocate it while claims block this engine's
+# room, before its claim goes back to the owner and it computes (module doc).
 ALLOCATION_WAIT_S = 1.0
 
 
@@ -118,10 +118,12 @@ class PullDecision:
         estimator: RecomputeThresholdEstimator | None,
         stats: DuplexConnectorStats,
         release: Callable[[md.ReleaseSpec], None],
-        holds_blocks: Callable[[], bool],
+        claims_block_room: Callable[[float], bool],
     ) -> None:
         """`release`: hands a claim back to its owner (with the next step's metadata);
-        `holds_blocks`: whether this engine holds blocks for readers now (`Holds`)."""
+        `claims_block_room(within_s)`: whether, within the last `within_s` seconds (here: since
+        the grant), an eviction order freed less than it asked because readers had claimed
+        this engine's holds (`Retention.claims_blocked`)."""
         self._config = config
         self._context = context
         self._groups = context.groups
@@ -130,7 +132,7 @@ class PullDecision:
         self._estimator = estimator
         self._stats = stats
         self._release = release
-        self._holds_blocks = holds_blocks
+        self._claims_block_room = claims_block_room
         self._pulls: dict[str, PullState] = {}
         self.lookups = Lookups(
             config, context, stats, pullable=self._pullable, release=release
@@ -210,15 +212,15 @@ class PullDecision:
     # ------------------------------------------------------------------ helpers
 
     def _yields(self, request: Request, state: PullState, gain: int, now: float) -> bool:
-        """vLLM has not allocated the granted request for `ALLOCATION_WAIT_S` while this
-        engine holds blocks: the claim goes back to the owner and the request computes, for
-        good (module doc: the circular wait this breaks)."""
+        """vLLM has not allocated the granted request for `ALLOCATION_WAIT_S` while claims
+        blocked this engine's eviction orders: the claim goes back to the owner and the request
+        computes, for good (module doc: the circular wait this breaks)."""
         remote = state.remote
         assert isinstance(remote, RemoteBlocks)
         if (
             now - state.granted_at < ALLOCATION_WAIT_S
             or remote.claim_id is None
-            or not self._holds_blocks()
+            or not self._claims_block_room(now - state.granted_at)  # since the grant
         ):
             return False
         state.consumed = True  # never pulls, never asks again: no new claim

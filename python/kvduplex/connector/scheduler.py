@@ -116,7 +116,7 @@ class DuplexScheduler:
             self._estimator,
             self._stats,
             release=lambda release: self._releases.append(release),
-            holds_blocks=lambda: self._held.held_blocks > 0,
+            claims_block_room=lambda within: self._retention.claims_blocked(time.time(), within),
         )
         self._lookups = self._decision.lookups
         # vLLM reset its caches: the next step ends every hold (`_holds_dropped`).
