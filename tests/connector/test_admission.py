@@ -4,6 +4,7 @@ soon as a waiting request's admission (its whole prompt, or its pull's blocks) n
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import vllm
@@ -11,6 +12,8 @@ from vllm.v1.request import RequestStatus
 
 from duplex_harness import BLOCK_SIZE, Engine, answer_lookup, decode, prefill, prompt_tokens
 from kvduplex.connector.metadata import DuplexConnectorMetadata, DuplexWorkerMetadata
+from kvduplex.connector.pull_decision import ALLOCATION_WAIT_S
+from kvduplex.connector.retention import FRUITLESS_BACKOFF_S
 from kvduplex.connector.vllm_private import VllmShapeError
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True, "decode_kv_hold_max_fraction": 0.5}
@@ -124,6 +127,70 @@ def test_a_waiting_pull_that_needs_all_its_blocks_at_once_is_admitted_in_the_nex
     (load,) = step.meta.loads
     assert load.request_id == "w" and len(load.local_block_ids) == -(-300 // BLOCK_SIZE)
     assert len(rank0.orders) == 1
+
+
+def test_a_granted_pull_that_cannot_be_admitted_gives_its_claim_back_and_computes(engines):
+    """The circular wait of bidirectional P/D: D's request pulls a 300-token prompt (19 blocks,
+    17 free) from P, granted (P keeps its blocks for D under the claim), while D's held turns
+    are claimed by P's requests, which wait for P's blocks: D's hold book frees none. Before,
+    D kept the claim until it ran out (30 s) and P's request waited as long. Now, after
+    `ALLOCATION_WAIT_S`, D hands the claim back, reads nothing and computes the prompt once
+    its turns are free (their claims ended in P's then possible admission)."""
+    p, d = _d_with_two_held_turns(engines, reserve_full_isl=True)
+    prompt = prompt_tokens(300, start=5000)
+    params = prefill(p, "p-w", prompt)
+    waiting = d.add("w", prompt, max_tokens=2, params=params)
+    claimed = Rank0(d, held=params, evict=False)
+    live = d.duplex._live
+    for _ in range(5):  # the grant, then vLLM finds the shortage and orders the turns
+        if d.step(rank0=claimed).meta.evict is not None:
+            break
+    assert d.steps[-1].meta.evict is not None and d.duplex._held.turn_blocks == 14  # claimed
+    assert live._matched["w"][0] == 300 and waiting.status == RequestStatus.WAITING
+    time.sleep(ALLOCATION_WAIT_S)
+    step = d.step(rank0=claimed)
+    (release,) = step.meta.releases
+    assert (release.remote_request_id, release.claim_id) == ("p-w", 1)
+    assert not step.meta.loads and live._matched["w"][0] == 0  # computes, for good
+    assert waiting.status == RequestStatus.WAITING  # its 19 blocks are still held
+    rank0 = Rank0(d, held=params)  # P's reads are done: D's turns are unclaimed again
+    time.sleep(FRUITLESS_BACKOFF_S)  # the orders that freed nothing held pressure back
+    for _ in range(3):
+        step = d.step(rank0=rank0)
+        assert not step.meta.loads and not step.meta.releases
+        if waiting.status == RequestStatus.RUNNING:
+            break
+    assert step.output.num_scheduled_tokens == {"w": BUDGET}  # its first chunk, computed
+    assert waiting.num_computed_tokens == BUDGET
+
+
+def test_a_granted_pull_waiting_on_running_requests_alone_keeps_its_claim(engines):
+    """An engine that holds nothing waits only for its running requests, which end without
+    anyone's claim: its granted pull (19 blocks, 17 free beside a running prompt) keeps the
+    claim past `ALLOCATION_WAIT_S` and pulls once the running request is gone."""
+    p = engines("P", {})
+    d = engines("D", {}, num_blocks=32, scheduler={"max_num_batched_tokens": BUDGET})
+    d.add("r", prompt_tokens(200, start=9000), max_tokens=50)  # 13 blocks, then 14
+    d.step()
+    d.step()
+    prompt = prompt_tokens(300, start=5000)
+    params = prefill(p, "p-w", prompt)
+    waiting = d.add("w", prompt, max_tokens=2, params=params)
+    rank0 = Rank0(d, held=params)
+    live = d.duplex._live
+    for _ in range(5):  # until vLLM had the granted pull's answer
+        d.step(rank0=rank0)
+        if live._matched.get("w", (None,))[0] is not None:
+            break
+    assert live._matched["w"][0] == 300 and waiting.status == RequestStatus.WAITING
+    time.sleep(ALLOCATION_WAIT_S)
+    step = d.step(rank0=rank0)
+    assert not step.meta.releases and live._matched["w"][0] == 300
+    d.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    step = d.step(rank0=rank0)
+    assert waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = step.meta.loads
+    assert load.request_id == "w" and load.remote_request_id == "p-w"
 
 
 def test_a_pull_beside_a_prompt_computed_in_chunks_counts_what_vllm_keeps_for_that_prompt(

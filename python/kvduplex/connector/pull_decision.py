@@ -31,6 +31,21 @@ report, and `matched` says "ask again" (None) meanwhile, so vLLM's scheduler loo
 what is read: the longest prefix whose token fingerprints equal the prompt's, beyond the local
 prefix-cache hit, within what every KV-cache group can pull (`groups.py`), if at least the
 recompute threshold is gained. Each request decides once: `consumed` after vLLM allocates.
+
+A granted pull vLLM cannot admit gives its claim back (`_yields`): a reader that keeps an
+owner's claim while its own request waits for blocks can close a circular wait. Seen with
+bidirectional P/D: X on P was granted D's held turn but P's blocks were held for D's read of a
+prompt, which Y on D was granted, while D lacked the blocks to admit Y, held by the very turn X
+had claimed. Neither engine evicts a claimed hold (`retention.py`), so both waited until the
+claims ran out (`kv_lease_ttl_s`, 30 s) and then computed anyway. So once a granted request has
+waited `ALLOCATION_WAIT_S` for vLLM to allocate it while this engine's eviction orders freed
+less than they asked because readers had claimed its holds, the claim goes back to its
+owner and the request computes: the owner may then evict that hold for its own waiting request,
+whose read of our held prompt frees our blocks. Correctness is kept: a released claim's blocks
+are never read (no load is planned; the request decided to compute for good, never asks again,
+so no new claim can close the cycle again). The cost: the request computes its history instead
+of pulling it. A request waiting for anything else (a seat, running requests' blocks, holds
+nobody claimed, which retention evicts for it) keeps its claim: those waits end by themselves.
 """
 
 from __future__ import annotations
@@ -82,6 +97,13 @@ class PullState:
     consumed: bool = False
     """The pull was decided (started, declined or impossible): never pull again."""
     last_num_computed: int = 0
+    granted_at: float = 0.0
+    """`time.monotonic()` when the grant or lookup answer was taken (`matched`)."""
+
+
+# How long a granted request may wait for vLLM to allocate it while claims block this engine's
+# room, before its claim goes back to the owner and it computes (module doc).
+ALLOCATION_WAIT_S = 1.0
 
 
 class PullDecision:
@@ -96,8 +118,12 @@ class PullDecision:
         estimator: RecomputeThresholdEstimator | None,
         stats: DuplexConnectorStats,
         release: Callable[[md.ReleaseSpec], None],
+        claims_block_room: Callable[[float], bool],
     ) -> None:
-        """`release`: hands a claim back to its owner (with the next step's metadata)."""
+        """`release`: hands a claim back to its owner (with the next step's metadata);
+        `claims_block_room(within_s)`: whether, within the last `within_s` seconds (here: since
+        the grant), an eviction order freed less than it asked because readers had claimed
+        this engine's holds (`Retention.claims_blocked`)."""
         self._config = config
         self._context = context
         self._groups = context.groups
@@ -106,14 +132,18 @@ class PullDecision:
         self._estimator = estimator
         self._stats = stats
         self._release = release
+        self._claims_block_room = claims_block_room
         self._pulls: dict[str, PullState] = {}
         self.lookups = Lookups(
             config, context, stats, pullable=self._pullable, release=release
         )
 
-    def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def matched(
+        self, request: Request, num_computed_tokens: int, now: float
+    ) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens`: (tokens to pull, asynchronously), or None
-        while a grant or lookup runs (vLLM asks again next step). The order: module doc."""
+        while a grant or lookup runs (vLLM asks again next step); `now`: `time.monotonic()`.
+        The order: module doc."""
         state = self._pulls.get(request.request_id)
         if state is None:
             found = self.lookups.answer(request)
@@ -122,7 +152,7 @@ class PullDecision:
             if found is ASK_AGAIN:
                 return self._live.matched(request, None, False)
             if found is not None:
-                state = PullState(remote=found.remote, prompt=found.prompt)
+                state = PullState(remote=found.remote, prompt=found.prompt, granted_at=now)
                 self._pulls[request.request_id] = state
         if state is None or state.consumed or isinstance(state.remote, Rejected):
             return self._live.matched(request, 0, False)  # 5. compute
@@ -130,6 +160,8 @@ class PullDecision:
         gain = self._pullable_tokens(request, state, num_computed_tokens) - num_computed_tokens
         if gain <= 0 or gain < self.recompute_threshold():
             return self._live.matched(request, 0, False)  # 5. compute: too little gained
+        if self._yields(request, state, gain, now):
+            return self._live.matched(request, 0, False)  # 5. compute: not admitted
         return self._live.matched(request, gain, not self.layerwise(state.remote))
 
     def _ask(self, request: Request, num_computed_tokens: int) -> object | None:
@@ -178,6 +210,32 @@ class PullDecision:
         return lookups.ask(request, timeout_s, prompt, continues=continues)
 
     # ------------------------------------------------------------------ helpers
+
+    def _yields(self, request: Request, state: PullState, gain: int, now: float) -> bool:
+        """vLLM has not allocated the granted request for `ALLOCATION_WAIT_S` while claims
+        blocked this engine's eviction orders: the claim goes back to the owner and the request
+        computes, for good (module doc: the circular wait this breaks)."""
+        remote = state.remote
+        assert isinstance(remote, RemoteBlocks)
+        if (
+            now - state.granted_at < ALLOCATION_WAIT_S
+            or remote.claim_id is None
+            or not self._claims_block_room(now - state.granted_at)  # since the grant
+        ):
+            return False
+        state.consumed = True  # never pulls, never asks again: no new claim
+        self.hand_back(remote)
+        self._stats.add("claims_yielded")
+        self._stats.add("tokens_recomputed", gain)
+        logger.info(
+            "Request %s waited %.1f s for blocks with a pull granted: its claim goes back to "
+            "engine %s and it computes %d tokens instead",
+            request.request_id,
+            now - state.granted_at,
+            remote.peer.engine_id,
+            gain,
+        )
+        return True
 
     def arrived(self, request: Request, prompt: PromptFingerprints | None) -> None:
         """A new request: its params checked once (`prompt`: its fingerprints, if computed

@@ -41,7 +41,8 @@ Orders (`Retention`, pure: time comes in as an argument):
 - An order whose step freed less than it asked (the rest is claimed: claims live in the hold
   book, taken by peers between steps, and the scheduler never sees them) holds back further
   pressure orders for `FRUITLESS_BACKOFF_S`: vLLM then preempts as it would without holds, and
-  a claim that ends meanwhile is found by the next order.
+  a claim that ends meanwhile is found by the next order (a reader whose own request cannot
+  get in hands its claim back within `ALLOCATION_WAIT_S`, `pull_decision.py`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Retention:
         # The orders of the steps built and not reported yet, oldest first, one per step.
         self._in_flight: deque[EvictOrder] = deque()
         self._backoff_until = -math.inf
+        self._fruitless_at = -math.inf
 
     def turn_held(self) -> None:
         """A turn was held (`Holds.keep`): past the cap, order room among the older turns."""
@@ -130,6 +132,12 @@ class Retention:
         order = self._in_flight.popleft()
         if order.total and freed_blocks < order.total:
             self._backoff_until = now + FRUITLESS_BACKOFF_S
+            self._fruitless_at = now
+
+    def claims_blocked(self, now: float, within_s: float) -> bool:
+        """Whether an order freed less than it asked within the last `within_s` seconds: room
+        this engine needs is held by holds its readers have claimed."""
+        return now - self._fruitless_at < within_s
 
     def frees_pending(self) -> bool:
         """Whether blocks are about to come back from orders made or shipped."""
