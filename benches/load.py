@@ -11,8 +11,6 @@ Systems, one after another in one run (each started fresh):
 - `kvduplex-bidirectional`: a prefill (P) and a decode (D) server with DuplexConnector
   (`bidirectional_kv_xfer: true`) behind the kvduplex proxy: P finds a conversation's history
   held on D by the prompt itself and pulls it back.
-  With `--local-continuation-max-chars N` its proxy computes a turn that adds at most N
-  characters to a history D served on that D alone (`kvduplex.proxy.continuation`).
 - `kvduplex-one-way`: the same with P->D only; P recomputes what its own prefix cache lacks.
   Its D keeps no turns, so its proxy sends every turn through P.
 With `--vllm-router POLICY` the two P/D systems are 2 P x 2 D each behind vLLM's own router
@@ -108,7 +106,6 @@ from kvduplex.demo import (
 )
 from kvduplex.demo.servers import WHOLE_MACHINE_ENV, Completion, ServerError, describe_mismatch
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS
-from kvduplex.proxy.config import LOCAL_CONTINUATION_WHEN, ProxyConfig
 from kvduplex_testing.router import VllmRouter
 from kvduplex_testing.servers import VllmServer, async_sse_events, server_cpu_seconds, start_many
 from kvduplex_testing.tiny_model import (
@@ -537,16 +534,6 @@ def compare(records: list[TurnRecord], expected: dict[tuple[int, int], TurnRecor
             "no_reference": no_reference, "mismatches": mismatches[:20]}
 
 
-def _local_continuations(proxy: ProxyThread | VllmRouter | None) -> int:
-    """Turns the proxy computed on D alone so far (`kvduplex.proxy.continuation`)."""
-    if not isinstance(proxy, ProxyThread):
-        return 0
-    value = proxy.proxy.metrics.registry.get_sample_value(
-        "kvduplex_proxy_local_continuations_total", {"result": "local"}
-    )
-    return int(value or 0)
-
-
 def run_system(
     system: str, args: argparse.Namespace, plans: list[PointPlan], plan: dict[str, Any],
     client: concurrent.futures.Executor, expected: dict[float, dict] | None,
@@ -561,8 +548,6 @@ def run_system(
     with start_many(list(servers.values())):
         for seed, server in enumerate(servers.values(), start=1):
             client.submit(warm_up_chat, server.base_url, seed).result()
-        # Local continuations need D to keep its turns: bidirectional only (module doc).
-        local_chars = args.local_continuation_max_chars if system == BIDIRECTIONAL else 0
         prefills = [s.base_url for role, s in servers.items() if role.startswith("P")]
         decodes = [s.base_url for role, s in servers.items() if role.startswith("D")]
         if fleet:
@@ -570,8 +555,7 @@ def run_system(
                 prefills, decodes, args.vllm_router, args.work_dir, name=f"{system}-router"
             )
         elif prefills:
-            proxy = ProxyThread(prefills, decodes, local_continuation_max_chars=local_chars,
-                                local_continuation_when=args.local_continuation_when)
+            proxy = ProxyThread(prefills, decodes)
         else:
             proxy = None
         with proxy or contextlib.nullcontext():
@@ -587,17 +571,13 @@ def run_system(
                 before = read_all(servers)
                 cpu_before = {role: server_cpu_seconds(s.pid) for role, s in servers.items()}
                 cpu_since = time.monotonic()
-                local_before = _local_continuations(proxy)
                 records = client.submit(run_point, urls, point).result()
                 completed = [r.conversation % len(urls) for r in records if r.error is None]
-                # P sees every turn but those its proxy continued on D alone.
-                local = _local_continuations(proxy) - local_before
                 if fleet:  # the router chose each turn's P and D
                     deltas, each = read_fleet_after(servers, before, len(completed))
                 else:
                     finished = {
-                        role: completed.count(i) if not proxy
-                        else len(completed) - (local if role == "P" else 0)
+                        role: completed.count(i) if not proxy else len(completed)
                         for i, role in enumerate(servers)
                     }
                     deltas = read_all_after(servers, before, finished)
@@ -612,8 +592,6 @@ def run_system(
                     for role, s in servers.items()
                 }
                 summary["server_cpu_window_s"] = round(time.monotonic() - cpu_since, 2)
-                if proxy:
-                    summary["local_continuations"] = local
                 if expected is not None:
                     summary["answers"] = compare(records, expected[point.rate])
                 answers[point.rate] = {(r.conversation, r.turn): r for r in records}
@@ -650,8 +628,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "logprob_atol": LOGPROB_ATOL,
         "pinned": args.pin,
         "connector_config": args.connector_config,
-        "local_continuation_max_chars": args.local_continuation_max_chars,
-        "local_continuation_when": args.local_continuation_when,
         "logs": str(args.work_dir),
         "systems": {},
     }
@@ -727,17 +703,6 @@ def main() -> None:
         help="a DuplexConnector option for the P/D servers, e.g. layerwise_load=true "
         "(repeatable)",
     )
-    parser.add_argument(
-        "--local-continuation-max-chars", type=int, default=0, metavar="CHARS",
-        help="the bidirectional system's proxy computes a turn adding at most CHARS characters "
-        "to a history D served on that D alone (kvduplex proxy --local-continuation-max-chars; "
-        "default 0: off)",
-    )
-    parser.add_argument(
-        "--local-continuation-when", choices=LOCAL_CONTINUATION_WHEN,
-        default=ProxyConfig.local_continuation_when,
-        help="when such a turn goes to D (kvduplex proxy --local-continuation-when)",
-    )
     add_pin_argument(parser)
     args = parser.parse_args()
     if args.replot:
@@ -761,8 +726,8 @@ def main() -> None:
         parser.error(f"--conversations must be 1..{MAX_CONVERSATIONS}")
     if workload.turns < 2 or workload.think_s <= 0:
         parser.error("a chat needs at least 2 turns and a positive think time")
-    if args.vllm_router and (args.skip or args.local_continuation_max_chars):
-        parser.error("--vllm-router runs both P/D systems, without local continuations")
+    if args.vllm_router and args.skip:
+        parser.error("--vllm-router runs both P/D systems")
     args.workload = workload
     args.cpus = pd_cpus(parser, args.pin)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

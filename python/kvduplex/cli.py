@@ -218,23 +218,6 @@ def register_proxy(subparsers: argparse._SubParsersAction) -> None:
         "%(default)s)",
     )
     parser.add_argument(
-        "--local-continuation-max-chars",
-        type=int,
-        default=default["local_continuation_max_chars"],
-        metavar="CHARS",
-        help="compute a chat turn that adds at most CHARS characters to a history a decode "
-        "server served and holds on that server alone, skipping the prefill server (0: off; "
-        "needs decode servers with bidirectional_kv_xfer)",
-    )
-    parser.add_argument(
-        "--local-continuation-when",
-        default=default["local_continuation_when"],
-        choices=proxy_config.LOCAL_CONTINUATION_WHEN,
-        help="when such a turn goes to its decode server: always, or prefill_busy: only while "
-        "every prefill server has a prefill in flight and that decode server computes no other "
-        "turn alone (default %(default)s)",
-    )
-    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -279,8 +262,6 @@ def run_proxy(args: argparse.Namespace) -> int:
             routing_headers=args.routing_headers,
             first_token_from_prefill=not args.first_token_from_decode,
             prefill_affinity_slack=args.prefill_affinity_slack,
-            local_continuation_max_chars=args.local_continuation_max_chars,
-            local_continuation_when=args.local_continuation_when,
         )
     except proxy_config.ConfigError as exc:
         args.parser.error(str(exc))

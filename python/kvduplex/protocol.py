@@ -10,8 +10,7 @@ as the connector. What lives here:
 - grants and lookups: the token fingerprints a reader asks about and the owner's answer
   (carried by the transfer core's Lookup/LookupReply frames, see `rust/src/holds.rs`), whose
   offer is the hold's kv_transfer_params as JSON (`encode_offer`, `decode_offer`);
-- the prefix of DuplexConnector's Prometheus metrics, which the demo and benchmarks read;
-- what routers see: the lookup hint they may send, the medium of held turns' KV events.
+- the prefix of DuplexConnector's Prometheus metrics, which the demo and benchmarks read.
 """
 
 from __future__ import annotations
@@ -40,20 +39,6 @@ REMOTE_PORTS = "remote_ports"
 REMOTE_BLOCK_SIZE = "remote_block_size"
 REMOTE_BLOCK_FINGERPRINTS = "remote_block_fingerprints"
 REMOTE_LEASE_EXPIRY = "remote_lease_expiry"
-# A router's mark on a request it sends a decode node to compute there, prefill and all (a
-# conversation's continuation whose history that node still holds, `kvduplex.proxy.continuation`):
-# the node keeps the finished turn for the conversation's next one exactly as it keeps a turn
-# prefilled elsewhere (with `bidirectional_kv_xfer`; otherwise it is ignored).
-KEEP_TURN = "kvduplex_keep_turn"
-# A router's hint on a prefill request: the side channel ("host:port", TP rank 0) of the decode
-# node it believes holds the conversation's history (e.g. from the KV events below). A lookup
-# asks that node alone when it is one the prefill node knows; otherwise every known one that
-# may hold the prompt (by what each announced it holds).
-LOOKUP_HINT = "kvduplex_lookup_hint"
-
-# --- vLLM KV events (`--kv-events-config`): the `medium` of the BlockStored/BlockRemoved
-# events a decode node publishes for the turns it holds for readers (vLLM's own block hashes) ---
-HELD_TURN_MEDIUM = "kvduplex_held"
 
 # --- DuplexConnector's Prometheus metrics: `vllm:kvduplex_<name>_total` counters, the
 # `vllm:kvduplex_{transfer,lookup,lookup_wait}_seconds` histograms and the `held_blocks` and

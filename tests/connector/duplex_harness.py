@@ -20,7 +20,6 @@ import torch
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
-    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -93,13 +92,11 @@ def make_vllm_config(
     tp_size: int = 1,
     mamba: bool = False,
     tokenizer: bool = False,
-    kv_events: bool = False,
     kv_role: str = "kv_both",
     scheduler: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """`tokenizer`: load the tokenizer in `model_dir` (the tiny config alone has none);
-    `kv_events`: vLLM makes KV events (published nowhere: `publisher="null"`); `scheduler`:
-    SchedulerConfig fields to change (a token budget below the prompts, ...)."""
+    `scheduler`: SchedulerConfig fields to change (a token budget below the prompts, ...)."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),
@@ -128,9 +125,6 @@ def make_vllm_config(
             kv_connector_extra_config={"lookup_timeout_ms": 0, **(extra_config or {})},
         ),
         device_config=DeviceConfig("cpu"),
-        kv_events_config=(
-            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
-        ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     if mamba:
@@ -294,7 +288,6 @@ def make_engine(
     sliding_window: int | None = None,
     mamba: bool = False,
     tokenizer: bool = False,
-    kv_events: bool = False,
     async_scheduling: bool = False,
     kv_role: str = "kv_both",
     scheduler: dict[str, Any] | None = None,
@@ -310,7 +303,6 @@ def make_engine(
         tp_size,
         mamba,
         tokenizer,
-        kv_events,
         kv_role,
         scheduler,
     )

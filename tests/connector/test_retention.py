@@ -10,29 +10,22 @@ import threading
 import time
 
 import pytest
-from vllm.config import VllmConfig
 from vllm.v1.core.block_pool import BlockPool
 
 from kvduplex import _core
 from kvduplex.connector import retention as retention_module
-from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.holds import IDLE_CHECK_S, Holds
 from kvduplex.connector.idle_steps import IdleWaker
 from kvduplex.connector.retention import Retention, most_running_blocks, running_blocks_needed
 from kvduplex.connector.stats import DuplexConnectorStats
 
 
-@pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
-    return VllmConfig()
-
-
 class _Book:
     """An engine's holds on a real block pool, and their eviction orders."""
 
-    def __init__(self, vllm_config: VllmConfig, max_turn_blocks: int = 100) -> None:
+    def __init__(self, max_turn_blocks: int = 100) -> None:
         self.pool = BlockPool(64, enable_caching=False, hash_block_size=16)
-        self.holds = Holds(HeldTurnEvents(vllm_config), DuplexConnectorStats())
+        self.holds = Holds(DuplexConnectorStats())
         self.holds.bind(self.pool, lambda: None)
         self.retention = Retention(self.holds, max_turn_blocks)
 
@@ -44,8 +37,8 @@ class _Book:
             self.retention.turn_held()
 
 
-def test_pressure_orders_the_shortfall_once_until_its_steps_report(vllm_config):
-    b = _Book(vllm_config)
+def test_pressure_orders_the_shortfall_once_until_its_steps_report():
+    b = _Book()
     r = b.retention
     b.hold("a", 4, True)
     b.hold("b", 3, False)
@@ -69,8 +62,8 @@ def test_pressure_orders_the_shortfall_once_until_its_steps_report(vllm_config):
     assert b.holds.end(["b"]) == 0  # freed once
 
 
-def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_while(vllm_config):
-    b = _Book(vllm_config)
+def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_while():
+    b = _Book()
     r = b.retention
     b.hold("prompt", 4, False)
     b.hold("turn", 3, True)
@@ -82,7 +75,7 @@ def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_wh
     assert r.pressure(free_blocks=0, running_need=5, waiting_need=8, now=0.0) == 2
     assert r.take_order().any_blocks == 2
     # No reader asked for a prompt: after UNREAD_PROMPT_S the waiting ones may take it.
-    b = _Book(vllm_config)
+    b = _Book()
     r = b.retention
     b.hold("prompt", 4, False)
     assert r.pressure(free_blocks=0, running_need=0, waiting_need=2, now=60.0) == 0  # unshipped
@@ -94,8 +87,8 @@ def test_waiting_requests_take_held_turns_and_prompts_no_reader_claimed_for_a_wh
     assert r.take_order().turn_blocks == 2
 
 
-def test_turns_past_the_cap_order_room_once(vllm_config):
-    b = _Book(vllm_config, max_turn_blocks=10)
+def test_turns_past_the_cap_order_room_once():
+    b = _Book(max_turn_blocks=10)
     b.hold("t1", 6, True)
     b.hold("t2", 6, True)  # 2 over
     b.hold("p", 6, False)  # prompts do not count
@@ -104,8 +97,8 @@ def test_turns_past_the_cap_order_room_once(vllm_config):
     assert (order.cap_blocks, order.turn_blocks, order.any_blocks) == (8, 0, 0)
 
 
-def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while(vllm_config):
-    b = _Book(vllm_config)
+def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while():
+    b = _Book()
     r = b.retention
     b.hold("claimed", 5, True)
     r.pressure(0, 5, 0, now=0.0)
@@ -116,8 +109,8 @@ def test_an_order_that_freed_too_little_holds_pressure_back_for_a_while(vllm_con
     assert r.pressure(0, 5, 0, now=0.1 + retention_module.FRUITLESS_BACKOFF_S + 0.01) == 5
 
 
-def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last(vllm_config):
-    b = _Book(vllm_config)
+def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last():
+    b = _Book()
     holds = b.holds
     assert holds.wake_at() is None
     holds.stepped(10.0)
@@ -129,8 +122,8 @@ def test_an_idle_engine_wakes_at_expiry_and_once_a_second_while_holds_last(vllm_
     assert holds.wake_at() is None
 
 
-def test_a_reset_drops_every_hold_and_the_books_later_report_is_expected(vllm_config):
-    b = _Book(vllm_config)
+def test_a_reset_drops_every_hold_and_the_books_later_report_is_expected():
+    b = _Book()
     b.hold("t", 3, True)
     b.hold("p", 2, False)
     assert b.pool.get_num_free_blocks() == 63 - 5

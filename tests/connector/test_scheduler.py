@@ -6,7 +6,6 @@ import json
 import time
 
 import pytest
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import get_tokenizer
@@ -33,7 +32,6 @@ from kvduplex.connector.metadata import (
 from kvduplex.connector.offers import held_output_tokens
 from kvduplex.connector.stats import DuplexConnectorStats
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt, salt_of
-from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT
 from kvduplex_testing.tiny_model import build_tiny_chat_model
 
 BIDIRECTIONAL = {"bidirectional_kv_xfer": True}
@@ -199,43 +197,6 @@ def test_decode_turn_is_held_after_both_finish_statuses(engines, stop_token_ids,
     assert finished.kv_transfer_params["do_remote_decode"] is True
     held = finished.kv_transfer_params["remote_block_ids"]
     assert all(d.ref_count(b) == 1 for b in held)
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        # With an engine to look prompts up on, and a threshold the prompt passes.
-        {
-            **BIDIRECTIONAL,
-            "decode_peers": ["127.0.0.1:41001"],
-            "lookup_timeout_ms": 100,
-            "kv_recompute_threshold": 16,
-        },
-        {},
-    ],
-)
-def test_a_turn_computed_on_d_alone_is_kept_when_its_router_asks(engines, config):
-    """A local continuation (`kvduplex.proxy.continuation`): D computes the prompt itself, looks
-    nothing up, pulls nothing, and keeps the finished turn exactly as one prefilled elsewhere,
-    when it keeps turns at all (`bidirectional_kv_xfer`)."""
-    d = engines("D", config)
-    prompt = prompt_tokens(70)
-    keep = {protocol.KEEP_TURN: True, protocol.PROTOCOL_KEY: protocol.PROTOCOL_VERSION}
-    d.add("d1", prompt, max_tokens=3, params=keep)
-    step = d.step()
-    assert step.meta.loads == [] and step.meta.lookups == []
-    assert step.output.num_scheduled_tokens == {"d1": 70}
-    for _ in range(3):
-        finished = d.step(token=7).finished("d1")
-        if finished is not None:
-            break
-    assert finished is not None
-    if not config:
-        assert finished.kv_transfer_params is None
-        return
-    offer = finished.kv_transfer_params
-    assert offer[protocol.DO_REMOTE_DECODE] is True and offer[protocol.REMOTE_NUM_TOKENS] == 72
-    assert all(d.ref_count(b) == 1 for b in offer[protocol.REMOTE_BLOCK_IDS])
 
 
 def test_a_hold_ends_when_tp_rank_0_reports_it(engines, connector_log):
@@ -760,10 +721,6 @@ def test_what_decode_nodes_announced_rules_out_lookups_that_could_not_gain_enoug
     assert not _looked_up(p, "next-again", handed + [7] * 20 + prompt_tokens(40, start=800))
     assert p.stats.data["lookups_ruled_out"] == 6
 
-    # A router's hint says a decode node holds it: asked, whatever the copy says.
-    hint = {protocol.LOOKUP_HINT: "127.0.0.1:41002"}
-    assert _looked_up(p, "hinted", prompt_tokens(100, start=7000), hint)
-
     # A prompt shorter than a block handed off: its turn's first block (its tokens and the
     # answer's first) is asked for until announced.
     short = prompt_tokens(10, start=8000)
@@ -1048,38 +1005,3 @@ def test_an_idle_engine_steps_when_a_hold_expires(engines):
     p.step(freed_holds={"p1"})
     assert not p.duplex._held and holds.wake_at() is None
     assert not p.connector.has_pending_push_work()
-
-
-def test_a_held_turn_is_published_as_kv_events_with_vllms_own_block_hashes(engines):
-    """With KV events on, D announces a held turn (medium `kvduplex_held`) by the same block
-    hashes vLLM publishes for those blocks in its own events, and withdraws them when the hold
-    ends: a router that indexes vLLM's events can tell which D holds a conversation."""
-    p = engines("P", BIDIRECTIONAL)
-    d = engines("D", LOOKUP, kv_events=True)
-    published: list = []
-    d.scheduler.kv_event_publisher.publish = lambda batch: published.extend(batch.events)
-    turn1 = prompt_tokens(100)
-    decode(d, "d1", turn1, prefill(p, "p1", turn1), max_tokens=80)
-    d.step()
-    stored = [e for e in published if isinstance(e, BlockStored)]
-    (held,) = [e for e in stored if e.medium == HELD_TURN_MEDIUM]
-    vllms_own = {h for e in stored if e.medium != HELD_TURN_MEDIUM for h in e.block_hashes}
-    # 179 tokens held (the last answer token has no KV yet): 11 full blocks of 16.
-    assert len(held.block_hashes) == 179 // 16 and held.block_size == 16
-    assert set(held.block_hashes) <= vllms_own
-    assert held.token_ids == (turn1 + [7] * 79)[: 11 * 16]
-    d.step(freed_holds={"d1"})
-    d.step()
-    removed = [e for e in published if isinstance(e, BlockRemoved) and e.medium == HELD_TURN_MEDIUM]
-    assert [e.block_hashes for e in removed] == [held.block_hashes]
-
-
-def test_a_routers_lookup_hint_is_handed_to_the_workers_with_the_lookup(engines):
-    _held_turn(engines)
-    p2 = engines("P", LOOKUP)
-    hinted = {"do_remote_decode": True, LOOKUP_HINT: "127.0.0.1:41002"}
-    p2.add("p2", prompt_tokens(200, start=700), max_tokens=1, params=hinted)
-    p2.add("p3", prompt_tokens(200, start=900), max_tokens=1,
-           params={"do_remote_decode": True, LOOKUP_HINT: "not an address"})
-    lookups = {spec.request_id: spec for spec in p2.step().meta.lookups}
-    assert lookups["p2"].hint == "127.0.0.1:41002" and lookups["p3"].hint is None

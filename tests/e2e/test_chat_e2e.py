@@ -23,7 +23,6 @@ import logging
 import os
 import random
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +33,10 @@ import pytest
 from chat_stream import Answer, PullWatch, first_tokens_by_source, pulled, respond, stream_chat
 from conftest import E2E_LOOKUP_TIMEOUT_MS, E2E_PEER_HEARTBEAT_S
 from kvduplex.connector.token_fingerprint import block_fingerprints, request_salt
-from kvduplex.demo import ProxyThread, duplex_kv_transfer_config, sample_sums
+from kvduplex.demo import ProxyThread, duplex_kv_transfer_config
 from kvduplex.demo.servers import complete, describe_mismatch
 from kvduplex.demo.tiny_model import SERVED_MODEL_NAME, SERVER_ARGS, VOCAB_SIZE
-from kvduplex.protocol import HELD_TURN_MEDIUM, LOOKUP_HINT, METRIC_PREFIX, prefill_request_params
+from kvduplex.protocol import prefill_request_params
 from kvduplex_testing.servers import (
     VllmServer,
     ports_outside_ephemeral_range,
@@ -68,67 +67,43 @@ class Servers:
     reference: VllmServer
     prefill: VllmServer
     decodes: list[VllmServer]
-    side_channels: list[int]
-    """Each D's side-channel port (TP rank 0)."""
-    event_ports: list[int]
-    """Each D's KV-event publisher (vLLM's ZMQ PUB on 127.0.0.1)."""
 
 
 @pytest.fixture(scope="module")
 def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Servers]:
     model_dir = build_tiny_chat_model(pytestconfig.cache.mkdir("kvduplex-tiny-chat-model"))
-    d1_side_channel, d2_side_channel, *event_ports = ports_outside_ephemeral_range(4)
+    d1_side_channel, d2_side_channel = ports_outside_ephemeral_range(2)
 
-    def server(
-        name: str, kv: bool, events_port: int | None = None, **extra_config: object
-    ) -> VllmServer:
+    def server(name: str, kv: bool, **extra_config: object) -> VllmServer:
         config = duplex_kv_transfer_config(bidirectional=True, recompute_threshold=THRESHOLD)
         config["kv_connector_extra_config"]["lookup_timeout_ms"] = E2E_LOOKUP_TIMEOUT_MS
         config["kv_connector_extra_config"]["peer_heartbeat_s"] = E2E_PEER_HEARTBEAT_S
         config["kv_connector_extra_config"].update(extra_config)
         extra = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(config)] if kv else SERVER_ARGS
-        if events_port is not None:
-            events = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                # A wildcard endpoint is bound; any other is connected to.
-                "endpoint": f"tcp://*:{events_port}",
-            }
-            extra = [*extra, "--kv-events-config", json.dumps(events)]
         return VllmServer(model_dir, name=name, extra_args=extra, log_dir=server_log_dir)
 
     # P pulls D's turns layer by layer within its forward pass (`layerwise_load`); D2, when it
     # serves as a second prefill node, pulls asynchronously: both paths run here.
     group = [server("chat-reference", False), server("chat-prefill", True, layerwise_load=True)]
-    # Both D's publish vLLM's KV events (a KV-aware router below indexes them).
-    d1 = server(
-        "chat-decode-1", True, events_port=event_ports[0], side_channel_port=d1_side_channel
-    )
+    d1 = server("chat-decode-1", True, side_channel_port=d1_side_channel)
     # D2 also serves as a second prefill node (below); it knows D1 from its config.
     d2 = server(
         "chat-decode-2",
         True,
-        events_port=event_ports[1],
         side_channel_port=d2_side_channel,
         decode_peers=[f"127.0.0.1:{d1_side_channel}"],
     )
     with start_many([*group, d1, d2]) as (reference, prefill, d1, d2):
-        yield Servers(reference, prefill, [d1, d2], [d1_side_channel, d2_side_channel], event_ports)
+        yield Servers(reference, prefill, [d1, d2])
 
 
 
 def relay(
-    servers: Servers,
-    decode: VllmServer,
-    prefill: VllmServer | None = None,
-    hint: str | None = None,
+    servers: Servers, decode: VllmServer, prefill: VllmServer | None = None
 ) -> Callable[[list[dict]], Answer]:
-    """The smallest standard P/D router: P prefills with `do_remote_decode` (and the lookup
-    `hint`, if given), D streams."""
+    """The smallest standard P/D router: P prefills with `do_remote_decode`, D streams."""
     prefill = prefill or servers.prefill
     p_params = prefill_request_params()
-    if hint is not None:
-        p_params[LOOKUP_HINT] = hint
 
     def send(messages: list[dict]) -> Answer:
         body = {
@@ -202,45 +177,6 @@ def test_streamed_chat_through_kvduplex_proxy_pulls_every_later_turn(servers):
 
 
 @pytest.mark.e2e
-def test_a_short_turn_continues_on_the_d_that_holds_its_history_and_p_computes_nothing(servers):
-    """`kvduplex proxy --local-continuation-max-chars`: every later turn goes to the D that
-    served the history, which keeps each turn it computes (`kvduplex_keep_turn`) and finds the
-    history's full blocks in its own cache; P sees the first turn only, and every answer equals
-    the single server's."""
-    decodes = servers.decodes
-    offered = [counter(d.base_url, f"{METRIC_PREFIX}turns_offered_total") for d in decodes]
-    cached = [prompt_tokens_by_source(d.base_url).get("local_cache_hit", 0) for d in decodes]
-    with ProxyThread(
-        [servers.prefill.base_url],
-        [d.base_url for d in decodes],
-        local_continuation_max_chars=4096,
-        local_continuation_when="always",
-    ) as proxy:
-        turns = run_chat(
-            servers, lambda turn: lambda m: stream_chat(proxy.base_url, m, MAX_TOKENS), seed=9
-        )
-        local = sample_sums(proxy.base_url, "kvduplex_proxy_local_continuations_total", "result")
-    assert local == {"local": TURNS - 1}
-    assert turns[0][1].get("local_compute", 0) > 0
-    for _, on_p in turns[1:]:
-        assert not any(on_p.values()), on_p
-    held_full_blocks = sum(
-        (len(previous.prompt_ids) + len(previous.token_ids) - 1) // BLOCK * BLOCK
-        for previous, _ in turns[:-1]
-    )
-    hits = sum(
-        prompt_tokens_by_source(d.base_url).get("local_cache_hit", 0) - before
-        for d, before in zip(decodes, cached)
-    )
-    assert hits >= held_full_blocks > 0
-    kept = sum(
-        counter(d.base_url, f"{METRIC_PREFIX}turns_offered_total") - before
-        for d, before in zip(decodes, offered)
-    )
-    assert kept == TURNS
-
-
-@pytest.mark.e2e
 def test_streamed_chat_through_a_standard_router_finds_the_d_that_holds_each_turn(servers):
     # Turns alternate D1, D2, D1, D2: P's history for turn k is on the other D than turn k's.
     turns = run_chat(servers, lambda turn: relay(servers, servers.decodes[turn % 2]), seed=2)
@@ -270,108 +206,6 @@ def test_a_conversation_sharing_a_long_first_message_pulls_it_from_the_d_that_ho
     # B shares A's first 303 tokens (bos, "system:", 300 words, "user:"): 2 full blocks.
     assert on_p2.get("external_kv_transfer", 0) == 2 * BLOCK, on_p2
     assert on_p2.get("local_compute", 0) == len(expected.prompt_ids) - 2 * BLOCK, on_p2
-
-
-# ------------------------------------------------------------------ KV events and router hints
-
-
-class HeldTurnRouter:
-    """A KV-aware router's index, as small as it gets: one ZMQ subscriber per D on vLLM's KV
-    event publisher (frames: topic, sequence number, msgpack `KVEventBatch`). It keeps the token
-    chains of the turns each D announces it holds (`BlockStored` with the medium
-    `kvduplex_held`, dropped on their `BlockRemoved`) and the hashes of vLLM's own cache
-    events; a prompt goes to the D that holds its longest prefix."""
-
-    def __init__(self, event_ports: list[int]) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._sockets = []
-        for port in event_ports:
-            socket = zmq.Context.instance().socket(zmq.SUB)
-            socket.setsockopt(zmq.SUBSCRIBE, b"")
-            socket.connect(f"tcp://127.0.0.1:{port}")
-            self._sockets.append(socket)
-        # Per D: first block hash of a held chain -> (its hashes, its token ids).
-        self.held: list[dict] = [{} for _ in event_ports]
-        self.cached: list[set] = [set() for _ in event_ports]
-
-    def take(self, wait_s: float) -> None:
-        """Takes every event that arrives within `wait_s` seconds."""
-        import zmq
-
-        deadline = time.monotonic() + wait_s
-        poller = zmq.Poller()
-        for socket in self._sockets:
-            poller.register(socket, zmq.POLLIN)
-        while (left := deadline - time.monotonic()) > 0:
-            for socket, _ in poller.poll(left * 1000):
-                _topic, _seq, payload = socket.recv_multipart()
-                self._index(self._sockets.index(socket), self._decoder.decode(payload))
-
-    def _index(self, d: int, batch) -> None:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
-
-        for event in batch.events:
-            if isinstance(event, BlockStored) and event.medium == HELD_TURN_MEDIUM:
-                self.held[d][event.block_hashes[0]] = (event.block_hashes, event.token_ids)
-            elif isinstance(event, BlockRemoved) and event.medium == HELD_TURN_MEDIUM:
-                self.held[d].pop(event.block_hashes[0], None)
-            elif isinstance(event, BlockStored):
-                self.cached[d].update(event.block_hashes)
-
-    def choose(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """(D, tokens of `prompt_ids` it holds as a prefix), the D holding the most."""
-        def held_prefix(d: int) -> int:
-            best = 0
-            for _, tokens in self.held[d].values():
-                if prompt_ids[: len(tokens)] == tokens:
-                    best = max(best, len(tokens))
-            return best
-
-        return max(((d, held_prefix(d)) for d in range(len(self.held))), key=lambda x: x[1])
-
-    def close(self) -> None:
-        for socket in self._sockets:
-            socket.close(linger=0)
-
-
-@pytest.mark.e2e
-def test_a_router_indexing_kv_events_finds_the_d_that_holds_the_turn_and_p_asks_it_alone(
-    servers,
-):
-    """D1 and D2 publish vLLM's KV events. Turn 1 is decoded on D2; a router that indexes the
-    events finds the turn on D2 (announced with the same block hashes vLLM publishes for those
-    blocks itself) and hands P the hint: P asks D2 alone, pulls the history from it, and the
-    answer equals the single server's."""
-    router = HeldTurnRouter(servers.event_ports)
-    try:
-        router.take(1.0)  # the subscriptions are live before turn 1
-        messages = [{"role": "system", "content": sample_chat_text(300, seed=11)}]
-        messages.append({"role": "user", "content": sample_chat_text(40, seed=110)})
-        first = relay(servers, servers.decodes[1])(messages)
-        router.take(3.0)
-        messages.append({"role": "assistant", "content": first.text})
-        messages.append({"role": "user", "content": sample_chat_text(40, seed=111)})
-        expected = stream_chat(servers.reference.base_url, messages, MAX_TOKENS)
-        chosen, held_tokens = router.choose(expected.prompt_ids)
-        assert chosen == 1 and held_tokens >= 2 * BLOCK, (chosen, held_tokens, router.held)
-        (hashes, _), *_ = router.held[1].values()
-        assert set(hashes) <= router.cached[1], "held turns carry vLLM's own block hashes"
-
-        hinted_before = counter(servers.prefill.base_url, "vllm:kvduplex_lookups_hinted_total")
-        before = prompt_tokens_by_source(servers.prefill.base_url)
-        hint = f"127.0.0.1:{servers.side_channels[chosen]}"
-        answer = relay(servers, servers.decodes[chosen], hint=hint)(messages)
-        assert answer.token_ids == expected.token_ids
-        assert answer.logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_ATOL)
-        assert pulled(servers.prefill, before) > 0
-        hinted = counter(servers.prefill.base_url, "vllm:kvduplex_lookups_hinted_total")
-        assert hinted == hinted_before + 1
-    finally:
-        router.close()
 
 
 # --------------------------------------------------------------- every read granted by its owner

@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvduplex.protocol import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
-    KEEP_TURN,
     REMOTE_BLOCK_FINGERPRINTS,
     REMOTE_BLOCK_IDS,
     REMOTE_ENGINE_ID,
@@ -218,8 +217,7 @@ class FakeEngine:
                 return JSONResponse(answer)
             out_params = (
                 self.decode_params(request_id)
-                if (params.get(DO_REMOTE_PREFILL) or params.get(KEEP_TURN))
-                and self.return_decode_params
+                if params.get(DO_REMOTE_PREFILL) and self.return_decode_params
                 else None
             )
             self.returned_params.append(out_params)

@@ -28,11 +28,8 @@ from kvduplex.connector.scheduler import DuplexScheduler
 from kvduplex.connector.stats import DuplexConnectorStats, DuplexPromMetrics
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     import torch
     from vllm.config import KVTransferConfig, VllmConfig
-    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -246,10 +243,6 @@ class DuplexConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        """Scheduler side: KV events of the turns this engine holds (see `events.py`)."""
-        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     # ----------------------------------------------------------------- stats
 

@@ -16,10 +16,9 @@ full block's fingerprint, or by its tokens when it has no full block), and such 
 the handed prompt's end (`continued`): the decode node answers "not yet" while it computes that
 turn (`expected_turns.py`); the transfer core asks the decode node it granted that prompt to
 (and those whose announcements hold more of the prompt), or every one when it knows none. A
-turn this node did not hand off (another prefill node's, or one a decode node computed alone)
-has no guard: if its next turn arrives here before the decode node's announcement has reached
-this scheduler, and no earlier turn of the conversation is still announced, it is recomputed
-(never read wrongly).
+turn this node did not hand off (another prefill node's) has no guard: if its next turn arrives
+here before the decode node's announcement has reached this scheduler, and no earlier turn of
+the conversation is still announced, it is recomputed (never read wrongly).
 
 An idle engine takes no step, so its copy would be stale whenever a conversation's next turn
 arrives after its user's think time, and every such turn would be asked. While it looks

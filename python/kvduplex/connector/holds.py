@@ -61,7 +61,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvduplex.connector.events import HeldTurnEvents
     from kvduplex.connector.stats import DuplexConnectorStats
 
 # Under vLLM's logger tree, so vLLM's handler, format and level apply.
@@ -87,8 +86,7 @@ class Holds:
     """The one record of this engine's holds on the scheduler side (`DuplexScheduler` owns
     it). Thread-safe where the idle waker's thread reads it (`wake_at`)."""
 
-    def __init__(self, events: HeldTurnEvents, stats: DuplexConnectorStats) -> None:
-        self._events = events
+    def __init__(self, stats: DuplexConnectorStats) -> None:
         self._stats = stats
         self._pool: BlockPool | None = None
         self._holds: dict[str, _Hold] = {}
@@ -210,6 +208,5 @@ class Holds:
             self.held_blocks -= len(hold.blocks)
             if hold.turn:
                 self.turn_blocks -= len(hold.blocks)
-        self._events.ended(request_id)
         vllm_private.free_block_refs(self._pool, hold.blocks)
         return len(hold.blocks)

@@ -71,8 +71,6 @@ NOT_ASKED = object()
 # between turns. Each such step costs about a millisecond here, five a second.
 IDLE_REFRESH_S = 60.0
 
-# A router's lookup hint is a "host:port"; anything longer is not one.
-_MAX_HINT_LEN = 300
 
 
 @dataclass(frozen=True)
@@ -327,12 +325,11 @@ class Lookups:
         timeout_s: float,
         prompt: PromptFingerprints | None,
         named: RemoteBlocks | None = None,
-        hint: str | None = None,
         continues: str | None = None,
     ) -> object:
-        """Ask the workers: the owner of the `named` hold for a grant, or (a lookup) the
-        engine `hint` names, or those whose announcements hold the prompt (the decode node
-        `continues`' prompt went to too), else every one. Returns ASK_AGAIN.
+        """Ask the workers: the owner of the `named` hold for a grant, or (a lookup) those whose
+        announcements hold the prompt (the decode node `continues`' prompt went to too), else
+        every one. Returns ASK_AGAIN.
 
         A lookup compares full blocks (a held turn's partial last block is checked on the
         answer); a grant, the blocks holding the named hold's tokens as the params count them
@@ -364,7 +361,6 @@ class Lookups:
                 deadline=deadline,
                 owner=None if named is None else f"{named.peer.host}:{named.peer.ports[0]}",
                 owner_request_id=None if named is None else named.remote_request_id,
-                hint=hint,
                 continues=continues,
             )
         )
@@ -471,15 +467,6 @@ class Lookups:
             reason,
         )
         return Rejected(f"lookup answer: {reason}", release)
-
-
-def lookup_hint(request: Request) -> str | None:
-    """The decode node a router named for the request's lookup ("host:port"), if well formed;
-    the worker asks it alone only if it is an engine it would ask anyway."""
-    hint = (request.kv_transfer_params or {}).get(protocol.LOOKUP_HINT)
-    if not isinstance(hint, str) or len(hint) > _MAX_HINT_LEN:
-        return None
-    return hint if parse_address(hint) is not None else None
 
 
 def _owner_release(match: md.LookupMatch) -> md.ReleaseSpec:

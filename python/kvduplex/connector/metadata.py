@@ -118,9 +118,6 @@ class LookupSpec:
     owner: str | None = None
     """The "host:port" (TP rank 0) that params named."""
     owner_request_id: str | None = None
-    hint: str | None = None
-    """A lookup's "host:port" that a router named as the likely holder
-    (`protocol.LOOKUP_HINT`): asked alone when it is one of the engines a lookup would ask."""
     continues: str | None = None
     """A lookup's prompt continues this prompt (its end's fingerprint), which this engine handed
     to a decode node whose turn is not announced yet: an owner computing that turn answers "not

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvduplex.connector.config import DuplexConfig
-    from kvduplex.connector.events import HeldTurnEvents
     from kvduplex.connector.groups import TransferGroups
     from kvduplex.connector.holds import Holds
     from kvduplex.connector.idle_steps import IdleWaker
@@ -59,7 +58,7 @@ class Offers:
         config: DuplexConfig,
         engine_id: str,
         groups: TransferGroups,
-        parts: tuple[Retention, Holds, HeldTurnEvents, Lookups, IdleWaker],
+        parts: tuple[Retention, Holds, Lookups, IdleWaker],
         stats: DuplexConnectorStats,
     ) -> None:
         self._config = config
@@ -68,7 +67,7 @@ class Offers:
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._kv_cache_config = kv_cache_config
         self._groups = groups
-        self._retention, self._held, self._events, self._lookups, self._waker = parts
+        self._retention, self._held, self._lookups, self._waker = parts
         self._stats = stats
         # Tells a turn that ended on a stop string from a client's abort (`held_output_tokens`).
         # The EngineCore's structured-output manager loaded this tokenizer already (cached).
@@ -204,9 +203,6 @@ class Offers:
         lease_expiry = time.time() + ttl_s
         self._held.keep(request.request_id, held_ids, decode_turn, lease_expiry)
         if decode_turn:
-            self._events.held(
-                request, num_tokens, vllm_private.hash_block_size(self._block_pool)
-            )
             # A turn past the cap orders room: the workers free the least recently used
             # unclaimed turns (every read of a held turn is claimed, so none is freed under a read).
             self._retention.turn_held()

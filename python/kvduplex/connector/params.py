@@ -101,23 +101,18 @@ def hands_off(params: Any) -> bool:
     return (
         isinstance(params, dict)
         and params.get(protocol.DO_REMOTE_DECODE) is True
-        and not _took_over(params)
+        and params.get(protocol.DO_REMOTE_PREFILL) is not True
     )
 
 
 def takes_over(params: Any) -> bool:
-    """Whether a request's params make it a decode request (`do_remote_prefill` or
-    `keep_turn`, without `do_remote_decode`), whose finished turn a bidirectional decode
-    node holds."""
+    """Whether a request's params make it a decode request (`do_remote_prefill` without
+    `do_remote_decode`), whose finished turn a bidirectional decode node holds."""
     return (
         isinstance(params, dict)
-        and _took_over(params)
+        and params.get(protocol.DO_REMOTE_PREFILL) is True
         and params.get(protocol.DO_REMOTE_DECODE) is not True
     )
-
-
-def _took_over(params: dict) -> bool:
-    return params.get(protocol.DO_REMOTE_PREFILL) is True or params.get(protocol.KEEP_TURN) is True
 
 
 def parse_remote_blocks(params: Any, ctx: ParamsContext) -> RemoteBlocks | Rejected | None:

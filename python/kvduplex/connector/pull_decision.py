@@ -9,21 +9,18 @@ The order (`PullDecision.matched`; each step's helper is below it in this file, 
    compute, with the reason logged. Params are a hint, never a capability: the owner they name
    is asked for a grant of that hold against the fingerprints of the request's own prompt
    (`Lookups.ask` with `named`), if the pull could gain the recompute threshold.
-2. **The router's lookup hint.** A request with no params describing blocks (a router sent only
+2. **The announced holder.** A request with no params describing blocks (a router sent only
    `do_remote_decode`, or nothing) is looked up by its prompt's content on a bidirectional
    prefill node (`lookup_timeout_ms` > 0), if a decode engine is known, the prompt has a full
-   block, and the gain could pass the lookup threshold (`threshold.py`). A router that knows
-   which decode node holds the conversation names it (`lookup_hint`): TP rank 0 asks that engine
-   alone, if it is one a lookup would ask anyway (`worker_lookup.py`).
-3. **The announced holder.** Without a hint, the copy of what the decode nodes announced they
-   hold (`held_mirror.py`) rules the lookup out in this very step when no decode node holds
-   enough of the prompt; otherwise TP rank 0's transfer core asks the decode nodes whose
-   announcements hold the prompt, and the one this node handed the prompt's previous turn to
-   (`continues`: it answers "ask again" while it computes that turn, `expected_turns.py`).
-4. **Fan-out.** When the announcements cannot tell (not synced, stale), the transfer core asks
+   block, and the gain could pass the lookup threshold (`threshold.py`). The copy of what the
+   decode nodes announced they hold (`held_mirror.py`) rules the lookup out in this very step
+   when no decode node holds enough of the prompt; otherwise TP rank 0's transfer core asks the
+   decode nodes whose announcements hold the prompt, and the one this node handed the prompt's
+   previous turn to (`continues`: it answers "ask again" while it computes that turn,
+   `expected_turns.py`).
+3. **Fan-out.** When the announcements cannot tell (not synced, stale), the transfer core asks
    every decode engine of the fleet (`fleet.py`) and every reader it knows, at once.
-5. **Compute.** No grant, no match, or a gain below the threshold: the request prefills. So
-   does a request a router sent to compute alone (`keep_turn`).
+4. **Compute.** No grant, no match, or a gain below the threshold: the request prefills.
 
 Grants and lookups run on the workers' transfer cores; the answer comes in a later step's
 report, and `matched` says "ask again" (None) meanwhile, so vLLM's scheduler loop never blocks
@@ -56,9 +53,8 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from kvduplex import protocol
 from kvduplex.connector import metadata as md
-from kvduplex.connector.lookup import ASK_AGAIN, NOT_ASKED, Lookups, lookup_hint
+from kvduplex.connector.lookup import ASK_AGAIN, NOT_ASKED, Lookups
 from kvduplex.connector.params import (
     Rejected,
     RemoteBlocks,
@@ -148,29 +144,27 @@ class PullDecision:
         if state is None:
             found = self.lookups.answer(request)
             if found is NOT_ASKED:
-                found = self._ask(request, num_computed_tokens)  # 1.-4., or 5.
+                found = self._ask(request, num_computed_tokens)  # 1.-3., or 4.
             if found is ASK_AGAIN:
                 return self._live.matched(request, None, False)
             if found is not None:
                 state = PullState(remote=found.remote, prompt=found.prompt, granted_at=now)
                 self._pulls[request.request_id] = state
         if state is None or state.consumed or isinstance(state.remote, Rejected):
-            return self._live.matched(request, 0, False)  # 5. compute
+            return self._live.matched(request, 0, False)  # 4. compute
         state.last_num_computed = num_computed_tokens
         gain = self._pullable_tokens(request, state, num_computed_tokens) - num_computed_tokens
         if gain <= 0 or gain < self.recompute_threshold():
-            return self._live.matched(request, 0, False)  # 5. compute: too little gained
+            return self._live.matched(request, 0, False)  # 4. compute: too little gained
         if self._yields(request, state, gain, now):
-            return self._live.matched(request, 0, False)  # 5. compute: not admitted
+            return self._live.matched(request, 0, False)  # 4. compute: not admitted
         return self._live.matched(request, gain, not self.layerwise(state.remote))
 
     def _ask(self, request: Request, num_computed_tokens: int) -> object | None:
-        """Steps 1-4: ask a grant of the hold the params named, or look the prompt up by
-        content; ASK_AGAIN once asked, None when nothing is asked (step 5)."""
+        """Steps 1-3: ask a grant of the hold the params named, or look the prompt up by
+        content; ASK_AGAIN once asked, None when nothing is asked (step 4)."""
         lookups = self.lookups
         named = lookups.take_named(request)
-        if _computes_alone(request):
-            return lookups.settle(request)
         if named is not None:  # 1. params
             remote, prompt = named
             end = min(remote.num_tokens, request.num_prompt_tokens)
@@ -201,12 +195,9 @@ class PullDecision:
         prompt = prompt_fingerprints(request, self._block_size)
         timeout_s = self._config.lookup_timeout_s
         continues = lookups.continued(prompt)
-        hint = lookup_hint(request)
-        if hint is not None:  # 2. the engine the router names, announced or not
-            return lookups.ask(request, timeout_s, prompt, hint=hint, continues=continues)
-        if lookups.ruled_out(prompt, num_computed_tokens, gain):  # 3. no decode node holds it
+        if lookups.ruled_out(prompt, num_computed_tokens, gain):  # 2. no decode node holds it
             return lookups.settle(request)
-        # 3.-4. those whose announcements hold it, else every engine (the transfer core picks).
+        # 2.-3. those whose announcements hold it, else every engine (the transfer core picks).
         return lookups.ask(request, timeout_s, prompt, continues=continues)
 
     # ------------------------------------------------------------------ helpers
@@ -363,10 +354,3 @@ class PullDecision:
             num_local_tokens,
             remote.num_tokens,
         )
-
-
-def _computes_alone(request: Request) -> bool:
-    """A router sent the request here to compute alone (`protocol.KEEP_TURN`): it holds the
-    history itself, so it looks nothing up and pulls nothing."""
-    params = request.kv_transfer_params
-    return isinstance(params, dict) and params.get(protocol.KEEP_TURN) is True

@@ -5,7 +5,7 @@ what to do through `DuplexConnectorMetadata` once per step.
 
 Reader (the node that pulls): nothing is read without the owner's grant. Whether a request
 pulls, asks a peer first, or computes is decided in one place, `pull_decision.py` (params, the
-router's lookup hint, the announced holder, fan-out, compute); grants and lookups, asked and
+announced holder, fan-out, compute); grants and lookups, asked and
 answered, are `lookup.py`'s (`Lookups`). Once vLLM has allocated the request's blocks, the
 scheduler plans the load (`update_state_after_alloc`): every TP rank reads, and the claim is
 released once every rank's load is done, or at once when it does not pull (also when vLLM
@@ -35,7 +35,6 @@ from kvduplex import protocol
 from kvduplex.connector import metadata as md
 from kvduplex.connector import vllm_private
 from kvduplex.connector.config import DuplexConfig
-from kvduplex.connector.events import HeldTurnEvents
 from kvduplex.connector.expected_turns import ExpectedTurns
 from kvduplex.connector.groups import NULL_BLOCK_ID, TransferGroups
 from kvduplex.connector.holds import Holds
@@ -49,7 +48,6 @@ from kvduplex.connector.threshold import RecomputeThresholdEstimator
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -71,7 +69,6 @@ class DuplexScheduler:
     ) -> None:
         self._config = config
         self._engine_id = engine_id
-        self._events = HeldTurnEvents(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
         self._kv_cache_config = kv_cache_config
         self._groups = TransferGroups.from_kv_cache_config(kv_cache_config)
@@ -104,7 +101,7 @@ class DuplexScheduler:
         self._expected = ExpectedTurns(config.bidirectional_kv_xfer, self._block_size)
         self._stats = DuplexConnectorStats()
         # The held turns (`holds.py`) and their eviction orders (`retention.py`).
-        self._held = Holds(self._events, self._stats)
+        self._held = Holds(self._stats)
         self._retention = Retention(
             self._held, int(config.decode_kv_hold_max_fraction * kv_cache_config.num_blocks)
         )
@@ -129,7 +126,7 @@ class DuplexScheduler:
             config,
             engine_id,
             self._groups,
-            (self._retention, self._held, self._events, self._lookups, self._waker),
+            (self._retention, self._held, self._lookups, self._waker),
             self._stats,
         )
 
@@ -431,8 +428,3 @@ class DuplexScheduler:
 
     def get_kv_connector_stats(self) -> DuplexConnectorStats | None:
         return self._stats.take()
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """KV events of the turns held and ended since the last call (`events.py`)."""
-        return self._events.take()
-

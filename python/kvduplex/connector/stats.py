@@ -48,7 +48,6 @@ COUNTERS: dict[str, str] = {
     "lookups_missed": "Lookups that found no held turn (or had no peer to ask)",
     "lookup_failures": "Peers that failed or timed out answering a lookup",
     "lookups_skipped": "Requests whose possible gain was under kv_recompute_threshold, not looked up",
-    "lookups_hinted": "Lookups asked of the one decode node a router's hint named",
     "lookups_indexed": "Lookups that left out decode nodes whose announcements say they hold none "
     "of the prompt",
     "lookups_awaited": "Lookup asks this decode node answered \"not yet\": the turn their prompt "

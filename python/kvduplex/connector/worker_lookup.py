@@ -3,15 +3,15 @@
 The scheduler sends one `md.LookupSpec` per grant or lookup (`lookup.py`). TP rank 0 asks the
 owner the params named for a grant, or (a lookup) every engine its transfer core knows as a
 reader (decode nodes that pulled from us announce their side channel in the handshake) plus
-`decode_peers`, or only the one a router's hint names among them. The transfer core asks them
-all at once and takes their replies on its own threads (no GIL); `WorkerLookups` reports each
-lookup once in `DuplexWorkerMetadata.lookups`: when every owner answered, when one holds every
-block asked (chained fingerprints: none can give more), or at the lookup's deadline (the one
-the scheduler set) with whatever answered. The claims of answers that come after it go back to
-their owners as they arrive. TP rank 0 also connects ahead of time to every engine a lookup
-would ask, so that a lookup rarely pays for a handshake, and tells the scheduler how many there
-are (it looks nothing up while there are none). Before a grant is asked, it sends the owner the
-renewals of its hold that the scheduler's queued requests need (`renewals.py`).
+`decode_peers`. The transfer core asks them all at once and takes their replies on its own
+threads (no GIL); `WorkerLookups` reports each lookup once in `DuplexWorkerMetadata.lookups`:
+when every owner answered, when one holds every block asked (chained fingerprints: none can give
+more), or at the lookup's deadline (the one the scheduler set) with whatever answered. The
+claims of answers that come after it go back to their owners as they arrive. TP rank 0 also
+connects ahead of time to every engine a lookup would ask, so that a lookup rarely pays for a
+handshake, and tells the scheduler how many there are (it looks nothing up while there are
+none). Before a grant is asked, it sends the owner the renewals of its hold that the scheduler's
+queued requests need (`renewals.py`).
 """
 
 from __future__ import annotations
@@ -74,13 +74,6 @@ class WorkerLookups:
         if engine is None or self._tp_rank != 0:
             return
         targets = self._targets(engine, spec.owner)
-        if spec.hint is not None:
-            hint = parse_address(spec.hint)
-            if hint is not None and hint in targets:
-                targets = [hint]
-                self._stats.add("lookups_hinted")
-            else:
-                logger.debug("Lookup hint %s names no engine a lookup asks; asking all", spec.hint)
         if not targets:
             self._results[spec.request_id] = []
             self._stats.add("lookups_missed")

@@ -25,7 +25,7 @@ class ProxyThread:
         start_timeout_s: float = 30,
         **settings: Any,
     ) -> None:
-        """`settings`: other ProxyConfig settings (e.g. `local_continuation_max_chars`)."""
+        """`settings`: other ProxyConfig settings (e.g. `prefill_affinity_slack`)."""
         import uvicorn
 
         from ..proxy.app import create_app

@@ -23,11 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..protocol import DO_REMOTE_DECODE
 from . import first_token
 from .balancer import UpstreamPool, probe_all, run_health_checks
 from .config import ProxyConfig
-from .continuation import Turn, TurnLedger, chat_turn, keep_turn_params, why_not_local
 from .conversations import Conversations
 from .dispatch import Choice, Dispatcher, candidates
 from .errors import (
@@ -43,11 +41,11 @@ from .errors import (
     openai_error,
 )
 from .intake import caller_of, check_stateless_response, conversation_id, digest, read_json
-from .metrics import LOOKUP_DECODE_UNAVAILABLE, LOOKUP_LOCAL, ProxyMetrics
+from .metrics import ProxyMetrics
 from .relay import RelayResponse, StreamRelay, sse_error, sse_event
 from .routes import PARAMS_FIELD, RESPONSES_ROUTE, prefill_body
 from .routing import conversation_key
-from .store import ConversationKey, ConversationStore, Lookup, create_store
+from .store import ConversationKey, ConversationStore, create_store
 from .upstream import Upstream
 from .upstream_http import UpstreamClient
 
@@ -57,15 +55,13 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class _DecodeLeg:
     """Where a request's decode leg goes: its route and forwarded headers, how its D is chosen,
-    its conversation entry's key, the routing headers' values and the chat turn the D that
-    accepts it serves (`continuation`)."""
+    its conversation entry's key and the routing headers' values."""
 
     route: str
     headers: dict[str, str]
     choice: Choice
     key: ConversationKey | None
     routing: dict[str, str]
-    turn: Turn | None = None
 
 
 class DuplexProxy:
@@ -96,12 +92,6 @@ class DuplexProxy:
         self.dispatch = Dispatcher(self.client, config.max_upstream_response_bytes)
         self.conversations = Conversations(store, self.decode, metrics)
         self._warned_no_prefill_params: set[str] = set()
-        self.turns = TurnLedger(
-            max_chars=config.local_continuation_max_chars,
-            ttl_s=config.conversation_ttl_s,
-            max_entries=config.max_conversations,
-            clock=clock,
-        )
 
     @property
     def pools(self) -> list[UpstreamPool]:
@@ -137,31 +127,6 @@ class DuplexProxy:
         forward_headers = {}
         if "authorization" in request.headers:
             forward_headers["authorization"] = request.headers["authorization"]
-        turn = chat_turn(caller, route, body) if self.turns.max_chars > 0 else None
-        if turn is not None:
-            # Computed on the D holding its history, the turn pulls nothing the entry names.
-            served = LOOKUP_LOCAL if lookup == Lookup.HIT.value else lookup
-            local = _DecodeLeg(
-                route,
-                forward_headers,
-                Choice(None, route_key),
-                key,
-                {"prefill": "none", "conversation": served},
-                turn,
-            )
-            try:
-                answer = await self._continue_locally(local, body)
-            except BaseException:
-                self.conversations.count_lookup(key, served)  # sent to D, which failed it
-                raise
-            if answer is not None:
-                self.conversations.count_lookup(key, served)
-                return answer
-            if pinned is not None and not self.decode.is_available(pinned):
-                # The local attempt just found the remembered D gone: P recomputes.
-                pinned = pull_params = None
-                lookup = LOOKUP_DECODE_UNAVAILABLE
-        self.conversations.count_lookup(key, lookup)
 
         first_reason = (
             first_token.ineligible_reason(route, body)
@@ -194,68 +159,12 @@ class DuplexProxy:
             Choice(pinned, route_key),
             key,
             {"prefill": prefill_upstream.address, "conversation": lookup},
-            turn,
         )
         if first is not None:
             return self._continue_stream(leg, first, body, decode_body)
         if stream:
             return await self._decode_stream(leg, decode_body)
         return await self._decode_json(leg, decode_body)
-
-    async def _continue_locally(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response | None:
-        """The turn computed on the D that served its history (`continuation`), or None when it
-        is not a continuation of one, or that D does not take it: then it goes through P."""
-        assert leg.turn is not None
-        found = self.turns.continuation(leg.turn)
-        if found is None:
-            return None
-        holder = self.decode.get(found.decode)
-        if holder is None or not self.decode.is_available(holder) or holder.epoch != found.epoch:
-            # Out of rotation, or taken out since it served the history (which may be gone).
-            self.metrics.local_continuations.labels("decode_unavailable").inc()
-            return None
-        when = self.config.local_continuation_when
-        declined = why_not_local(when, self.prefill.least_outstanding(), holder.computing_alone)
-        if declined is not None:
-            self.metrics.local_continuations.labels(declined).inc()
-            return None
-        leg = dataclasses.replace(
-            leg, choice=dataclasses.replace(leg.choice, pinned=holder, only_pinned=True)
-        )
-        local_body = dict(body)
-        local_body[PARAMS_FIELD] = keep_turn_params()
-        stream = body.get("stream", False)
-        holder.computing_alone += 1
-
-        def computed() -> None:
-            holder.computing_alone -= 1
-
-        relayed = False  # a streamed answer's relay calls `computed` at D's first chunk
-        try:
-            if stream:
-                answer = await self._decode_stream(leg, local_body, computed)
-                relayed = True
-            else:
-                answer = await self._decode_json(leg, local_body)
-        except NoUpstream as exc:
-            logger.info(
-                "decode server %s did not take a local continuation (%s); prefilling on P",
-                holder.address,
-                exc.message,
-            )
-            self.metrics.local_continuations.labels("decode_failed").inc()
-            return None
-        except Exception:
-            # D answered with an error (returned to the caller, as on the P/D path).
-            self.metrics.local_continuations.labels("decode_error").inc()
-            raise
-        finally:
-            if not relayed:
-                computed()
-        self.metrics.local_continuations.labels("local").inc()
-        if stream:
-            self.metrics.first_tokens.labels("decode", "local").inc()
-        return answer
 
     async def _prefill(
         self, route: str, body: dict[str, Any], headers: dict[str, str], route_key: bytes
@@ -295,16 +204,8 @@ class DuplexProxy:
 
     def _accepted(self, leg: _DecodeLeg, decode: Upstream) -> None:
         """`decode` took the request: count what chose it."""
-        if leg.choice.only_pinned:
-            rule = "local"
-        else:
-            rule = "remembered" if decode is leg.choice.pinned else "hash"
+        rule = "remembered" if decode is leg.choice.pinned else "hash"
         self.metrics.decode_routes.labels(rule).inc()
-
-    def served(self, turn: Turn | None, decode: Upstream) -> None:
-        """`decode` answered the chat turn whole: it holds the history for a local continuation."""
-        if turn is not None:
-            self.turns.served(turn, decode.address, decode.epoch)
 
     def _routing_headers(self, routing: dict[str, str], decode: Upstream) -> dict[str, str]:
         if not self.config.routing_headers:
@@ -336,8 +237,6 @@ class DuplexProxy:
             ) from None
         if isinstance(result, dict) and PARAMS_FIELD in result:
             offered = result.pop(PARAMS_FIELD)
-            if isinstance(offered, dict) and offered.get(DO_REMOTE_DECODE):
-                self.served(leg.turn, upstream)
             await self.conversations.remember(leg.key, upstream, offered)
             # D's block ids and address stay inside the deployment.
             raw = json.dumps(result, ensure_ascii=False).encode()
@@ -353,10 +252,9 @@ class DuplexProxy:
         body: dict[str, Any],
         *,
         rewrite: first_token.ContinuationRewriter | None = None,
-        first_chunk: Callable[[], None] | None = None,
     ) -> StreamRelay:
         """D's streamed answer (status 200) from the first D that takes the request, as the relay
-        that owns the response and its outstanding count (`rewrite`, `first_chunk`: its own)."""
+        that owns the response and its outstanding count (`rewrite`: its own)."""
         opened = await self.dispatch.open_stream(
             self.decode, leg.route, body, leg.headers, leg.choice
         )
@@ -367,19 +265,15 @@ class DuplexProxy:
             self.metrics,
             functools.partial(self._answered, leg, opened.upstream),
             rewrite=rewrite,
-            first_chunk=first_chunk,
         )
 
     async def _answered(self, leg: _DecodeLeg, decode: Upstream, params: Any) -> None:
-        """`decode` streamed the turn whole: it holds the history (for a local continuation)
-        and, with `params`, the blocks for the next turn's readback."""
-        self.served(leg.turn, decode)
+        """`decode` streamed the turn whole: with `params`, it holds the blocks for the next
+        turn's readback."""
         await self.conversations.remember(leg.key, decode, params)
 
-    async def _decode_stream(
-        self, leg: _DecodeLeg, body: dict[str, Any], first_chunk: Callable[[], None] | None = None
-    ) -> Response:
-        relay = await self._open_decode_stream(leg, body, first_chunk=first_chunk)
+    async def _decode_stream(self, leg: _DecodeLeg, body: dict[str, Any]) -> Response:
+        relay = await self._open_decode_stream(leg, body)
         return RelayResponse(
             relay,
             media_type=relay.response.headers.get("content-type", "text/event-stream"),

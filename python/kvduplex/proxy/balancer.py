@@ -62,10 +62,6 @@ class UpstreamPool:
         healthy = [u for u in candidates if u.healthy]
         return healthy or [u for u in candidates if self.is_available(u)]
 
-    def least_outstanding(self) -> int | None:
-        """The fewest requests in flight on an upstream `pick` could choose (None: none)."""
-        return min((u.outstanding for u in self._eligible()), default=None)
-
     def pick(
         self,
         exclude: frozenset[str] = frozenset(),
@@ -103,7 +99,6 @@ class UpstreamPool:
 
     def mark_failed(self, upstream: Upstream, reason: str) -> None:
         upstream.consecutive_failures += 1
-        upstream.epoch += 1
         backoff = min(
             self._backoff_max_s,
             self._backoff_initial_s * 2 ** (upstream.consecutive_failures - 1),

@@ -20,10 +20,6 @@ DEFAULT_MAX_CONVERSATION_ID_LENGTH = 256
 # A conversation's turns go to the P rendezvous hashing picks for it (its prefix cache holds
 # the history) while that P has at most this many requests in flight more than the least busy.
 DEFAULT_PREFILL_AFFINITY_SLACK = 2
-# When a local continuation goes to its D (`continuation.why_not_local`).
-LOCAL_ALWAYS = "always"
-LOCAL_WHEN_PREFILL_BUSY = "prefill_busy"
-LOCAL_CONTINUATION_WHEN = (LOCAL_ALWAYS, LOCAL_WHEN_PREFILL_BUSY)
 # Where a client names its conversation: a request header, or a field of the request body.
 CONVERSATION_HEADER = "x-conversation-id"
 CONVERSATION_FIELD = "conversation_id"
@@ -126,14 +122,6 @@ class ProxyConfig:
     # the least busy. 0: the least busy, ties going to the conversation's P; None: the least
     # busy, ties round-robin (no affinity).
     prefill_affinity_slack: int | None = DEFAULT_PREFILL_AFFINITY_SLACK
-    # A chat turn that adds at most this many characters of messages to a history a D served
-    # (and holds) is computed on that D alone (`continuation`); longer ones, and every turn when
-    # 0, are prefilled on P, which pulls the history back from D.
-    local_continuation_max_chars: int = 0
-    # When such a turn goes to its D (`continuation.why_not_local`): "always", or "prefill_busy",
-    # only while every P has a prefill in flight and that D computes no other turn alone (a
-    # streamed one until its first chunk, a non-streamed one until its answer).
-    local_continuation_when: str = LOCAL_WHEN_PREFILL_BUSY
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -171,13 +159,6 @@ class ProxyConfig:
             raise ConfigError(
                 "prefill_affinity_slack must be an integer >= 0 or None (off), got "
                 f"{self.prefill_affinity_slack!r}"
-            )
-        if self.local_continuation_max_chars < 0:
-            raise ConfigError("local_continuation_max_chars must be >= 0 (0 turns it off)")
-        if self.local_continuation_when not in LOCAL_CONTINUATION_WHEN:
-            raise ConfigError(
-                f"local_continuation_when must be one of {', '.join(LOCAL_CONTINUATION_WHEN)}, "
-                f"got {self.local_continuation_when!r}"
             )
         if not self.keepalive_expiry_s > 0:
             raise ConfigError("keepalive_expiry_s must be > 0")

@@ -26,8 +26,8 @@ class Conversations:
     async def recall(
         self, key: ConversationKey | None
     ) -> tuple[str, Upstream | None, dict[str, Any] | None]:
-        """Take the conversation's entry: (lookup result, D holding its blocks, D's params).
-        The result is counted once the turn's path is chosen (`count_lookup`)."""
+        """Take the conversation's entry, and count the lookup: (lookup result, D holding its
+        blocks, D's params)."""
         if key is None:
             return "none", None, None
         try:
@@ -45,12 +45,8 @@ class Conversations:
                 pinned, params = holder, entry.params
             else:
                 result = LOOKUP_DECODE_UNAVAILABLE
+        self._metrics.conversation_lookups.labels(result).inc()
         return result, pinned, params
-
-    def count_lookup(self, key: ConversationKey | None, result: str) -> None:
-        """Counts a request's conversation-store lookup once its turn's path is chosen."""
-        if key is not None:
-            self._metrics.conversation_lookups.labels(result).inc()
 
     async def remember(self, key: ConversationKey | None, upstream: Upstream, params: Any) -> None:
         """Keep D's params for the next turn when D holds the blocks for a readback."""

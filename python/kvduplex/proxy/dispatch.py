@@ -28,14 +28,12 @@ from .upstream_http import UpstreamClient, UpstreamResponse
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """How a request's D (or P) is chosen: `pinned` (the D a remembered conversation entry
-    names, or that holds the history of a local continuation) if it answers, else rendezvous
-    hashing on `route_key` over the live servers (with `slack`: while the one it picks has at
-    most `slack` requests in flight more than the least busy; `UpstreamPool.pick`); with
-    `only_pinned`, `pinned` or none."""
+    names) if it answers, else rendezvous hashing on `route_key` over the live servers (with
+    `slack`: while the one it picks has at most `slack` requests in flight more than the least
+    busy; `UpstreamPool.pick`)."""
 
     pinned: Upstream | None
     route_key: bytes
-    only_pinned: bool = False
     slack: int | None = None
 
 
@@ -48,8 +46,6 @@ def candidates(pool: UpstreamPool, choice: Choice | None = None) -> Iterator[Ups
     while True:
         if pinned is not None and pinned.address not in tried:
             upstream: Upstream | None = pinned
-        elif choice is not None and choice.only_pinned:
-            return
         else:
             upstream = pool.pick(frozenset(tried), key, choice.slack if choice is not None else None)
         if upstream is None:

@@ -9,7 +9,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 CONVERSATION_LOOKUPS = "kvduplex_proxy_conversation_lookups"
 # Its results beyond the store's own (`store.Lookup`).
 LOOKUP_DECODE_UNAVAILABLE = "decode_unavailable"
-LOOKUP_LOCAL = "local"
 
 
 class ProxyMetrics:
@@ -31,8 +30,7 @@ class ProxyMetrics:
         self.conversation_lookups = Counter(
             CONVERSATION_LOOKUPS,
             "Conversation-store lookups on requests naming a conversation: hit (P pulls from D), "
-            "miss, expired, decode_unavailable (the D holding the blocks is down: recompute), "
-            "local (found, but the turn was computed on that D alone: a local continuation).",
+            "miss, expired, decode_unavailable (the D holding the blocks is down: recompute).",
             ["result"],
             registry=self.registry,
         )
@@ -49,8 +47,7 @@ class ProxyMetrics:
         self.decode_routes = Counter(
             "kvduplex_proxy_decode_routes",
             "Requests decoded, by what chose their D: remembered (the D a conversation entry "
-            "names), hash (rendezvous hashing on the conversation's routing key) or local (the D "
-            "holding the history of a local continuation).",
+            "names) or hash (rendezvous hashing on the conversation's routing key).",
             ["rule"],
             registry=self.registry,
         )
@@ -62,21 +59,10 @@ class ProxyMetrics:
             ["rule"],
             registry=self.registry,
         )
-        self.local_continuations = Counter(
-            "kvduplex_proxy_local_continuations",
-            "Chat turns continuing a history a D served, by result: local (sent to that D alone; "
-            "a stream that breaks after its first chunk also counts as errors stream_aborted); "
-            "decode_error (D answered an error, returned to the caller); decode_unavailable, "
-            "decode_failed, or with local_continuation_when prefill_busy prefill_idle or "
-            "decode_busy (prefilled on P instead).",
-            ["result"],
-            registry=self.registry,
-        )
         self.first_tokens = Counter(
             "kvduplex_proxy_first_tokens",
             "Streamed answers by where their first token came from: prefill (sent as soon as P "
-            "answered; D continues after it) or decode, with the reason (first_token.py; local: a "
-            "local continuation, continuation.py).",
+            "answered; D continues after it) or decode, with the reason (first_token.py).",
             ["source", "reason"],
             registry=self.registry,
         )

@@ -119,11 +119,9 @@ class StreamRelay:
         metrics: ProxyMetrics,
         answered: Callable[[dict[str, Any] | None], Awaitable[None]],
         rewrite: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
-        first_chunk: Callable[[], None] | None = None,
     ):
         """`answered` runs once, when D answered the turn whole (before the caller sees the
-        stream end, so that its next turn always finds what it records). `first_chunk` runs
-        once: at D's first chunk, or at `close` if none came (the relay owns it from here)."""
+        stream end, so that its next turn always finds what it records)."""
         self._response = opened.response
         self._upstream = opened.upstream
         self._outstanding = opened.outstanding
@@ -132,7 +130,6 @@ class StreamRelay:
         self._metrics = metrics
         self._answered = answered
         self._rewrite = rewrite
-        self._first_chunk = first_chunk
         self._closed = False
 
     @property
@@ -143,13 +140,7 @@ class StreamRelay:
     def response(self) -> UpstreamResponse:
         return self._response
 
-    def _first_chunk_came(self) -> None:
-        if self._first_chunk is not None:
-            first_chunk, self._first_chunk = self._first_chunk, None
-            first_chunk()
-
     async def close(self) -> None:
-        self._first_chunk_came()
         if not self._closed:
             self._closed = True
             try:
@@ -166,7 +157,6 @@ class StreamRelay:
             async for chunk in self._response.iter_bytes():
                 if first:
                     first = False
-                    self._first_chunk_came()
                     self._metrics.decode_first_byte_seconds.observe(
                         time.perf_counter() - self._started
                     )

@@ -17,11 +17,6 @@ class Upstream:
     consecutive_failures: int = 0
     # While taken out: when a request or probe may try it again (balancer clock).
     retry_at: float = 0.0
-    # How often it was marked failed: what it served before may be gone (a restart).
-    epoch: int = 0
-    # D: local continuations sent to it that it is computing: a streamed one until its first
-    # chunk, a non-streamed one until its answer (`continuation`).
-    computing_alone: int = 0
 
     @property
     def address(self) -> str:
