@@ -257,13 +257,14 @@ class TurnRecord:
     error: str | None = None
 
 
-def chat_body(messages: list[dict[str, str]], answer_tokens: int) -> dict[str, Any]:
-    """A greedy streamed chat turn with the tiny chat model's allowed ids (`tiny_model`), token
-    ids and logprobs; `min_tokens` keeps eos out, so every answer is `answer_tokens` long."""
+def chat_body(messages: list[dict[str, str]], answer_tokens: int, model: str = SERVED_MODEL_NAME,
+              stream: bool = True) -> dict[str, Any]:
+    """A greedy chat turn with the tiny chat models' allowed ids (`tiny_model`), token ids and
+    logprobs; `min_tokens` keeps eos out, so every answer is `answer_tokens` long."""
     return {
-        "model": SERVED_MODEL_NAME,
+        "model": model,
         "messages": messages,
-        "stream": True,
+        "stream": stream,
         "max_tokens": answer_tokens,
         "min_tokens": answer_tokens,
         "temperature": 0,
@@ -272,6 +273,31 @@ def chat_body(messages: list[dict[str, str]], answer_tokens: int) -> dict[str, A
         "allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS),
         "return_token_ids": True,
     }
+
+
+async def stream_answer(
+    client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], record: TurnRecord,
+    started: float, into: tuple[list[str], list[int], list[float]],
+) -> None:
+    """Streams the answer to `body` into `into` (text pieces, token ids, logprobs), and the
+    prompt's ids and the client-side TTFT (from `started`) into `record`."""
+    text, token_ids, logprobs = into
+    async with client.stream("POST", endpoint, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise ServerError(f"answered {response.status_code}: {response.text[:300]}")
+        async for event in async_sse_events(response.aiter_lines(), endpoint):
+            if event.get("prompt_token_ids"):
+                record.prompt_token_ids = list(event["prompt_token_ids"])
+            for choice in event.get("choices") or []:
+                ids = choice.get("token_ids") or []
+                content = (choice.get("delta") or {}).get("content") or ""
+                if record.ttft_s is None and (ids or content):
+                    record.ttft_s = time.perf_counter() - started
+                text.append(content)
+                token_ids.extend(ids)
+                entries = (choice.get("logprobs") or {}).get("content") or []
+                logprobs.extend(float(entry["logprob"]) for entry in entries)
 
 
 async def chat_turn(
@@ -286,24 +312,8 @@ async def chat_turn(
     started = time.perf_counter()
     record.sent_s = started - origin
     try:
-        body = chat_body(messages, answer_tokens)
-        endpoint = f"{url}/v1/chat/completions"
-        async with client.stream("POST", endpoint, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise ServerError(f"answered {response.status_code}: {response.text[:300]}")
-            async for event in async_sse_events(response.aiter_lines(), endpoint):
-                if event.get("prompt_token_ids"):
-                    record.prompt_token_ids = list(event["prompt_token_ids"])
-                for choice in event.get("choices") or []:
-                    ids = choice.get("token_ids") or []
-                    content = (choice.get("delta") or {}).get("content") or ""
-                    if record.ttft_s is None and (ids or content):
-                        record.ttft_s = time.perf_counter() - started
-                    text.append(content)
-                    token_ids.extend(ids)
-                    entries = (choice.get("logprobs") or {}).get("content") or []
-                    logprobs.extend(float(entry["logprob"]) for entry in entries)
+        await stream_answer(client, f"{url}/v1/chat/completions", chat_body(messages, answer_tokens),
+                            record, started, (text, token_ids, logprobs))
         if len(token_ids) != answer_tokens:
             raise ServerError(f"{len(token_ids)} tokens instead of {answer_tokens}")
     except (httpx.HTTPError, ServerError, ValueError, KeyError) as exc:

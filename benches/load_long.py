@@ -108,14 +108,13 @@ from kvduplex.demo import (
 )
 from kvduplex.demo.servers import ServerError
 from kvduplex.proxy.config import CONVERSATION_HEADER
-from kvduplex_testing.servers import VllmServer, async_sse_events, start_many
+from kvduplex_testing.servers import VllmServer, start_many
 from kvduplex_testing.tiny_model import (
-    CHAT_ALLOWED_TOKEN_IDS,
     REALISTIC_SERVED_MODEL_NAME,
     build_realistic_slice_chat_model,
     sample_chat_text,
 )
-from load import TurnRecord, compare, percentile, server_counts
+from load import TurnRecord, chat_body, compare, percentile, server_counts, stream_answer
 from multiturn import RECOMPUTE_THRESHOLD, add_pin_argument, nixl_config, pd_cpus
 from nixl_pd_baseline import nixl_pd_envs
 
@@ -212,15 +211,6 @@ def point_plan(workload: Workload, index: int, mode: str, prefix: str) -> PointP
     return PointPlan(rate, workload.answer_tokens, starts, messages, thinks, mode, prefix)
 
 
-def chat_body(messages: list[dict[str, str]], answer_tokens: int, stream: bool) -> dict:
-    return {
-        "model": REALISTIC_SERVED_MODEL_NAME, "messages": messages, "stream": stream,
-        "max_tokens": answer_tokens, "min_tokens": answer_tokens, "temperature": 0, "seed": 0,
-        "logprobs": True, "allowed_token_ids": list(CHAT_ALLOWED_TOKEN_IDS),
-        "return_token_ids": True,
-    }
-
-
 async def chat_turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
                     record: TurnRecord, plan: PointPlan, origin: float) -> None:
     """One turn into `record`; a failure is its `error`. Non-streamed turns leave `ttft_s`
@@ -228,7 +218,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, messages: list[dict[str
     started = time.perf_counter()
     record.sent_s = started - origin
     stream = plan.mode == "stream"
-    body = chat_body(messages, plan.answer_tokens, stream)
+    body = chat_body(messages, plan.answer_tokens, REALISTIC_SERVED_MODEL_NAME, stream)
     headers = ({CONVERSATION_HEADER: f"{plan.conversation_prefix}-{record.conversation}"}
                if not stream else None)
     endpoint = f"{url}/v1/chat/completions"
@@ -237,22 +227,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, messages: list[dict[str
     logprobs: list[float] = []
     try:
         if stream:
-            async with client.stream("POST", endpoint, json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise ServerError(f"answered {response.status_code}: {response.text[:300]}")
-                async for event in async_sse_events(response.aiter_lines(), endpoint):
-                    if event.get("prompt_token_ids"):
-                        record.prompt_token_ids = list(event["prompt_token_ids"])
-                    for choice in event.get("choices") or []:
-                        new = choice.get("token_ids") or []
-                        content = (choice.get("delta") or {}).get("content") or ""
-                        if record.ttft_s is None and (new or content):
-                            record.ttft_s = time.perf_counter() - started
-                        text.append(content)
-                        ids.extend(new)
-                        entries = (choice.get("logprobs") or {}).get("content") or []
-                        logprobs.extend(float(e["logprob"]) for e in entries)
+            await stream_answer(client, endpoint, body, record, started, (text, ids, logprobs))
         else:
             response = await client.post(endpoint, json=body, headers=headers)
             if response.status_code != 200:

@@ -81,6 +81,7 @@ def test_members_are_the_directorys_others_and_decode_peers_resolved(tmp_path: P
     assert ("p0/tp0", "127.0.0.1:7000") not in directory.read(), "withdrawn at close"
 
 
+@pytest.mark.slow
 def test_a_prefill_node_finds_a_decode_node_on_its_host_that_never_read_from_it(
     tiny_config_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

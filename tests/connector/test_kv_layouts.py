@@ -144,6 +144,7 @@ def _reader(tiny_config_dir, layout: str, tp_size: int = 1, tp_rank: int = 0):
     return worker, caches
 
 
+@pytest.mark.slow
 def test_a_token_major_owner_and_a_head_major_reader_never_pair(
     owners, tiny_config_dir, connector_log
 ):
@@ -171,6 +172,7 @@ def test_a_token_major_owner_and_a_head_major_reader_never_pair(
         ("LBHNC", "BLNHC"),
     ],
 )
+@pytest.mark.slow
 def test_reader_ranks_at_tp2_read_their_heads_byte_for_byte_in_every_layout_that_pairs(
     owners, tiny_config_dir, owner_layout, reader_layout
 ):
@@ -185,6 +187,7 @@ def test_reader_ranks_at_tp2_read_their_heads_byte_for_byte_in_every_layout_that
         assert_holds_its_heads(caches, owner, local, remote, rank)
 
 
+@pytest.mark.slow
 def test_a_token_major_owner_at_another_tp_size_is_refused(owners, tiny_config_dir, connector_log):
     """Its heads are not runs of its pages: reading a rank's share by head is impossible."""
     owner = owners("LBNHC")

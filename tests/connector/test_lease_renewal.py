@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import torch
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
@@ -70,6 +71,7 @@ def step(d: Engine, worker, transfers: list[int]) -> DuplexConnectorMetadata:
     return meta
 
 
+@pytest.mark.slow
 def test_a_request_queued_longer_than_the_lease_still_pulls_the_prompt(tiny_config_dir):
     owner = OwnerProcess(tiny_config_dir, engine_id="lease-owner")
     caches = make_kv_caches(NUM_BLOCKS)

@@ -675,6 +675,7 @@ def test_a_step_that_computes_nothing_reports_its_lookup_once_answered(
         worker.shutdown()
 
 
+@pytest.mark.slow
 def test_an_owner_that_dies_between_lookup_and_read_costs_a_recompute_not_a_hang(
     tiny_config_dir: Path,
 ):
@@ -756,6 +757,7 @@ def test_a_lookup_past_its_deadline_when_the_worker_gets_it_is_reported_in_that_
             worker.shutdown()
 
 
+@pytest.mark.slow
 def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owner, tiny_config_dir):
     """Two owners, one holding the prompt's turn. Once their announcements of what they hold
     are in (a snapshot when the reader connects), a lookup asks the holder alone, counted as
