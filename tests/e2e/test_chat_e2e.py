@@ -60,8 +60,6 @@ LOGPROB_ATOL = 1e-3
 THRESHOLD = 16
 
 
-
-
 @dataclass
 class Servers:
     reference: VllmServer
@@ -95,7 +93,6 @@ def servers(pytestconfig: pytest.Config, server_log_dir: Path) -> Iterator[Serve
     )
     with start_many([*group, d1, d2]) as (reference, prefill, d1, d2):
         yield Servers(reference, prefill, [d1, d2])
-
 
 
 def relay(

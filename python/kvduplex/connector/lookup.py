@@ -72,7 +72,6 @@ NOT_ASKED = object()
 IDLE_REFRESH_S = 60.0
 
 
-
 @dataclass(frozen=True)
 class Found:
     """What a lookup or grant chose for the request, and the prompt's fingerprints."""

@@ -94,7 +94,7 @@ class PullState:
     """The pull was decided (started, declined or impossible): never pull again."""
     last_num_computed: int = 0
     granted_at: float = 0.0
-    """`time.monotonic()` when the grant or lookup answer was taken (`matched`)."""
+    """`time.time()` when the grant or lookup answer was taken (`matched`)."""
 
 
 # How long a granted request may wait for vLLM to allocate it while claims block this engine's
@@ -117,9 +117,9 @@ class PullDecision:
         claims_block_room: Callable[[float], bool],
     ) -> None:
         """`release`: hands a claim back to its owner (with the next step's metadata);
-        `claims_block_room(within_s)`: whether, within the last `within_s` seconds (here: since
-        the grant), an eviction order freed less than it asked because readers had claimed
-        this engine's holds (`Retention.claims_blocked`)."""
+        `claims_block_room(since)`: whether, at or after `since` (here: the grant), an eviction
+        order freed less than it asked because readers had claimed this engine's holds
+        (`Retention.fruitless_since`)."""
         self._config = config
         self._context = context
         self._groups = context.groups
@@ -138,7 +138,8 @@ class PullDecision:
         self, request: Request, num_computed_tokens: int, now: float
     ) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens`: (tokens to pull, asynchronously), or None
-        while a grant or lookup runs (vLLM asks again next step); `now`: `time.monotonic()`.
+        while a grant or lookup runs (vLLM asks again next step); `now`: `time.time()`, the clock
+        `Retention` keeps.
         The order: module doc."""
         state = self._pulls.get(request.request_id)
         if state is None:
@@ -211,7 +212,7 @@ class PullDecision:
         if (
             now - state.granted_at < ALLOCATION_WAIT_S
             or remote.claim_id is None
-            or not self._claims_block_room(now - state.granted_at)  # since the grant
+            or not self._claims_block_room(state.granted_at)  # since the grant
         ):
             return False
         state.consumed = True  # never pulls, never asks again: no new claim

@@ -88,7 +88,7 @@ class Retention:
         self._next = EvictOrder()
         # The orders of the steps built and not reported yet, oldest first, one per step.
         self._in_flight: deque[EvictOrder] = deque()
-        self._backoff_until = -math.inf
+        # When the last order freed less than it asked (-inf: never).
         self._fruitless_at = -math.inf
 
     def turn_held(self) -> None:
@@ -102,7 +102,7 @@ class Retention:
         admit `waiting_need`, and `free_blocks` are free: order the shortfall from the holds
         (any for the running, turns and unread prompts for the waiting), beyond what orders
         outstanding free already. Returns the blocks ordered."""
-        if now < self._backoff_until:
+        if now < self._fruitless_at + FRUITLESS_BACKOFF_S:
             return 0
         held = self._holds
         outstanding = self._outstanding(False)
@@ -131,13 +131,12 @@ class Retention:
             return  # (no step built here: a report of none)
         order = self._in_flight.popleft()
         if order.total and freed_blocks < order.total:
-            self._backoff_until = now + FRUITLESS_BACKOFF_S
             self._fruitless_at = now
 
-    def claims_blocked(self, now: float, within_s: float) -> bool:
-        """Whether an order freed less than it asked within the last `within_s` seconds: room
-        this engine needs is held by holds its readers have claimed."""
-        return now - self._fruitless_at < within_s
+    def fruitless_since(self, since: float) -> bool:
+        """Whether an order freed less than it asked at or after `since` (`time.time()`):
+        room this engine needs is held by holds its readers have claimed."""
+        return self._fruitless_at >= since
 
     def frees_pending(self) -> bool:
         """Whether blocks are about to come back from orders made or shipped."""

@@ -5,13 +5,13 @@ what to do through `DuplexConnectorMetadata` once per step.
 
 Reader (the node that pulls): nothing is read without the owner's grant. Whether a request
 pulls, asks a peer first, or computes is decided in one place, `pull_decision.py` (params, the
-announced holder, fan-out, compute); grants and lookups, asked and
-answered, are `lookup.py`'s (`Lookups`). Once vLLM has allocated the request's blocks, the
-scheduler plans the load (`update_state_after_alloc`): every TP rank reads, and the claim is
-released once every rank's load is done, or at once when it does not pull (also when vLLM
-cannot admit it for a while: `pull_decision.py`). Refused (other
-tokens, a hold already read by another decode node, expired): the request computes its prompt,
-and the log says why. Each request pulls at most once.
+announced holder, fan-out, compute); grants and lookups, asked and answered, are `lookup.py`'s
+(`Lookups`). Once vLLM has allocated the request's blocks, the scheduler plans the load
+(`update_state_after_alloc`): every TP rank reads, and the claim is released once every rank's
+load is done, or at once when it does not pull (also when vLLM cannot admit it for a while:
+`pull_decision.py`). Refused (other tokens, a hold already read by another decode node,
+expired): the request computes its prompt, and the log says why. Each request pulls at most
+once.
 
 Owner (the node that holds): what a finished request keeps for readers and the params that
 describe it are `offers.py`'s (`Offers`); its references in vLLM's block pool are
@@ -113,7 +113,7 @@ class DuplexScheduler:
             self._estimator,
             self._stats,
             release=lambda release: self._releases.append(release),
-            claims_block_room=lambda within: self._retention.claims_blocked(time.time(), within),
+            claims_block_room=self._retention.fruitless_since,
         )
         self._lookups = self._decision.lookups
         # vLLM reset its caches: the next step ends every hold (`_holds_dropped`).
@@ -163,7 +163,7 @@ class DuplexScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Pull, ask a peer first, or compute (`pull_decision.py`, the order in one place)."""
-        return self._decision.matched(request, num_computed_tokens, time.monotonic())
+        return self._decision.matched(request, num_computed_tokens, time.time())
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

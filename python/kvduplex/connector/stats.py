@@ -28,7 +28,7 @@ COUNTERS: dict[str, str] = {
     "instead (below threshold or after a failure)",
     "tokens_mismatched": "Tokens a peer held whose ids differ from the request's",
     "pulls_declined": "Pulls skipped because the gain was under kv_recompute_threshold",
-    "claims_yielded": "Granted pulls whose request vLLM could not admit within 1 s while only "
+    "claims_yielded": "Granted pulls whose request vLLM could not admit within ALLOCATION_WAIT_S while only "
     "holds that readers claimed would free its blocks: the claim went back to the owner and the "
     "prompt was computed",
     "failed_transfers": "Handshakes or reads that failed or ran out of lease time",
