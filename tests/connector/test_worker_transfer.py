@@ -763,8 +763,10 @@ def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owne
     are in (a snapshot when the reader connects), a lookup asks the holder alone, counted as
     `lookups_indexed`, and finds the turn."""
     owner.reset()
-    owner.hold("held", ttl_s=30, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer="{}")
+    # The second owner first: on a loaded CI machine its start took long enough (~25 s) that a
+    # hold taken before it, for 30 s, expired under the lookups and they found nothing.
     other = OwnerProcess(tiny_config_dir)
+    owner.hold("held", ttl_s=300, num_blocks=4, fingerprints=TURN_FINGERPRINTS, turn=True, offer="{}")
     addresses = [f"{o.peer.host}:{o.peer.ports[0]}" for o in (owner, other)]
     worker = make_worker(
         tiny_config_dir, "reader-i", make_kv_caches(NUM_BLOCKS), {"decode_peers": addresses}
@@ -785,6 +787,7 @@ def test_a_lookup_does_not_ask_an_owner_whose_announcements_lack_the_prompt(owne
     finally:
         worker.shutdown()
         other.stop()
+        owner.end_holds()  # the long hold is not left to the module's later tests
 
 
 def test_tp_rank_0_reports_what_the_decode_nodes_announce_with_its_steps(owner, tiny_config_dir):
