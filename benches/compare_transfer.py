@@ -30,7 +30,7 @@ Over tcp the NIXL and raw-ucx owners spin on UCX progress (tcp reads need it); o
 cma reads need nothing from the owner, raw-ucx's owner idles after wire-up and NIXL's polls once
 a millisecond (--spin-owners: spin there too; on 2 cores a spinning owner takes the reader's
 CPU). kvduplex's owner runs its engine's own progress thread.
---rounds N runs every system N times, interleaved, and keeps each one's best round.
+--rounds N runs every system N times, interleaved, and reports each one's median round (by GB/s).
 Prints a table to stdout (progress on stderr) and writes a JSON list of rows
 {"system", "pattern", "transport", "gbps", "p50_us", "p99_us", "verified", ...}; a system that
 fails gets rows with verified false and an "error" instead of aborting the run; the exit
@@ -329,24 +329,25 @@ def run_raw_ucx(binary, transport, patterns, args) -> list[dict]:
     return rows
 
 
-def best_of_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (system, pattern, transport): the round with the highest median GB/s, since
-    other load on the machine only ever slows a round down. Verified only if every round was."""
+def median_of_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (system, pattern, transport): its median round by GB/s (of an even number,
+    the lower of the two middle ones), so one lucky or unlucky round moves no ratio. Verified
+    only if every round was."""
     grouped: dict[tuple, list[dict]] = {}
     for row in rows:
         grouped.setdefault((row["system"], row["pattern"], row["transport"]), []).append(row)
-    best = []
+    medians = []
     for runs in grouped.values():
-        measured = [r for r in runs if r["gbps"] is not None]
-        row = dict(max(measured, key=lambda r: r["gbps"]) if measured else runs[-1])
+        measured = sorted((r for r in runs if r["gbps"] is not None), key=lambda r: r["gbps"])
+        row = dict(measured[(len(measured) - 1) // 2] if measured else runs[-1])
         if len(runs) > 1:
             row["verified"] = all(r["verified"] for r in runs)
             row["gbps_rounds"] = [r["gbps"] for r in runs]
             errors = sorted({r["error"] for r in runs if r.get("error")})
             if errors and not row.get("error"):
                 row["error"] = "; ".join(errors)
-        best.append(row)
-    return best
+        medians.append(row)
+    return medians
 
 
 def report(row: dict) -> None:
@@ -411,8 +412,8 @@ def parse_args(argv=None):
     ap.add_argument("--small-reps", type=int,
                     help="timed batches for batches under 16 MiB (default 200; raw-ucx always 200)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run every system this many times, interleaved; report each one's best "
-                         "round (steadier ratios on a busy machine)")
+                    help="run every system this many times, interleaved; report each one's "
+                         "median round (steadier ratios on a busy machine)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first (raw-ucx: 2)")
     ap.add_argument("--no-thp", action="store_true", help="plain 4 KiB pages for all systems")
     ap.add_argument("--timeout", type=float, default=300.0,
@@ -484,7 +485,7 @@ def main(argv=None) -> int:
                              for p in args.patterns]
                 else:
                     rows += run_raw_ucx(raw_binary, transport, args.patterns, args)
-    rows = best_of_rounds(rows)
+    rows = median_of_rounds(rows)
     failed = [r for r in rows if not r["verified"] and not r.get("note")]
     if failed and not args.verbose:
         progress(f"{len(failed)} rows failed; side-process logs kept in {log_dir}")
