@@ -681,6 +681,14 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+
+def connector_options(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """`--connector-config KEY=JSON` items as DuplexConnector options (load.py, load_long.py)."""
+    try:
+        return {key: json.loads(value) for key, _, value in (i.partition("=") for i in items)}
+    except ValueError as exc:
+        parser.error(f"--connector-config takes KEY=JSON: {exc}")
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -721,13 +729,7 @@ def main() -> None:
         if args.png:
             plot(report, args.png)
         return
-    try:
-        args.connector_config = {
-            key: json.loads(value)
-            for key, _, value in (item.partition("=") for item in args.connector_config)
-        }
-    except ValueError as exc:
-        parser.error(f"--connector-config takes KEY=JSON: {exc}")
+    args.connector_config = connector_options(parser, args.connector_config)
     workload = QUICK if args.quick else FULL
     overrides = {"conversations": args.conversations, "rates": args.rates, "turns": args.turns,
                  "think_s": args.think}

@@ -22,6 +22,8 @@ the second, as in benches/load.py; the proxy and the client run anywhere):
   turn's end-to-end time minus (answer tokens - 1) x D's mean inter-token time over the point
   (`vllm:inter_token_latency_seconds`), marked `ttft_estimated`.
 - `nixl-one-way`: NixlConnector without it, streamed.
+`--connector-config KEY=JSON` sets a DuplexConnector option on the kvduplex systems' servers
+(e.g. `decode_kv_hold_max_fraction=1.0`), the oracle's included.
 NixlConnector has stalled on CPU before (RESULTS: a 135 s turn); every turn has a timeout
 (`REQUEST_TIMEOUT_S`) and every point a deadline (`POINT_DEADLINE_S`); what did not finish is
 counted as errors, never dropped.
@@ -114,7 +116,15 @@ from kvduplex_testing.tiny_model import (
     build_realistic_slice_chat_model,
     sample_chat_text,
 )
-from load import TurnRecord, chat_body, compare, percentile, server_counts, stream_answer
+from load import (
+    TurnRecord,
+    chat_body,
+    compare,
+    connector_options,
+    percentile,
+    server_counts,
+    stream_answer,
+)
 from multiturn import RECOMPUTE_THRESHOLD, add_pin_argument, nixl_config, pd_cpus
 from nixl_pd_baseline import nixl_pd_envs
 
@@ -315,6 +325,7 @@ def make_servers(system: str, args: argparse.Namespace, plan: dict[str, Any]
     else:
         config = duplex_kv_transfer_config(bidirectional=system == BIDIRECTIONAL,
                                            recompute_threshold=RECOMPUTE_THRESHOLD)
+        config["kv_connector_extra_config"].update(args.connector_config)
     p_blocks = plan["oracle_p_blocks"] if system == ORACLE else plan["node_blocks"]
     transfer = ["--kv-transfer-config", json.dumps(config)]
     return {
@@ -472,7 +483,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "workload": {**asdict(workload), "turns": workload.turns},
         "kv_plan": plan, "model": "realistic slice (1 layer of SmolLM2-360M's shape)",
-        "recompute_threshold": RECOMPUTE_THRESHOLD, "logprob_atol": LOGPROB_ATOL,
+        "recompute_threshold": RECOMPUTE_THRESHOLD, "connector_config": args.connector_config,
+        "logprob_atol": LOGPROB_ATOL,
         "pinned": args.pin, "point_deadline_s": args.point_deadline, "logs": str(args.work_dir),
         "systems": {},
     }
@@ -532,8 +544,12 @@ def main() -> None:
     parser.add_argument("--png", type=Path, help="TTFT against offered load")
     parser.add_argument("--model-dir", type=Path, help="model directory (built if missing)")
     parser.add_argument("--work-dir", type=Path, help="server logs (default: a new temp dir)")
+    parser.add_argument("--connector-config", action="append", default=[], metavar="KEY=JSON",
+                        help="a DuplexConnector option for the kvduplex systems' servers, e.g. "
+                        "decode_kv_hold_max_fraction=1.0 (repeatable)")
     add_pin_argument(parser)
     args = parser.parse_args()
+    args.connector_config = connector_options(parser, args.connector_config)
     workload = QUICK if args.quick else LONG
     overrides = {"rates": args.rates, "conversations": args.conversations,
                  "think_s": args.think}
