@@ -681,13 +681,13 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
-
 def connector_options(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
     """`--connector-config KEY=JSON` items as DuplexConnector options (load.py, load_long.py)."""
     try:
         return {key: json.loads(value) for key, _, value in (i.partition("=") for i in items)}
     except ValueError as exc:
         parser.error(f"--connector-config takes KEY=JSON: {exc}")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
