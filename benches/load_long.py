@@ -23,7 +23,8 @@ the second, as in benches/load.py; the proxy and the client run anywhere):
   (`vllm:inter_token_latency_seconds`), marked `ttft_estimated`.
 - `nixl-one-way`: NixlConnector without it, streamed.
 `--connector-config KEY=JSON` sets a DuplexConnector option on the kvduplex systems' servers
-(e.g. `decode_kv_hold_max_fraction=1.0`), the oracle's included.
+(e.g. `decode_kv_hold_max_fraction=1.0`), the oracle's included; `--blocks SYSTEM=P,D` gives a
+P/D system its own split of KV blocks (e.g. the same total, more of it on D for bidirectional).
 NixlConnector has stalled on CPU before (RESULTS: a 135 s turn); every turn has a timeout
 (`REQUEST_TIMEOUT_S`) and every point a deadline (`POINT_DEADLINE_S`); what did not finish is
 counted as errors, never dropped.
@@ -326,14 +327,23 @@ def make_servers(system: str, args: argparse.Namespace, plan: dict[str, Any]
         config = duplex_kv_transfer_config(bidirectional=system == BIDIRECTIONAL,
                                            recompute_threshold=RECOMPUTE_THRESHOLD)
         config["kv_connector_extra_config"].update(args.connector_config)
-    p_blocks = plan["oracle_p_blocks"] if system == ORACLE else plan["node_blocks"]
+    p_blocks, d_blocks = pd_blocks(system, args, plan)
     transfer = ["--kv-transfer-config", json.dumps(config)]
     return {
         role: VllmServer(args.model_dir, name=f"{system}-{role}", cpus=cpus, env=env,
                          extra_args=[*server_args(plan, blocks), *transfer], **common)
         for role, cpus, env, blocks in (("P", p_cpus, envs[0], p_blocks),
-                                        ("D", d_cpus, envs[1], plan["node_blocks"]))
+                                        ("D", d_cpus, envs[1], d_blocks))
     }
+
+
+def pd_blocks(system: str, args: argparse.Namespace, plan: dict[str, Any]) -> tuple[int, int]:
+    """A P/D system's KV blocks on P and on D: the plan's node blocks each (the oracle's P
+    more), unless `--blocks` gives the system its own."""
+    if system in args.blocks:
+        return args.blocks[system]
+    p_blocks = plan["oracle_p_blocks"] if system == ORACLE else plan["node_blocks"]
+    return p_blocks, plan["node_blocks"]
 
 
 class DecodeSampler(threading.Thread):
@@ -436,7 +446,7 @@ def run_system(system: str, index: int, args: argparse.Namespace, plan: dict[str
             client.submit(warm_up, [s.base_url for s in servers.values()],
                           proxy.base_url if proxy else None, mode, index).result()
             decode = servers["D" if pd else "server"]
-            d_blocks = plan["node_blocks"] if pd else plan["reference_blocks"]
+            d_blocks = pd_blocks(system, args, plan)[1] if pd else plan["reference_blocks"]
             for i, rate in enumerate(rates):
                 time.sleep(PAUSE_BETWEEN_POINTS_S)
                 point = point_plan(workload, i, mode, f"{system}-{rate}-{time.time_ns()}")
@@ -484,6 +494,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload": {**asdict(workload), "turns": workload.turns},
         "kv_plan": plan, "model": "realistic slice (1 layer of SmolLM2-360M's shape)",
         "recompute_threshold": RECOMPUTE_THRESHOLD, "connector_config": args.connector_config,
+        "blocks": args.blocks,
         "logprob_atol": LOGPROB_ATOL,
         "pinned": args.pin, "point_deadline_s": args.point_deadline, "logs": str(args.work_dir),
         "systems": {},
@@ -530,6 +541,17 @@ def _rates(text: str) -> tuple[float, ...]:
     return tuple(sorted(rates))
 
 
+def _blocks(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, tuple[int, int]]:
+    blocks = {}
+    for item in items:
+        system, _, sizes = item.partition("=")
+        p, _, d = sizes.partition(",")
+        if system not in SYSTEMS[2:] or not (p.isdigit() and d.isdigit()) or 0 in (int(p), int(d)):
+            parser.error(f"--blocks takes SYSTEM=P,D (a P/D system, two positive counts): {item}")
+        blocks[system] = (int(p), int(d))
+    return blocks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}")
@@ -547,9 +569,13 @@ def main() -> None:
     parser.add_argument("--connector-config", action="append", default=[], metavar="KEY=JSON",
                         help="a DuplexConnector option for the kvduplex systems' servers, e.g. "
                         "decode_kv_hold_max_fraction=1.0 (repeatable)")
+    parser.add_argument("--blocks", action="append", default=[], metavar="SYSTEM=P,D",
+                        help="a P/D system's KV blocks on P and on D instead of the plan's, "
+                        "e.g. kvduplex-bidirectional=117,234 (repeatable)")
     add_pin_argument(parser)
     args = parser.parse_args()
     args.connector_config = connector_options(parser, args.connector_config)
+    args.blocks = _blocks(parser, args.blocks)
     workload = QUICK if args.quick else LONG
     overrides = {"rates": args.rates, "conversations": args.conversations,
                  "think_s": args.think}
