@@ -49,10 +49,6 @@ _EXEC_PINNED = (
 )
 
 
-# How long tests and benchmarks wait for a live server to answer `/health`.
-STARTUP_TIMEOUT_S = 900.0
-
-
 class VllmServer(demo_servers.VllmServer):
     """The demo's `VllmServer`, also a context manager (start, wait until healthy, stop on exit),
     and pinned to `cpus` when given.
@@ -61,10 +57,6 @@ class VllmServer(demo_servers.VllmServer):
     OpenMP threads unless `env` says otherwise; by default it may run on any. vLLM keeps the
     pinning only with `VLLM_CPU_OMP_THREADS_BIND=nobind` (the servers' default); vLLM's
     NixlConnector re-pins its CPU worker to the last CPU of each NUMA node whatever it inherited.
-
-    It waits `STARTUP_TIMEOUT_S` for a server to start unless told otherwise: a server that exits
-    is seen at once, but four started together on a loaded 2-core CI machine outlasted the demo's
-    180 s (the chat suite's fixture failed there, its 9 tests with it).
     """
 
     def __init__(
@@ -73,19 +65,13 @@ class VllmServer(demo_servers.VllmServer):
         *,
         cpus: Collection[int] | None = None,
         env: Mapping[str, str] | None = None,
-        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         self.cpus = sorted(cpus) if cpus is not None else None
         if self.cpus is not None and not self.cpus:
             raise ValueError(f"{kwargs.get('name', 'vllm')} server: an empty CPU set")
         pinned_threads = {"OMP_NUM_THREADS": str(len(self.cpus))} if self.cpus else {}
-        super().__init__(
-            model_dir,
-            env={**pinned_threads, **(env or {})},
-            startup_timeout_s=startup_timeout_s,
-            **kwargs,
-        )
+        super().__init__(model_dir, env={**pinned_threads, **(env or {})}, **kwargs)
 
     def command(self) -> list[str]:
         server = super().command()
